@@ -1,0 +1,78 @@
+"""Stage `evaluate`: base student, SFT student and the teacher system on the test split, with the same tools.
+
+Students run the plain protocol (`single`, unscaffolded); the teacher runs its configured method with its scaffold.
+Each system's labeled rows go to reports/eval/<system>.parquet; metrics with bootstrap 95% CIs to reports/metrics.json.
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+from unison import track
+from unison.agents.context import make_toolbox, run_config
+from unison.agents.methods import MethodContext, get_method
+from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
+from unison.judge import score
+from unison.judge.stats import bootstrap_ci
+from unison.llm import make_backend
+from unison.params import load_params, stage_params
+from tasks.label import label_rows
+
+
+def system_metrics(rows: list[dict], wall_s: float, label_p: dict, n_boot: int, seed: int) -> dict:
+    n = len(rows)
+    out = {"questions": n, "wall_s_per_question": wall_s / n}
+    for name, values in {
+        "accuracy": [float(r["correct"]) for r in rows],
+        "em": [score(r["task"], r["final_answer"], r["answers"], {**label_p, "qa_metric": "em"})[1] for r in rows],
+        "f1": [score(r["task"], r["final_answer"], r["answers"], {**label_p, "qa_metric": "f1"})[1] for r in rows],
+    }.items():
+        mean, lo, hi = bootstrap_ci(values, n=n_boot, seed=seed)
+        out.update({name: mean, f"{name}_lo": lo, f"{name}_hi": hi})
+    for field, key in (("n_llm_calls", "llm_calls"), ("n_tokens", "tokens"), ("n_tool_calls", "tool_calls"), ("tool_errors", "tool_errors")):
+        out[f"{key}_per_question"] = sum(r[field] for r in rows) / n
+    for task in sorted({r["task"] for r in rows}):
+        sub = [r["correct"] for r in rows if r["task"] == task]
+        out[f"accuracy_{task}"] = sum(sub) / len(sub)
+    out["answered_rate"] = sum(bool(r["final_answer"]) for r in rows) / n
+    return out
+
+
+def main() -> None:
+    params = load_params()
+    p = stage_params("evaluate", params)
+    label_p = stage_params("label", params)
+    g = params["generate"]
+    questions = read_table("data/raw/test.parquet", QUESTION)
+    if p["max_questions"]:
+        questions = questions[: p["max_questions"]]
+    # (system, model dir, method, scaffold, temperature, method params); systems sharing a model share one engine
+    systems = [("base", "models/base", "single", {}, p["temperature"], {})]
+    if p["teacher"]:
+        systems.append(("teacher", "models/base", g["method"], g["scaffold"] or {}, g["temperature"], g.get(g["method"], {})))
+    systems.append(("sft", "models/sft", "single", {}, p["temperature"], {}))
+    metrics: dict[str, dict] = {}
+    with track.stage_run("evaluate", {"evaluate": p, "generate.method": g["method"]}) as run:
+        toolbox = make_toolbox(params)
+        backend, loaded = None, None
+        for name, model_dir, method, scaffold, temperature, mparams in systems:
+            if loaded != model_dir:
+                backend = None
+                gc.collect()
+                backend, loaded = make_backend(model_dir, params["llm"], seed=params["seed"]), model_dir
+            ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=model_dir, scaffold=scaffold, params=mparams)
+            print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)
+            t0 = time.perf_counter()
+            rows = label_rows(get_method(method)(questions, 1, ctx), label_p)
+            wall = time.perf_counter() - t0
+            write_table(rows, f"reports/eval/{name}.parquet", LABELED)
+            metrics[name] = system_metrics(rows, wall, label_p, p["bootstrap"], params["seed"])
+            run.log_metrics({f"{name}.{k}": v for k, v in metrics[name].items()})
+            print(f"evaluate: {name} accuracy {metrics[name]['accuracy']:.3f} "
+                  f"[{metrics[name]['accuracy_lo']:.3f}, {metrics[name]['accuracy_hi']:.3f}]", flush=True)
+        write_json(metrics, "reports/metrics.json")
+        run.log_artifact("reports/metrics.json")
+
+
+if __name__ == "__main__":
+    main()

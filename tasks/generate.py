@@ -1,0 +1,81 @@
+"""Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each).
+
+Questions are processed in shards; each finished shard is written atomically under data/.cache/generate/<params hash>/,
+so a killed run resumes from completed shards without duplicates. The output is written once, atomically, at the end.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+from unison import track
+from unison.agents.context import make_toolbox, run_config
+from unison.agents.methods import MethodContext, get_method
+from unison.agents.trace import sample_traces
+from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
+from unison.llm import make_backend
+from unison.params import load_params
+
+OUT = Path("data/trajectories/train.parquet")
+
+
+def shard_dir(params: dict, questions: list[dict]) -> Path:
+    """Shards are valid only for the same settings, model and questions."""
+    key = json.dumps([params["generate"], params["llm"], params["tools"], params["seed"], [q["id"] for q in questions]], sort_keys=True)
+    meta = Path("models/base/unison_model.json")
+    key += meta.read_text() if meta.exists() else ""
+    return Path("data/.cache/generate") / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def summarize(rows: list[dict]) -> dict:
+    n = len(rows)
+    return {"trajectories": n, "questions": len({r["question_id"] for r in rows}),
+            "llm_calls_per_traj": sum(r["n_llm_calls"] for r in rows) / n, "tokens_per_traj": sum(r["n_tokens"] for r in rows) / n,
+            "tool_calls_per_traj": sum(r["n_tool_calls"] for r in rows) / n, "tool_errors": sum(r["tool_errors"] for r in rows),
+            "answered_rate": sum(bool(r["final_answer"]) for r in rows) / n,
+            **{f"finish_{k}": v / n for k, v in Counter(r["finish_reason"] for r in rows).items()}}
+
+
+def main() -> None:
+    params = load_params()
+    g = params["generate"]
+    questions = read_table("data/raw/train.parquet", QUESTION)
+    with track.stage_run("generate", {"generate": g, "llm": params["llm"], "tools": params["tools"]}) as run:
+        shards = shard_dir(params, questions)
+        shards.mkdir(parents=True, exist_ok=True)
+        size = g["shard_size"]
+        chunks = [questions[i : i + size] for i in range(0, len(questions), size)]
+        ctx = None
+        rows: list[dict] = []
+        for k, chunk in enumerate(chunks):
+            path = shards / f"shard-{k:05d}.parquet"
+            if path.exists():
+                print(f"generate: shard {k + 1}/{len(chunks)} already done, reusing", flush=True)
+            else:
+                if ctx is None:  # start the engine only if some shard is left to do
+                    backend = make_backend("models/base", params["llm"], seed=params["seed"])
+                    ctx = MethodContext(backend, make_toolbox(params), run_config(params, g["temperature"]), teacher=_model_id(),
+                                        scaffold=g["scaffold"] or {}, params=g.get(g["method"], {}))
+                print(f"generate: shard {k + 1}/{len(chunks)} ({len(chunk)} questions x {g['samples']} samples, {g['method']})", flush=True)
+                write_table(get_method(g["method"])(chunk, g["samples"], ctx), path, TRAJECTORY)
+            rows += read_table(path, TRAJECTORY)
+        write_table(rows, OUT, TRAJECTORY)
+        metrics = summarize(rows)
+        write_json(metrics, "reports/generate.json")
+        run.log_metrics(metrics)
+        for i, ep in enumerate(sample_traces(rows, n=3, seed=params["seed"])):
+            track.trace_episode(ep)
+        run.log_dict(rows[:5], "samples/trajectories.json")
+    shutil.rmtree(shards)
+
+
+def _model_id() -> str:
+    meta = Path("models/base/unison_model.json")
+    return json.loads(meta.read_text()).get("source", "models/base") if meta.exists() else "models/base"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Tools and run settings from params.yaml, shared by the generate and evaluate stages."""
+from __future__ import annotations
+
+from .runtime import RunConfig, Toolbox
+
+
+def make_toolbox(params: dict, index_dir: str = "data/index") -> Toolbox:
+    from ..tools.retrieval import make_retriever
+
+    t = params["tools"]
+    python = {"timeout_s": t["python_timeout_s"], "memory_mb": t["python_memory_mb"], "max_output_chars": t["python_max_output_chars"]}
+    return Toolbox(make_retriever(index_dir, t), python_params=python, search_max_chars=t["search_max_chars"])
+
+
+def run_config(params: dict, temperature: float) -> RunConfig:
+    g = params["generate"]
+    return RunConfig(temperature=temperature, top_p=g["top_p"], max_turns=g["max_turns"], max_tokens_per_turn=g["max_tokens_per_turn"],
+                     max_tool_calls=g["max_tool_calls"], max_model_len=params["llm"]["max_model_len"])

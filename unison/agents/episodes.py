@@ -1,0 +1,73 @@
+"""Building episodes from questions, and turning finished episodes into Trajectory rows (DESIGN §3)."""
+from __future__ import annotations
+
+import hashlib
+
+from .protocol import SYSTEM_PROMPT, chat_prompt, question_messages
+from .runtime import Episode, Segment
+
+PLACEHOLDER = "\x00unison-assistant\x00"
+
+
+def stable_seed(*parts) -> int:
+    """A seed that depends only on its parts (question id, sample, agent, round), never on batching."""
+    return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:8], 16)
+
+
+def start_episode(tok, key: str, question: str, seed: int, scaffold: list[str]) -> Episode:
+    return Episode(key=key, prompt_ids=chat_prompt(tok, question_messages(question)), seed=seed, scaffold=list(scaffold))
+
+
+def continuation_ids(tok, user_text: str) -> list[int]:
+    """Tokens that close an assistant turn (after its eos) and open a user turn then a new assistant turn."""
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": PLACEHOLDER},
+            {"role": "user", "content": user_text}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    after = text.split(PLACEHOLDER, 1)[1]
+    assert after.startswith(tok.eos_token), "chat template must close an assistant turn with eos"
+    return tok(after[len(tok.eos_token):], add_special_tokens=False)["input_ids"]
+
+
+def continue_episode(tok, prev: Episode, key: str, user_text: str, seed: int, scaffold: list[str]) -> Episode:
+    """A new episode whose prompt is `prev`'s whole conversation plus one more user turn (multi-turn agent context)."""
+    ids = prev.ids
+    if not ids or ids[-1] != tok.eos_token_id:
+        ids = ids + [tok.eos_token_id]
+    return Episode(key=key, prompt_ids=ids + continuation_ids(tok, user_text), seed=seed, scaffold=list(scaffold))
+
+
+def student_messages(question: str, segments: list[Segment]) -> list[dict]:
+    """The single-agent rendering: system + user, then assistant segments and tool observations with their ids."""
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT, "token_ids": []}, {"role": "user", "content": question, "token_ids": []}]
+    for s in segments:
+        msgs.append({"role": "assistant" if s.kind == "gen" else "tool", "content": s.text, "token_ids": list(s.ids)})
+    return msgs
+
+
+def agent_messages(e: Episode, name: str) -> list[dict]:
+    """One agent's turns in the multi-agent transcript."""
+    return [{"role": "assistant" if s.kind == "gen" else "tool", "name": name if s.kind == "gen" else "search/python",
+             "content": s.text} for s in e.segments]
+
+
+def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: list[dict], student: list[dict],
+                   final_answer: str | None, episodes: list[Episode], latency_s: float, finish_reason: str) -> dict:
+    return {
+        "id": f"{q['id']}/{method}/{sample}",
+        "question_id": q["id"],
+        "sample": sample,
+        "method": method,
+        "teacher": teacher,
+        "question": q["question"],
+        "answers": list(q["answers"]),
+        "task": q["task"],
+        "messages": [{"role": m["role"], "name": m.get("name"), "content": m["content"]} for m in messages],
+        "student": student,
+        "final_answer": final_answer or "",
+        "n_llm_calls": sum(e.n_llm_calls for e in episodes),
+        "n_tool_calls": sum(e.n_tool_calls for e in episodes),
+        "n_tokens": sum(e.n_tokens for e in episodes),
+        "tool_errors": sum(e.tool_errors for e in episodes),
+        "latency_s": float(latency_s),
+        "finish_reason": finish_reason,
+    }

@@ -1,0 +1,28 @@
+"""Teacher methods (DESIGN §5), one module each; `run(questions, samples, ctx) -> trajectory rows`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..runtime import RunConfig, Toolbox
+
+
+@dataclass
+class MethodContext:
+    backend: object
+    toolbox: Toolbox
+    cfg: RunConfig
+    teacher: str  # model id recorded in each trajectory
+    scaffold: dict[str, list[str]] = field(default_factory=dict)  # task -> forced tag per turn; {} = unscaffolded
+    params: dict = field(default_factory=dict)  # the method's own params (e.g. generate.debate)
+
+    def scaffold_for(self, task: str) -> list[str]:
+        return self.scaffold.get(task, [])
+
+
+def get_method(name: str):
+    from . import debate, single
+
+    methods = {"single": single.run, "debate": debate.run}
+    if name not in methods:
+        raise ValueError(f"params.yaml generate.method: unknown method {name!r} (one of {sorted(methods)})")
+    return methods[name]

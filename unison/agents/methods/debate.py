@@ -1,0 +1,94 @@
+"""`debate`: AgentArk llm_debate — agents answer independently (with tools), then see each other's answers and
+update over rounds; an aggregator (majority vote, or an LLM call as in AgentArk) gives the final answer.
+
+Student rendering: the tool-using turns of an agent whose last answer agrees with the final one, ending in the
+final answer — one agent doing what the team concluded.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from ...judge.qa import normalize_answer
+from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, student_messages, trajectory_row
+from ..runtime import Episode, Segment, run_episodes
+
+END = "----- END OF THE AGENT RESPONSE -----"
+
+
+def update_prompt(question: str, others: list[Episode]) -> str:
+    opinions = "\n".join(f"One agent solution: ```{e.text.strip()}```\n{END}" for e in others)
+    return (f"These are the solutions to the problem from other agents:\n{opinions}\n"
+            f"Use these opinions carefully as additional advice, can you provide an updated answer to the question: "
+            f"{question}\nState your final answer as <answer>...</answer>.")
+
+
+def aggregate_prompt(question: str, finals: list[Episode]) -> str:
+    sols = "\n\n".join(f"Solution {k + 1}: {e.text.strip()}" for k, e in enumerate(finals))
+    return (f"Task: {question}\n\n{sols}\n\nGiven all the above solutions, reason over them carefully and provide a "
+            f"final answer to the task as <answer>...</answer>.")
+
+
+def majority(answers: list[str | None]) -> str | None:
+    """Most frequent normalised answer; ties go to the earliest agent."""
+    votes = Counter(normalize_answer(a) for a in answers if a)
+    if not votes:
+        return None
+    best = max(votes.values())
+    return next(a for a in answers if a and votes[normalize_answer(a)] == best)
+
+
+def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+    tok = ctx.backend.tokenizer
+    n_agents, n_rounds = int(ctx.params.get("agents", 3)), int(ctx.params.get("rounds", 2))
+    aggregator = ctx.params.get("aggregator", "vote")
+    groups = [(q, s) for q in questions for s in range(samples)]
+    t0 = time.perf_counter()
+    rounds: list[list[list[Episode]]] = []  # rounds[r][group][agent]
+    first = [[start_episode(tok, f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), ctx.scaffold_for(q["task"]))
+              for a in range(n_agents)] for q, s in groups]
+    run_episodes([e for g in first for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc="debate r1")
+    rounds.append(first)
+    follow_scaffold = ["answer"] if ctx.scaffold else []
+    for r in range(1, n_rounds):
+        nxt = [[continue_episode(tok, prev[a], f"{q['id']}/{s}/a{a}/r{r}", update_prompt(q["question"], prev[:a] + prev[a + 1:]),
+                                 stable_seed(q["id"], s, a, r), follow_scaffold)
+                for a in range(n_agents)] for (q, s), prev in zip(groups, rounds[-1])]
+        run_episodes([e for g in nxt for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc=f"debate r{r + 1}")
+        rounds.append(nxt)
+    aggregators = [None] * len(groups)
+    if aggregator == "llm":
+        aggregators = [start_episode(tok, f"{q['id']}/{s}/agg", aggregate_prompt(q["question"], last), stable_seed(q["id"], s, "agg"),
+                                     follow_scaffold) for (q, s), last in zip(groups, rounds[-1])]
+        run_episodes(aggregators, ctx.backend, ctx.toolbox, ctx.cfg, desc="debate aggregate")
+    elif aggregator != "vote":
+        raise ValueError(f"params.yaml generate.debate.aggregator: unknown {aggregator!r} (vote | llm)")
+    per_group = (time.perf_counter() - t0) / max(1, len(groups))
+
+    rows = []
+    for g, (q, s) in enumerate(groups):
+        last = [rounds[-1][g][a] for a in range(n_agents)]
+        agg = aggregators[g]
+        final = (agg.answer if agg is not None else None) or majority([e.answer for e in last])
+        messages = [{"role": "user", "name": None, "content": q["question"]}]
+        for r, rnd in enumerate(rounds):
+            for a, e in enumerate(rnd[g]):
+                if r:
+                    prev = rounds[r - 1][g]
+                    messages.append({"role": "user", "name": "moderator", "content": update_prompt(q["question"], prev[:a] + prev[a + 1:])})
+                messages += agent_messages(e, f"agent{a}")
+        messages.append({"role": "assistant", "name": f"aggregator({aggregator})", "content": f"<answer>{final or ''}</answer>"})
+        episodes = [e for rnd in rounds for e in rnd[g]] + ([agg] if agg is not None else [])
+        rows.append(trajectory_row(q, s, "debate", ctx.teacher, messages, student_rendering(q["question"], rounds[0][g], last, final),
+                                   final, episodes, per_group, "answer" if final else "no_answer"))
+    return rows
+
+
+def student_rendering(question: str, first: list[Episode], last: list[Episode], final: str | None) -> list[dict]:
+    """The first-round tool turns of the agent that ended agreeing with `final`, closed by the final answer."""
+    pick = next((a for a, e in enumerate(last) if final and e.answer and normalize_answer(e.answer) == normalize_answer(final)), 0)
+    segments = list(first[pick].segments)
+    while segments and segments[-1].kind == "gen" and "<answer>" in segments[-1].text:
+        segments.pop()
+    segments.append(Segment("gen", f"<answer>{final or ''}</answer>", []))
+    return student_messages(question, segments)

@@ -1,0 +1,47 @@
+"""The student protocol (DESIGN §5): the single-agent format the student learns, shared by SFT, RL and evaluation.
+
+An assistant turn may reason in <think>, call tools with <search>q1 | q2</search> (queries run in parallel) or
+<python>code</python>, and ends with <answer>. Each tool call is answered inside the same assistant message by an
+observation block "\n<result>\n...\n</result>\n" that the runtime appends (masked from the loss).
+"""
+from __future__ import annotations
+
+import re
+
+SYSTEM_PROMPT = (
+    "You answer questions using tools. To look facts up write <search>query</search>; several independent queries "
+    "can be joined with | and run in parallel. To compute, write <python>print(expression)</python>. Each tool call "
+    "is answered by <result>...</result>. You may reason inside <think>...</think>. End with <answer>short answer</answer>."
+)
+
+TOOL_TAGS = ("search", "python")
+STOPS = ["</search>", "</python>", "</answer>"]
+PREFILL = {"search": "<search>", "python": "<python>\nprint(", "answer": "<answer>"}
+
+_CALL = re.compile(r"<(search|python)>(.*?)</\1>\s*$", re.DOTALL)
+
+
+def observation(text: str) -> str:
+    return f"\n<result>\n{text}\n</result>\n"
+
+
+def parse_tool_call(segment: str) -> tuple[str, str] | None:
+    """The tool call that ends a generated segment: (tool, argument), or None."""
+    m = _CALL.search(segment)
+    if not m:
+        return None
+    return m.group(1), m.group(2).strip()
+
+
+def split_queries(arg: str) -> list[str]:
+    return [q.strip() for q in arg.split("|") if q.strip()]
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat ending with an open assistant turn."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def question_messages(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]

@@ -1,0 +1,183 @@
+"""The batched agent runtime (DESIGN §5).
+
+`run_episodes` steps every live episode together — all questions, samples and agents — so each generation call is
+one large batch; tool calls of a step run concurrently in a thread pool; finished episodes leave the batch. Every
+episode is token-in/token-out: its ids are the prompt plus each segment's ids exactly as generated or appended.
+"""
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from ..llm import Sampling
+from .protocol import PREFILL, STOPS, observation, parse_tool_call, split_queries
+
+
+@dataclass
+class Segment:
+    kind: str  # "gen" (model output, maybe after a runtime prefill) | "obs" (tool observation)
+    text: str
+    ids: list[int]
+    n_prefill: int = 0  # leading ids the runtime prefilled (scaffold), not sampled
+
+
+@dataclass
+class Episode:
+    key: str
+    prompt_ids: list[int]
+    seed: int
+    scaffold: list[str] = field(default_factory=list)  # forced tag per turn: "search" | "python" | "answer"
+    segments: list[Segment] = field(default_factory=list)
+    finish_reason: str | None = None
+    n_llm_calls: int = 0
+    n_tool_calls: int = 0
+    tool_errors: int = 0
+    n_tokens: int = 0
+    events: list[dict] = field(default_factory=list)  # llm/tool calls, for traces
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + [t for s in self.segments for t in s.ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+    @property
+    def answer(self) -> str | None:
+        found = re.findall(r"<answer>(.*?)</answer>", self.text, re.DOTALL)
+        return found[-1].strip() if found else None
+
+    @property
+    def turn(self) -> int:
+        return sum(s.kind == "gen" for s in self.segments)
+
+
+@dataclass
+class RunConfig:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_turns: int = 4
+    max_tokens_per_turn: int = 96
+    max_tool_calls: int = 3
+    max_model_len: int = 2048
+
+
+class Toolbox:
+    """The tools an episode may call; every call returns an observation string and whether it failed."""
+
+    def __init__(self, retriever=None, python_params: dict | None = None, search_max_chars: int = 300):
+        self.retriever = retriever
+        self.python_params = python_params or {}
+        self.search_max_chars = search_max_chars
+
+    def call(self, tool: str, arg: str) -> tuple[str, str | None]:
+        if tool == "search":
+            return self.search(split_queries(arg))
+        if tool == "python":
+            return self.python(arg)
+        return f"error: unknown tool {tool}", "unknown_tool"
+
+    def search(self, queries: list[str]) -> tuple[str, str | None]:
+        if self.retriever is None:
+            return "error: search is not available", "unavailable"
+        if not queries:
+            return "error: empty search query", "empty_query"
+        hits = self.retriever.search(queries)
+        blocks = []
+        for q, docs in zip(queries, hits):
+            lines = [f"Doc {k + 1} (Title: {d['title']}) {d['text'][: self.search_max_chars]}" for k, d in enumerate(docs)]
+            blocks.append("\n".join(lines) if lines else f"no results for {q!r}")
+        return "\n---\n".join(blocks), None if any(hits) else "empty_result"
+
+    def python(self, code: str) -> tuple[str, str | None]:
+        from ..tools.python_sandbox import run_python
+
+        if not code.strip():
+            return "error: empty code", "empty_code"
+        res = run_python(code, **self.python_params)
+        return (res.output or "(no output)") if res.ok else f"error: {res.error}\n{res.output}".strip(), None if res.ok else "python_error"
+
+
+def _finish(e: Episode, reason: str, eos_id: int | None = None) -> None:
+    e.finish_reason = reason
+    if eos_id is not None and e.segments and e.segments[-1].kind == "gen" and (not e.segments[-1].ids or e.segments[-1].ids[-1] != eos_id):
+        e.segments[-1].ids.append(eos_id)  # close the turn as the student must learn to
+
+
+def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunConfig, desc: str = "episodes") -> list[Episode]:
+    """Run all episodes to completion in lock-step batches; returns them (mutated)."""
+    tok = backend.tokenizer
+    eos = tok.eos_token_id
+    live = [e for e in episodes if e.finish_reason is None]
+    bar = tqdm(total=len(live), desc=desc, unit="ep", mininterval=5)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        while live:
+            prompts, samplings, prefills = [], [], []
+            for e in live:
+                tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
+                prefill = PREFILL[tag] if tag else ""
+                prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
+                budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
+                prompts.append(e.ids + prefill_ids)
+                prefills.append((prefill, prefill_ids))
+                samplings.append(Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
+                                          max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
+                                          stop=[f"</{tag}>"] if tag else STOPS, seed=e.seed * 1009 + e.turn))
+            t0 = time.perf_counter()
+            completions = backend.generate(prompts, samplings)
+            llm_s = (time.perf_counter() - t0) / len(live)
+            calls = []
+            for e, c, (prefill, prefill_ids) in zip(live, completions, prefills):
+                seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids))
+                e.segments.append(seg)
+                e.n_llm_calls += 1
+                e.n_tokens += len(c.token_ids)
+                e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text, "n_tokens": len(c.token_ids), "latency_s": llm_s})
+                call = parse_tool_call(seg.text) if c.stop in ("</search>", "</python>") else None
+                if c.stop == "</answer>":
+                    _finish(e, "answer", eos)
+                elif c.stop in ("</search>", "</python>"):
+                    if e.n_tool_calls >= cfg.max_tool_calls:
+                        _finish(e, "max_tool_calls")
+                    elif call is None:
+                        e.tool_errors += 1
+                        e.segments.append(_obs(tok, "error: could not parse the tool call"))
+                    else:
+                        calls.append((e, call))
+                elif c.finish_reason == "stop":
+                    _finish(e, "eos")
+                elif len(e.ids) >= cfg.max_model_len - 1:
+                    _finish(e, "context")
+                else:
+                    _finish(e, "length")
+                if e.finish_reason is None and e.turn >= cfg.max_turns:
+                    _finish(e, "max_turns")
+            for (e, (tool, arg)), (text, err, secs) in zip(calls, pool.map(lambda ec: _timed(toolbox, *ec[1]), calls)):
+                e.n_tool_calls += 1
+                e.tool_errors += err is not None
+                e.events.append({"type": "tool", "tool": tool, "input": arg, "output": text, "error": err, "latency_s": secs})
+                e.segments.append(_obs(tok, text))
+            done = [e for e in live if e.finish_reason is not None]
+            bar.update(len(done))
+            live = [e for e in live if e.finish_reason is None]
+    bar.close()
+    return episodes
+
+
+def _timed(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, float]:
+    t0 = time.perf_counter()
+    try:
+        text, err = toolbox.call(tool, arg)
+    except Exception as ex:  # a tool failure is an observation the model sees, never a crash
+        text, err = f"error: {type(ex).__name__}: {ex}", "exception"
+    return text, err, time.perf_counter() - t0
+
+
+def _obs(tok, text: str) -> Segment:
+    t = observation(text)
+    return Segment("obs", t, tok(t, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,45 @@
+"""The one interface every backend implements: token prompts in, completions (text, token ids, logprobs) out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" (eos or stop string) | "length"
+    stop: str | None = None  # the stop string that ended it, if any
+
+
+def truncate_at_stop(tokenizer, token_ids: list[int], stops: list[str]) -> tuple[list[int], str | None]:
+    """Shortest prefix of `token_ids` whose text contains a stop string, and that stop string (token-in/token-out)."""
+    text = tokenizer.decode(token_ids)
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return token_ids, None
+    pos, stop = min(hits)
+    end = pos + len(stop)
+    for k in range(1, len(token_ids) + 1):
+        if len(tokenizer.decode(token_ids[:k])) >= end:
+            return token_ids[:k], stop
+    return token_ids, stop
+
+
+def cpu_dtype() -> str:
+    """bf16 only where the CPU has native bf16 (AVX512-BF16/AMX); on AVX2 machines bf16 is ~4x slower than fp32."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"

@@ -1,0 +1,59 @@
+"""transformers backend: batched `generate` on a live model (RL rollouts on changing weights, or where vLLM is absent)."""
+from __future__ import annotations
+
+import torch
+
+from .base import Completion, Sampling, cpu_dtype, truncate_at_stop
+
+
+class HFBackend:
+    name = "transformers"
+
+    def __init__(self, model_dir: str | None = None, dtype: str = "auto", model=None, tokenizer=None, batch_size: int = 32):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype == "auto":
+            dtype = "bfloat16" if torch.cuda.is_available() else cpu_dtype()
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+        self.model = model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
+        out: list[Completion] = []
+        for i in range(0, len(prompts), self.batch_size):
+            out += self._generate_batch(prompts[i : i + self.batch_size], sampling[i : i + self.batch_size])
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
+        s0 = sampling[0]  # one call samples with one setting; methods keep settings uniform within a step
+        device = self.model.device
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):  # left padding
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        torch.manual_seed(s0.seed)
+        was_training = self.model.training
+        self.model.eval()
+        gen = self.model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(s.max_tokens for s in sampling),
+            do_sample=s0.temperature > 0, temperature=s0.temperature if s0.temperature > 0 else None,
+            top_p=s0.top_p if s0.temperature > 0 else None, top_k=None, pad_token_id=pad,
+            stop_strings=s0.stop or None, tokenizer=self.tokenizer, output_logits=True, return_dict_in_generate=True,
+        )
+        self.model.train(was_training)
+        seqs = gen.sequences[:, width:].tolist()
+        logps = torch.stack(gen.logits, 1).float().log_softmax(-1) if gen.logits else None
+        out = []
+        for r, (toks, s) in enumerate(zip(seqs, sampling)):
+            eos_at = next((k for k, t in enumerate(toks) if t == self.tokenizer.eos_token_id), None)
+            toks = toks[: eos_at + 1] if eos_at is not None else toks
+            toks, stop = truncate_at_stop(self.tokenizer, toks, s.stop)
+            toks = toks[: s.max_tokens]
+            finished = eos_at is not None or stop is not None
+            lp = [logps[r, k, t].item() for k, t in enumerate(toks)] if logps is not None else None
+            out.append(Completion(self.tokenizer.decode(toks, skip_special_tokens=True), toks, lp, "stop" if finished else "length", stop))
+        return out

