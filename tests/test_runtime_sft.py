@@ -1,0 +1,137 @@
+"""The agent runtime, the student token view and the SFT loss: real models (tiny random, and SmolLM2 on the HF backend)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unison.agents.episodes import continuation_ids, start_episode, student_messages
+from unison.agents.methods import MethodContext, get_method
+from unison.agents.methods.debate import majority
+from unison.agents.protocol import parse_tool_call, split_queries
+from unison.agents.runtime import RunConfig, Toolbox, _timed, run_episodes
+from unison.llm.hf_backend import HFBackend
+from unison.train.sft import SFTConfig, build_examples, masked_loss, select_trajectories, train_sft
+from unison.train.token_view import retokenization_drift, token_view
+
+
+class CorpusRetriever:
+    """A real (lexical) retriever over a few passages: the runtime only needs `search(queries)`."""
+
+    passages = [{"title": "Zorvan Kelt", "text": "Zorvan Kelt is a chemist born in 1961 in Tarsk."},
+                {"title": "Tarsk", "text": "Tarsk is a city in Velmora."}]
+
+    def search(self, queries):
+        return [[p for p in self.passages if any(w.lower() in (p["title"] + p["text"]).lower() for w in q.split())][:1] for q in queries]
+
+
+@pytest.fixture(scope="module")
+def smol(base_model_dir):
+    return HFBackend(str(base_model_dir), dtype="float32")
+
+
+def test_parse_tool_call_and_parallel_queries():
+    assert parse_tool_call("<think>x</think><search>a | b </search>") == ("search", "a | b")
+    assert parse_tool_call("<python>\nprint(1+1)</python>\n") == ("python", "print(1+1)")
+    assert parse_tool_call("no call</search>") is None
+    assert split_queries("a | b ||  c") == ["a", "b", "c"]
+
+
+def test_majority_vote_normalises_and_breaks_ties_by_first_agent():
+    assert majority(["The Tarsk", "tarsk", "Velmora"]) == "The Tarsk"
+    assert majority(["x", "y"]) == "x"
+    assert majority([None, None]) is None
+
+
+def test_scaffolded_episodes_are_token_in_token_out(smol):
+    tok = smol.tokenizer
+    eps = [start_episode(tok, f"q{i}", "In which city was Zorvan Kelt born?", seed=i, scaffold=["search", "answer"]) for i in range(3)]
+    run_episodes(eps, smol, Toolbox(CorpusRetriever()), RunConfig(temperature=0.0, max_tokens_per_turn=24, max_turns=4))
+    for e in eps:
+        assert e.finish_reason in ("answer", "length", "max_turns")
+        assert e.segments[0].text.startswith("<search>") and e.segments[0].n_prefill > 0
+        assert e.n_tool_calls == 1 and e.segments[1].kind == "obs" and "Tarsk" in e.segments[1].text
+        ids, mask = token_view(tok, student_messages("In which city was Zorvan Kelt born?", e.segments))
+        assert ids == e.ids  # the token view is exactly what was generated and appended
+        prompt_len = len(e.prompt_ids)
+        assert mask[:prompt_len] == [0] * prompt_len
+        pos = prompt_len
+        for s in e.segments:
+            assert mask[pos : pos + len(s.ids)] == [int(s.kind == "gen")] * len(s.ids)
+            pos += len(s.ids)
+
+
+def test_tool_failures_become_observations():
+    box = Toolbox(retriever=None)
+    box.python = lambda code: (_ for _ in ()).throw(RuntimeError("sandbox down"))  # a tool that crashes
+    text, err, _ = _timed(box, "python", "print(1)")
+    assert text == "error: RuntimeError: sandbox down" and err == "exception"
+    assert box.call("search", "x") == ("error: search is not available", "unavailable")
+    assert box.call("shell", "ls")[1] == "unknown_tool"
+
+
+def test_debate_transcript_and_student_rendering(smol):
+    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), RunConfig(temperature=0.7, max_tokens_per_turn=16), "smol",
+                        scaffold={"qa": ["search", "answer"]}, params={"agents": 3, "rounds": 2, "aggregator": "vote"})
+    q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}
+    (row,) = get_method("debate")([q], 1, ctx)
+    names = {m["name"] for m in row["messages"] if m["role"] == "assistant"}
+    assert {"agent0", "agent1", "agent2", "aggregator(vote)"} <= names
+    assert sum(m["name"] == "moderator" for m in row["messages"]) == 3  # one update prompt per agent in round 2
+    assert row["n_llm_calls"] >= 3 * 2 + 3  # round 1: search + answer per agent; round 2: one answer each
+    student = row["student"]
+    assert [m["role"] for m in student[:2]] == ["system", "user"]
+    assert student[-1]["role"] == "assistant" and student[-1]["content"] == f"<answer>{row['final_answer']}</answer>"
+    ids, mask = token_view(smol.tokenizer, student)
+    assert ids[-1] == smol.tokenizer.eos_token_id and mask[-1] == 1
+
+
+def test_continuation_opens_a_user_then_assistant_turn(smol):
+    tok = smol.tokenizer
+    text = tok.decode(continuation_ids(tok, "What now?"))
+    assert text.startswith("\n<|im_start|>user\nWhat now?<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_drift_counts_retokenisation_differences(smol):
+    tok = smol.tokenizer
+    ids = tok("<search>Zorvan Kelt</search>", add_special_tokens=False)["input_ids"]
+    assert retokenization_drift(tok, ids) == 0
+    split = tok("<sea", add_special_tokens=False)["input_ids"] + tok("rch>", add_special_tokens=False)["input_ids"]
+    assert retokenization_drift(tok, split) > 0
+
+
+def test_masked_loss_ignores_prompt_and_tool_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6, 11, requires_grad=True)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 1, 0, 1, 1]])  # targets at positions 2, 4, 5 count
+    loss = masked_loss(logits, ids, mask)
+    logp = torch.log_softmax(logits[0], -1)
+    expected = -(logp[1, 3] + logp[3, 5] + logp[4, 6]) / 3
+    assert torch.allclose(loss, expected)
+    loss.backward()
+    assert logits.grad[0, 0].abs().sum() == 0 and logits.grad[0, 2].abs().sum() == 0  # predict masked targets: no gradient
+
+
+def _row(qid, sample, correct, content):
+    return {"id": f"{qid}/{sample}", "question_id": qid, "sample": sample, "correct": correct,
+            "student": [{"role": "system", "content": "s", "token_ids": []}, {"role": "user", "content": "u", "token_ids": []},
+                        {"role": "assistant", "content": content, "token_ids": []}]}
+
+
+def test_select_trajectories_keeps_correct_deduped_capped():
+    rows = [_row("a", 0, True, "x"), _row("a", 1, True, "x"), _row("a", 2, True, "y"), _row("a", 3, True, "z"), _row("b", 0, False, "x")]
+    kept = select_trajectories(rows, max_per_question=2, dedupe=True)
+    assert [r["id"] for r in kept] == ["a/0", "a/2"]
+
+
+def test_sft_trains_saves_and_reduces_loss(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [_row("a", i, True, f"<search>Zorvan Kelt</search><answer>Tarsk {i}</answer>") for i in range(4)]
+    examples, stats = build_examples(tok, rows, max_length=128)
+    assert stats["examples"] == 4 and stats["train_tokens"] > 0
+    out = tmp_path / "sft"
+    recs = train_sft(str(tiny_model_dir), examples, SFTConfig(epochs=8, lr=3e-3, batch_size=4, warmup_ratio=0.0), str(out))
+    assert len(recs) == 8 and recs[-1]["loss"] < recs[0]["loss"]
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
