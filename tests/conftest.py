@@ -1,0 +1,56 @@
+"""Shared fixtures: the real base model (materialised once, cached) and a tiny random model with its tokenizer."""
+from __future__ import annotations
+
+import fcntl
+
+import pytest
+
+from unison.data.models import materialize_model, read_info
+from unison.params import ROOT
+
+BASE_MODEL_SPEC = "builtin:smollm2-135m-instruct"
+TEST_MODELS = ROOT / ".cache" / "test-models"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than ~30 s (real model conversion or generation)")
+
+
+@pytest.fixture(scope="session")
+def base_model_dir():
+    """SmolLM2-135M-Instruct as a transformers folder; converted from the GGUF once (~36 s), then reused."""
+    path = TEST_MODELS / "base"
+    TEST_MODELS.mkdir(parents=True, exist_ok=True)
+    with open(TEST_MODELS / ".base.lock", "w") as lock:  # test runs in parallel processes convert it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (read_info(path) or {}).get("source") != BASE_MODEL_SPEC:
+            materialize_model(BASE_MODEL_SPEC, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(base_model_dir, tmp_path_factory):
+    """A 2-layer, 64-wide random Llama with SmolLM2's tokenizer: same token ids, fast to run and train."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,300 @@
+"""download stage: the builtin world, dataset adapters, model materialisation, the stage itself."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from unison.data import adapters, models
+from unison.data.builtin import ORG_SUFFIXES, generate_world
+from unison.data.schemas import CORPUS, QUESTION, DataError, read_table, write_table
+
+SHARED = Path("/work/shared/data")
+SMALL_WORLD = {
+    "n_people": 40, "n_orgs": 10, "n_cities": 8, "n_countries": 3,
+    "train_size": 60, "test_size": 30, "mix": {"hop1": 0.5, "hop2": 0.25, "math": 0.25},
+}
+DEFAULT_WORLD = yaml.safe_load((Path(__file__).parent.parent / "params.yaml").read_text())["download"]["builtin"]
+
+
+def meta(row):
+    return json.loads(row["meta"])
+
+
+@pytest.fixture(scope="module")
+def world():
+    corpus, train, test = generate_world(DEFAULT_WORLD, seed=0)
+    return {r["title"]: r["text"] for r in corpus}, train, test
+
+
+# ---- builtin world ---------------------------------------------------------------------------------------
+
+def test_same_seed_writes_byte_identical_files(tmp_path):
+    for run in ("a", "b"):
+        corpus, train, test = generate_world(SMALL_WORLD, seed=7)
+        write_table(corpus, tmp_path / run / "corpus.parquet", CORPUS)
+        write_table(train, tmp_path / run / "train.parquet", QUESTION)
+        write_table(test, tmp_path / run / "test.parquet", QUESTION)
+    for name in ("corpus", "train", "test"):
+        assert (tmp_path / "a" / f"{name}.parquet").read_bytes() == (tmp_path / "b" / f"{name}.parquet").read_bytes()
+    assert generate_world(SMALL_WORLD, seed=8)[1] != generate_world(SMALL_WORLD, seed=7)[1]
+
+
+def test_sizes_and_mix_follow_params(world):
+    _, train, test = world
+    assert len(train) == DEFAULT_WORLD["train_size"] and len(test) == DEFAULT_WORLD["test_size"]
+    hops = [meta(r)["hop"] for r in train]
+    assert hops.count("hop1") == 120 and hops.count("hop2") == 60 and hops.count("math") == 60
+    assert all((r["task"] == "math") == (meta(r)["hop"] == "math") for r in train + test)
+    assert len({r["id"] for r in train + test}) == len(train) + len(test)
+    assert len({meta(r)["type"] for r in test if r["task"] == "qa"}) == 11  # every question type is in the test split
+
+
+def test_train_and_test_ask_about_different_entities(world):
+    _, train, test = world
+
+    def subjects(rows):
+        return {meta(r)["supporting"][0] for r in rows if r["task"] == "qa"} | {
+            name for r in rows if r["task"] == "math" for name in meta(r)["entities"]
+        }
+
+    assert not subjects(train) & subjects(test)
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
+
+
+def test_every_hop1_answer_is_in_its_passage(world):
+    passage, train, test = world
+    hop1 = [r for r in train + test if meta(r)["hop"] == "hop1"]
+    assert hop1
+    for r in hop1:
+        (title,) = meta(r)["supporting"]
+        assert title in r["question"]
+        assert r["answers"][0] in passage[title], (r["question"], passage[title])
+
+
+def test_hop2_needs_two_passages(world):
+    passage, train, test = world
+    hop2 = [r for r in train + test if meta(r)["hop"] == "hop2"]
+    assert hop2
+    for r in hop2:
+        first, second = meta(r)["supporting"]
+        assert first in r["question"] and second not in r["question"]
+        assert second in passage[first]  # the first search finds the bridge entity ...
+        assert r["answers"][0] not in passage[first]  # ... but not the answer,
+        assert r["answers"][0] in passage[second]  # which only the second passage holds
+
+
+def test_math_answers_are_the_integer_value_of_their_expression(world):
+    _, train, test = world
+    math_rows = [r for r in train + test if r["task"] == "math"]
+    assert math_rows
+    for r in math_rows:
+        expression = meta(r)["expression"]
+        assert re.fullmatch(r"[0-9+\-*/() ]+", expression)
+        assert len(re.findall(r"[+\-*/]", expression)) >= 2
+        assert r["answers"] == [str(int(eval(expression)))] and int(r["answers"][0]) >= 0
+
+
+def test_names_are_invented_unique_and_never_nested(world):
+    passage, _, _ = world
+    assert len(passage) == 120 + 30 + 24 + 8  # one passage per entity, titles unique
+    words = sorted({w.lower() for title in passage for w in title.split() if w not in ORG_SUFFIXES})
+    assert len(words) == 2 * 120 + 30 + 24 + 8
+    for w in words:
+        assert not any(w != u and w in u for u in words), w  # "Tarsk" never matches inside "Tarskel"
+
+
+# ---- adapters: the shared real files --------------------------------------------------------------------
+
+def test_gsm8k_answers_are_the_final_numbers():
+    rows = adapters.load_questions(f"local:{SHARED}/gsm8k_test.jsonl", "test")
+    assert len(rows) == 1319 and rows[0]["answers"] == ["18"] and rows[0]["task"] == "math"
+    assert rows[0]["question"].startswith("Janet")
+    assert all(re.fullmatch(r"-?\d+(\.\d+)?", r["answers"][0]) for r in rows)  # "1,450,000" -> "1450000"
+    assert rows[0]["source"] == "gsm8k" and len({r["id"] for r in rows}) == 1319
+
+
+def test_bamboogle_keeps_answer_lists():
+    rows = adapters.load_questions(f"local:{SHARED}/bamboogle_test.jsonl", "test")
+    assert len(rows) == 125 and rows[0]["answers"] == ["james madison"] and rows[0]["task"] == "qa"
+    assert rows[1]["answers"] == ["Titan IIIE"]
+
+
+def test_math500_keeps_latex_answers():
+    rows = adapters.load_questions(f"local:{SHARED}/math500_test.jsonl", "test")
+    assert len(rows) == 500 and rows[0]["task"] == "math"
+    assert rows[0]["answers"] == [r"\left( 3, \frac{\pi}{2} \right)"]
+    assert rows[2]["answers"] == [r"\frac{14}{3}"]
+
+
+# ---- adapters: hf loader (on local dataset folders), formats, fields ------------------------------------
+
+def test_hf_loader_on_a_local_dataset_folder(tmp_path):
+    folder = tmp_path / "MATH-500"
+    folder.mkdir()
+    rows = [
+        {"problem": "What is $1+1$?", "solution": "It is $2$.", "answer": "2", "subject": "Algebra", "level": 1,
+         "unique_id": "a/1.json"}
+    ]
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
+    questions = adapters.load_questions(f"hf:{folder}", "test")
+    assert len(questions) == 3 and questions[0]["question"] == "What is $1+1$?" and questions[0]["answers"] == ["2"]
+    m = meta(questions[0])
+    assert m["format"] == "math500" and m["subject"] == "Algebra" and m["orig_id"] == "a/1.json"
+    assert questions[0]["id"] == "math500-test-00000"
+
+
+def test_local_fields_mapping_split_placeholder_and_csv(tmp_path):
+    for split in ("train", "test"):
+        with open(tmp_path / f"quiz_{split}.csv", "w") as f:
+            f.write('q,gold,kind\nWho wrote it?,"[""Ann"", ""Anne""]",qa\nHow much?,42,math\n')
+    spec = f"local:{tmp_path}/quiz_{{split}}.csv"
+    fields = {"question": "q", "answers": "gold", "task": "kind"}
+    rows = adapters.load_questions(spec, "train", fields=fields, format_name="qa")
+    assert [r["answers"] for r in rows] == [["Ann", "Anne"], ["42"]] and [r["task"] for r in rows] == ["qa", "math"]
+    assert rows[0]["id"] == "quiz_train-00000" and not adapters.same_source(spec, "train", "test")
+
+
+def test_local_folder_and_holdout(tmp_path):
+    shutil.copy(SHARED / "bamboogle_test.jsonl", tmp_path / "test.jsonl")
+    rows = adapters.load_questions(f"local:{tmp_path}", "test", format_name="bamboogle")
+    assert len(rows) == 125 and adapters.same_source(f"local:{tmp_path}/test.jsonl", "train", "test")
+    train, test = adapters.holdout(rows, 0.2, seed=0)
+    assert len(test) == 25 and len(train) == 100 and not {r["id"] for r in train} & {r["id"] for r in test}
+    assert adapters.holdout(rows, 0.2, seed=0) == (train, test)
+
+
+def test_corpus_files_with_title_text_or_contents(tmp_path):
+    path = tmp_path / "wiki.jsonl"
+    write_jsonl(path, [{"id": "1", "contents": '"Tarsk"\nTarsk is a city.'}, {"title": "A", "text": "B"}])
+    assert adapters.load_corpus(path) == [
+        {"id": "1", "title": "Tarsk", "text": "Tarsk is a city."},
+        {"id": "doc-0000001", "title": "A", "text": "B"},
+    ]
+    path.write_text(json.dumps({"title": "A"}) + "\n")
+    with pytest.raises(DataError, match=r"wiki.jsonl, row 0, field 'text'"):
+        adapters.load_corpus(path)
+
+
+# ---- adapters: bad input names file, row and field ------------------------------------------------------
+
+def write_jsonl(path: Path, lines: list) -> str:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return f"local:{path}"
+
+
+def test_missing_field_is_named(tmp_path):
+    spec = write_jsonl(tmp_path / "bamboogle.jsonl", [{"question": "a?", "answer": ["x"]}, {"question": "b?"}])
+    with pytest.raises(DataError) as e:
+        adapters.load_questions(spec, "test")
+    assert (e.value.row, e.value.field) == (1, "answers") and "bamboogle.jsonl" in str(e.value)
+
+
+def test_wrong_type_is_named(tmp_path):
+    spec = write_jsonl(tmp_path / "bamboogle.jsonl", [{"question": "a?", "answer": {"x": 1}}])
+    with pytest.raises(DataError, match=r"bamboogle.jsonl, row 0, field 'answer': expected an answer string"):
+        adapters.load_questions(spec, "test")
+    spec = write_jsonl(tmp_path / "bamboogle.jsonl", [{"question": 3, "answer": "x"}])
+    with pytest.raises(DataError, match=r"row 0, field 'question'"):
+        adapters.load_questions(spec, "test")
+
+
+def test_gsm8k_answer_without_final_marker(tmp_path):
+    rows = [{"question": "a?", "answer": "#### 3"}, {"question": "b?", "answer": "4"}]
+    spec = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    with pytest.raises(DataError, match=r"gsm8k.jsonl, row 1, field 'answer': gsm8k answer: no '####'"):
+        adapters.load_questions(spec, "test")
+
+
+def test_unparsable_line_and_empty_file(tmp_path):
+    spec = write_jsonl(tmp_path / "bamboogle.jsonl", [{"question": "a?", "answer": "x"}, "{not json"])
+    with pytest.raises(DataError, match=r"bamboogle.jsonl, row 1: line 2 is not valid JSON"):
+        adapters.load_questions(spec, "test")
+    (tmp_path / "bamboogle.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"bamboogle.jsonl: no rows"):
+        adapters.load_questions(spec, "test")
+
+
+def test_unknown_dataset_format_and_spec(tmp_path):
+    spec = write_jsonl(tmp_path / "mystery.jsonl", [{"question": "a?", "answer": "x"}])
+    with pytest.raises(DataError, match=r"mystery.jsonl: unknown dataset 'mystery.jsonl': set download.format"):
+        adapters.load_questions(spec, "test")
+    assert adapters.load_questions(spec, "test", format_name="qa")[0]["source"] == "mystery"
+    with pytest.raises(DataError, match=r"unknown format 'triviaqa'"):
+        adapters.load_questions(spec, "test", format_name="triviaqa")
+    with pytest.raises(DataError, match=r"ftp:x: unknown dataset spec"):
+        adapters.load_questions("ftp:x", "test")
+    with pytest.raises(DataError, match=r"nope.jsonl: file not found"):
+        adapters.load_questions(f"local:{tmp_path}/nope.jsonl", "test", format_name="qa")
+
+
+# ---- models ---------------------------------------------------------------------------------------------
+
+def test_materialize_local_and_hf_folders(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    for spec in (f"local:{tiny_model_dir}", f"hf:{tiny_model_dir}"):
+        out = tmp_path / spec.split(":")[0]
+        info = models.materialize_model(spec, out)
+        model = AutoModelForCausalLM.from_pretrained(out)
+        assert info == models.read_info(out) == {"source": spec, "n_parameters": model.num_parameters()}
+    info = models.materialize_model(f"local:{tiny_model_dir}", tmp_path / "local")  # replaces an existing folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "local"]
+
+
+def test_bad_model_specs(tmp_path):
+    with pytest.raises(ValueError, match="unknown model spec"):
+        models.materialize_model("s3:bucket/model", tmp_path / "m")
+    with pytest.raises(ValueError, match="unknown builtin model"):
+        models.materialize_model("builtin:gpt-9", tmp_path / "m")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no \\*.safetensors"):
+        models.materialize_model(f"local:{tmp_path / 'empty'}", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_materialized_model_generates_like_the_gguf(base_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert models.read_info(base_model_dir)["n_parameters"] == 134_515_008
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    saved = AutoModelForCausalLM.from_pretrained(base_model_dir)
+    folder, filename = models.builtin_gguf("smollm2-135m-instruct")
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    with torch.no_grad():
+        a = saved.generate(ids, max_new_tokens=16, do_sample=False)
+        b = gguf.generate(ids, max_new_tokens=16, do_sample=False)
+    assert a.tolist() == b.tolist()
+    assert "Paris" in tokenizer.decode(a[0, ids.shape[1]:])
+
+
+# ---- the stage ------------------------------------------------------------------------------------------
+
+def test_download_stage_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("unison.track")
+    from tasks import download
+
+    params = yaml.safe_load((Path(__file__).parent.parent / "params.yaml").read_text())
+    params["download"] |= {"builtin": SMALL_WORLD, "model": f"local:{tiny_model_dir}", "max_test": 20}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.chdir(tmp_path)
+    download.main()
+    train, test = read_table("data/raw/train.parquet", QUESTION), read_table("data/raw/test.parquet", QUESTION)
+    corpus = read_table("data/raw/corpus.parquet", CORPUS)
+    assert len(train) == 60 and len(test) == 20 and len(corpus) == 40 + 10 + 8 + 3
+    metrics = json.loads(Path("reports/download.json").read_text())
+    assert metrics["train"]["hop"] == {"hop1": 30, "hop2": 15, "math": 15} and metrics["test"]["n"] == 20
+    weights = Path("models/base/model.safetensors").stat().st_mtime_ns
+    download.main()  # same model spec: the folder is kept, not rebuilt
+    assert Path("models/base/model.safetensors").stat().st_mtime_ns == weights
+    assert os.listdir("models") == ["base"]

@@ -1,0 +1,183 @@
+"""The Prefect flow over a real 3-stage DVC project (a -> b -> c), with real MLflow runs; the UI servers."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import yaml
+
+# Prefect reads its settings when imported: a private home, and its temporary server rather than any UI server
+# running on this machine (nothing listens on port 9).
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="unison-test-prefect-")
+os.environ.pop("PREFECT_API_URL", None)
+os.environ["UNISON_PREFECT_PORT"] = "9"
+
+from flows.pipeline import DvcError, pipeline, rerun_on_data_change  # noqa: E402  (before prefect: settings)
+from flows.serve import deployments  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
+from prefect.logging.handlers import APILogHandler  # noqa: E402
+from prefect.server.api.server import SubprocessASGIServer  # noqa: E402
+
+from unison.params import ROOT  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:_NoneStep.value:DeprecationWarning")  # inside DVC's graph code
+
+STEP = """\
+import os, sys, yaml
+name, inputs = sys.argv[1], sys.argv[2:]
+params = yaml.safe_load(open("params.yaml"))[name]
+if params.get("fail"):
+    sys.exit(f"stage {name} exploded on purpose")
+text = "".join(open(path).read() for path in inputs) + f"{name}={params['n']}\\n"
+open(f"{name}.txt", "w").write(text)
+with open("runs.log", "a") as log:
+    log.write(f"{name} {os.environ.get('UNISON_PARENT_RUN_ID')}\\n")
+"""
+DVC_YAML = """\
+stages:
+  a: {cmd: python step.py a, deps: [step.py], params: [a], outs: [a.txt]}
+  b: {cmd: python step.py b a.txt, deps: [step.py, a.txt], params: [b], outs: [b.txt]}
+  c: {cmd: python step.py c b.txt, deps: [step.py, b.txt], params: [c], outs: [c.txt]}
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_temporary_prefect_server():
+    """Send the last flow logs, then stop Prefect's temporary server while pytest still captures output (at exit
+    both would hit a closed stream or a stopped server)."""
+    yield
+    APILogHandler().flush()
+    SubprocessASGIServer().stop()
+    shutil.rmtree(os.environ["PREFECT_HOME"], ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory):
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def toy_template(tmp_path_factory):
+    """A git + DVC project with three chained stages that log which stage ran under which MLflow parent."""
+    project = tmp_path_factory.mktemp("toy")
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=project, check=True)
+    (project / "step.py").write_text(STEP)
+    (project / "dvc.yaml").write_text(DVC_YAML)
+    set_params(project, a={"n": 1}, b={"n": 2}, c={"n": 3})
+    return project
+
+
+@pytest.fixture
+def toy(toy_template, tmp_path, monkeypatch, tracking_uri, request):
+    """A fresh copy of the toy project, its own MLflow experiment."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    monkeypatch.setenv("UNISON_EXPERIMENT", request.node.name)
+    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
+    project = tmp_path / "toy"
+    shutil.copytree(toy_template, project)
+    (project / ".dvc" / "config.local").write_text(f"[core]\n    site_cache_dir = {tmp_path / 'dvc-site-cache'}\n")
+    return project
+
+
+def set_params(project, **sections):
+    path = project / "params.yaml"
+    params = yaml.safe_load(path.read_text()) if path.exists() else {}
+    for stage, values in sections.items():
+        params.setdefault(stage, {}).update(values)
+    path.write_text(yaml.safe_dump(params))
+
+
+def executed(project) -> list[tuple[str, str]]:
+    """(stage, parent run id) for every stage command that actually ran, in order."""
+    log = project / "runs.log"
+    return [tuple(line.split()) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_first_run_runs_all_stages_in_order_then_nothing(toy):
+    state = pipeline(project_dir=str(toy), return_state=True)
+    assert state.result() == ["a", "b", "c"]
+    ran = executed(toy)
+    assert [stage for stage, _ in ran] == ["a", "b", "c"]
+    assert (toy / "c.txt").read_text() == "a=1\nb=2\nc=3\n"
+
+    parent_ids = {parent for _, parent in ran}
+    assert len(parent_ids) == 1
+    parent = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(parent_ids.pop())
+    assert parent.info.status == "FINISHED"
+
+    with get_client(sync_client=True) as client:
+        flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        task_runs = client.read_task_runs(flow_run_filter=flow_run)
+    assert sorted(task_run.name for task_run in task_runs) == ["a", "b", "c"]
+
+    assert pipeline(project_dir=str(toy)) == []
+    assert len(executed(toy)) == 3
+
+
+def test_changes_rerun_only_what_they_affect(toy):
+    pipeline(project_dir=str(toy))
+    set_params(toy, c={"n": 30})
+    assert pipeline(project_dir=str(toy)) == ["c"]
+    assert [stage for stage, _ in executed(toy)] == ["a", "b", "c", "c"]
+
+    # dvc status reports only `b`; c is stale through it and must run after it
+    set_params(toy, b={"n": 20})
+    assert pipeline(project_dir=str(toy)) == ["b", "c"]
+    assert (toy / "c.txt").read_text() == "a=1\nb=20\nc=30\n"
+
+    assert pipeline(project_dir=str(toy), stages=["b"], force=True) == ["b"]
+    assert [stage for stage, _ in executed(toy)][-1] == "b"
+
+
+def test_failing_stage_fails_the_flow_with_its_error(toy):
+    set_params(toy, b={"fail": True})
+    with pytest.raises(DvcError, match="stage b exploded on purpose") as failure:
+        pipeline(project_dir=str(toy))
+    assert "failed to reproduce 'b'" in str(failure.value)  # DVC's own message
+    assert [stage for stage, _ in executed(toy)] == ["a"]
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    [parent] = client.search_runs([client.get_experiment_by_name(os.environ["UNISON_EXPERIMENT"]).experiment_id])
+    assert parent.info.status == "FAILED"
+
+
+def test_data_change_flow_runs_the_pipeline_only_when_sources_change(toy):
+    assert rerun_on_data_change(project_dir=str(toy)) == ["a", "b", "c"]  # never ran: a's inputs are new
+    assert rerun_on_data_change(project_dir=str(toy)) == []
+
+
+def test_serve_builds_scheduled_deployments(toy):
+    pipeline_deployment, data_deployment = deployments(toy, "0 3 * * *", 600)
+    assert pipeline_deployment.name == "unison-pipeline"
+    assert pipeline_deployment.schedules[0].schedule.cron == "0 3 * * *"
+    assert data_deployment.schedules[0].schedule.interval.total_seconds() == 600
+    assert pipeline_deployment.parameters == {"project_dir": str(toy.resolve())}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ui_check_starts_answers_and_stops_both_servers(tmp_path):
+    prefect_port, mlflow_port = free_port(), free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")}
+    result = subprocess.run([sys.executable, "-m", "flows.ui", "--check", "--project-dir", str(tmp_path),
+                             "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"http://127.0.0.1:{prefect_port}" in result.stdout
+    assert f"http://127.0.0.1:{mlflow_port}" in result.stdout
+    assert (tmp_path / ".prefect").is_dir() and (tmp_path / "mlflow.db").exists()
+    for port in (prefect_port, mlflow_port):  # stopped again
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0

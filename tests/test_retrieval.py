@@ -1,0 +1,219 @@
+"""The search tool: index build (flat / ivf / hnsw), in-process and HTTP retrieval, with the real encoder and faiss."""
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import requests
+import uvicorn
+
+from unison.data.schemas import DataError
+from unison.tools.retrieval import (
+    KINDS, RemoteRetriever, Retriever, build_index, format_passages, make_retriever, title_recall_at_1,
+)
+from unison.tools.search_server import create_app
+
+NAMES = ["Velmora", "Quillon", "Brastow", "Ishkar", "Tolvane", "Meridan", "Oskeby", "Praxil", "Caudrel", "Zennith"]
+PLACES = ["abbey", "bridge", "harbour", "observatory", "library", "vineyard", "lighthouse", "foundry", "theatre", "garden"]
+
+
+def invented_passages(n: int = 50) -> list[dict]:
+    """Passages about invented places; titles share words with each other, so ranking has to be right."""
+    rows = []
+    for i in range(n):
+        name, place = NAMES[i % 10], PLACES[(i // 10 + i) % 10]
+        title = f"{name} {place.title()}"
+        text = (f"The {title} is a {place} built in {1700 + 7 * i} by the engineer {NAMES[(i * 3) % 10]} Holt. "
+                f"It is known for its {['red', 'blue', 'green', 'white', 'black'][i % 5]} stone and hosts "
+                f"{i + 2} visitors each day.")
+        rows.append({"id": f"p{i:03d}", "title": title, "text": text})
+    return rows
+
+
+PASSAGES = invented_passages()
+
+
+def write_corpus(path: Path, rows: list[dict]) -> Path:
+    schema = pa.schema([("id", pa.string()), ("title", pa.string()), ("text", pa.string())])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.parquet", PASSAGES)
+
+
+@pytest.fixture(scope="module")
+def index_dirs(corpus, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("indexes")
+    for kind in KINDS:
+        build_index(corpus, root / kind, kind=kind, nlist=8, nprobe=4, hnsw_m=16)
+    return {kind: root / kind for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_title_query_ranks_its_own_passage_first(index_dirs, kind):
+    retriever = Retriever(index_dirs[kind], topk=3)
+    results = retriever.search([p["title"] for p in PASSAGES])
+    assert [hits[0]["id"] for hits in results] == [p["id"] for p in PASSAGES]
+    for hits, passage in zip(results, PASSAGES):
+        assert len(hits) == 3 and hits[0] == {**passage, "score": hits[0]["score"]}
+        assert hits[0]["score"] >= hits[1]["score"] >= hits[2]["score"]
+    assert title_recall_at_1(retriever, sample=20) == 1.0
+
+
+def test_meta_and_passages_files(index_dirs, corpus):
+    meta = json.loads((index_dirs["ivf"] / "meta.json").read_text())
+    assert meta["encoder"] == "builtin:all-minilm-l6-v2" and meta["kind"] == "ivf"
+    assert (meta["dim"], meta["count"], meta["nlist"], meta["nprobe"]) == (384, 50, 8, 4)
+    assert meta["corpus_sha256"] == hashlib.sha256(corpus.read_bytes()).hexdigest()
+    assert meta["build_seconds"] > 0 and meta["query_prefix"] == meta["passage_prefix"] == ""
+    assert pq.read_table(index_dirs["ivf"] / "passages.parquet").to_pylist() == PASSAGES
+    hnsw = Retriever(index_dirs["hnsw"])
+    assert (hnsw.meta["hnsw_m"], hnsw.meta["hnsw_ef_search"], hnsw.index.hnsw.efSearch) == (16, 64, 64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rebuild_gives_identical_index_and_results(index_dirs, corpus, tmp_path, kind):
+    queries = ["Velmora engineer", "a green stone theatre", "Oskeby Harbour"]
+    before = Retriever(index_dirs[kind], topk=5).search(queries)
+    again = tmp_path / "index"
+    build_index(corpus, again, kind=kind, nlist=8, nprobe=4, hnsw_m=16)
+    assert (again / "index.faiss").read_bytes() == (index_dirs[kind] / "index.faiss").read_bytes()
+    assert Retriever(again, topk=5).search(queries) == before
+
+
+def test_rebuild_replaces_the_index_dir_in_place(corpus, tmp_path):
+    build_index(corpus, tmp_path / "index")
+    (tmp_path / "index" / "stale.txt").write_text("from an older build")
+    build_index(corpus, tmp_path / "index")
+    assert sorted(p.name for p in (tmp_path / "index").iterdir()) == ["index.faiss", "meta.json", "passages.parquet"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index"]  # no temp or old dirs left behind
+
+
+def test_concurrent_searches_match_sequential(index_dirs):
+    retriever = Retriever(index_dirs["hnsw"], topk=2)
+    queries = [[p["title"]] for p in PASSAGES[:16]]
+    sequential = [retriever.search(q) for q in queries]
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(retriever.search, queries)) == sequential
+
+
+def test_topk_is_capped_and_empty_batch(index_dirs):
+    retriever = Retriever(index_dirs["flat"], topk=2)
+    assert retriever.search([]) == []
+    assert len(retriever.search(["Praxil"], topk=500)[0]) == 50
+
+
+def test_observation_format_truncates_each_passage(index_dirs):
+    retriever = Retriever(index_dirs["flat"], topk=2, max_chars=20)
+    first, second = retriever.search(["Ishkar Library"])[0]
+    assert retriever.observation("Ishkar Library") == (
+        f"Doc 1 (Title: {first['title']})\n{first['text'][:20]}\nDoc 2 (Title: {second['title']})\n{second['text'][:20]}")
+    assert format_passages([{"title": "T", "text": "abc"}], 300) == "Doc 1 (Title: T)\nabc"
+
+
+def test_explicit_prefixes_are_recorded_and_used(corpus, tmp_path):
+    meta = build_index(corpus, tmp_path / "idx", query_prefix="query: ", passage_prefix="passage: ")
+    assert (meta["query_prefix"], meta["passage_prefix"]) == ("query: ", "passage: ")
+    retriever = Retriever(tmp_path / "idx", topk=1)
+    model = retriever.encoder.model
+    stored = retriever.index.reconstruct(0)
+    expected = model.encode(f"passage: {PASSAGES[0]['title']}\n{PASSAGES[0]['text']}", normalize_embeddings=True)
+    assert stored == pytest.approx(expected, abs=1e-5)
+    expected = model.encode("query: Tolvane Garden", normalize_embeddings=True)
+    assert retriever.encoder.encode(["Tolvane Garden"])[0] == pytest.approx(expected, abs=1e-5)
+
+
+def test_bad_corpora_raise_data_error(tmp_path):
+    with pytest.raises(DataError, match="no rows"):
+        build_index(write_corpus(tmp_path / "empty.parquet", []), tmp_path / "idx")
+    with pytest.raises(DataError, match="row 1, field 'id'.*duplicate"):
+        build_index(write_corpus(tmp_path / "dup.parquet", [PASSAGES[0], PASSAGES[0]]), tmp_path / "idx")
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "text": "t"}]), tmp_path / "notitle.parquet")
+    with pytest.raises(DataError, match="field 'title'"):
+        build_index(tmp_path / "notitle.parquet", tmp_path / "idx")
+    with pytest.raises(DataError, match="no index here"):
+        Retriever(tmp_path / "idx")
+    assert not (tmp_path / "idx").exists()
+
+
+# ---------------------------------------------------------------- HTTP server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(index_dirs):
+    """The search server's app under uvicorn in a thread, on a free port (the CLI only adds argument parsing)."""
+    port = free_port()
+    app = create_app(Retriever(index_dirs["flat"], topk=2))
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert thread.is_alive() and time.time() < deadline, "search server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(10)
+
+
+def test_health(server):
+    assert requests.get(server + "/health").json() == {
+        "status": "ok", "count": 50, "encoder": "builtin:all-minilm-l6-v2", "kind": "flat", "dim": 384}
+
+
+def test_retrieve_with_and_without_scores(server):
+    body = {"queries": ["Meridan Vineyard", "Caudrel Bridge"], "topk": 3, "return_scores": True}
+    scored = requests.post(server + "/retrieve", json=body).json()["result"]
+    assert [len(hits) for hits in scored] == [3, 3]
+    top = scored[0][0]
+    assert top["document"]["title"] == "Meridan Vineyard" and 0 < top["score"] <= 1.0001
+    passage = next(p for p in PASSAGES if p["id"] == top["document"]["id"])
+    assert top["document"]["contents"] == f'"Meridan Vineyard"\n{passage["text"]}'
+    bare = requests.post(server + "/retrieve", json={**body, "return_scores": False}).json()["result"]
+    assert bare == [[hit["document"] for hit in hits] for hits in scored]
+    default_k = requests.post(server + "/retrieve", json={"queries": ["Oskeby"]}).json()["result"]
+    assert len(default_k[0]) == 2 and "score" not in default_k[0][0]  # server's --topk; return_scores defaults off
+
+
+@pytest.mark.parametrize("body", [{}, {"queries": "Velmora"}, {"queries": []}, {"queries": ["x"], "topk": 0},
+                                  {"queries": [1, None]}])
+def test_bad_request_is_422_with_a_message(server, body):
+    response = requests.post(server + "/retrieve", json=body)
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["msg"]
+
+
+def test_remote_retriever_equals_in_process(server, index_dirs):
+    queries = [p["title"] for p in PASSAGES[::5]] + ["who built the black stone foundry?"]
+    local = Retriever(index_dirs["flat"], topk=3).search(queries)
+    remote = make_retriever("unused", {"search_url": server, "search_topk": 3, "search_max_chars": 300})
+    assert isinstance(remote, RemoteRetriever)
+    got = remote.search(queries)
+    assert [[h["id"] for h in hits] for hits in got] == [[h["id"] for h in hits] for hits in local]
+    for remote_hits, local_hits in zip(got, local):
+        for r, l in zip(remote_hits, local_hits):
+            assert (r["title"], r["text"]) == (l["title"], l["text"]) and r["score"] == pytest.approx(l["score"], abs=1e-5)
+    assert isinstance(make_retriever(index_dirs["flat"], {"search_url": ""}), Retriever)
+
+
+def test_remote_retriever_gives_up_on_a_dead_server():
+    dead = RemoteRetriever(f"http://127.0.0.1:{free_port()}", timeout=1, retries=1)
+    with pytest.raises(RuntimeError, match="failed after 2 attempts"):
+        dead.search(["anything"])

