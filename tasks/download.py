@@ -61,16 +61,6 @@ def split_counts(rows: list[dict]) -> dict:
     return {"n": len(rows), "task": dict(Counter(r["task"] for r in rows)), "hop": dict(hops)}
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out |= flatten(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def main() -> None:
     p = stage_params("download")
     with track.stage_run("download", p) as run:
@@ -96,7 +86,7 @@ def main() -> None:
             "model": {"n_parameters": info["n_parameters"]},
         }
         write_json(metrics, METRICS)
-        run.log_metrics(flatten(metrics))
+        run.log_metrics(metrics)
         print(json.dumps(metrics, sort_keys=True), flush=True)
 
 

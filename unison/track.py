@@ -71,6 +71,17 @@ def flatten_params(params: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def _flat_numbers(metrics: dict, prefix: str = "") -> dict[str, float]:
+    flat = {}
+    for key, value in metrics.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            flat.update(_flat_numbers(value, name))
+        elif isinstance(value, (int, float)):
+            flat[name] = value
+    return flat
+
+
 def git_tags(project_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """git_commit and git_dirty of the project, or {} outside git / before the first commit."""
     def git(*args):
@@ -160,9 +171,10 @@ class StageRun:
         for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[start:start + MAX_PARAMS_TAGS_PER_BATCH])
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        """Buffer numeric metrics; nested dicts become dotted keys ({"train": {"n": 3}} -> "train.n")."""
         now_ms = int(time.time() * 1000)
-        self._metrics += [Metric(key, float(value), now_ms, step or 0) for key, value in metrics.items()]
+        self._metrics += [Metric(key, float(value), now_ms, step or 0) for key, value in _flat_numbers(metrics).items()]
         if len(self._metrics) >= MAX_METRICS_PER_BATCH or time.monotonic() - self._last_flush > METRIC_FLUSH_EVERY_S:
             self.flush()
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 import re
 
 SYSTEM_PROMPT = (
-    "You answer questions using tools. To look facts up write <search>query</search>; several independent queries "
-    "can be joined with | and run in parallel. To compute, write <python>print(expression)</python>. Each tool call "
-    "is answered by <result>...</result>. You may reason inside <think>...</think>. End with <answer>short answer</answer>."
+    "You answer questions using tools. To look facts up write <search>query</search>, where the query is the name "
+    "of the person, place or organisation the question is about; several independent queries can be joined with | "
+    "and run in parallel. To compute, write <python>print(expression)</python>. Each tool call is answered by "
+    "<result>...</result>. You may reason inside <think>...</think>. End with <answer>short answer</answer>."
 )
 
 TOOL_TAGS = ("search", "python")
 STOPS = ["</search>", "</python>", "</answer>"]
-PREFILL = {"search": "<search>", "python": "<python>\nprint(", "answer": "<answer>"}
+# Scaffold: per forced tag, the text the runtime prefills and the closing tag. A scaffolded turn's content is one
+# line: generation stops at the closing tag or a line break, and the runtime closes the tag itself if needed.
+SCAFFOLD = {"search": ("<search>", "</search>"), "python": ("<python>\nprint(", "</python>"), "answer": ("<answer>", "</answer>")}
 
 _CALL = re.compile(r"<(search|python)>(.*?)</\1>\s*$", re.DOTALL)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ..llm import Sampling
-from .protocol import PREFILL, STOPS, observation, parse_tool_call, split_queries
+from .protocol import SCAFFOLD, STOPS, observation, parse_tool_call, split_queries
 
 
 @dataclass
@@ -117,31 +117,36 @@ def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunCon
     bar = tqdm(total=len(live), desc=desc, unit="ep", mininterval=5)
     with ThreadPoolExecutor(max_workers=8) as pool:
         while live:
-            prompts, samplings, prefills = [], [], []
+            prompts, samplings, scaffolds = [], [], []
             for e in live:
                 tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
-                prefill = PREFILL[tag] if tag else ""
+                prefill, close = SCAFFOLD[tag] if tag else ("", None)
                 prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
                 budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
                 prompts.append(e.ids + prefill_ids)
-                prefills.append((prefill, prefill_ids))
+                scaffolds.append((prefill, prefill_ids, close))
                 samplings.append(Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
                                           max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
-                                          stop=[f"</{tag}>"] if tag else STOPS, seed=e.seed * 1009 + e.turn))
+                                          stop=[close, "\n"] if close else STOPS, seed=e.seed * 1009 + e.turn))
             t0 = time.perf_counter()
             completions = backend.generate(prompts, samplings)
             llm_s = (time.perf_counter() - t0) / len(live)
             calls = []
-            for e, c, (prefill, prefill_ids) in zip(live, completions, prefills):
+            for e, c, (prefill, prefill_ids, close) in zip(live, completions, scaffolds):
                 seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids))
+                stop = c.stop
+                if close and stop != close:  # the scaffold closes the tag the model left open
+                    seg.text += close
+                    seg.ids += tok(close, add_special_tokens=False)["input_ids"]
+                    stop = close
                 e.segments.append(seg)
                 e.n_llm_calls += 1
                 e.n_tokens += len(c.token_ids)
                 e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text, "n_tokens": len(c.token_ids), "latency_s": llm_s})
-                call = parse_tool_call(seg.text) if c.stop in ("</search>", "</python>") else None
-                if c.stop == "</answer>":
+                call = parse_tool_call(seg.text) if stop in ("</search>", "</python>") else None
+                if stop == "</answer>":
                     _finish(e, "answer", eos)
-                elif c.stop in ("</search>", "</python>"):
+                elif stop in ("</search>", "</python>"):
                     if e.n_tool_calls >= cfg.max_tool_calls:
                         _finish(e, "max_tool_calls")
                     elif call is None:

@@ -1,0 +1,150 @@
+"""The whole pipeline end to end on the real SmolLM2, real vLLM, faiss, bubblewrap, DVC and MLflow, on a tiny params overlay.
+
+One project copy is built per module; the tests run in order against it (DVC state carries over).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from unison.params import ROOT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TINY = {
+    "download": {"builtin": {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 16, "test_size": 8}},
+    "generate": {"samples": 1, "shard_size": 8, "max_tokens_per_turn": 48, "debate": {"agents": 2, "rounds": 2, "aggregator": "vote"}},
+    "sft": {"epochs": 1, "batch_size": 4, "max_per_question": 1},
+    "evaluate": {"max_questions": 8, "bootstrap": 200},
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, base_model_dir):
+    """A clean copy of the repo (tracked files only) with a tiny params.yaml and the cached base model in place."""
+    dst = tmp_path_factory.mktemp("project")
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files + ["params.yaml", "dvc.yaml"]:
+        if (ROOT / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dst / f)
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
+    (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (dst / "dvc.lock").unlink(missing_ok=True)
+    shutil.copytree(base_model_dir, dst / "models" / "base")  # download skips conversion when the spec matches
+    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
+    return dst
+
+
+def run(project: Path, *cmd: str, timeout: int = 1200, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("UNISON_PARENT_RUN_ID", None)
+    p = subprocess.run(list(cmd), cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+    return p
+
+
+def test_full_pipeline_runs_and_reports(project):
+    run(project, "dvc", "repro")
+    metrics = json.loads((project / "reports/metrics.json").read_text())
+    assert set(metrics) == {"base", "teacher", "sft"}
+    for m in metrics.values():
+        assert m["questions"] == 8 and 0 <= m["accuracy_lo"] <= m["accuracy"] <= m["accuracy_hi"] <= 1
+        assert m["tokens_per_question"] > 0
+    assert metrics["teacher"]["llm_calls_per_question"] > metrics["base"]["llm_calls_per_question"]
+    html = (project / "reports/report.html").read_text()
+    assert "teacher" in html and "SFT student" in html and "accuracy_vs_tokens.png" in html
+    assert (project / "reports/plots/accuracy_vs_tokens.png").stat().st_size > 1000
+    sft = json.loads((project / "reports/sft.json").read_text())
+    assert sft["selected"] >= 1 and sft["steps"] >= 1
+    import pyarrow.parquet as pq
+
+    traj = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
+    assert len(traj) == 16 and all(t["method"] == "debate" for t in traj)
+    assert all(t["student"][-1]["role"] == "assistant" for t in traj)
+
+
+def test_mlflow_has_one_parent_with_a_child_per_stage_and_traces(project):
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{project}/mlflow.db")
+    exp = client.get_experiment_by_name("unison")
+    runs = client.search_runs([exp.experiment_id])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    parents = {r.data.tags["mlflow.parentRunId"] for r in children}
+    assert len(parents) == 1
+    stages = {r.data.tags.get("stage") for r in children}
+    assert {"download", "index", "generate", "label", "sft", "evaluate", "report"} <= stages
+    gen = next(r for r in children if r.data.tags.get("stage") == "generate")
+    assert gen.data.params["generate.method"] == "debate"
+    mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")
+    traces = mlflow.search_traces(locations=[exp.experiment_id], run_id=gen.info.run_id, return_type="list")
+    assert traces and any("agent" in s.name for s in traces[0].data.spans)
+
+
+def test_second_repro_is_a_noop_and_param_change_reruns_only_downstream(project):
+    t0 = time.perf_counter()
+    p = run(project, "dvc", "repro")
+    assert "Running stage" not in p.stdout, p.stdout
+    noop_s = time.perf_counter() - t0
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["evaluate"]["max_questions"] = 6
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    p = run(project, "dvc", "repro")
+    ran = [line.split("'")[1] for line in p.stdout.splitlines() if line.startswith("Running stage")]
+    assert ran == ["evaluate", "report"], p.stdout
+    print(f"no-op dvc repro took {noop_s:.1f} s")
+
+
+def test_generate_is_reproducible_and_resumes_after_a_kill(project):
+    out = project / "data/trajectories/train.parquet"
+    before = sha(out)
+    run(project, "dvc", "repro", "-f", "-s", "generate")
+    assert sha(out) == before  # same params + seed -> byte-identical trajectories
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["generate"]["shard_size"] = 4  # 4 shards; kill after the first is on disk
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out.unlink()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.generate"], cwd=project, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and not list((project / "data/.cache/generate").glob("*/shard-00000.parquet")):
+        time.sleep(1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()  # a killed stage leaves no output for DVC to cache
+    done = sorted(p.name for p in (project / "data/.cache/generate").glob("*/*.parquet"))
+    assert done and "shard-00003.parquet" not in done
+    p = run(project, sys.executable, "-m", "tasks.generate")
+    assert "already done, reusing" in p.stdout
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(out).column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 16
+    assert not (project / "data/.cache/generate").exists() or not any((project / "data/.cache/generate").iterdir())
