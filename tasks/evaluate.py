@@ -52,7 +52,7 @@ def main() -> None:
         systems.append(("teacher", "models/base", g["method"], g["scaffold"] or {}, g["temperature"], g.get(g["method"], {})))
     systems.append(("sft", "models/sft", "single", {}, p["temperature"], {}))
     metrics: dict[str, dict] = {}
-    with track.stage_run("evaluate", {"evaluate": p, "generate.method": g["method"]}) as run:
+    with track.stage_run("evaluate", {**p, "teacher_method": g["method"]}) as run:
         toolbox = make_toolbox(params)
         backend, loaded = None, None
         for name, model_dir, method, scaffold, temperature, mparams in systems:

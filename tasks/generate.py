@@ -43,7 +43,7 @@ def main() -> None:
     params = load_params()
     g = params["generate"]
     questions = read_table("data/raw/train.parquet", QUESTION)
-    with track.stage_run("generate", {"generate": g, "llm": params["llm"], "tools": params["tools"]}) as run:
+    with track.stage_run("generate", {**g, "seed": params["seed"], "llm": params["llm"], "tools": params["tools"]}) as run:
         shards = shard_dir(params, questions)
         shards.mkdir(parents=True, exist_ok=True)
         size = g["shard_size"]

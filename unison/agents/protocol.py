@@ -17,9 +17,10 @@ SYSTEM_PROMPT = (
 
 TOOL_TAGS = ("search", "python")
 STOPS = ["</search>", "</python>", "</answer>"]
-# Scaffold: per forced tag, the text the runtime prefills and the closing tag. A scaffolded turn's content is one
-# line: generation stops at the closing tag or a line break, and the runtime closes the tag itself if needed.
-SCAFFOLD = {"search": ("<search>", "</search>"), "python": ("<python>\nprint(", "</python>"), "answer": ("<answer>", "</answer>")}
+# Scaffold: per forced tag, the text the runtime prefills, the closing tag, and where the content ends (a query or an
+# expression is one line; an answer ends at a blank line). The runtime closes a tag the model leaves open.
+SCAFFOLD = {"search": ("<search>", "</search>", "\n"), "python": ("<python>\nprint(", "</python>", "\n"),
+            "answer": ("<answer>", "</answer>", "\n\n")}
 
 _CALL = re.compile(r"<(search|python)>(.*?)</\1>\s*$", re.DOTALL)
 

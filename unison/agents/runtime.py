@@ -120,14 +120,14 @@ def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunCon
             prompts, samplings, scaffolds = [], [], []
             for e in live:
                 tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
-                prefill, close = SCAFFOLD[tag] if tag else ("", None)
+                prefill, close, end = SCAFFOLD[tag] if tag else ("", None, None)
                 prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
                 budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
                 prompts.append(e.ids + prefill_ids)
                 scaffolds.append((prefill, prefill_ids, close))
                 samplings.append(Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
                                           max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
-                                          stop=[close, "\n"] if close else STOPS, seed=e.seed * 1009 + e.turn))
+                                          stop=[close, end] if close else STOPS, seed=e.seed * 1009 + e.turn))
             t0 = time.perf_counter()
             completions = backend.generate(prompts, samplings)
             llm_s = (time.perf_counter() - t0) / len(live)
