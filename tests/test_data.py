@@ -49,7 +49,8 @@ def test_sizes_and_mix_follow_params(world):
     _, train, test = world
     assert len(train) == DEFAULT_WORLD["train_size"] and len(test) == DEFAULT_WORLD["test_size"]
     hops = [meta(r)["hop"] for r in train]
-    assert hops.count("hop1") == 120 and hops.count("hop2") == 60 and hops.count("math") == 60
+    n, mix = DEFAULT_WORLD["train_size"], DEFAULT_WORLD["mix"]
+    assert {h: hops.count(h) for h in mix} == {h: round(n * share) for h, share in mix.items()}
     assert all((r["task"] == "math") == (meta(r)["hop"] == "math") for r in train + test)
     assert len({r["id"] for r in train + test}) == len(train) + len(test)
     assert len({meta(r)["type"] for r in test if r["task"] == "qa"}) == 11  # every question type is in the test split
