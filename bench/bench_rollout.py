@@ -25,13 +25,14 @@ REPORT = Path("reports/bench.json")
 
 
 class TimedBackend:
-    """A backend that adds up the wall time spent in `generate` (the runtime calls it once per step)."""
+    """A backend that adds up the wall time and prompt tokens of `generate` (the runtime calls it once per step)."""
 
     def __init__(self, backend):
         self.backend, self.tokenizer = backend, backend.tokenizer
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self.prompt_tokens = 0.0, 0, 0
 
     def generate(self, prompts, sampling):
+        self.prompt_tokens += sum(map(len, prompts))  # submitted; the shared prefix may come from vLLM's prefix cache
         t0 = time.perf_counter()
         try:
             return self.backend.generate(prompts, sampling)
@@ -70,25 +71,30 @@ def run_method(ctx, method: str, questions: list[dict], samples: int) -> dict:
     from unison.agents.methods import get_method
 
     backend, toolbox = ctx.backend, ctx.toolbox
-    llm_s0, tool_s0, llm_calls0 = backend.seconds, toolbox.seconds, backend.calls
+    llm_s0, tool_s0, llm_calls0, prompt0 = backend.seconds, toolbox.seconds, backend.calls, backend.prompt_tokens
     t0 = time.perf_counter()
     rows = get_method(method)(questions, samples, ctx)
     wall = time.perf_counter() - t0
     tokens = sum(r["n_tokens"] for r in rows)
     llm_s = backend.seconds - llm_s0
     return {"trajectories": len(rows), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "llm_calls": sum(r["n_llm_calls"] for r in rows), "tool_calls": sum(r["n_tool_calls"] for r in rows),
+            "prompt_tokens": backend.prompt_tokens - prompt0, "llm_calls": sum(r["n_llm_calls"] for r in rows),
+            "tool_calls": sum(r["n_tool_calls"] for r in rows),
             "tool_errors": sum(r["tool_errors"] for r in rows), "generate_calls": backend.calls - llm_calls0,
             "answered": sum(bool(r["final_answer"]) for r in rows) / len(rows),
             "llm_s": llm_s, "llm_fraction": llm_s / wall, "tool_call_s_summed": toolbox.seconds - tool_s0,
             "other_s": wall - llm_s}
 
 
-def run_sequential(ctx, method: str, questions: list[dict]) -> dict:
-    """The same runtime, one question (one sample) at a time: no batching across trajectories."""
-    parts = [run_method(ctx, method, [q], 1) for q in questions]
-    tokens, wall, llm_s = (sum(p[k] for p in parts) for k in ("tokens", "wall_s", "llm_s"))
-    return {"trajectories": len(parts), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+def run_sequential(ctx, method: str, questions: list[dict], max_s: float) -> dict:
+    """The same runtime, one question (one sample) at a time, no batching across trajectories; stops after `max_s`."""
+    parts = []
+    for q in questions:
+        parts.append(run_method(ctx, method, [q], 1))
+        if sum(p["wall_s"] for p in parts) > max_s:
+            break
+    tokens, wall, llm_s, prompt_tokens = (sum(p[k] for p in parts) for k in ("tokens", "wall_s", "llm_s", "prompt_tokens"))
+    return {"trajectories": len(parts), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "prompt_tokens": prompt_tokens,
             "llm_s": llm_s, "llm_fraction": llm_s / wall}
 
 
@@ -104,7 +110,8 @@ def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"sequences": len(prompts), "max_tokens": max_tokens, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    return {"sequences": len(prompts), "max_tokens": max_tokens, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "prompt_tokens": sum(map(len, prompts))}
 
 
 def machine_info(backend) -> dict:
@@ -117,6 +124,7 @@ def machine_info(backend) -> dict:
     return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "cpu_model": cpu_model,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "dtype": str(model_config.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torch": torch.__version__, "vllm": vllm.__version__, "python": platform.python_version()}
 
 
@@ -144,8 +152,8 @@ def format_table(result: dict) -> str:
             (f"runtime, batched ({result['workload']['method']})", result["runtime"],
              f"{result['runtime']['episodes']} episodes, LLM {result['runtime']['llm_fraction']:.0%} of wall"),
             ("runtime, one trajectory at a time", result["sequential"], f"{result['sequential']['trajectories']} trajectories")]
-    lines = [f"{'':36} {'tokens':>8} {'wall s':>8} {'tok/s':>8}  notes"]
-    lines += [f"{name:36} {r['tokens']:>8} {r['wall_s']:>8.1f} {r['tokens_per_s']:>8.1f}  {note}" for name, r, note in rows]
+    lines = [f"{'':36} {'prompt tok':>10} {'gen tok':>8} {'wall s':>8} {'gen tok/s':>9}  notes"]
+    lines += [f"{name:36} {r['prompt_tokens']:>10} {r['tokens']:>8} {r['wall_s']:>8.1f} {r['tokens_per_s']:>9.1f}  {note}" for name, r, note in rows]
     lines.append(f"runtime / plain = {result['runtime_vs_plain']:.2f}x   runtime / sequential = {result['runtime_vs_sequential']:.2f}x   "
                  f"(sequential would take ~{result['sequential']['projected_wall_s']:.0f} s for the runtime's workload)")
     return "\n".join(lines)
@@ -157,8 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--method", default="single", help="teacher method (single | debate)")
     ap.add_argument("--samples", type=int, default=2, help="samples per question")
     ap.add_argument("--sequential", type=int, default=8, help="questions run one at a time for the sequential baseline")
+    ap.add_argument("--sequential-max-s", type=float, default=60, help="stop the sequential baseline after this long")
+    ap.add_argument("--omp-threads", type=int, default=0, help="set OMP_NUM_THREADS for the engine (0 = leave as is)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.omp_threads:  # before torch starts its OpenMP pool
+        os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
 
     from unison.agents.context import make_toolbox, run_config
     from unison.agents.methods import MethodContext
@@ -201,9 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
     llm.reset_prefix_cache()
     plain = run_plain(llm, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p)
 
-    print(f"bench_rollout: sequential, {min(args.sequential, len(questions))} questions one at a time", flush=True)
+    print(f"bench_rollout: sequential, up to {min(args.sequential, len(questions))} questions one at a time", flush=True)
     llm.reset_prefix_cache()
-    sequential = run_sequential(ctx, args.method, questions[: args.sequential])
+    sequential = run_sequential(ctx, args.method, questions[: args.sequential], args.sequential_max_s)
     sequential["projected_wall_s"] = runtime["tokens"] / sequential["tokens_per_s"]
 
     result = {
