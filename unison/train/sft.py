@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ..data.schemas import atomic_path
+from ..data.schemas import atomic_dir
 from .token_view import retokenization_drift, token_view
 
 
@@ -137,11 +135,7 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
     model = acc.unwrap_model(model)
     if cfg.lora:
         model = model.merge_and_unload()  # save a plain model vLLM and transformers both load
-    tmp = atomic_path(Path(out_dir).with_suffix(".tmpdir"))
-    tmp.unlink()
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if Path(out_dir).exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
     return records
