@@ -103,8 +103,8 @@ def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # logprobs=0 and a seed per request, as the runtime's backend asks for them
-    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True, seed=i, logprobs=0)
+    # a seed per request, as the runtime's backend asks for them
+    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True, seed=i)
               for i in range(len(prompts))]
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

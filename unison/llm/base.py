@@ -11,6 +11,7 @@ class Sampling:
     max_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     seed: int = 0
+    logprobs: bool = False  # return the sampled tokens' logprobs (RL needs them; they cost ~15% of decode on CPU)
 
 
 @dataclass

