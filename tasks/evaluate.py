@@ -9,7 +9,8 @@ import gc
 import time
 
 from unison import track
-from unison.agents.context import make_toolbox, run_config
+from unison.agents.context import make_role_backends, make_toolbox, run_config
+from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, get_method
 from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
 from unison.judge import score
@@ -35,6 +36,7 @@ def system_metrics(rows: list[dict], wall_s: float, label_p: dict, n_boot: int, 
         sub = [r["correct"] for r in rows if r["task"] == task]
         out[f"accuracy_{task}"] = sum(sub) / len(sub)
     out["answered_rate"] = sum(bool(r["final_answer"]) for r in rows) / n
+    out.update({f"{k}_per_question": v / n for k, v in tool_totals(rows).items()})
     return out
 
 
@@ -60,7 +62,9 @@ def main() -> None:
                 backend = None
                 gc.collect()
                 backend, loaded = make_backend(model_dir, params["llm"], seed=params["seed"]), model_dir
-            ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=model_dir, scaffold=scaffold, params=mparams)
+            roles = make_role_backends(params) if name == "teacher" else {}
+            ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=model_dir, scaffold=scaffold, params=mparams,
+                                role_backends=roles)
             print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()
             rows = label_rows(get_method(method)(questions, 1, ctx), label_p)

@@ -12,7 +12,8 @@ from collections import Counter
 from pathlib import Path
 
 from unison import track
-from unison.agents.context import make_toolbox, run_config
+from unison.agents.context import make_role_backends, make_toolbox, run_config
+from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, get_method
 from unison.agents.trace import sample_traces
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
@@ -36,7 +37,7 @@ def summarize(rows: list[dict]) -> dict:
             "llm_calls_per_traj": sum(r["n_llm_calls"] for r in rows) / n, "tokens_per_traj": sum(r["n_tokens"] for r in rows) / n,
             "tool_calls_per_traj": sum(r["n_tool_calls"] for r in rows) / n, "tool_errors": sum(r["tool_errors"] for r in rows),
             "answered_rate": sum(bool(r["final_answer"]) for r in rows) / n,
-            **{f"finish_{k}": v / n for k, v in Counter(r["finish_reason"] for r in rows).items()}}
+            **{f"finish_{k}": v / n for k, v in Counter(r["finish_reason"] for r in rows).items()}, **tool_totals(rows)}
 
 
 def main() -> None:
@@ -58,7 +59,8 @@ def main() -> None:
                 if ctx is None:  # start the engine only if some shard is left to do
                     backend = make_backend("models/base", params["llm"], seed=params["seed"])
                     ctx = MethodContext(backend, make_toolbox(params), run_config(params, g["temperature"]), teacher=_model_id(),
-                                        scaffold=g["scaffold"] or {}, params=g.get(g["method"], {}))
+                                        scaffold=g["scaffold"] or {}, params=g.get(g["method"], {}),
+                                        role_backends=make_role_backends(params))
                 print(f"generate: shard {k + 1}/{len(chunks)} ({len(chunk)} questions x {g['samples']} samples, {g['method']})", flush=True)
                 write_table(get_method(g["method"])(chunk, g["samples"], ctx), path, TRAJECTORY)
             rows += read_table(path, TRAJECTORY)

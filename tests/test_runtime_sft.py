@@ -62,7 +62,7 @@ def test_scaffolded_episodes_are_token_in_token_out(smol):
 
 def test_tool_failures_become_observations():
     box = Toolbox(retriever=None)
-    box.python = lambda code: (_ for _ in ()).throw(RuntimeError("sandbox down"))  # a tool that crashes
+    box.handlers["python"] = lambda code: (_ for _ in ()).throw(RuntimeError("sandbox down"))  # a tool that crashes
     text, err, _ = _timed(box, "python", "print(1)")
     assert text == "error: RuntimeError: sandbox down" and err == "exception"
     assert box.call("search", "x") == ("error: search is not available", "unavailable")

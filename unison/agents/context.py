@@ -16,3 +16,20 @@ def run_config(params: dict, temperature: float) -> RunConfig:
     g = params["generate"]
     return RunConfig(temperature=temperature, top_p=g["top_p"], max_turns=g["max_turns"], max_tokens_per_turn=g["max_tokens_per_turn"],
                      max_tool_calls=g["max_tool_calls"], max_model_len=params["llm"]["max_model_len"])
+
+
+def make_role_backends(params: dict) -> dict:
+    """generate.roles: {role: {model: <dir or served name>, backend: ..., <llm overrides>}} -> {role: backend}.
+
+    Roles naming the same model and settings share one backend."""
+    from ..llm import make_backend
+
+    built, out = {}, {}
+    for role, spec in (params["generate"].get("roles") or {}).items():
+        spec = dict(spec)
+        model = spec.pop("model", "models/base")
+        key = repr((model, sorted(spec.items())))
+        if key not in built:
+            built[key] = make_backend(model, {**params["llm"], **spec}, seed=params["seed"])
+        out[role] = built[key]
+    return out

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
-from .protocol import SYSTEM_PROMPT, chat_prompt, question_messages
+from .protocol import DEFAULT_TOOLS, SYSTEM_PROMPT, chat_prompt, question_messages
 from .runtime import Episode, Segment
 
 PLACEHOLDER = "\x00unison-assistant\x00"
@@ -14,8 +15,11 @@ def stable_seed(*parts) -> int:
     return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:8], 16)
 
 
-def start_episode(tok, key: str, question: str, seed: int, scaffold: list[str]) -> Episode:
-    return Episode(key=key, prompt_ids=chat_prompt(tok, question_messages(question)), seed=seed, scaffold=list(scaffold))
+def start_episode(tok, key: str, question: str, seed: int, scaffold: list[str], system: str | None = SYSTEM_PROMPT,
+                  tools: tuple[str, ...] = DEFAULT_TOOLS) -> Episode:
+    """A fresh episode: `system` (the student protocol unless a role has its own) and one user turn."""
+    return Episode(key=key, prompt_ids=chat_prompt(tok, question_messages(question, system)), seed=seed, scaffold=list(scaffold),
+                   tools=tuple(tools))
 
 
 def continuation_ids(tok, user_text: str) -> list[int]:
@@ -28,12 +32,34 @@ def continuation_ids(tok, user_text: str) -> list[int]:
     return tok(after[len(tok.eos_token):], add_special_tokens=False)["input_ids"]
 
 
-def continue_episode(tok, prev: Episode, key: str, user_text: str, seed: int, scaffold: list[str]) -> Episode:
+def continue_episode(tok, prev: Episode, key: str, user_text: str, seed: int, scaffold: list[str],
+                     tools: tuple[str, ...] | None = None) -> Episode:
     """A new episode whose prompt is `prev`'s whole conversation plus one more user turn (multi-turn agent context)."""
     ids = prev.ids
     if not ids or ids[-1] != tok.eos_token_id:
         ids = ids + [tok.eos_token_id]
-    return Episode(key=key, prompt_ids=ids + continuation_ids(tok, user_text), seed=seed, scaffold=list(scaffold))
+    return Episode(key=key, prompt_ids=ids + continuation_ids(tok, user_text), seed=seed, scaffold=list(scaffold),
+                   tools=prev.tools if tools is None else tuple(tools))
+
+
+def merge_tool_stats(episodes: list[Episode]) -> dict[str, dict[str, int]]:
+    merged: dict[str, dict[str, int]] = {}
+    for e in episodes:
+        for tool, stats in e.tool_stats.items():
+            into = merged.setdefault(tool, {})
+            for k, v in stats.items():
+                into[k] = into.get(k, 0) + v
+    return merged
+
+
+def tool_totals(rows: list[dict]) -> dict[str, int]:
+    """Trajectory rows' tool stats summed: {"tool_search_calls": n, "tool_search_timeout": n, ...}."""
+    totals: dict[str, int] = {}
+    for r in rows:
+        for tool, stats in json.loads(r.get("tool_stats") or "{}").items():
+            for k, v in stats.items():
+                totals[f"tool_{tool}_{k}"] = totals.get(f"tool_{tool}_{k}", 0) + v
+    return dict(sorted(totals.items()))
 
 
 def student_messages(question: str, segments: list[Segment]) -> list[dict]:
@@ -68,6 +94,7 @@ def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: li
         "n_tool_calls": sum(e.n_tool_calls for e in episodes),
         "n_tokens": sum(e.n_tokens for e in episodes),
         "tool_errors": sum(e.tool_errors for e in episodes),
+        "tool_stats": json.dumps(merge_tool_stats(episodes), sort_keys=True),
         "latency_s": float(latency_s),
         "finish_reason": finish_reason,
     }

@@ -15,24 +15,32 @@ SYSTEM_PROMPT = (
     "<result>...</result>. You may reason inside <think>...</think>. End with <answer>short answer</answer>."
 )
 
-TOOL_TAGS = ("search", "python")
-STOPS = ["</search>", "</python>", "</answer>"]
+TOOL_TAGS = ("search", "python", "web_search", "crawl")
+DEFAULT_TOOLS = ("search", "python")
+
+
+def stops_for(tools: tuple[str, ...]) -> list[str]:
+    """Stop strings of a turn: the close tag of every tool the episode may call, and of the answer."""
+    return [f"</{t}>" for t in tools] + ["</answer>"]
+
+
+STOPS = stops_for(DEFAULT_TOOLS)
 # Scaffold: per forced tag, the text the runtime prefills, the closing tag, and where the content ends (a query or an
 # expression is one line; an answer ends at a blank line). The runtime closes a tag the model leaves open.
 SCAFFOLD = {"search": ("<search>", "</search>", "\n"), "python": ("<python>\nprint(", "</python>", "\n"),
             "answer": ("<answer>", "</answer>", "\n\n")}
 
-_CALL = re.compile(r"<(search|python)>(.*?)</\1>\s*$", re.DOTALL)
+_CALL = re.compile(r"<(%s)>(.*?)</\1>\s*$" % "|".join(sorted(TOOL_TAGS, key=len, reverse=True)), re.DOTALL)
 
 
 def observation(text: str) -> str:
     return f"\n<result>\n{text}\n</result>\n"
 
 
-def parse_tool_call(segment: str) -> tuple[str, str] | None:
-    """The tool call that ends a generated segment: (tool, argument), or None."""
+def parse_tool_call(segment: str, tools: tuple[str, ...] = TOOL_TAGS) -> tuple[str, str] | None:
+    """The tool call (of one of `tools`) that ends a generated segment: (tool, argument), or None."""
     m = _CALL.search(segment)
-    if not m:
+    if not m or m.group(1) not in tools:
         return None
     return m.group(1), m.group(2).strip()
 
@@ -47,5 +55,5 @@ def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def question_messages(question: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+def question_messages(question: str, system: str | None = SYSTEM_PROMPT) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ..llm import Sampling
-from .protocol import SCAFFOLD, STOPS, observation, parse_tool_call, split_queries
+from .protocol import DEFAULT_TOOLS, SCAFFOLD, observation, parse_tool_call, split_queries, stops_for
 
 
 @dataclass
@@ -31,13 +31,25 @@ class Episode:
     prompt_ids: list[int]
     seed: int
     scaffold: list[str] = field(default_factory=list)  # forced tag per turn: "search" | "python" | "answer"
+    tools: tuple[str, ...] = DEFAULT_TOOLS  # tools this episode may call; () = a role that only writes (critic, ranker)
     segments: list[Segment] = field(default_factory=list)
     finish_reason: str | None = None
     n_llm_calls: int = 0
     n_tool_calls: int = 0
-    tool_errors: int = 0
     n_tokens: int = 0
+    tool_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # tool -> {"calls", "errors", <error kind>: n}
     events: list[dict] = field(default_factory=list)  # llm/tool calls, for traces
+
+    def count_tool(self, tool: str, error: str | None = None) -> None:
+        stats = self.tool_stats.setdefault(tool, {"calls": 0, "errors": 0})
+        stats["calls"] += 1
+        if error:
+            stats["errors"] += 1
+            stats[error] = stats.get(error, 0) + 1
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(s["errors"] for s in self.tool_stats.values())
 
     @property
     def ids(self) -> list[int]:
@@ -68,19 +80,20 @@ class RunConfig:
 
 
 class Toolbox:
-    """The tools an episode may call; every call returns an observation string and whether it failed."""
+    """The tools an episode may call; every call returns an observation string and its error kind (None if it worked).
 
-    def __init__(self, retriever=None, python_params: dict | None = None, search_max_chars: int = 300):
+    Error kinds: timeout, error, empty_result, empty_query, empty_code, unavailable, unknown_tool (and the runtime's
+    unparsable, exception)."""
+
+    def __init__(self, retriever=None, python_params: dict | None = None, search_max_chars: int = 300, extra: dict | None = None):
         self.retriever = retriever
         self.python_params = python_params or {}
         self.search_max_chars = search_max_chars
+        self.handlers = {"search": lambda arg: self.search(split_queries(arg)), "python": self.python, **(extra or {})}
 
     def call(self, tool: str, arg: str) -> tuple[str, str | None]:
-        if tool == "search":
-            return self.search(split_queries(arg))
-        if tool == "python":
-            return self.python(arg)
-        return f"error: unknown tool {tool}", "unknown_tool"
+        handler = self.handlers.get(tool)
+        return handler(arg) if handler else (f"error: unknown tool {tool}", "unknown_tool")
 
     def search(self, queries: list[str]) -> tuple[str, str | None]:
         if self.retriever is None:
@@ -100,7 +113,10 @@ class Toolbox:
         if not code.strip():
             return "error: empty code", "empty_code"
         res = run_python(code, **self.python_params)
-        return (res.output or "(no output)") if res.ok else f"error: {res.error}\n{res.output}".strip(), None if res.ok else "python_error"
+        if res.ok:
+            return res.output or "(no output)", None
+        kind = "timeout" if res.error == "timeout" else "unavailable" if res.error.startswith("sandbox unavailable") else "error"
+        return f"error: {res.error}\n{res.output}".strip(), kind
 
 
 def _finish(e: Episode, reason: str, eos_id: int | None = None) -> None:
@@ -127,7 +143,7 @@ def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunCon
                 scaffolds.append((prefill, prefill_ids, close))
                 samplings.append(Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
                                           max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
-                                          stop=[close, end] if close else STOPS, seed=e.seed * 1009 + e.turn))
+                                          stop=[close, end] if close else stops_for(e.tools), seed=e.seed * 1009 + e.turn))
             t0 = time.perf_counter()
             completions = backend.generate(prompts, samplings)
             llm_s = (time.perf_counter() - t0) / len(live)
@@ -143,14 +159,15 @@ def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunCon
                 e.n_llm_calls += 1
                 e.n_tokens += len(c.token_ids)
                 e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text, "n_tokens": len(c.token_ids), "latency_s": llm_s})
-                call = parse_tool_call(seg.text) if stop in ("</search>", "</python>") else None
+                tool_stop = stop is not None and stop != "</answer>" and stop[2:-1] in e.tools
+                call = parse_tool_call(seg.text, e.tools) if tool_stop else None
                 if stop == "</answer>":
                     _finish(e, "answer", eos)
-                elif stop in ("</search>", "</python>"):
+                elif tool_stop:
                     if e.n_tool_calls >= cfg.max_tool_calls:
                         _finish(e, "max_tool_calls")
                     elif call is None:
-                        e.tool_errors += 1
+                        e.count_tool(stop[2:-1], "unparsable")
                         e.segments.append(_obs(tok, "error: could not parse the tool call"))
                     else:
                         calls.append((e, call))
@@ -164,7 +181,7 @@ def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunCon
                     _finish(e, "max_turns")
             for (e, (tool, arg)), (text, err, secs) in zip(calls, pool.map(lambda ec: _timed(toolbox, *ec[1]), calls)):
                 e.n_tool_calls += 1
-                e.tool_errors += err is not None
+                e.count_tool(tool, err)
                 e.events.append({"type": "tool", "tool": tool, "input": arg, "output": text, "error": err, "latency_s": secs})
                 e.segments.append(_obs(tok, text))
             done = [e for e in live if e.finish_reason is not None]

@@ -69,6 +69,7 @@ TRAJECTORY = pa.schema(
         ("n_tool_calls", pa.int32()),
         ("n_tokens", pa.int32()),
         ("tool_errors", pa.int32()),
+        ("tool_stats", pa.string()),  # JSON: tool -> {"calls", "errors", <error kind>: n}
         ("latency_s", pa.float64()),
         ("finish_reason", pa.string()),
     ]

@@ -14,9 +14,13 @@ class MethodContext:
     teacher: str  # model id recorded in each trajectory
     scaffold: dict[str, list[str]] = field(default_factory=dict)  # task -> forced tag per turn; {} = unscaffolded
     params: dict = field(default_factory=dict)  # the method's own params (e.g. generate.debate)
+    role_backends: dict = field(default_factory=dict)  # role -> backend, for roles with their own model (generate.roles)
 
     def scaffold_for(self, task: str) -> list[str]:
         return self.scaffold.get(task, [])
+
+    def backend_for(self, role: str):
+        return self.role_backends.get(role, self.backend)
 
 
 def get_method(name: str):
