@@ -23,10 +23,13 @@ class MethodContext:
         return self.role_backends.get(role, self.backend)
 
 
-def get_method(name: str):
-    from . import debate, single
+METHODS = ("single", "self_consistency", "debate", "dylan", "agentverse", "mav", "chain_of_agents", "agentflow", "gap")
 
-    methods = {"single": single.run, "debate": debate.run}
-    if name not in methods:
-        raise ValueError(f"params.yaml generate.method: unknown method {name!r} (one of {sorted(methods)})")
-    return methods[name]
+
+def get_method(name: str):
+    """The `run` function of unison/agents/methods/<name>.py."""
+    from importlib import import_module
+
+    if name not in METHODS:
+        raise ValueError(f"params.yaml generate.method: unknown method {name!r} (one of {sorted(METHODS)})")
+    return import_module(f".{name}", __package__).run
