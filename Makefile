@@ -9,6 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME := $(CURDIR)/.prefect
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
 .PHONY: setup demo test test-fast ui pipeline bench clean
 
