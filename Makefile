@@ -46,6 +46,7 @@ ui: setup
 
 bench: setup
 	$(PY) -m bench.bench_rollout
+	$(PY) -m bench.bench_methods
 
 clean:
 	rm -rf data models reports mlruns mlflow.db .prefect .unison .dvc/cache .dvc/tmp

@@ -25,14 +25,16 @@ REPORT = Path("reports/bench.json")
 
 
 class TimedBackend:
-    """A backend that adds up the wall time and prompt tokens of `generate` (the runtime calls it once per step)."""
+    """A backend that adds up the wall time and prompt tokens of `generate` (the runtime calls it once per step) and
+    records the widest step (the episodes running at once)."""
 
     def __init__(self, backend):
         self.backend, self.tokenizer = backend, backend.tokenizer
-        self.seconds, self.calls, self.prompt_tokens = 0.0, 0, 0
+        self.seconds, self.calls, self.prompt_tokens, self.widest = 0.0, 0, 0, 0
 
     def generate(self, prompts, sampling):
         self.prompt_tokens += sum(map(len, prompts))  # submitted; the shared prefix may come from vLLM's prefix cache
+        self.widest = max(self.widest, len(prompts))
         t0 = time.perf_counter()
         try:
             return self.backend.generate(prompts, sampling)
@@ -58,12 +60,29 @@ class TimedToolbox:
                 self.calls += 1
 
 
-def episodes_per_trajectory(method: str, method_params: dict) -> int:
-    """Agent episodes behind one trajectory row (debate: every agent in every round, plus an LLM aggregator)."""
-    if method == "debate":
-        agents, rounds = int(method_params.get("agents", 3)), int(method_params.get("rounds", 2))
-        return agents * rounds + (method_params.get("aggregator", "vote") == "llm")
-    return 1
+def measure_tool_concurrency(toolbox, queries: list[str], sleep_s: float = 0.2) -> dict:
+    """Wall time of k tool calls as one parallel turn vs one after another.
+
+    search: k queries in one `<search>q1 | ... | qk</search>` turn (one batched encode + faiss search) vs k turns;
+    python: k sandboxed runs through the runtime's thread pool vs serially (each sleeps `sleep_s`, standing in for a
+    latency-bound tool such as a remote search or a page fetch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    k = len(queries)
+    code = f"import time; time.sleep({sleep_s}); print(1)"
+    search_parallel = timed(lambda: toolbox.call("search", " | ".join(queries)))
+    search_serial = timed(lambda: [toolbox.call("search", q) for q in queries])
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        python_parallel = timed(lambda: list(pool.map(lambda _: toolbox.call("python", code), range(k))))
+    python_serial = timed(lambda: [toolbox.call("python", code) for _ in range(k)])
+    return {"k": k, "search_parallel_s": search_parallel, "search_serial_s": search_serial,
+            "search_speedup": search_serial / search_parallel, "python_sleep_s": sleep_s,
+            "python_parallel_s": python_parallel, "python_serial_s": python_serial, "python_speedup": python_serial / python_parallel}
 
 
 def run_method(ctx, method: str, questions: list[dict], samples: int) -> dict:
@@ -156,16 +175,22 @@ def format_table(result: dict) -> str:
     lines += [f"{name:36} {r['prompt_tokens']:>10} {r['tokens']:>8} {r['wall_s']:>8.1f} {r['tokens_per_s']:>9.1f}  {note}" for name, r, note in rows]
     lines.append(f"runtime / plain = {result['runtime_vs_plain']:.2f}x   runtime / sequential = {result['runtime_vs_sequential']:.2f}x   "
                  f"(sequential would take ~{result['sequential']['projected_wall_s']:.0f} s for the runtime's workload)")
+    if "tools" in result:
+        t = result["tools"]
+        lines.append(f"{t['k']} tool calls in one parallel turn vs serial: search {t['search_parallel_s']:.2f} s vs {t['search_serial_s']:.2f} s "
+                     f"({t['search_speedup']:.1f}x); python (sleep {t['python_sleep_s']} s) {t['python_parallel_s']:.2f} s vs "
+                     f"{t['python_serial_s']:.2f} s ({t['python_speedup']:.1f}x)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--questions", type=int, default=64, help="first N train questions")
-    ap.add_argument("--method", default="single", help="teacher method (single | debate)")
+    ap.add_argument("--method", default="single", help="teacher method (any of generate.method)")
     ap.add_argument("--samples", type=int, default=2, help="samples per question")
     ap.add_argument("--sequential", type=int, default=8, help="questions run one at a time for the sequential baseline")
     ap.add_argument("--sequential-max-s", type=float, default=60, help="stop the sequential baseline after this long")
+    ap.add_argument("--parallel-k", type=int, default=4, help="tool calls in the parallel-turn measurement")
     ap.add_argument("--omp-threads", type=int, default=0, help="set OMP_NUM_THREADS for the engine (0 = leave as is)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -204,12 +229,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
     llm.reset_prefix_cache()
     runtime = run_method(ctx, args.method, questions, args.samples)
-    runtime["episodes"] = runtime["trajectories"] * episodes_per_trajectory(args.method, method_params)
+    # plain decoding of the same number of tokens at the runtime's peak parallelism (its widest step)
+    runtime["episodes"] = backend.widest
     runtime["tokens_per_episode"] = runtime["tokens"] / runtime["episodes"]
 
     print(f"bench_rollout: plain decode, {runtime['episodes']} sequences", flush=True)
     prompts = [chat_prompt(backend.tokenizer, question_messages(q["question"])) for q in questions for _ in range(args.samples)]
-    prompts = [prompts[i % len(prompts)] for i in range(runtime["episodes"])]  # debate: each question's prompt per agent episode
+    prompts = [prompts[i % len(prompts)] for i in range(runtime["episodes"])]  # several agents per question: reuse prompts
     llm.reset_prefix_cache()
     plain = run_plain(llm, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p)
 
@@ -218,6 +244,9 @@ def main(argv: list[str] | None = None) -> dict:
     sequential = run_sequential(ctx, args.method, questions[: args.sequential], args.sequential_max_s)
     sequential["projected_wall_s"] = runtime["tokens"] / sequential["tokens_per_s"]
 
+    print(f"bench_rollout: tool concurrency, {args.parallel_k} calls in one parallel turn vs one after another", flush=True)
+    tools = measure_tool_concurrency(toolbox.toolbox, [q["question"] for q in questions[: args.parallel_k]])
+
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
         "machine": {**machine_info(backend.backend), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
@@ -225,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
                      "enforce_eager": params["llm"].get("enforce_eager", True)},
         "engine_start_s": engine_start_s,
-        "plain": plain, "runtime": runtime, "sequential": sequential,
+        "plain": plain, "runtime": runtime, "sequential": sequential, "tools": tools,
         "runtime_vs_plain": runtime["tokens_per_s"] / plain["tokens_per_s"],
         "runtime_vs_sequential": runtime["tokens_per_s"] / sequential["tokens_per_s"],
     }

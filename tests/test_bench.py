@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+import time
 
-from bench.bench_rollout import TimedToolbox, episodes_per_trajectory, format_table, save_report
+from bench.bench_rollout import TimedBackend, TimedToolbox, format_table, measure_tool_concurrency, save_report
 from unison.agents.runtime import Toolbox
 
 
@@ -17,10 +18,29 @@ def test_save_report_merges_under_its_key(tmp_path):
     assert json.loads(fresh.read_text()) == {"rollout": {"x": 1}}
 
 
-def test_episodes_per_trajectory():
-    assert episodes_per_trajectory("single", {}) == 1
-    assert episodes_per_trajectory("debate", {"agents": 3, "rounds": 2, "aggregator": "vote"}) == 6
-    assert episodes_per_trajectory("debate", {"agents": 4, "rounds": 3, "aggregator": "llm"}) == 13
+def test_timed_backend_records_the_widest_step():
+    class Echo:
+        tokenizer = None
+
+        def generate(self, prompts, sampling):
+            return list(prompts)
+
+    backend = TimedBackend(Echo())
+    backend.generate([[1, 2], [3]], [None, None])
+    backend.generate([[4, 5, 6]], [None])
+    assert (backend.widest, backend.calls, backend.prompt_tokens) == (2, 2, 6)
+
+
+def test_parallel_tool_turn_is_faster_than_serial_calls():
+    """k sandboxed runs that each sleep 0.3 s: through the thread pool they overlap, one after another they add up."""
+    class Retriever:
+        def search(self, queries):
+            time.sleep(0.05)  # one batched lookup per call, whatever the number of queries
+            return [[{"title": q, "text": q}] for q in queries]
+
+    fig = measure_tool_concurrency(Toolbox(Retriever(), python_params={"timeout_s": 10}), ["a", "b", "c", "d"], sleep_s=0.3)
+    assert fig["k"] == 4 and fig["search_speedup"] > 2
+    assert fig["python_serial_s"] >= 4 * 0.3 and fig["python_speedup"] > 1.5
 
 
 def test_timed_toolbox_counts_calls_and_passes_results_through():
@@ -37,3 +57,14 @@ def test_format_table_names_every_measurement():
               "runtime_vs_plain": 0.5, "runtime_vs_sequential": 4.0}
     table = format_table(result)
     assert "4 seqs x 25 tok" in table and "LLM 90% of wall" in table and "runtime / sequential = 4.00x" in table
+
+
+def test_method_table_has_accuracy_ci_and_costs_per_question():
+    from bench.bench_methods import format_table, method_figures
+
+    rows = [{"correct": c, "n_llm_calls": 4, "n_tokens": 50, "n_tool_calls": 1, "tool_errors": e, "final_answer": a}
+            for c, e, a in [(True, 0, "x"), (False, 1, ""), (True, 0, "y"), (False, 0, "z")]]
+    fig = method_figures(rows, wall_s=8.0, seed=0, n_boot=200)
+    assert fig["accuracy"] == 0.5 and fig["accuracy_lo"] <= 0.5 <= fig["accuracy_hi"]
+    assert (fig["llm_calls_per_q"], fig["tokens_per_q"], fig["tool_errors_per_q"], fig["answered"], fig["wall_s_per_q"]) == (4, 50, 0.25, 0.75, 2.0)
+    assert "| debate | 50.0% [" in format_table({"debate": fig})

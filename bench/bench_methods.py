@@ -1,0 +1,82 @@
+"""What each teacher method costs and scores on the demo benchmark: one engine, every method, the same test questions.
+
+For each method (its params from params.yaml, the teacher scaffold and temperature): accuracy with a bootstrap 95% CI,
+LLM calls, generated tokens and tool calls per question, and wall seconds per question. Prints a markdown table, saves
+it to reports/methods.md and the figures to reports/bench.json under "methods".
+
+    python -m bench.bench_methods [--questions 30] [--methods single,debate,...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from bench.bench_rollout import git_commit, save_report
+
+TABLE = Path("reports/methods.md")
+
+
+def method_figures(rows: list[dict], wall_s: float, seed: int, n_boot: int) -> dict:
+    from unison.judge.stats import bootstrap_ci
+
+    n = len(rows)
+    acc, lo, hi = bootstrap_ci([float(r["correct"]) for r in rows], n=n_boot, seed=seed)
+    return {"questions": n, "accuracy": acc, "accuracy_lo": lo, "accuracy_hi": hi,
+            "llm_calls_per_q": sum(r["n_llm_calls"] for r in rows) / n, "tokens_per_q": sum(r["n_tokens"] for r in rows) / n,
+            "tool_calls_per_q": sum(r["n_tool_calls"] for r in rows) / n, "tool_errors_per_q": sum(r["tool_errors"] for r in rows) / n,
+            "answered": sum(bool(r["final_answer"]) for r in rows) / n, "wall_s_per_q": wall_s / n}
+
+
+def format_table(figures: dict[str, dict]) -> str:
+    lines = ["| method | accuracy [95% CI] | LLM calls/q | gen tokens/q | tool calls/q | tool errors/q | wall s/q |",
+             "|---|---|---|---|---|---|---|"]
+    for name, f in figures.items():
+        lines.append(f"| {name} | {f['accuracy']:.1%} [{f['accuracy_lo']:.1%}, {f['accuracy_hi']:.1%}] | {f['llm_calls_per_q']:.1f} | "
+                     f"{f['tokens_per_q']:.0f} | {f['tool_calls_per_q']:.1f} | {f['tool_errors_per_q']:.2f} | {f['wall_s_per_q']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from unison.agents.methods import METHODS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--questions", type=int, default=30, help="first N test questions")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    ap.add_argument("--split", default="test", help="data/raw/<split>.parquet")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from tasks.label import label_rows
+    from unison.agents.context import make_role_backends, make_toolbox, run_config
+    from unison.agents.methods import MethodContext, get_method
+    from unison.data.schemas import QUESTION, read_table
+    from unison.llm import make_backend
+    from unison.params import load_params, stage_params
+
+    params = load_params()
+    g = params["generate"]
+    questions = read_table(f"data/raw/{args.split}.parquet", QUESTION)[: args.questions]
+    backend = make_backend("models/base", params["llm"], seed=params["seed"])
+    toolbox = make_toolbox(params)
+    figures = {}
+    for name in args.methods.split(","):
+        ctx = MethodContext(backend, toolbox, run_config(params, g["temperature"]), teacher="models/base", scaffold=g["scaffold"] or {},
+                            params=g.get(name, {}), role_backends=make_role_backends(params))
+        print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)
+        t0 = time.perf_counter()
+        rows = label_rows(get_method(name)(questions, 1, ctx), stage_params("label", params))
+        figures[name] = method_figures(rows, time.perf_counter() - t0, params["seed"], params["evaluate"]["bootstrap"])
+        print(format_table({name: figures[name]}).splitlines()[-1], flush=True)
+    table = format_table(figures)
+    print(table)
+    TABLE.parent.mkdir(parents=True, exist_ok=True)
+    TABLE.write_text(f"{len(questions)} {args.split} questions of the demo benchmark, teacher = models/base with the scaffold, "
+                     f"temperature {g['temperature']}\n\n{table}\n")
+    save_report({"split": args.split, "questions": len(questions), "git_commit": git_commit(), "methods": figures}, key="methods")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
