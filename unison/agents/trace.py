@@ -7,16 +7,14 @@ from .protocol import parse_tool_call
 
 
 def episode_from_row(row: dict) -> dict:
-    turns, rounds = [], {}
+    """Turns of every role in transcript order; an agent's round counts its separate blocks of turns (any method)."""
+    turns, rounds, current = [], {}, None
     for m in row["messages"]:
-        if m["role"] == "user" and m["name"] == "moderator":
-            rounds["pending"] = rounds.get("pending", 0) + 1
-        elif m["role"] == "assistant":
+        if m["role"] == "assistant":
             agent = m["name"] or "agent"
-            if rounds.get("pending"):
-                rounds[agent] = rounds.get(agent, 0) + 1
-                rounds["pending"] -= 1
-            turns.append({"agent": agent, "round": rounds.get(agent, 0),
+            if agent != current:
+                rounds[agent], current = rounds.get(agent, -1) + 1, agent
+            turns.append({"agent": agent, "round": rounds[agent],
                           "llm_calls": [{"prompt": "", "completion": m["content"], "n_tokens": None, "latency_s": None}], "tool_calls": []})
         elif m["role"] == "tool" and turns:
             call = parse_tool_call(turns[-1]["llm_calls"][-1]["completion"])
@@ -24,6 +22,8 @@ def episode_from_row(row: dict) -> dict:
             turns[-1]["tool_calls"].append({"tool": tool, "input": arg, "output": m["content"],
                                             "error": "error" if m["content"].startswith("\n<result>\nerror") else None,
                                             "latency_s": None})
+        else:  # a user/moderator/critic prompt ends the current block of turns
+            current = None
     return {"question": row["question"], "method": row["method"], "final_answer": row["final_answer"], "turns": turns}
 
 

