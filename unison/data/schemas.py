@@ -86,6 +86,22 @@ LABELED = pa.schema(
     ]
 )
 
+# One RL prompt (`data/rl/stage*.parquet`, written by `pareto`): verl's row layout plus the curriculum stage.
+RL_ROW = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("ground_truth", pa.list_(pa.string())), ("style", pa.string())])),
+        ("extra_info", pa.struct([
+            ("index", pa.int64()), ("question_id", pa.string()), ("question", pa.string()), ("split", pa.string()),
+            ("score_tool", pa.float64()), ("score_corr", pa.float64()), ("front", pa.int32()),
+            ("crowding", pa.float64()), ("mean_correctness", pa.float64()),
+        ])),
+        ("stage", pa.int32()),
+    ]
+)
+
 TASKS = ("qa", "math", "code")
 
 
