@@ -1,15 +1,25 @@
 """Tools and run settings from params.yaml, shared by the generate and evaluate stages."""
 from __future__ import annotations
 
+from ..tools.web import CACHE_DIR, enabled_web_tools, make_web_tools
+from .protocol import DEFAULT_TOOLS
 from .runtime import RunConfig, Toolbox
 
 
-def make_toolbox(params: dict, index_dir: str = "data/index") -> Toolbox:
+def make_toolbox(params: dict, index_dir: str = "data/index", web_cache_dir: str = CACHE_DIR) -> Toolbox:
+    """search + python, and the web tools params.yaml enables (tools.web_search_url, tools.crawl)."""
     from ..tools.retrieval import make_retriever
 
     t = params["tools"]
     python = {"timeout_s": t["python_timeout_s"], "memory_mb": t["python_memory_mb"], "max_output_chars": t["python_max_output_chars"]}
-    return Toolbox(make_retriever(index_dir, t), python_params=python, search_max_chars=t["search_max_chars"])
+    return Toolbox(make_retriever(index_dir, t), python_params=python, search_max_chars=t["search_max_chars"],
+                   extra=make_web_tools(t, web_cache_dir))
+
+
+def enabled_tools(params: dict) -> tuple[str, ...]:
+    """The tools an acting episode may call: the defaults plus the enabled web tools (for start_episode's `tools`, and
+    protocol.system_prompt(tools) for its `system`)."""
+    return DEFAULT_TOOLS + enabled_web_tools(params["tools"])
 
 
 def run_config(params: dict, temperature: float) -> RunConfig:

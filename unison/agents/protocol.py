@@ -17,6 +17,16 @@ SYSTEM_PROMPT = (
 
 TOOL_TAGS = ("search", "python", "web_search", "crawl")
 DEFAULT_TOOLS = ("search", "python")
+# One sentence per optional tool, appended to the system prompt when an episode may call it.
+TOOL_SENTENCES = {
+    "web_search": "To search the web write <web_search>query</web_search>; several queries can be joined with |.",
+    "crawl": "To read a web page write <crawl>url</crawl>.",
+}
+
+
+def system_prompt(tools: tuple[str, ...] = DEFAULT_TOOLS) -> str:
+    """SYSTEM_PROMPT plus a sentence for each enabled web tool (SYSTEM_PROMPT itself for the default tools)."""
+    return " ".join([SYSTEM_PROMPT] + [TOOL_SENTENCES[t] for t in tools if t in TOOL_SENTENCES])
 
 
 def stops_for(tools: tuple[str, ...]) -> list[str]:
@@ -28,7 +38,11 @@ STOPS = stops_for(DEFAULT_TOOLS)
 # Scaffold: per forced tag, the text the runtime prefills, the closing tag, and where the content ends (a query or an
 # expression is one line; an answer ends at a blank line). The runtime closes a tag the model leaves open.
 SCAFFOLD = {"search": ("<search>", "</search>", "\n"), "python": ("<python>\nprint(", "</python>", "\n"),
+            "web_search": ("<web_search>", "</web_search>", "\n"), "crawl": ("<crawl>", "</crawl>", "\n"),
             "answer": ("<answer>", "</answer>", "\n\n")}
+# Role tags (chain_of_agents, gap): a role's turn opens with its tag and its content ends at the close tag.
+ROLE_TAGS = ("think", "plan", "reflection", "suggested_answer", "double_check")
+SCAFFOLD.update({t: (f"<{t}>", f"</{t}>", f"</{t}>") for t in ROLE_TAGS})
 
 _CALL = re.compile(r"<(%s)>(.*?)</\1>\s*$" % "|".join(sorted(TOOL_TAGS, key=len, reverse=True)), re.DOTALL)
 

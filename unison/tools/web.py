@@ -1,0 +1,218 @@
+"""The `web_search` and `crawl` tools (off by default), with a disk cache of their answers.
+
+`web_search` POSTs {"q": query, "num": k} to `tools.web_search_url` and reads Serper's {"organic": [{title, link,
+snippet}]} (the contract of AFM's caching Serper proxy, research/seeds.md §2.6); queries joined by `|` run in parallel.
+`crawl` GETs each URL (several joined by " | ") and strips HTML to text. Both follow the runtime's handler contract
+`fn(arg) -> (observation, error kind or None)`: failures are observations of kind timeout / error / empty_result /
+empty_query. Answers are cached under `data/.cache/web/` by a hash of (tool, endpoint, query); errors are not cached.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import urlparse
+
+from ..agents.protocol import split_queries
+from ..data.schemas import atomic_path
+from ..http import HTTPFailure, request
+
+CACHE_DIR = "data/.cache/web"
+
+
+class WebCache:
+    """JSON answers on disk, one file per (tool, endpoint, query), written atomically; counts hits and misses."""
+
+    def __init__(self, root: str | os.PathLike = CACHE_DIR):
+        self.root = Path(root)
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def _path(self, tool: str, endpoint: str, query: str) -> Path:
+        digest = hashlib.sha256(json.dumps([tool, endpoint, query]).encode()).hexdigest()
+        return self.root / digest[:2] / f"{digest}.json"
+
+    def get(self, tool: str, endpoint: str, query: str, usable=lambda value: True):
+        """The cached answer if there is one and `usable(answer)`, else None (a miss)."""
+        try:
+            value = json.loads(self._path(tool, endpoint, query).read_text())
+        except (OSError, ValueError):  # absent, or cut short by a crash outside atomic writes
+            value = None
+        hit = value is not None and usable(value)
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
+        return value if hit else None
+
+    def put(self, tool: str, endpoint: str, query: str, value) -> None:
+        path = self._path(tool, endpoint, query)
+        tmp = atomic_path(path)
+        try:
+            tmp.write_text(json.dumps(value))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+class _WebTool:
+    """What both tools share: HTTP settings, the cache, and running several arguments in parallel."""
+
+    name = ""
+
+    def __init__(self, endpoint: str, max_chars: int, timeout_s: float, retries: int, cache: WebCache | None, backoff_s: float):
+        self.endpoint, self.max_chars = endpoint, max_chars
+        self.http = {"timeout": timeout_s, "retries": retries, "backoff_s": backoff_s}
+        self.cache = cache or WebCache()
+
+    def __call__(self, arg: str) -> tuple[str, str | None]:
+        items = self.split(arg)
+        if not items:
+            return f"error: empty {self.name} input", "empty_query"
+        with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
+            results = list(pool.map(self._one_safely, items))
+        kinds = [k for _, k in results]
+        failed = [k for k in kinds if k not in (None, "empty_result")]
+        kind = failed[0] if failed else None if None in kinds else "empty_result"
+        return "\n---\n".join(text for text, _ in results), kind
+
+    def _one_safely(self, item: str) -> tuple[str, str | None]:
+        try:
+            return self.one(item)
+        except HTTPFailure as e:
+            return f"error: {self.name} {item!r}: {e.detail}", e.kind
+        except ValueError as e:  # a malformed answer (bad JSON) or input
+            return f"error: {self.name} {item!r}: {e}", "error"
+
+    def split(self, arg: str) -> list[str]:
+        raise NotImplementedError
+
+    def one(self, item: str) -> tuple[str, str | None]:
+        raise NotImplementedError
+
+
+class WebSearch(_WebTool):
+    name = "web_search"
+
+    def __init__(self, url: str, topk: int = 3, max_chars: int = 300, timeout_s: float = 15.0, retries: int = 2,
+                 api_key_env: str = "", cache: WebCache | None = None, backoff_s: float = 0.5):
+        super().__init__(url, max_chars, timeout_s, retries, cache, backoff_s)
+        self.topk = topk
+        key = os.environ.get(api_key_env) if api_key_env else None
+        self.headers = {"X-API-KEY": key} if key else {}  # Serper's header
+
+    def split(self, arg: str) -> list[str]:
+        return split_queries(arg)
+
+    def results(self, query: str) -> list[dict]:
+        """Top-k organic results ({title, link, snippet}); a cached answer serves when it holds at least k (as AFM's)."""
+        cached = self.cache.get(self.name, self.endpoint, query, usable=lambda v: v.get("num", 0) >= self.topk)
+        if cached is None:
+            response = request("POST", self.endpoint, json={"q": query, "num": self.topk}, headers=self.headers, **self.http)
+            cached = {"num": self.topk, "organic": response.json().get("organic") or []}
+            self.cache.put(self.name, self.endpoint, query, cached)
+        return cached["organic"][: self.topk]
+
+    def one(self, query: str) -> tuple[str, str | None]:
+        hits = self.results(query)
+        if not hits:
+            return f"no results for {query!r}", "empty_result"
+        return "\n".join(f"Doc {k} (Title: {h.get('title', '')}) {h.get('snippet', '')[: self.max_chars]} ({h.get('link', '')})"
+                         for k, h in enumerate(hits, 1)), None
+
+
+class Crawl(_WebTool):
+    name = "crawl"
+
+    def __init__(self, max_chars: int = 2000, timeout_s: float = 15.0, retries: int = 2, cache: WebCache | None = None,
+                 backoff_s: float = 0.5):
+        super().__init__("GET", max_chars, timeout_s, retries, cache, backoff_s)
+
+    def split(self, arg: str) -> list[str]:
+        return [u.strip() for u in arg.split(" | ") if u.strip()]
+
+    def page_text(self, url: str) -> str:
+        """The page as plain text (HTML stripped), cached whole; the observation cuts it to `max_chars`."""
+        cached = self.cache.get(self.name, self.endpoint, url)
+        if cached is None:
+            response = request("GET", url, headers={"User-Agent": "unison-crawl/0.1"}, **self.http)
+            kind = response.headers.get("Content-Type", "")
+            if "html" in kind or (not kind and response.text.lstrip().startswith("<")):
+                cached = html_to_text(response.text)
+            elif kind.startswith("text/") or "json" in kind or not kind:
+                cached = response.text.strip()
+            else:
+                raise ValueError(f"unsupported content type {kind}")
+            self.cache.put(self.name, self.endpoint, url, cached)
+        return cached
+
+    def one(self, url: str) -> tuple[str, str | None]:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            return f"error: not an http(s) URL: {url!r}", "error"
+        text = self.page_text(url)
+        if not text:
+            return f"no text at {url}", "empty_result"
+        return f"Page {url}\n{text[: self.max_chars]}", None
+
+
+class _TextExtractor(HTMLParser):
+    SKIP = {"script", "style", "noscript", "template", "svg"}
+    BLOCK = {"p", "div", "br", "li", "ul", "ol", "tr", "table", "h1", "h2", "h3", "h4", "h5", "h6", "title", "section",
+             "article", "header", "footer", "nav", "pre", "blockquote", "dt", "dd", "hr"}
+
+    def __init__(self):
+        super().__init__()  # convert_charrefs: &amp; etc. arrive decoded
+        self.parts: list[str] = []
+        self.skip = self.pre = 0
+
+    def handle_starttag(self, tag, attrs):
+        self._depth(tag, +1)
+
+    def handle_endtag(self, tag):
+        self._depth(tag, -1)
+
+    def _depth(self, tag: str, step: int) -> None:
+        if tag in self.SKIP:
+            self.skip = max(0, self.skip + step)
+        elif tag in self.BLOCK:
+            self.parts.append("\n")
+            if tag == "pre":
+                self.pre = max(0, self.pre + step)
+
+    def handle_data(self, data):
+        if not self.skip:  # line breaks in the source are spaces, except inside <pre>
+            self.parts.append(data if self.pre else re.sub(r"\s+", " ", data))
+
+
+def html_to_text(html: str) -> str:
+    """Visible text of an HTML page: scripts and styles dropped, one line per block, whitespace collapsed."""
+    parser = _TextExtractor()
+    parser.feed(html)
+    parser.close()
+    lines = (re.sub(r"\s+", " ", line).strip() for line in "".join(parser.parts).split("\n"))
+    return "\n".join(line for line in lines if line)
+
+
+def enabled_web_tools(tools_params: dict) -> tuple[str, ...]:
+    """The web tools params.yaml turns on: web_search when `web_search_url` is set, crawl when `crawl` is true."""
+    return (("web_search",) if tools_params.get("web_search_url") else ()) + (("crawl",) if tools_params.get("crawl") else ())
+
+
+def make_web_tools(tools_params: dict, cache_dir: str | os.PathLike = CACHE_DIR) -> dict:
+    """Toolbox handlers for the enabled web tools (name -> fn(arg)), sharing one cache."""
+    t, cache = tools_params, WebCache(cache_dir)
+    common = {"timeout_s": t.get("web_timeout_s", 15), "cache": cache}
+    handlers = {}
+    if "web_search" in enabled_web_tools(t):
+        handlers["web_search"] = WebSearch(t["web_search_url"], topk=t.get("web_topk", 3), max_chars=t.get("search_max_chars", 300),
+                                           api_key_env=t.get("web_api_key_env", ""), **common)
+    if "crawl" in enabled_web_tools(t):
+        handlers["crawl"] = Crawl(max_chars=t.get("web_max_chars", 2000), **common)
+    return handlers
