@@ -1,0 +1,53 @@
+"""`self_consistency`: AgentArk self_consistency — `samples` (parallel_num) independent tool-using answers, then an
+aggregator: a free-form majority vote, or one LLM call with AgentArk's aggregator prompt (a free-form <answer>, where
+AgentArk constrains the call to A-D).
+
+Student rendering: as debate's — an agreeing answer's tool turns, closed by the final answer.
+"""
+from __future__ import annotations
+
+import time
+
+from ..episodes import agent_messages, stable_seed, start_episode, trajectory_row
+from ..runtime import Episode, run_episodes
+from .debate import majority, response, student_rendering
+
+AGGREGATOR_SYSTEM = "You read several solutions to a task and give the one final answer they support best."
+
+
+def aggregate_prompt(question: str, paths: list[Episode]) -> str:
+    sols = "\n\n".join(f"Solution {k + 1}: {response(e)}" for k, e in enumerate(paths))
+    return (f"Task: {question}\n\n{sols}\n\nGiven the task and all the above solutions, reason over them carefully and "
+            f"provide a final answer to the task as <answer>...</answer>.")
+
+
+def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+    tok = ctx.backend.tokenizer
+    n_paths, aggregator = int(ctx.params.get("samples", 5)), ctx.params.get("aggregator", "vote")
+    if aggregator not in ("vote", "llm"):
+        raise ValueError(f"params.yaml generate.self_consistency.aggregator: unknown {aggregator!r} (vote | llm)")
+    groups = [(q, s) for q in questions for s in range(samples)]
+    t0 = time.perf_counter()
+    paths = [[start_episode(tok, f"{q['id']}/{s}/p{k}", q["question"], stable_seed(q["id"], s, k), ctx.scaffold_for(q["task"]))
+              for k in range(n_paths)] for q, s in groups]
+    run_episodes([e for g in paths for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc="self_consistency")
+    aggs: list[Episode | None] = [None] * len(groups)
+    if aggregator == "llm":
+        backend = ctx.backend_for("aggregator")
+        aggs = [start_episode(backend.tokenizer, f"{q['id']}/{s}/agg", aggregate_prompt(q["question"], g), stable_seed(q["id"], s, "agg"),
+                              ["answer"] if ctx.scaffold else [], system=AGGREGATOR_SYSTEM, tools=()) for (q, s), g in zip(groups, paths)]
+        run_episodes(aggs, backend, ctx.toolbox, ctx.cfg, desc="self_consistency aggregate")
+    per_group = (time.perf_counter() - t0) / max(1, len(groups))
+
+    rows = []
+    for (q, s), g, agg in zip(groups, paths, aggs):
+        final = (agg.answer if agg is not None else None) or majority([e.answer for e in g])
+        messages = [{"role": "user", "name": None, "content": q["question"]}]
+        for k, e in enumerate(g):
+            messages += agent_messages(e, f"agent{k}")
+        if agg is not None:
+            messages += [{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], g)}] + agent_messages(agg, "aggregator")
+        messages.append({"role": "assistant", "name": f"aggregator({aggregator})", "content": f"<answer>{final or ''}</answer>"})
+        rows.append(trajectory_row(q, s, "self_consistency", ctx.teacher, messages, student_rendering(q["question"], g, g, final), final,
+                                   g + ([agg] if agg is not None else []), per_group, "answer" if final else "no_answer"))
+    return rows
