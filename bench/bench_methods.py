@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from tasks.label import label_rows
-    from unison.agents.context import make_role_backends, make_toolbox, run_config
+    from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, run_config
     from unison.agents.methods import MethodContext, get_method
     from unison.data.schemas import QUESTION, read_table
     from unison.llm import make_backend
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures = {}
     for name in args.methods.split(","):
         ctx = MethodContext(backend, toolbox, run_config(params, g["temperature"]), teacher="models/base", scaffold=g["scaffold"] or {},
-                            params=g.get(name, {}), role_backends=make_role_backends(params))
+                            params=g.get(name, {}), role_backends=make_role_backends(params), tools=enabled_tools(params))
         print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)
         t0 = time.perf_counter()
         rows = label_rows(get_method(name)(questions, 1, ctx), stage_params("label", params))

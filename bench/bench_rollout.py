@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.omp_threads:  # before torch starts its OpenMP pool
         os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
 
-    from unison.agents.context import make_toolbox, run_config
+    from unison.agents.context import enabled_tools, make_toolbox, run_config
     from unison.agents.methods import MethodContext
     from unison.agents.protocol import chat_prompt, question_messages
     from unison.data.schemas import QUESTION, read_table
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     toolbox = TimedToolbox(make_toolbox(params))
     cfg = run_config(params, g["temperature"])
     method_params = g.get(args.method, {})
-    ctx = MethodContext(backend, toolbox, cfg, teacher="models/base", scaffold=g["scaffold"] or {}, params=method_params)
+    ctx = MethodContext(backend, toolbox, cfg, teacher="models/base", scaffold=g["scaffold"] or {}, params=method_params,
+                        tools=enabled_tools(params))
     llm = backend.backend.llm
 
     # warm up once (first-call costs: the sandbox probe, the encoder's first batch, the engine's first step)

@@ -9,7 +9,7 @@ import gc
 import time
 
 from unison import track
-from unison.agents.context import make_role_backends, make_toolbox, run_config
+from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, run_config
 from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, get_method
 from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
@@ -64,7 +64,7 @@ def main() -> None:
                 backend, loaded = make_backend(model_dir, params["llm"], seed=params["seed"]), model_dir
             roles = make_role_backends(params) if name == "teacher" else {}
             ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=model_dir, scaffold=scaffold, params=mparams,
-                                role_backends=roles)
+                                role_backends=roles, tools=enabled_tools(params))
             print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()
             rows = label_rows(get_method(method)(questions, 1, ctx), label_p)

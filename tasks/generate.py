@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from unison import track
-from unison.agents.context import make_role_backends, make_toolbox, run_config
+from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, run_config
 from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, get_method
 from unison.agents.trace import sample_traces
@@ -60,7 +60,7 @@ def main() -> None:
                     backend = make_backend("models/base", params["llm"], seed=params["seed"])
                     ctx = MethodContext(backend, make_toolbox(params), run_config(params, g["temperature"]), teacher=_model_id(),
                                         scaffold=g["scaffold"] or {}, params=g.get(g["method"], {}),
-                                        role_backends=make_role_backends(params))
+                                        role_backends=make_role_backends(params), tools=enabled_tools(params))
                 print(f"generate: shard {k + 1}/{len(chunks)} ({len(chunk)} questions x {g['samples']} samples, {g['method']})", flush=True)
                 write_table(get_method(g["method"])(chunk, g["samples"], ctx), path, TRAJECTORY)
             rows += read_table(path, TRAJECTORY)

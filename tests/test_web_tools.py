@@ -151,3 +151,25 @@ def test_episode_calls_web_search_through_the_toolbox(server, base_model_dir, tm
     assert e.segments[1].kind == "obs" and "Doc 1 (Title: " in e.segments[1].text and "(https://example.org/1)" in e.segments[1].text
     assert e.tool_stats["web_search"]["calls"] == 1 and server.requests[0]["path"] == "/search"
     assert e.segments[2].text.startswith("<answer>") and e.finish_reason in ("answer", "max_turns", "length")
+
+
+def test_enabled_web_tools_reach_acting_agents_and_their_student_rendering(base_model_dir):
+    """A method's acting agents get the enabled tools (stop strings, system prompt); its student rendering says so too."""
+    from transformers import AutoTokenizer
+
+    from unison.agents.episodes import student_messages
+    from unison.agents.methods import MethodContext
+    from unison.agents.protocol import stops_for
+    from unison.agents.runtime import RunConfig, Toolbox
+
+    class Backend:
+        tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+
+    tools = enabled_tools({"tools": {"web_search_url": "http://127.0.0.1:9", "crawl": True}})
+    ctx = MethodContext(Backend(), Toolbox(), RunConfig(), "t", scaffold={"qa": ["search", "answer"]}, tools=tools)
+    e = ctx.solver_episode("q/0", "Who founded Orlen?", 1, "qa")
+    assert e.tools == ("search", "python", "web_search", "crawl") and e.scaffold == ["search", "answer"]
+    assert stops_for(e.tools) == ["</search>", "</python>", "</web_search>", "</crawl>", "</answer>"]
+    assert "<web_search>query</web_search>" in Backend.tokenizer.decode(e.prompt_ids)
+    assert student_messages("Who founded Orlen?", [], ctx.system)[0]["content"] == system_prompt(tools) != SYSTEM_PROMPT
+    assert MethodContext(Backend(), Toolbox(), RunConfig(), "t").system == SYSTEM_PROMPT  # defaults: the plain protocol

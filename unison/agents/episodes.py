@@ -62,9 +62,9 @@ def tool_totals(rows: list[dict]) -> dict[str, int]:
     return dict(sorted(totals.items()))
 
 
-def student_messages(question: str, segments: list[Segment]) -> list[dict]:
+def student_messages(question: str, segments: list[Segment], system: str = SYSTEM_PROMPT) -> list[dict]:
     """The single-agent rendering: system + user, then assistant segments and tool observations with their ids."""
-    msgs = [{"role": "system", "content": SYSTEM_PROMPT, "token_ids": []}, {"role": "user", "content": question, "token_ids": []}]
+    msgs = [{"role": "system", "content": system, "token_ids": []}, {"role": "user", "content": question, "token_ids": []}]
     for s in segments:
         msgs.append({"role": "assistant" if s.kind == "gen" else "tool", "content": s.text, "token_ids": list(s.ids)})
     return msgs

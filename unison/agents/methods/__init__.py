@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..runtime import RunConfig, Toolbox
+from ..episodes import start_episode
+from ..protocol import DEFAULT_TOOLS, system_prompt
+from ..runtime import Episode, RunConfig, Toolbox
 
 
 @dataclass
@@ -15,9 +17,19 @@ class MethodContext:
     scaffold: dict[str, list[str]] = field(default_factory=dict)  # task -> forced tag per turn; {} = unscaffolded
     params: dict = field(default_factory=dict)  # the method's own params (e.g. generate.debate)
     role_backends: dict = field(default_factory=dict)  # role -> backend, for roles with their own model (generate.roles)
+    tools: tuple[str, ...] = DEFAULT_TOOLS  # tools acting agents may call (the stages pass context.enabled_tools(params))
 
     def scaffold_for(self, task: str) -> list[str]:
         return self.scaffold.get(task, [])
+
+    @property
+    def system(self) -> str:
+        """The student protocol's system prompt for this context's tools."""
+        return system_prompt(self.tools)
+
+    def solver_episode(self, key: str, question: str, seed: int, task: str) -> Episode:
+        """An agent acting on the student protocol: this context's tools and the scaffold for the question's task."""
+        return start_episode(self.backend.tokenizer, key, question, seed, self.scaffold_for(task), system=self.system, tools=self.tools)
 
     def backend_for(self, role: str):
         return self.role_backends.get(role, self.backend)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..episodes import agent_messages, stable_seed, start_episode, student_messages, trajectory_row
-from ..protocol import SCAFFOLD, SYSTEM_PROMPT, TOOL_TAGS
+from ..protocol import SCAFFOLD
 from ..runtime import Episode, Segment, run_episodes
 
 RESULT_CHARS = 400  # of a tool result kept in the memory (AgentFlow truncates results too)
@@ -23,7 +23,7 @@ NEXT_STEP = ("Task: Determine the optimal next step to address the query using a
              "Query: {question}\nQuery Analysis: {analysis}\nAvailable Tools: {tools}\nPrevious Steps: {memory}\n\n"
              "Select the single best tool and a specific, achievable sub-goal for it. End with:\nSub-Goal: <sub_goal>\n"
              "Tool Name: <tool_name>")
-EXECUTOR = SYSTEM_PROMPT + " This step serves the query: {question}"  # its user turn is the sub-goal alone (a small
+EXECUTOR = " This step serves the query: {question}"  # its user turn is the sub-goal alone (a small
 # teacher writes a usable call only then; AgentFlow's executor sees the query, the sub-goal and the planner's context)
 VERIFY = ("Task: Evaluate if the current memory is complete and accurate enough to answer the query, or if more tools are "
           "needed.\n\nQuery: {question}\nAvailable Tools: {tools}\nInitial Analysis: {analysis}\n"
@@ -104,7 +104,7 @@ def own_ids(segments: list[Segment], ctx, role: str) -> list[Segment]:
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     max_steps = int(ctx.params.get("max_steps", 3))
-    tools = tuple(t for t in TOOL_TAGS if t in ctx.toolbox.handlers)
+    tools, system = ctx.tools, ctx.system
     flows = [Flow(q, s, messages=[{"role": "user", "name": None, "content": q["question"]}]) for q in questions for s in range(samples)]
     t0 = time.perf_counter()
     for f, e in zip(flows, phase(flows, "planner", [f.prompt(ANALYSIS, tools=tools) for f in flows], "analysis", ctx)):
@@ -116,7 +116,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         nexts = phase(live, "planner", [f.prompt(NEXT_STEP, tools=tools) for f in live], f"step{k} plan", ctx)
         picks = [parse_next_step(e.text, tools, "python" if f.q["task"] == "math" else "search", f.q["question"])
                  for f, e in zip(live, nexts)]
-        runs = phase(live, "executor", [g for g, _ in picks], f"step{k} execute", ctx, [f.prompt(EXECUTOR) for f in live],
+        runs = phase(live, "executor", [g for g, _ in picks], f"step{k} execute", ctx, [system + EXECUTOR.format(question=f.q["question"]) for f in live],
                      [[t] if ctx.scaffold and t in SCAFFOLD else [] for _, t in picks], [(t,) for _, t in picks])
         for f, (goal, tool), e in zip(live, picks, runs):
             command, result = executed(e, tool)
@@ -127,12 +127,12 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         if k < max_steps:
             checks = phase(live, "verifier", [f.prompt(VERIFY, tools=tools) for f in live], f"step{k} verify", ctx)
             live = [f for f, e in zip(live, checks) if verdict(e.text) == "CONTINUE"]
-    answers = phase(flows, "generator", [f.prompt(ANSWER) for f in flows], "answer", ctx, SYSTEM_PROMPT,
+    answers = phase(flows, "generator", [f.prompt(ANSWER) for f in flows], "answer", ctx, system,
                     [["answer"] if ctx.scaffold else [] for _ in flows])
     per_group = (time.perf_counter() - t0) / max(1, len(flows))
     rows = []
     for f, e in zip(flows, answers):
         segments = f.segments + own_ids(e.segments, ctx, "generator")
-        rows.append(trajectory_row(f.q, f.sample, "agentflow", ctx.teacher, f.messages, student_messages(f.q["question"], segments),
+        rows.append(trajectory_row(f.q, f.sample, "agentflow", ctx.teacher, f.messages, student_messages(f.q["question"], segments, system),
                                    e.answer, f.episodes, per_group, "answer" if e.answer else "no_answer"))
     return rows

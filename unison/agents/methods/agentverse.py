@@ -87,8 +87,8 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
                                               system=system, tools=())
 
     t0 = time.perf_counter()
-    phase([(g, "solver", None, start_episode(tok, f"{q['id']}/{s}/solve0", q["question"], stable_seed(q["id"], s, "solve0"),
-                                             ctx.scaffold_for(q["task"]))) for g, (q, s) in enumerate(groups)], ctx.backend, "agentverse solve t1")
+    phase([(g, "solver", None, ctx.solver_episode(f"{q['id']}/{s}/solve0", q["question"], stable_seed(q["id"], s, "solve0"), q["task"]))
+           for g, (q, s) in enumerate(groups)], ctx.backend, "agentverse solve t1")
     live, advice = list(range(len(groups))), {}
     for t in range(turns):
         if t:
@@ -117,7 +117,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     for g, (q, s) in enumerate(groups):
         final = next((e.answer for e in reversed(solutions[g]) if e.answer), None)  # the last solution that gave an answer
         messages[g].append({"role": "assistant", "name": "aggregator(last)", "content": f"<answer>{final or ''}</answer>"})
-        student = student_rendering(q["question"], solutions[g][:1], solutions[g][:1], final)
+        student = student_rendering(q["question"], solutions[g][:1], solutions[g][:1], final, ctx.system)
         rows.append(trajectory_row(q, s, "agentverse", ctx.teacher, messages[g], student, final, episodes[g], per_group,
                                    "answer" if final else "no_answer"))
     return rows

@@ -50,7 +50,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     groups = [(q, s) for q in questions for s in range(samples)]
     t0 = time.perf_counter()
     rounds: list[list[list[Episode]]] = []  # rounds[r][group][agent]
-    first = [[start_episode(tok, f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), ctx.scaffold_for(q["task"]))
+    first = [[ctx.solver_episode(f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), q["task"])
               for a in range(n_agents)] for q, s in groups]
     run_episodes([e for g in first for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc="debate r1")
     rounds.append(first)
@@ -84,16 +84,16 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
                 messages += agent_messages(e, f"agent{a}")
         messages.append({"role": "assistant", "name": f"aggregator({aggregator})", "content": f"<answer>{final or ''}</answer>"})
         episodes = [e for rnd in rounds for e in rnd[g]] + ([agg] if agg is not None else [])
-        rows.append(trajectory_row(q, s, "debate", ctx.teacher, messages, student_rendering(q["question"], rounds[0][g], last, final),
+        rows.append(trajectory_row(q, s, "debate", ctx.teacher, messages, student_rendering(q["question"], rounds[0][g], last, final, ctx.system),
                                    final, episodes, per_group, "answer" if final else "no_answer"))
     return rows
 
 
-def student_rendering(question: str, first: list[Episode], last: list[Episode], final: str | None) -> list[dict]:
+def student_rendering(question: str, first: list[Episode], last: list[Episode], final: str | None, system: str) -> list[dict]:
     """The first-round tool turns of the agent that ended agreeing with `final`, closed by the final answer."""
     pick = next((a for a, e in enumerate(last) if final and e.answer and normalize_answer(e.answer) == normalize_answer(final)), 0)
     segments = list(first[pick].segments)
     while segments and segments[-1].kind == "gen" and "<answer>" in segments[-1].text:
         segments.pop()
     segments.append(Segment("gen", f"<answer>{final or ''}</answer>", []))
-    return student_messages(question, segments)
+    return student_messages(question, segments, system)

@@ -53,7 +53,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     ranker, follow = ctx.backend_for("ranker"), ["answer"] if ctx.scaffold else []
     groups = [(q, s) for q in questions for s in range(samples)]
     t0 = time.perf_counter()
-    layers = [[{a: start_episode(tok, f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), ctx.scaffold_for(q["task"]))
+    layers = [[{a: ctx.solver_episode(f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), q["task"])
                 for a in range(n_agents)}] for q, s in groups]  # layers[group][round] = {agent: episode}
     run_episodes([e for g in layers for e in g[0].values()], ctx.backend, ctx.toolbox, ctx.cfg, desc="dylan r1")
     rankers: dict[tuple[int, int], Episode] = {}  # (group, round) -> the ranker that chose that round's agents
@@ -92,7 +92,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
                 messages += agent_messages(e, f"agent{a}")
                 episodes.append(e)
         messages.append({"role": "assistant", "name": "aggregator(vote)", "content": f"<answer>{final or ''}</answer>"})
-        student = student_rendering(q["question"], [layers[g][0][a] for a in last], list(last.values()), final)
+        student = student_rendering(q["question"], [layers[g][0][a] for a in last], list(last.values()), final, ctx.system)
         rows.append(trajectory_row(q, s, "dylan", ctx.teacher, messages, student, final, episodes, per_group,
                                    "answer" if final else "no_answer"))
     return rows

@@ -55,7 +55,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     verifier, vcfg = ctx.backend_for("verifier"), replace(ctx.cfg, temperature=float(p.get("verifier_temperature", 0.0)))
     groups = [(q, s) for q in questions for s in range(samples)]
     t0 = time.perf_counter()
-    sols = [[start_episode(tok, f"{q['id']}/{s}/sol{k}", f"{q['question']}\n\n{GENERATE}", stable_seed(q["id"], s, "sol", k), ctx.scaffold_for(q["task"]))
+    sols = [[ctx.solver_episode(f"{q['id']}/{s}/sol{k}", f"{q['question']}\n\n{GENERATE}", stable_seed(q["id"], s, "sol", k), q["task"])
              for k in range(n_solutions)] for q, s in groups]
     run_episodes([e for g in sols for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc="mav generate")
     checks = [[(k, aspect, start_episode(verifier.tokenizer, f"{q['id']}/{s}/sol{k}/{aspect}", verify_prompt(q["question"], e),
@@ -79,6 +79,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
             messages += [{"role": "user", "name": name, "content": verify_prompt(q["question"], g[k])}] + agent_messages(e, name)
             messages += [{"role": "user", "name": name, "content": VERDICT}] + agent_messages(v, name)
         messages.append({"role": "assistant", "name": "aggregator(verified)", "content": f"<answer>{final or ''}</answer>"})
-        rows.append(trajectory_row(q, s, "mav", ctx.teacher, messages, student_rendering(q["question"], g[pick:pick + 1], g[pick:pick + 1], final),
+        rows.append(trajectory_row(q, s, "mav", ctx.teacher, messages, student_rendering(q["question"], g[pick:pick + 1], g[pick:pick + 1], final, ctx.system),
                                    final, g + [e for *_, e in chk] + ver, per_group, "answer" if final else "no_answer"))
     return rows

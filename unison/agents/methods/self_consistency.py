@@ -22,13 +22,12 @@ def aggregate_prompt(question: str, paths: list[Episode]) -> str:
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
-    tok = ctx.backend.tokenizer
     n_paths, aggregator = int(ctx.params.get("samples", 5)), ctx.params.get("aggregator", "vote")
     if aggregator not in ("vote", "llm"):
         raise ValueError(f"params.yaml generate.self_consistency.aggregator: unknown {aggregator!r} (vote | llm)")
     groups = [(q, s) for q in questions for s in range(samples)]
     t0 = time.perf_counter()
-    paths = [[start_episode(tok, f"{q['id']}/{s}/p{k}", q["question"], stable_seed(q["id"], s, k), ctx.scaffold_for(q["task"]))
+    paths = [[ctx.solver_episode(f"{q['id']}/{s}/p{k}", q["question"], stable_seed(q["id"], s, k), q["task"])
               for k in range(n_paths)] for q, s in groups]
     run_episodes([e for g in paths for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc="self_consistency")
     aggs: list[Episode | None] = [None] * len(groups)
@@ -48,6 +47,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         if agg is not None:
             messages += [{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], g)}] + agent_messages(agg, "aggregator")
         messages.append({"role": "assistant", "name": f"aggregator({aggregator})", "content": f"<answer>{final or ''}</answer>"})
-        rows.append(trajectory_row(q, s, "self_consistency", ctx.teacher, messages, student_rendering(q["question"], g, g, final), final,
+        rows.append(trajectory_row(q, s, "self_consistency", ctx.teacher, messages, student_rendering(q["question"], g, g, final, ctx.system), final,
                                    g + ([agg] if agg is not None else []), per_group, "answer" if final else "no_answer"))
     return rows

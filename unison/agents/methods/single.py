@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import time
 
-from ..episodes import agent_messages, stable_seed, start_episode, student_messages, trajectory_row
+from ..episodes import agent_messages, stable_seed, student_messages, trajectory_row
 from ..runtime import run_episodes
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
-    tok = ctx.backend.tokenizer
-    episodes = [start_episode(tok, f"{q['id']}/{s}", q["question"], stable_seed(q["id"], s), ctx.scaffold_for(q["task"]))
+    episodes = [ctx.solver_episode(f"{q['id']}/{s}", q["question"], stable_seed(q["id"], s), q["task"])
                 for q in questions for s in range(samples)]
     t0 = time.perf_counter()
     run_episodes(episodes, ctx.backend, ctx.toolbox, ctx.cfg, desc="single")
@@ -18,6 +17,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     for i, e in enumerate(episodes):
         q, s = questions[i // samples], i % samples
         messages = [{"role": "user", "name": None, "content": q["question"]}] + agent_messages(e, "agent")
-        rows.append(trajectory_row(q, s, "single", ctx.teacher, messages, student_messages(q["question"], e.segments),
+        rows.append(trajectory_row(q, s, "single", ctx.teacher, messages, student_messages(q["question"], e.segments, ctx.system),
                                    e.answer, [e], per_episode, e.finish_reason))
     return rows
