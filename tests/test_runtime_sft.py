@@ -135,3 +135,16 @@ def test_sft_trains_saves_and_reduces_loss(tiny_model_dir, tmp_path):
     recs = train_sft(str(tiny_model_dir), examples, SFTConfig(epochs=8, lr=3e-3, batch_size=4, warmup_ratio=0.0), str(out))
     assert len(recs) == 8 and recs[-1]["loss"] < recs[0]["loss"]
     assert AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+def test_hf_backend_logprobs_only_when_asked_and_one_stop_criteria_per_stop_set(tiny_model_dir):
+    from unison.llm import Sampling
+
+    backend = HFBackend(str(tiny_model_dir), dtype="float32")
+    prompt = backend.tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    plain, scored = backend.generate([prompt, prompt], [Sampling(max_tokens=5, stop=["</search>"]),
+                                                        Sampling(max_tokens=5, stop=["</answer>"], logprobs=True)])
+    assert plain.logprobs is None and len(scored.logprobs) == len(scored.token_ids) > 0
+    assert all(lp <= 0 for lp in scored.logprobs)
+    backend.generate([prompt], [Sampling(max_tokens=2, stop=["</answer>", "</search>"])])
+    assert list(backend._stop_criteria) == [("</answer>", "</search>")]  # the union of the batch's stops, built once

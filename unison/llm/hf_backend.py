@@ -17,6 +17,14 @@ class HFBackend:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
         self.model = model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         self.batch_size = batch_size
+        self._stop_criteria: dict[tuple[str, ...], object] = {}  # building one costs ~1 s (it scans the vocabulary)
+
+    def _stopping(self, stops: tuple[str, ...]):
+        from transformers import StoppingCriteriaList, StopStringCriteria
+
+        if stops not in self._stop_criteria:
+            self._stop_criteria[stops] = StoppingCriteriaList([StopStringCriteria(self.tokenizer, list(stops))])
+        return self._stop_criteria[stops]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
@@ -35,6 +43,8 @@ class HFBackend:
         for r, p in enumerate(prompts):  # left padding
             ids[r, width - len(p):] = torch.tensor(p)
             mask[r, width - len(p):] = 1
+        stops = tuple(sorted({stop for s in sampling for stop in s.stop}))  # each row is cut at its own stops below
+        want_logprobs = any(s.logprobs for s in sampling)
         torch.manual_seed(s0.seed)
         was_training = self.model.training
         self.model.eval()
@@ -42,11 +52,11 @@ class HFBackend:
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(s.max_tokens for s in sampling),
             do_sample=s0.temperature > 0, temperature=s0.temperature if s0.temperature > 0 else None,
             top_p=s0.top_p if s0.temperature > 0 else None, top_k=None, pad_token_id=pad,
-            stop_strings=s0.stop or None, tokenizer=self.tokenizer, output_logits=True, return_dict_in_generate=True,
+            stopping_criteria=self._stopping(stops) if stops else None, output_logits=want_logprobs, return_dict_in_generate=True,
         )
         self.model.train(was_training)
         seqs = gen.sequences[:, width:].tolist()
-        logps = torch.stack(gen.logits, 1).float().log_softmax(-1) if gen.logits else None
+        logps = torch.stack(gen.logits, 1).float().log_softmax(-1) if want_logprobs and gen.logits else None
         out = []
         for r, (toks, s) in enumerate(zip(seqs, sampling)):
             eos_at = next((k for k, t in enumerate(toks) if t == self.tokenizer.eos_token_id), None)
@@ -54,6 +64,6 @@ class HFBackend:
             toks, stop = truncate_at_stop(self.tokenizer, toks, s.stop)
             toks = toks[: s.max_tokens]
             finished = eos_at is not None or stop is not None
-            lp = [logps[r, k, t].item() for k, t in enumerate(toks)] if logps is not None else None
+            lp = [logps[r, k, t].item() for k, t in enumerate(toks)] if logps is not None and s.logprobs else None
             out.append(Completion(self.tokenizer.decode(toks, skip_special_tokens=True), toks, lp, "stop" if finished else "length", stop))
         return out
