@@ -148,3 +148,15 @@ def test_hf_backend_logprobs_only_when_asked_and_one_stop_criteria_per_stop_set(
     assert all(lp <= 0 for lp in scored.logprobs)
     backend.generate([prompt], [Sampling(max_tokens=2, stop=["</answer>", "</search>"])])
     assert list(backend._stop_criteria) == [("</answer>", "</search>")]  # the union of the batch's stops, built once
+
+
+def test_an_episode_without_room_for_a_turn_ends_with_context_and_is_never_sent(tiny_model_dir):
+    backend = HFBackend(str(tiny_model_dir), dtype="float32")
+    tok = backend.tokenizer
+    cfg = RunConfig(temperature=0.0, max_tokens_per_turn=4, max_turns=2, max_model_len=300)
+    long_question = " ".join(["word"] * 400)  # its prompt alone exceeds max_model_len
+    short, long = (start_episode(tok, k, q, seed=0, scaffold=["answer"]) for k, q in (("s", "Hi?"), ("l", long_question)))
+    assert len(long.prompt_ids) > cfg.max_model_len
+    run_episodes([short, long], backend, Toolbox(), cfg)
+    assert long.finish_reason == "context" and long.n_llm_calls == 0 and long.segments == []
+    assert short.n_llm_calls >= 1 and short.finish_reason is not None

@@ -69,6 +69,9 @@ class Episode:
         return sum(s.kind == "gen" for s in self.segments)
 
 
+MIN_TURN_TOKENS = 16  # an episode needs room for a scaffold prefill and a few generated tokens to take another turn
+
+
 @dataclass
 class RunConfig:
     temperature: float = 0.7
@@ -133,6 +136,14 @@ def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunCon
     bar = tqdm(total=len(live), desc=desc, unit="ep", mininterval=5)
     with ThreadPoolExecutor(max_workers=8) as pool:
         while live:
+            full = [e for e in live if len(e.ids) + MIN_TURN_TOKENS > cfg.max_model_len]
+            for e in full:  # no room for another turn (e.g. a long multi-agent history): end it, never send it
+                _finish(e, "context")
+            if full:
+                bar.update(len(full))
+                live = [e for e in live if e.finish_reason is None]
+                if not live:
+                    break
             prompts, samplings, scaffolds = [], [], []
             for e in live:
                 tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
