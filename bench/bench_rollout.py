@@ -18,6 +18,7 @@ import platform
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,22 +26,42 @@ REPORT = Path("reports/bench.json")
 
 
 class TimedBackend:
-    """A backend that adds up the wall time and prompt tokens of `generate` (the runtime calls it once per step) and
-    records the widest step (the episodes running at once)."""
+    """A backend with only `generate` (the runtime then runs lock-step batches) that adds up the wall time and prompt
+    tokens of its calls and records the most requests in flight at once (the runtime's effective batch)."""
 
     def __init__(self, backend):
         self.backend, self.tokenizer = backend, backend.tokenizer
-        self.seconds, self.calls, self.prompt_tokens, self.widest = 0.0, 0, 0, 0
+        self.seconds, self.calls, self.prompt_tokens, self.widest, self.inflight = 0.0, 0, 0, 0, 0
 
     def generate(self, prompts, sampling):
         self.prompt_tokens += sum(map(len, prompts))  # submitted; the shared prefix may come from vLLM's prefix cache
         self.widest = max(self.widest, len(prompts))
+        return self._timed(self.backend.generate, prompts, sampling)
+
+    def _timed(self, fn, *args):
         t0 = time.perf_counter()
         try:
-            return self.backend.generate(prompts, sampling)
+            return fn(*args)
         finally:
             self.seconds += time.perf_counter() - t0
             self.calls += 1
+
+
+class TimedStreamingBackend(TimedBackend):
+    """The same for a streaming engine: the runtime submits each turn when it is ready and steps the engine."""
+
+    streaming = True
+
+    def submit(self, requests):
+        self.prompt_tokens += sum(len(p) for _, p, _ in requests)
+        self.inflight += len(requests)
+        self.widest = max(self.widest, self.inflight)
+        return self._timed(self.backend.submit, requests)
+
+    def step(self):
+        finished = self._timed(self.backend.step)
+        self.inflight -= len(finished)
+        return finished
 
 
 class TimedToolbox:
@@ -169,11 +190,13 @@ def save_report(section: dict, path: Path = REPORT, key: str = "rollout") -> Non
 def format_table(result: dict) -> str:
     rows = [("plain vLLM decode (ignore_eos)", result["plain"], f"{result['plain']['sequences']} seqs x {result['plain']['max_tokens']} tok"),
             (f"runtime, batched ({result['workload']['method']})", result["runtime"],
-             f"{result['runtime']['episodes']} episodes, LLM {result['runtime']['llm_fraction']:.0%} of wall"),
+             f"{result['runtime']['episodes']} episodes streamed, LLM {result['runtime']['llm_fraction']:.0%} of wall"),
+            ("runtime, lock-step batches", result["lockstep"], f"{result['lockstep']['generate_calls']} generate calls"),
             ("runtime, one trajectory at a time", result["sequential"], f"{result['sequential']['trajectories']} trajectories")]
     lines = [f"{'':36} {'prompt tok':>10} {'gen tok':>8} {'wall s':>8} {'gen tok/s':>9}  notes"]
     lines += [f"{name:36} {r['prompt_tokens']:>10} {r['tokens']:>8} {r['wall_s']:>8.1f} {r['tokens_per_s']:>9.1f}  {note}" for name, r, note in rows]
-    lines.append(f"runtime / plain = {result['runtime_vs_plain']:.2f}x   runtime / sequential = {result['runtime_vs_sequential']:.2f}x   "
+    lines.append(f"runtime / plain = {result['runtime_vs_plain']:.2f}x streamed, {result['lockstep_vs_plain']:.2f}x lock-step   "
+                 f"streaming / lock-step = {result['streaming_vs_lockstep']:.2f}x   runtime / sequential = {result['runtime_vs_sequential']:.2f}x   "
                  f"(sequential would take ~{result['sequential']['projected_wall_s']:.0f} s for the runtime's workload)")
     if "tools" in result:
         t = result["tools"]
@@ -213,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     load_start = os.getloadavg()
 
     t0 = time.perf_counter()
-    backend = TimedBackend(make_backend("models/base", params["llm"], seed=params["seed"]))
+    backend = TimedStreamingBackend(make_backend("models/base", params["llm"], seed=params["seed"]))
     engine_start_s = time.perf_counter() - t0
     toolbox = TimedToolbox(make_toolbox(params))
     cfg = run_config(params, g["temperature"])
@@ -233,6 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
     # plain decoding of the same number of tokens at the runtime's peak parallelism (its widest step)
     runtime["episodes"] = backend.widest
     runtime["tokens_per_episode"] = runtime["tokens"] / runtime["episodes"]
+
+    print("bench_rollout: the same runtime in lock-step batches (one generate call per turn of all episodes)", flush=True)
+    llm.reset_prefix_cache()
+    lockstep = run_method(replace(ctx, backend=TimedBackend(backend.backend)), args.method, questions, args.samples)
 
     print(f"bench_rollout: plain decode, {runtime['episodes']} sequences", flush=True)
     prompts = [chat_prompt(backend.tokenizer, question_messages(q["question"])) for q in questions for _ in range(args.samples)]
@@ -255,9 +282,11 @@ def main(argv: list[str] | None = None) -> dict:
                      "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
                      "enforce_eager": params["llm"].get("enforce_eager", True)},
         "engine_start_s": engine_start_s,
-        "plain": plain, "runtime": runtime, "sequential": sequential, "tools": tools,
+        "plain": plain, "runtime": runtime, "lockstep": lockstep, "sequential": sequential, "tools": tools,
         "runtime_vs_plain": runtime["tokens_per_s"] / plain["tokens_per_s"],
         "runtime_vs_sequential": runtime["tokens_per_s"] / sequential["tokens_per_s"],
+        "lockstep_vs_plain": lockstep["tokens_per_s"] / plain["tokens_per_s"],
+        "streaming_vs_lockstep": runtime["tokens_per_s"] / lockstep["tokens_per_s"],
     }
     print(format_table(result), flush=True)
     save_report(result)

@@ -53,10 +53,33 @@ def test_timed_toolbox_counts_calls_and_passes_results_through():
 def test_format_table_names_every_measurement():
     part = {"prompt_tokens": 400, "tokens": 100, "wall_s": 2.0, "tokens_per_s": 50.0}
     result = {"workload": {"method": "single"}, "plain": {**part, "sequences": 4, "max_tokens": 25},
-              "runtime": {**part, "episodes": 4, "llm_fraction": 0.9}, "sequential": {**part, "trajectories": 2, "projected_wall_s": 8.0},
-              "runtime_vs_plain": 0.5, "runtime_vs_sequential": 4.0}
+              "runtime": {**part, "episodes": 4, "llm_fraction": 0.9}, "lockstep": {**part, "generate_calls": 6},
+              "sequential": {**part, "trajectories": 2, "projected_wall_s": 8.0},
+              "runtime_vs_plain": 0.5, "runtime_vs_sequential": 4.0, "streaming_vs_lockstep": 1.25,
+              "lockstep_vs_plain": 0.4}
     table = format_table(result)
     assert "4 seqs x 25 tok" in table and "LLM 90% of wall" in table and "runtime / sequential = 4.00x" in table
+    assert "6 generate calls" in table and "streaming / lock-step = 1.25x" in table and "0.40x lock-step" in table
+
+
+def test_timed_backends_count_requests_in_flight():
+    from bench.bench_rollout import TimedBackend, TimedStreamingBackend
+    from unison.agents.runtime import LockStep
+
+    class Echo:  # a backend boundary stand-in: completes each prompt with its own length
+        tokenizer = None
+
+        def generate(self, prompts, sampling):
+            return [len(p) for p in prompts]
+
+    lockstep = LockStep(Echo())
+    lockstep.streaming, lockstep.tokenizer = True, None
+    timed = TimedStreamingBackend(lockstep)
+    timed.submit([("a", [1, 2], None), ("b", [3], None)])
+    timed.submit([("c", [4, 5, 6], None)])
+    assert timed.widest == 3 and timed.prompt_tokens == 6
+    assert timed.step() == [("a", 2), ("b", 1), ("c", 3)] and timed.inflight == 0
+    assert not hasattr(TimedBackend(Echo()), "streaming")
 
 
 def test_method_table_has_accuracy_ci_and_costs_per_question():

@@ -1,11 +1,13 @@
 """The batched agent runtime (DESIGN §5).
 
-`run_episodes` steps every live episode together — all questions, samples and agents — so each generation call is
-one large batch; tool calls of a step run concurrently in a thread pool; finished episodes leave the batch. Every
+`run_episodes` keeps every live episode — all questions, samples and agents — in one continuously batched engine run
+(lock-step batches for backends without streaming); tool calls run concurrently in a thread pool; finished episodes
+leave the batch. Every
 episode is token-in/token-out: its ids are the prompt plus each segment's ids exactly as generated or appended.
 """
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -128,78 +130,131 @@ def _finish(e: Episode, reason: str, eos_id: int | None = None) -> None:
         e.segments[-1].ids.append(eos_id)  # close the turn as the student must learn to
 
 
+class LockStep:
+    """A backend with only `generate` as a submit/step engine: each step generates everything queued, as one batch."""
+
+    def __init__(self, backend):
+        self.backend, self.queue = backend, []
+
+    def submit(self, requests: list[tuple[str, list[int], Sampling]]) -> None:
+        self.queue.extend(requests)
+
+    def step(self) -> list[tuple[str, object]]:
+        batch, self.queue = self.queue, []
+        completions = self.backend.generate([p for _, p, _ in batch], [s for _, _, s in batch]) if batch else []
+        return [(rid, c) for (rid, _, _), c in zip(batch, completions)]
+
+
+_request_ids = itertools.count()
+
+
 def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunConfig, desc: str = "episodes") -> list[Episode]:
-    """Run all episodes to completion in lock-step batches; returns them (mutated)."""
+    """Run all episodes to completion; returns them (mutated).
+
+    A streaming engine (vLLM with `streaming` on: `submit`/`step`) keeps every live episode in one continuously batched run: an episode's
+    next turn joins as soon as its tools return, while the others decode. Tool calls run in a thread pool during the
+    engine's next step and are collected after it (or at once when the engine has nothing else to do), so the batch
+    composition, and the outputs, depend only on the inputs and seeds. Other backends run in lock-step batches."""
     tok = backend.tokenizer
-    eos = tok.eos_token_id
-    live = [e for e in episodes if e.finish_reason is None]
-    bar = tqdm(total=len(live), desc=desc, unit="ep", mininterval=5)
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        while live:
-            full = [e for e in live if len(e.ids) + MIN_TURN_TOKENS > cfg.max_model_len]
-            for e in full:  # no room for another turn (e.g. a long multi-agent history): end it, never send it
+    engine = backend if getattr(backend, "streaming", False) else LockStep(backend)
+    order = {id(e): k for k, e in enumerate(episodes)}
+    inflight: dict[str, tuple[Episode, tuple]] = {}
+    bar = tqdm(total=sum(e.finish_reason is None for e in episodes), desc=desc, unit="ep", mininterval=5)
+
+    def submit(eps: list[Episode]) -> None:
+        requests = []
+        for e in eps:
+            if len(e.ids) + MIN_TURN_TOKENS > cfg.max_model_len:  # no room for another turn: end it, never send it
                 _finish(e, "context")
-            if full:
-                bar.update(len(full))
-                live = [e for e in live if e.finish_reason is None]
-                if not live:
-                    break
-            prompts, samplings, scaffolds = [], [], []
-            for e in live:
-                tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
-                prefill, close, end = SCAFFOLD[tag] if tag else ("", None, None)
-                prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
-                budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
-                prompts.append(e.ids + prefill_ids)
-                scaffolds.append((prefill, prefill_ids, close))
-                samplings.append(Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
-                                          max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
-                                          stop=[close, end] if close else stops_for(e.tools), seed=e.seed * 1009 + e.turn))
+                bar.update(1)
+                continue
+            rid = f"u{next(_request_ids)}"
+            request, scaffold = _turn_request(e, tok, cfg)
+            inflight[rid] = (e, scaffold)
+            requests.append((rid, *request))
+        if requests:
+            engine.submit(requests)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        submit([e for e in episodes if e.finish_reason is None])
+        waiting: list[tuple[Episode, tuple, object]] = []  # tool calls started after the previous step
+        while inflight or waiting:
             t0 = time.perf_counter()
-            completions = backend.generate(prompts, samplings)
-            llm_s = (time.perf_counter() - t0) / len(live)
-            calls = []
-            for e, c, (prefill, prefill_ids, close) in zip(live, completions, scaffolds):
-                seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids))
-                stop = c.stop
-                if close and stop != close:  # the scaffold closes the tag the model left open
-                    seg.text += close
-                    seg.ids += tok(close, add_special_tokens=False)["input_ids"]
-                    stop = close
-                e.segments.append(seg)
-                e.n_llm_calls += 1
-                e.n_tokens += len(c.token_ids)
-                e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text, "n_tokens": len(c.token_ids), "latency_s": llm_s})
-                tool_stop = stop is not None and stop != "</answer>" and stop[2:-1] in e.tools
-                call = parse_tool_call(seg.text, e.tools) if tool_stop else None
-                if stop == "</answer>":
-                    _finish(e, "answer", eos)
-                elif tool_stop:
-                    if e.n_tool_calls >= cfg.max_tool_calls:
-                        _finish(e, "max_tool_calls")
-                    elif call is None:
-                        e.count_tool(stop[2:-1], "unparsable")
-                        e.segments.append(_obs(tok, "error: could not parse the tool call"))
-                    else:
-                        calls.append((e, call))
-                elif c.finish_reason == "stop":
-                    _finish(e, "eos")
-                elif len(e.ids) >= cfg.max_model_len - 1:
-                    _finish(e, "context")
+            finished = engine.step() if inflight else []
+            step_s = time.perf_counter() - t0
+            started, again = [], []
+            for rid, c in sorted(finished, key=lambda rc: order[id(inflight[rc[0]][0])]):
+                e, scaffold = inflight.pop(rid)
+                call = _apply_completion(e, c, scaffold, tok, cfg, step_s)
+                if call:
+                    started.append((e, call, pool.submit(_timed, toolbox, *call)))
+                elif e.finish_reason is None:
+                    again.append(e)
                 else:
-                    _finish(e, "length")
-                if e.finish_reason is None and e.turn >= cfg.max_turns:
-                    _finish(e, "max_turns")
-            for (e, (tool, arg)), (text, err, secs) in zip(calls, pool.map(lambda ec: _timed(toolbox, *ec[1]), calls)):
+                    bar.update(1)
+            if not inflight and not again:  # the engine would idle: wait for this step's tools too
+                waiting, started = waiting + started, []
+            for e, (tool, arg), future in waiting:
+                text, err, secs = future.result()
                 e.n_tool_calls += 1
                 e.count_tool(tool, err)
                 e.events.append({"type": "tool", "tool": tool, "input": arg, "output": text, "error": err, "latency_s": secs})
                 e.segments.append(_obs(tok, text))
-            done = [e for e in live if e.finish_reason is not None]
-            bar.update(len(done))
-            live = [e for e in live if e.finish_reason is None]
+                if e.finish_reason is None:
+                    again.append(e)
+                else:
+                    bar.update(1)
+            waiting = started
+            submit(sorted(again, key=lambda e: order[id(e)]))
     bar.close()
     return episodes
+
+
+def _turn_request(e: Episode, tok, cfg: RunConfig) -> tuple[tuple[list[int], Sampling], tuple]:
+    """The next turn's (prompt, sampling), with the scaffold's prefill for this turn, and the scaffold."""
+    tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
+    prefill, close, end = SCAFFOLD[tag] if tag else ("", None, None)
+    prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
+    budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
+    sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
+                        stop=[close, end] if close else stops_for(e.tools), seed=e.seed * 1009 + e.turn)
+    return (e.ids + prefill_ids, sampling), (prefill, prefill_ids, close)
+
+
+def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: RunConfig, step_s: float) -> tuple[str, str] | None:
+    """Append the generated segment and decide what happens next: the tool call to run and/or the episode's end."""
+    prefill, prefill_ids, close = scaffold
+    seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids))
+    stop = c.stop
+    if close and stop != close:  # the scaffold closes the tag the model left open
+        seg.text += close
+        seg.ids += tok(close, add_special_tokens=False)["input_ids"]
+        stop = close
+    e.segments.append(seg)
+    e.n_llm_calls += 1
+    e.n_tokens += len(c.token_ids)
+    e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text, "n_tokens": len(c.token_ids), "latency_s": step_s})
+    tool = stop[2:-1] if stop and stop != "</answer>" else None
+    call = None
+    if stop == "</answer>":
+        _finish(e, "answer", tok.eos_token_id)
+    elif tool in e.tools:
+        call = parse_tool_call(seg.text, e.tools)
+        if e.n_tool_calls >= cfg.max_tool_calls:
+            _finish(e, "max_tool_calls")
+            call = None
+        elif call is None:
+            e.count_tool(tool, "unparsable")
+            e.segments.append(_obs(tok, "error: could not parse the tool call"))
+    elif c.finish_reason == "stop":
+        _finish(e, "eos")
+    elif len(e.ids) >= cfg.max_model_len - 1:
+        _finish(e, "context")
+    else:
+        _finish(e, "length")
+    if e.finish_reason is None and e.turn >= cfg.max_turns:
+        _finish(e, "max_turns")  # a call of the last turn still runs: a one-turn role's observation is its output
+    return call
 
 
 def _timed(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, float]:

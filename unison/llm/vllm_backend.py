@@ -10,13 +10,17 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 2048, enforce_eager: bool = True,
-                 seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None):
+                 seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None,
+                 streaming: str | bool = "auto"):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no spawn guard needed
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
         import torch
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
+        # streaming (submit/step) lets a turn join the batch as soon as its tools return; on CPU, lock-step batches
+        # measured faster (bench/bench_rollout.py: mixed prefill/decode steps cost more there; tools share the cores)
+        self.streaming = on_gpu if streaming == "auto" else bool(streaming)
         if dtype == "auto":
             dtype = "auto" if on_gpu else cpu_dtype()
         kwargs = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -32,22 +36,42 @@ class VLLMBackend:
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
 
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=s.stop or None,
-                                 include_stop_str_in_output=True, seed=s.seed, logprobs=0 if s.logprobs else None) for s in sampling]
         self._prime_prefix_cache(prompts)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        completions = []
-        for o in outs:
-            c = o.outputs[0]
-            logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else None
-            stop = c.stop_reason if isinstance(c.stop_reason, str) else None
-            completions.append(Completion(text=self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True), token_ids=list(c.token_ids),
-                                          logprobs=logprobs, finish_reason="length" if c.finish_reason == "length" else "stop",
-                                          stop=stop))
-        return completions
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], [self._params(s) for s in sampling], use_tqdm=False)
+        return [self._completion(o) for o in outs]
+
+    def submit(self, requests: list[tuple[str, list[int], Sampling]]) -> None:
+        """Queue requests (id, prompt, sampling) in the running engine; `step` advances them together with any queued
+        later, so an episode's next turn joins the batch as soon as its tool returns (continuous batching)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if not self.llm.llm_engine.has_unfinished_requests():  # LLM.generate would run (and swallow) queued requests
+            self._prime_prefix_cache([p for _, p, _ in requests])
+        for request_id, prompt, s in requests:
+            params = self._params(s)
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """One engine iteration; the requests that finished in it."""
+        return [(o.request_id, self._completion(o)) for o in self.llm.llm_engine.step() if o.finished]
+
+    @staticmethod
+    def _params(s: Sampling):
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, stop=s.stop or None,
+                              include_stop_str_in_output=True, seed=s.seed, logprobs=0 if s.logprobs else None)
+
+    def _completion(self, output) -> Completion:
+        c = output.outputs[0]
+        logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else None
+        return Completion(text=self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True), token_ids=list(c.token_ids),
+                          logprobs=logprobs, finish_reason="length" if c.finish_reason == "length" else "stop",
+                          stop=c.stop_reason if isinstance(c.stop_reason, str) else None)
 
     def _prime_prefix_cache(self, prompts: list[list[int]]) -> None:
         """Prefill the batch's common prefix (the system prompt, a shared history) once, so the batch reuses it from
