@@ -1,20 +1,30 @@
-"""Stage `label`: judge every trajectory's final answer; outcome step labels (each student turn gets the episode's score)."""
+"""Stage `label`: judge every trajectory's final answer (rules or an LLM) and label its steps (DESIGN §6).
+
+label.step_labels: outcome (each student step gets the episode's score), montecarlo (Math-Shepherd: completions from
+each step prefix through the runtime and the real tools), agent (AgentArk: each agent's solution is a step).
+"""
 from __future__ import annotations
 
 from collections import defaultdict
 
 from unison import track
-from unison.data.schemas import LABELED, TRAJECTORY, read_table, write_json, write_table
-from unison.judge import score
+from unison.data.schemas import LABELED, TRAJECTORY, DataError, read_table, write_json, write_table
+from unison.judge.llm_judge import PROMPT_SHA256, LLMJudge
+from unison.judge.steps import STEP_LABELS, agent_labels, montecarlo_labels, rule_judge, student_steps
 from unison.params import load_params, stage_params
 
+IN, OUT = "data/trajectories/train.parquet", "data/labeled/train.parquet"
+MC_MODELS = {"student": "models/base", "teacher": "models/base"}  # the teacher's acting agents run on models/base
 
-def label_rows(rows: list[dict], p: dict) -> list[dict]:
+
+def label_rows(rows: list[dict], p: dict, judge=None) -> list[dict]:
+    """Judge each final answer (`judge`, default the rule judge) and give each student step the episode's score."""
+    judge = judge or rule_judge(p)
+    verdicts = judge([(r["task"], r["question"], r["final_answer"], r["answers"]) for r in rows])
     out = []
-    for r in rows:
-        correct, value, judge = score(r["task"], r["final_answer"], r["answers"], p)
-        steps = [m["content"] for m in r["student"] if m["role"] == "assistant"]
-        out.append({**r, "correct": correct, "score": value, "judge": judge, "steps": steps, "step_labels": [float(value)] * len(steps)})
+    for r, (correct, value, name) in zip(rows, verdicts):
+        steps = student_steps(r["student"])
+        out.append({**r, "correct": correct, "score": value, "judge": name, "steps": steps, "step_labels": [float(value)] * len(steps)})
     return out
 
 
@@ -30,13 +40,74 @@ def accuracy_metrics(rows: list[dict]) -> dict:
             **{f"accuracy_{t}": sum(v) / len(v) for t, v in by_task.items()}}
 
 
+def step_metrics(rows: list[dict]) -> dict:
+    labels = [y for r in rows for y in r["step_labels"]]
+    return {"steps": len(labels), "steps_per_trajectory": len(labels) / len(rows),
+            "step_label_mean": sum(labels) / max(1, len(labels)),
+            "step_label_positive": sum(y >= 0.5 for y in labels) / max(1, len(labels))}
+
+
+def with_steps(rows: list[dict], labeled: list[tuple[list[str], list[float]]]) -> list[dict]:
+    return [{**r, "steps": steps, "step_labels": labels} for r, (steps, labels) in zip(rows, labeled)]
+
+
+def check_step_labels(rows: list[dict], path: str) -> None:
+    for i, r in enumerate(rows):
+        if len(r["step_labels"]) != len(r["steps"]):
+            raise DataError(path, f"{len(r['step_labels'])} step labels for {len(r['steps'])} steps", i, "step_labels")
+        if not all(0.0 <= y <= 1.0 for y in r["step_labels"]):
+            raise DataError(path, f"step labels outside [0, 1]: {r['step_labels']}", i, "step_labels")
+
+
+def label_backend(params: dict, model: str, cache: dict):
+    """A backend for `model` ("student"/"teacher" = models/base, else a dir or served name), llm.* overridden by label.llm;
+    one per model (`cache`)."""
+    from unison.llm import make_backend
+
+    path = MC_MODELS.get(model, model)
+    if path not in cache:
+        cache[path] = make_backend(path, {**params["llm"], **(params["label"].get("llm") or {})}, seed=params["seed"])
+    return cache[path]
+
+
+def make_judge(params: dict, backends: dict):
+    """label.judge: rule | llm (label.judge_model at label.judge_temperature); `backends` caches backends by model."""
+    p = params["label"]
+    if p["judge"] == "rule":
+        return rule_judge(p)
+    if p["judge"] != "llm":
+        raise ValueError(f"params.yaml label.judge: unknown judge {p['judge']!r} (rule | llm)")
+    model = p["judge_model"]
+    return LLMJudge(label_backend(params, model, backends), model, float(p["judge_temperature"]), seed=params["seed"])
+
+
 def main() -> None:
-    p = stage_params("label", load_params())
-    with track.stage_run("label", p) as run:
-        rows = label_rows(read_table("data/trajectories/train.parquet", TRAJECTORY), p)
-        write_table(rows, "data/labeled/train.parquet", LABELED)
-        metrics = accuracy_metrics(rows)
-        write_json(metrics, "reports/label.json")
+    params = load_params()
+    p = stage_params("label", params)
+    kind = p["step_labels"]
+    if kind not in STEP_LABELS:
+        raise ValueError(f"params.yaml label.step_labels: unknown {kind!r} ({' | '.join(STEP_LABELS)})")
+    backends: dict = {}
+    judge = make_judge(params, backends)
+    judged_by = {"judge_model": judge.model, "judge_prompt_sha256": PROMPT_SHA256, "judge_temperature": judge.temperature} \
+        if p["judge"] == "llm" else {}
+    with track.stage_run("label", {**p, **judged_by}) as run:
+        rows = label_rows(read_table(IN, TRAJECTORY), p, judge)
+        if kind == "agent":
+            rows = with_steps(rows, agent_labels(rows, judge))
+        elif kind == "montecarlo":
+            from unison.agents.context import enabled_tools, make_toolbox, run_config
+
+            scaffold = (params["generate"]["scaffold"] or {}) if p["mc_scaffold"] else {}
+            backend = label_backend(params, p["mc_model"], backends)
+            rows = with_steps(rows, montecarlo_labels(rows, backend, make_toolbox(params), run_config(params, p["mc_temperature"]), judge,
+                                                      int(p["mc_rollouts"]), params["seed"], scaffold, enabled_tools(params)))
+        check_step_labels(rows, OUT)
+        write_table(rows, OUT, LABELED)
+        metrics = {**accuracy_metrics(rows), **step_metrics(rows)}
+        if p["judge"] == "llm":
+            metrics.update({"judge_llm_calls": judge.calls, "judge_unparsable": judge.unparsable})
+        write_json({**metrics, **judged_by, "judge": p["judge"], "step_labels": kind}, "reports/label.json")
         run.log_metrics(metrics)
 
 

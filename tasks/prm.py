@@ -1,0 +1,52 @@
+"""Stage `prm`: train a process reward model on the step labels; step accuracy, AUC and best-of-N on held-out questions."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from unison import track
+from unison.data.schemas import LABELED, DataError, atomic_path, read_table, write_json
+from unison.params import load_params, stage_params
+from unison.train.prm import PRMConfig, evaluate_prm, split_by_question, train_prm
+
+IN, LOSS_CSV = "data/labeled/train.parquet", Path("reports/prm_loss.csv")
+
+
+def check_train(rows: list[dict]) -> None:
+    """Training needs labeled steps of both classes (label >= 0.5 and < 0.5)."""
+    labels = [y for r in rows for y in r["step_labels"]]
+    if not labels:
+        raise DataError(IN, "no step labels in the training questions (every trajectory has no steps)", field="step_labels")
+    good = sum(y >= 0.5 for y in labels)
+    if good in (0, len(labels)):
+        raise DataError(IN, f"all {len(labels)} training step labels are {'good (>= 0.5)' if good else 'bad (< 0.5)'}: a PRM needs "
+                            "both classes (more samples, label.step_labels: montecarlo, or a stronger teacher)", field="step_labels")
+
+
+def main() -> None:
+    p = stage_params("prm", load_params())
+    cfg = PRMConfig(**{k: p[k] for k in PRMConfig.__dataclass_fields__ if k in p})
+    with track.stage_run("prm", p) as run:
+        rows = read_table(IN, LABELED)
+        train, held = split_by_question(rows, cfg.eval_fraction, cfg.seed)
+        check_train(train)
+        print(f"prm: {len(train)} train / {len(held)} held-out trajectories "
+              f"({len({r['question_id'] for r in held})} held-out questions)", flush=True)
+        prm, records = train_prm("models/base", train, cfg, "models/prm",
+                                 on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]))
+        tmp = atomic_path(LOSS_CSV)
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["step", "epoch", "loss", "lr", "elapsed_s"])
+            w.writeheader()
+            w.writerows(records)
+        tmp.replace(LOSS_CSV)
+        metrics = {"train_trajectories": len(train), "train_steps": sum(len(r["steps"]) for r in train),
+                   "eval_trajectories": len(held), "steps": len(records), "first_loss": records[0]["loss"],
+                   "final_loss": records[-1]["loss"], "train_s": records[-1]["elapsed_s"], **evaluate_prm(prm, held, cfg.batch_size)}
+        write_json(metrics, "reports/prm.json")
+        run.log_metrics(metrics)
+        print(f"prm: {metrics}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

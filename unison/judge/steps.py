@@ -1,0 +1,105 @@
+"""Step labels (DESIGN §6): outcome, Monte Carlo (Math-Shepherd) and per-agent (AgentArk) labels of labeled trajectories.
+
+A judge is any callable `judge(items) -> [(correct, score, judge_name)]` over items `(task, question, prediction, answers)`:
+`rule_judge(params)` (unison.judge.score) or unison.judge.llm_judge.LLMJudge.
+"""
+from __future__ import annotations
+
+import time
+
+from . import score
+from .answers import extract_answer
+
+STEP_LABELS = ("outcome", "montecarlo", "agent")
+
+
+def rule_judge(params: dict):
+    """The rule-based judge (EM/F1, math equivalence) as a batch judge; `params` is the `label:` section."""
+    return lambda items: [score(task, pred, answers, params) for task, _, pred, answers in items]
+
+
+def student_steps(student: list[dict]) -> list[str]:
+    """Steps of a student rendering: each assistant turn with the tool observations it caused appended."""
+    steps: list[str] = []
+    for m in student[2:]:
+        if m["role"] == "assistant":
+            steps.append(m["content"])
+        elif steps:
+            steps[-1] += m["content"]
+    return steps
+
+
+def agent_solutions(messages: list[dict]) -> list[str]:
+    """AgentArk steps: the last message of each agent's turn (a run of one agent's messages, tool results included)."""
+    solutions, current = [], None
+    for m in messages:
+        if m["role"] == "assistant":
+            name = m.get("name") or "assistant"
+            if name == current:
+                solutions[-1] = m["content"]
+            else:
+                solutions.append(m["content"])
+                current = name
+        elif m["role"] != "tool":
+            current = None  # a user/moderator turn ends the agent's turn
+    return solutions
+
+
+def agent_labels(rows: list[dict], judge) -> list[tuple[list[str], list[float]]]:
+    """(steps, labels) per row: each agent solution judged on its own extracted answer (untagged text = no answer)."""
+    sols = [agent_solutions(r["messages"]) for r in rows]
+    items = [(r["task"], r["question"], extract_answer(s), r["answers"]) for r, ss in zip(rows, sols) for s in ss]
+    verdicts = iter(judge(items))
+    return [(ss, [float(next(verdicts)[1]) for _ in ss]) for ss in sols]
+
+
+def step_prefixes(tok, student: list[dict]) -> list[list[int]]:
+    """Token ids of the trajectory up to the end of each step (its tool observations included), as generated."""
+    from ..train.token_view import token_view
+
+    starts = [j for j in range(2, len(student)) if student[j]["role"] == "assistant"]
+    if not starts:
+        return []
+    ids, _ = token_view(tok, student)
+    prefixes = []
+    for end in starts[1:] + [len(student)]:  # step k is student[starts[k]:end]: its turn and the observations after it
+        n = len(token_view(tok, student[:end])[0])
+        last = student[end - 1]
+        if end < len(student) and last["role"] == "assistant" and not last["token_ids"]:
+            n -= 1  # token_view closes a rendered last turn with eos; mid-trajectory the turn is not closed
+        prefixes.append(ids[:n])
+    return prefixes
+
+
+def montecarlo_labels(rows: list[dict], backend, toolbox, cfg, judge, rollouts: int, seed: int,
+                      scaffold: dict[str, list[str]], tools: tuple[str, ...]) -> list[tuple[list[str], list[float]]]:
+    """Math-Shepherd: label of step k = fraction of `rollouts` completions from the prefix ending at step k judged correct.
+
+    The last step's completion is the trajectory itself: its label is the row's own correctness, no rollouts. All
+    prefixes of all rows run in one `run_episodes` call; completions continue the teacher's scaffold from step k+1."""
+    from ..agents.episodes import stable_seed
+    from ..agents.runtime import Episode, run_episodes
+
+    tok = backend.tokenizer
+    episodes, owners = [], []
+    steps = [student_steps(r["student"]) for r in rows]
+    for i, r in enumerate(rows):
+        for k, prefix in enumerate(step_prefixes(tok, r["student"])[:-1]):
+            follow = scaffold.get(r["task"], [])[k + 1:]
+            for j in range(rollouts):
+                episodes.append(Episode(key=f"{r['id']}/step{k}/mc{j}", prompt_ids=prefix, seed=stable_seed(seed, r["id"], k, j),
+                                        scaffold=list(follow), tools=tools))
+                owners.append((i, k))
+    t0 = time.perf_counter()
+    print(f"label: montecarlo {len(episodes)} completions ({rollouts} per step prefix, {len(rows)} trajectories)", flush=True)
+    run_episodes(episodes, backend, toolbox, cfg, desc="montecarlo")
+    print(f"label: montecarlo done in {time.perf_counter() - t0:.1f} s", flush=True)
+    verdicts = judge([(rows[i]["task"], rows[i]["question"], e.answer, rows[i]["answers"]) for e, (i, _) in zip(episodes, owners)])
+    hits = [[0] * len(s) for s in steps]
+    for (i, k), (correct, _, _) in zip(owners, verdicts):
+        hits[i][k] += bool(correct)
+    out = []
+    for r, s, h in zip(rows, steps, hits):
+        labels = [n / rollouts for n in h[:-1]] + ([float(r["correct"])] if s else [])
+        out.append((s, labels))
+    return out

@@ -1,0 +1,250 @@
+"""PRM: a process reward model (AgentArk prm/finetune2.py, research/seeds.md §4.4; DESIGN §6).
+
+The input is the question, then each step followed by a separator; a 2-class linear head reads the backbone's last
+hidden state at each step's (last) separator token. Loss: cross-entropy against soft targets [1 - y, y] from the step
+labels. `freeze_backbone` trains only the head (AgentArk fix_llm). A plain training loop a reader can hold in their head.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..data.schemas import atomic_dir
+from ..judge.qa import normalize
+
+HEAD_FILE, CONFIG_FILE = "prm_head.safetensors", "prm_config.json"
+
+
+@dataclass
+class PRMConfig:
+    separator: str = "\n"
+    freeze_backbone: bool = False
+    epochs: int = 2
+    lr: float = 5e-5
+    batch_size: int = 8
+    max_length: int = 1024
+    eval_fraction: float = 0.2
+    seed: int = 0
+
+
+class PRM(nn.Module):
+    def __init__(self, backbone, tokenizer, separator: str):
+        super().__init__()
+        self.backbone, self.tok, self.separator = backbone, tokenizer, separator
+        self.head = nn.Linear(backbone.config.hidden_size, 2)
+        self.sep_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
+        if not self.sep_ids:
+            raise ValueError(f"prm.separator {separator!r} tokenises to nothing")
+
+    def encode(self, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
+        """(input ids, position of each step's last separator token): question + sep, then each step + sep."""
+        ids = self.tok(question, add_special_tokens=False)["input_ids"] + self.sep_ids
+        positions = []
+        for step in steps:
+            ids += self.tok(step, add_special_tokens=False)["input_ids"] + self.sep_ids
+            positions.append(len(ids) - 1)
+        return ids, positions
+
+    def logits(self, batch: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+        """Head logits [n_steps, 2] at the given positions of each (ids, positions) example."""
+        device = self.head.weight.device
+        width = max(len(ids) for ids, _ in batch)
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for r, (i, _) in enumerate(batch):
+            ids[r, : len(i)] = torch.tensor(i)
+            attn[r, : len(i)] = 1
+        frozen = not any(p.requires_grad for p in self.backbone.parameters())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+            hidden = self.backbone(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state
+        return [self.head(hidden[r, pos].float()) for r, (_, pos) in enumerate(batch)]
+
+    @torch.no_grad()
+    def step_scores(self, questions: list[str], steps: list[list[str]], batch_size: int = 8) -> list[list[float]]:
+        """Probability that each step is good, per trajectory (batched, no grad)."""
+        was_training = self.training
+        self.eval()
+        examples = [self.encode(q, s) for q, s in zip(questions, steps)]
+        out: list[list[float]] = []
+        for i in range(0, len(examples), batch_size):
+            out += [torch.softmax(lg, -1)[:, 1].tolist() for lg in self.logits(examples[i : i + batch_size])]
+        self.train(was_training)
+        return out
+
+    def save(self, out_dir: str | Path, extra: dict | None = None) -> None:
+        """Backbone, tokenizer, head and a json config (separator), atomically."""
+        from safetensors.torch import save_file
+
+        with atomic_dir(out_dir) as tmp:
+            self.backbone.save_pretrained(tmp)
+            self.tok.save_pretrained(tmp)
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}, str(tmp / HEAD_FILE))
+            (tmp / CONFIG_FILE).write_text(json.dumps({"separator": self.separator, "num_labels": 2, **(extra or {})}, indent=2))
+
+
+def build_prm(model_dir: str | Path, separator: str, seed: int = 0) -> PRM:
+    """A fresh PRM on a base model's backbone (AutoModel), head initialised under `seed`."""
+    from transformers import AutoModel, AutoTokenizer
+
+    torch.manual_seed(seed)
+    return PRM(AutoModel.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir), separator)
+
+
+def load_prm(path: str | Path) -> PRM:
+    """A PRM saved by `PRM.save` (models/prm)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel, AutoTokenizer
+
+    path = Path(path)
+    cfg = json.loads((path / CONFIG_FILE).read_text())
+    prm = PRM(AutoModel.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path), cfg["separator"])
+    prm.head.load_state_dict(load_file(str(path / HEAD_FILE)))
+    return prm.eval()
+
+
+def soft_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of [n, 2] logits against soft targets [1 - y, y]."""
+    logp = torch.log_softmax(logits, -1)
+    return -((1 - labels) * logp[:, 0] + labels * logp[:, 1]).mean()
+
+
+def prm_loss(prm: PRM, batch: list[tuple[list[int], list[int], list[float]]]) -> torch.Tensor:
+    """Soft cross-entropy over every labeled step of the batch (each step weighs the same)."""
+    logits = torch.cat(prm.logits([(ids, pos) for ids, pos, _ in batch]))
+    labels = torch.tensor([y for _, _, ys in batch for y in ys], dtype=torch.float32, device=logits.device)
+    return soft_ce(logits, labels)
+
+
+def split_by_question(rows: list[dict], eval_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out): a seeded share of question ids is held out, with all their trajectories."""
+    qids = sorted({r["question_id"] for r in rows})
+    random.Random(seed).shuffle(qids)
+    n_eval = min(len(qids) - 1, math.ceil(eval_fraction * len(qids))) if eval_fraction > 0 else 0
+    held = set(qids[:n_eval])
+    return [r for r in rows if r["question_id"] not in held], [r for r in rows if r["question_id"] in held]
+
+
+def build_examples(prm: PRM, rows: list[dict], max_length: int) -> tuple[list[tuple[list[int], list[int], list[float]]], int]:
+    """(ids, positions, labels) per row with steps, cut at max_length (steps past it dropped); and how many were cut."""
+    examples, cut = [], 0
+    for r in rows:
+        if not r["steps"]:
+            continue
+        ids, pos = prm.encode(r["question"], r["steps"])
+        keep = [k for k, p in enumerate(pos) if p < max_length]
+        cut += len(keep) < len(pos)
+        if keep:
+            examples.append((ids[:max_length], [pos[k] for k in keep], [float(r["step_labels"][k]) for k in keep]))
+    return examples, cut
+
+
+def train_prm(model_dir: str, rows: list[dict], cfg: PRMConfig, out_dir: str | None = None, on_step=None) -> tuple[PRM, list[dict]]:
+    """Train on `rows`' step labels; save to `out_dir` (if given) atomically; returns the PRM and the step records."""
+    prm = build_prm(model_dir, cfg.separator, cfg.seed)
+    prm.to("cuda" if torch.cuda.is_available() else "cpu").train()
+    if cfg.freeze_backbone:
+        prm.backbone.requires_grad_(False).eval()
+    examples, _ = build_examples(prm, rows, cfg.max_length)
+    params = [p for p in prm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    total = max(1, math.ceil(len(examples) / cfg.batch_size) * cfg.epochs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total))
+    rng = random.Random(cfg.seed)
+    records, step, t0 = [], 0, time.perf_counter()
+    for epoch in range(cfg.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for i in range(0, len(order), cfg.batch_size):
+            loss = prm_loss(prm, [examples[k] for k in order[i : i + cfg.batch_size]])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            step += 1
+            rec = {"step": step, "epoch": epoch + min(1.0, (i + cfg.batch_size) / len(order)), "loss": loss.item(),
+                   "lr": sched.get_last_lr()[0], "elapsed_s": time.perf_counter() - t0}
+            records.append(rec)
+            eta = rec["elapsed_s"] / step * (total - step)
+            print(f"prm step {step}/{total} loss {rec['loss']:.4f} {rec['elapsed_s'] / step:.2f}s/step eta {eta / 60:.1f} min", flush=True)
+            if on_step:
+                on_step(rec)
+    prm.eval()
+    if out_dir:
+        prm.save(out_dir, {"base": str(model_dir), **asdict(cfg)})
+    return prm, records
+
+
+# --- metrics on held-out questions ------------------------------------------------------------------
+
+
+def auc(scores: list[float], labels: list[bool]) -> float | None:
+    """ROC AUC by ranks (Mann-Whitney U, ties averaged); None when one class is missing."""
+    n_pos = sum(labels)
+    n_neg = len(labels) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return None
+    order = sorted(range(len(scores)), key=lambda k: scores[k])
+    ranks = [0.0] * len(scores)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for k in order[i : j + 1]:
+            ranks[k] = (i + j) / 2 + 1
+        i = j + 1
+    rank_sum = sum(r for r, y in zip(ranks, labels) if y)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def step_metrics(scores: list[list[float]], labels: list[list[float]]) -> dict:
+    """Step accuracy (score >= 0.5 vs label >= 0.5) and AUC over all steps (None with a reason when one class)."""
+    s = [x for row in scores for x in row]
+    y = [v >= 0.5 for row in labels for v in row]
+    out = {"eval_steps": len(s), "step_accuracy": sum((a >= 0.5) == b for a, b in zip(s, y)) / max(1, len(s)), "auc": auc(s, y)}
+    if out["auc"] is None:
+        out["auc_reason"] = f"held-out step labels are all {'good' if all(y) else 'bad'}" if y else "no held-out steps"
+    return out
+
+
+def rerank_metrics(rows: list[dict], scores: list[list[float]]) -> dict:
+    """Best-of-N per held-out question with >= 2 trajectories: PRM pick (min / last step score) vs majority vote vs random."""
+    groups = defaultdict(list)
+    for r, s in zip(rows, scores):
+        groups[r["question_id"]].append((r, s))
+    groups = {q: g for q, g in groups.items() if len(g) >= 2}
+    if not groups:
+        return {"bon_questions": 0, "bon_reason": "no held-out question has >= 2 trajectories"}
+    picks = {"bon_prm_min": [], "bon_prm_last": [], "bon_majority": [], "bon_random": [], "bon_oracle": []}
+    for g in groups.values():
+        g = sorted(g, key=lambda rs: (rs[0]["sample"], rs[0]["id"]))
+        correct = [float(r["correct"]) for r, _ in g]
+        for key, agg in (("bon_prm_min", min), ("bon_prm_last", lambda s: s[-1])):
+            value = [agg(s) if s else -1.0 for _, s in g]
+            picks[key].append(correct[value.index(max(value))])
+        votes = Counter(normalize(r["final_answer"]) for r, _ in g if r["final_answer"].strip())
+        top = max(votes.values()) if votes else 0
+        pick = next((k for k, (r, _) in enumerate(g) if votes and votes.get(normalize(r["final_answer"])) == top), 0)
+        picks["bon_majority"].append(correct[pick])
+        picks["bon_random"].append(sum(correct) / len(correct))
+        picks["bon_oracle"].append(max(correct))
+    return {"bon_questions": len(groups), **{k: sum(v) / len(v) for k, v in picks.items()}}
+
+
+def evaluate_prm(prm: PRM, rows: list[dict], batch_size: int = 8) -> dict:
+    """Step accuracy, AUC and best-of-N reranking on held-out rows (those with steps)."""
+    rows = [r for r in rows if r["steps"]]
+    if not rows:
+        return {"eval_steps": 0, "auc": None, "auc_reason": "no held-out steps", "bon_questions": 0}
+    scores = prm.step_scores([r["question"] for r in rows], [r["steps"] for r in rows], batch_size)
+    return {**step_metrics(scores, [r["step_labels"] for r in rows]), **rerank_metrics(rows, scores)}
