@@ -29,12 +29,13 @@ def main() -> None:
         records = train_sft("models/base", examples, cfg, "models/sft", on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]))
         tmp = atomic_path(LOSS_CSV)
         with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["step", "epoch", "loss", "lr", "tokens", "elapsed_s"])
+            w = csv.DictWriter(f, fieldnames=["step", "epoch", "loss", "lr", "tokens", "row_tokens", "elapsed_s"])
             w.writeheader()
             w.writerows(records)
         tmp.replace(LOSS_CSV)
         metrics = {**stats, "selected": len(chosen), "steps": len(records), "final_loss": records[-1]["loss"],
-                   "first_loss": records[0]["loss"], "train_s": records[-1]["elapsed_s"]}
+                   "first_loss": records[0]["loss"], "train_s": records[-1]["elapsed_s"],
+                   "row_tokens": sum(r["row_tokens"] for r in records)}  # tokens the model ran, pads included (packing cuts them)
         write_json(metrics, "reports/sft.json")
         run.log_metrics(metrics)
 

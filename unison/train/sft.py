@@ -26,6 +26,7 @@ class SFTConfig:
     lora: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
+    packing: bool = False  # several examples per row of up to max_length; same steps and loss, fewer pad tokens
     seed: int = 0
 
 
@@ -77,6 +78,42 @@ def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
 
 
+def pack(batch: list[tuple[list[int], list[int]]], max_length: int) -> list[list[tuple[list[int], list[int]]]]:
+    """Greedy, in order: each example joins the current row while the row stays within max_length tokens."""
+    rows, used = [], max_length
+    for ex in batch:
+        if used + len(ex[0]) > max_length:
+            rows.append([])
+            used = 0
+        rows[-1].append(ex)
+        used += len(ex[0])
+    return rows
+
+
+def collate_packed(batch: list[tuple[list[int], list[int]]], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+    """Packed rows with position_ids restarting at 0 per example (trailing pads too) and no attention_mask.
+
+    Without a 2D mask, transformers reads the restarts as sequence boundaries and builds a block-diagonal causal mask
+    (masking_utils.find_packed_sequence_indices, for sdpa/eager/flex; flash-attention uses them as varlen), so no
+    token attends across examples. The loss mask is the examples' own, except each example's first token, which is
+    never a target unpacked and must not become one for the previous example's last token.
+    """
+    rows = pack(batch, max_length)
+    width = max(sum(len(ids) for ids, _ in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for i, m in row:
+            ids[r, at : at + len(i)] = torch.tensor(i)
+            mask[r, at + 1 : at + len(m)] = torch.tensor(m[1:])
+            pos[r, at : at + len(i)] = torch.arange(len(i))
+            at += len(i)
+        pos[r, at:] = torch.arange(width - at)
+    return {"input_ids": ids, "loss_mask": mask, "position_ids": pos}
+
+
 def masked_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over positions whose target token has loss_mask = 1."""
     target_mask = loss_mask[:, 1:].float()
@@ -107,15 +144,18 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
     model, opt, sched = acc.prepare(model, opt, sched)
     model.train()
     rng = random.Random(cfg.seed)
+    pad = tok.pad_token_id or 0
     records, step, t0 = [], 0, time.perf_counter()
     for epoch in range(cfg.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
         batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
         for k, idx in enumerate(batches):
-            batch = {n: t.to(acc.device) for n, t in collate([examples[i] for i in idx], tok.pad_token_id or 0).items()}
+            chosen = [examples[i] for i in idx]
+            batch = collate_packed(chosen, pad, cfg.max_length) if cfg.packing else collate(chosen, pad)
+            batch = {n: t.to(acc.device) for n, t in batch.items()}
             with acc.accumulate(model):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                logits = model(**{n: t for n, t in batch.items() if n != "loss_mask"}, use_cache=False).logits
                 loss = masked_loss(logits, batch["input_ids"], batch["loss_mask"])
                 acc.backward(loss)
                 acc.clip_grad_norm_(model.parameters(), 1.0)
@@ -125,7 +165,8 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
             if acc.sync_gradients:
                 step += 1
                 rec = {"step": step, "epoch": epoch + (k + 1) / len(batches), "loss": loss.item(), "lr": sched.get_last_lr()[0],
-                       "tokens": int(batch["loss_mask"].sum()), "elapsed_s": time.perf_counter() - t0}
+                       "tokens": int(batch["loss_mask"].sum()),
+                       "row_tokens": batch["input_ids"].numel(), "elapsed_s": time.perf_counter() - t0}
                 records.append(rec)
                 eta = rec["elapsed_s"] / step * (total - step)
                 print(f"sft step {step}/{total} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "

@@ -1,0 +1,70 @@
+"""Stage `dpo` (AFM, optional): pair correct and wrong renderings of a question, DPO from the SFT student.
+
+With `dpo.enabled: false` (the default: the demo has ~1 sample per question) it only writes models/dpo/dpo.json saying
+so, quickly, so the DAG stays the same whether or not DPO runs.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from unison import track
+from unison.data.schemas import LABELED, DataError, atomic_dir, atomic_path, read_table, write_json
+from unison.params import load_params, stage_params
+from unison.train.dpo import DPOConfig, build_pairs, pair_views, train_dpo
+
+LABELED_PATH = "data/labeled/train.parquet"
+START = "models/sft"
+OUT = "models/dpo"
+LOSS_CSV = Path("reports/dpo_loss.csv")
+FIELDS = ["step", "epoch", "loss", "reward_chosen", "reward_rejected", "reward_margin", "accuracy", "elapsed_s"]
+
+
+def load_pairs(path: str, max_per_question: int) -> list[tuple[dict, dict]]:
+    """(correct, wrong) pairs from a labeled file; DataError when no question has both."""
+    rows = read_table(path, LABELED)
+    pairs = build_pairs(rows, max_per_question)
+    if not pairs:
+        n_q = len({r["question_id"] for r in rows})
+        raise DataError(path, f"no question of {n_q} has both a correct and a wrong trajectory to pair "
+                        "(raise generate.samples, or set dpo.enabled: false)", field="correct")
+    return pairs
+
+
+def write_loss_csv(records: list[dict]) -> None:
+    tmp = atomic_path(LOSS_CSV)
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(records)
+    tmp.replace(LOSS_CSV)
+
+
+def main() -> None:
+    p = stage_params("dpo", load_params())
+    cfg = DPOConfig(**{k: p[k] for k in DPOConfig.__dataclass_fields__ if k in p})
+    with track.stage_run("dpo", p) as run:
+        if not p["enabled"]:
+            with atomic_dir(OUT) as tmp:
+                write_json({"enabled": False, "model": None, "start": START}, tmp / "dpo.json")
+            write_loss_csv([])
+            write_json({"enabled": False}, "reports/dpo.json")
+            print("dpo: disabled (dpo.enabled: false); wrote the marker models/dpo/dpo.json", flush=True)
+            return
+        pairs = load_pairs(LABELED_PATH, cfg.max_pairs_per_question)
+        views, stats = pair_views(AutoTokenizer.from_pretrained(START), pairs, cfg.max_length)
+        print(f"dpo: {stats['pairs']} pairs from {stats['questions']} questions", flush=True)
+        records = train_dpo(START, views, cfg, OUT, on_step=lambda r: run.log_metrics(
+            {k: r[k] for k in ("loss", "reward_margin", "accuracy")}, step=r["step"]))
+        write_loss_csv(records)
+        metrics = {"enabled": True, **stats, "steps": len(records), "first_loss": records[0]["loss"],
+                   "final_loss": records[-1]["loss"], "final_reward_margin": records[-1]["reward_margin"],
+                   "final_accuracy": records[-1]["accuracy"], "train_s": records[-1]["elapsed_s"]}
+        write_json(metrics, "reports/dpo.json")
+        run.log_metrics(metrics)
+
+
+if __name__ == "__main__":
+    main()

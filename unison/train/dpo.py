@@ -1,0 +1,161 @@
+"""DPO (AFM, research/seeds.md §2.4): chosen = a correct, rejected = a wrong student rendering of the same question.
+
+Both sides use the SFT token view (token_view.py), so only generated tokens count: the prompt and every tool observation
+are masked out of the sequence log-probabilities, as AFM's IgnoreObsPairwiseDatasetProcessor masks `<observation>`
+spans. TRL's DPOTrainer is not used: it tokenises prompt/chosen/rejected text itself and masks only the prompt, so an
+observation in the middle of a multi-turn completion would be trained on and the ids would not be the generated ones.
+A plain loop through accelerate (as sft.py): the reference is the frozen starting model, its log-probabilities
+computed once before training.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..data.schemas import atomic_dir, write_json
+from .sft import collate
+from .token_view import token_view
+
+LOSSES = ("sigmoid", "ipo")
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo
+    lr: float = 5e-6
+    epochs: int = 2
+    batch_size: int = 4  # pairs per optimiser step
+    max_length: int = 768
+    max_pairs_per_question: int = 2
+    lora: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    seed: int = 0
+
+
+def build_pairs(rows: list[dict], max_per_question: int) -> list[tuple[dict, dict]]:
+    """(correct, wrong) renderings of one question, correct x wrong in sample order, at most `max_per_question` each;
+    renderings identical to an earlier one of the same question are dropped."""
+    by_q: dict[str, tuple[list, list]] = {}
+    seen = set()
+    for r in sorted(rows, key=lambda r: (r["question_id"], r["sample"], r["id"])):
+        key = (r["question_id"], tuple(m["content"] for m in r["student"]))
+        if key in seen:
+            continue
+        seen.add(key)
+        by_q.setdefault(r["question_id"], ([], []))[0 if r["correct"] else 1].append(r)
+    pairs = []
+    for q in sorted(by_q):
+        correct, wrong = by_q[q]
+        pairs += list(itertools.islice(itertools.product(correct, wrong), max_per_question))
+    return pairs
+
+
+def pair_views(tok, pairs: list[tuple[dict, dict]], max_length: int) -> tuple[list[tuple], dict]:
+    """Token views ((ids, mask) chosen, (ids, mask) rejected) of every pair, cut to `max_length`, and counts."""
+    views, truncated = [], 0
+    for chosen, rejected in pairs:
+        pair = []
+        for r in (chosen, rejected):
+            ids, mask = token_view(tok, r["student"])
+            truncated += len(ids) > max_length
+            pair.append((ids[:max_length], mask[:max_length]))
+        views.append(tuple(pair))
+    return views, {"pairs": len(views), "questions": len({c["question_id"] for c, _ in pairs}), "truncated_sequences": truncated}
+
+
+def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Per row: the sum of log p(token) over target tokens with loss_mask = 1."""
+    logits = logits[:, :-1].float()
+    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # no (B, L, V) log-softmax copy
+    return (logp * loss_mask[:, 1:].float()).sum(-1)
+
+
+def dpo_loss(pol_c: torch.Tensor, pol_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor, beta: float,
+             kind: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss per pair, chosen reward, rejected reward); h = (pol_c - ref_c) - (pol_r - ref_r) on summed log-probs.
+
+    sigmoid: -log sigmoid(beta h) (Rafailov et al.); ipo: (h - 1/(2 beta))^2 (Azar et al.); rewards = beta * log-ratio.
+    """
+    h = (pol_c - ref_c) - (pol_r - ref_r)
+    if kind == "sigmoid":
+        loss = -F.logsigmoid(beta * h)
+    elif kind == "ipo":
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"params.yaml dpo.loss: unknown loss {kind!r} (one of {LOSSES})")
+    return loss, beta * (pol_c - ref_c).detach(), beta * (pol_r - ref_r).detach()
+
+
+def pair_logps(model, views: list[tuple], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) sequence log-probs of a batch of pairs, both sides in one forward pass."""
+    batch = {k: t.to(device) for k, t in collate([v[0] for v in views] + [v[1] for v in views], pad_id).items()}
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logps = sequence_logps(logits, batch["input_ids"], batch["loss_mask"])
+    return logps[: len(views)], logps[len(views):]
+
+
+def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, on_step=None) -> list[dict]:
+    """Train from `model_dir` (also the frozen reference), save to `out_dir` atomically with a dpo.json; the step records."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"params.yaml dpo.loss: unknown loss {cfg.loss!r} (one of {LOSSES})")
+    torch.manual_seed(cfg.seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pad = tok.pad_token_id or 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    model.to(acc.device).eval()
+    with torch.no_grad():  # the reference: the starting weights, scored once
+        ref = [pair_logps(model, views[i : i + cfg.batch_size], pad, acc.device) for i in range(0, len(views), cfg.batch_size)]
+    ref_c, ref_r = torch.cat([c for c, _ in ref]), torch.cat([r for _, r in ref])
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, task_type="CAUSAL_LM",
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    model, opt = acc.prepare(model, opt)
+    model.train()
+    rng = random.Random(cfg.seed)
+    total = math.ceil(len(views) / cfg.batch_size) * cfg.epochs
+    records, step, t0 = [], 0, time.perf_counter()
+    for epoch in range(cfg.epochs):
+        order = list(range(len(views)))
+        rng.shuffle(order)
+        for k in range(0, len(order), cfg.batch_size):
+            idx = order[k : k + cfg.batch_size]
+            pol_c, pol_r = pair_logps(model, [views[i] for i in idx], pad, acc.device)
+            loss, rew_c, rew_r = dpo_loss(pol_c, pol_r, ref_c[idx].to(acc.device), ref_r[idx].to(acc.device), cfg.beta, cfg.loss)
+            acc.backward(loss.mean())
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            rec = {"step": step, "epoch": epoch + min(1.0, (k + len(idx)) / len(order)), "loss": loss.mean().item(),
+                   "reward_chosen": rew_c.mean().item(), "reward_rejected": rew_r.mean().item(),
+                   "reward_margin": (rew_c - rew_r).mean().item(), "accuracy": (rew_c > rew_r).float().mean().item(),
+                   "elapsed_s": time.perf_counter() - t0}
+            records.append(rec)
+            eta = rec["elapsed_s"] / step * (total - step)
+            print(f"dpo step {step}/{total} loss {rec['loss']:.4f} margin {rec['reward_margin']:.4f} "
+                  f"acc {rec['accuracy']:.2f} {rec['elapsed_s'] / step:.1f}s/step eta {eta / 60:.1f} min", flush=True)
+            if on_step:
+                on_step(rec)
+    model = acc.unwrap_model(model)
+    if cfg.lora:
+        model = model.merge_and_unload()
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        write_json({"enabled": True, "start": str(model_dir), "pairs": len(views), "steps": step, **asdict(cfg)}, tmp / "dpo.json")
+    return records
