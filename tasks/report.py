@@ -15,7 +15,12 @@ from unison import track  # noqa: E402
 from unison.data.schemas import atomic_path  # noqa: E402
 
 PLOTS = Path("reports/plots")
-LABELS = {"base": "base student", "sft": "SFT student", "teacher": "teacher"}
+LABELS = {"base": "base student", "sft": "SFT student", "prm_rerank": "SFT + PRM best-of-N", "dpo": "DPO student",
+          "rl": "RL student", "teacher": "teacher"}
+LOSS_CURVES = {"sft_loss.csv": "SFT loss (masked CE)", "prm_loss.csv": "PRM loss (step CE)", "dpo_loss.csv": "DPO loss"}
+RL_PANELS = {"rewards": ("reward_total", "reward_verifiable", "reward_format", "reward_efficiency", "reward_prm", "accuracy"),
+             "behaviour": ("tool_call_rate", "tool_calls_per_episode", "turns_per_episode"),
+             "policy": ("clip_frac", "approx_kl", "kl_ref", "entropy", "kept_groups")}
 
 
 def headline_rows(metrics: dict) -> list[dict]:
@@ -67,14 +72,35 @@ def plot_per_task(metrics: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_loss(loss_csv: Path, path: Path) -> None:
-    with open(loss_csv) as f:
-        recs = list(csv.DictReader(f))
+def read_csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def plot_loss(loss_csv: Path, path: Path, title: str) -> None:
+    recs = read_csv(loss_csv)
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    ax.plot([int(r["step"]) for r in recs], [float(r["loss"]) for r in recs])
+    ax.plot([int(r["step"]) for r in recs], [float(r["loss"]) for r in recs], marker="." if len(recs) < 30 else None)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("masked CE loss")
-    ax.set_title("SFT loss")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rl_curves(curve_csv: Path, path: Path) -> None:
+    """RL over training: rewards and accuracy, tool use and turns (does tool use collapse?), and policy-update terms."""
+    recs = read_csv(curve_csv)
+    fig, axes = plt.subplots(1, len(RL_PANELS), figsize=(15, 3.8))
+    steps = [int(r["step"]) for r in recs]
+    for ax, (title, keys) in zip(axes, RL_PANELS.items()):
+        for k in keys:
+            if recs and k in recs[0]:
+                ax.plot(steps, [float(r[k] or 0) for r in recs], marker=".", label=k)
+        ax.set_xlabel("RL step")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -97,10 +123,15 @@ def main() -> None:
         plots = ["accuracy_vs_tokens.png", "accuracy_per_task.png"]
         plot_accuracy_vs_tokens(metrics, PLOTS / plots[0])
         plot_per_task(metrics, PLOTS / plots[1])
-        if Path("reports/sft_loss.csv").exists():
-            plot_loss(Path("reports/sft_loss.csv"), PLOTS / "sft_loss.png")
-            plots.append("sft_loss.png")
-        stage_metrics = {s: json.loads(Path(f"reports/{s}.json").read_text()) for s in ("download", "index", "generate", "label", "sft")
+        for name, title in LOSS_CURVES.items():
+            if Path(f"reports/{name}").exists() and read_csv(Path(f"reports/{name}")):
+                plot_loss(Path(f"reports/{name}"), PLOTS / name.replace(".csv", ".png"), title)
+                plots.append(name.replace(".csv", ".png"))
+        if Path("reports/rl_curve.csv").exists() and read_csv(Path("reports/rl_curve.csv")):
+            plot_rl_curves(Path("reports/rl_curve.csv"), PLOTS / "rl_curves.png")
+            plots.append("rl_curves.png")
+        stage_metrics = {s: json.loads(Path(f"reports/{s}.json").read_text())
+                         for s in ("download", "index", "generate", "label", "prm", "sft", "pareto", "dpo", "rl")
                          if Path(f"reports/{s}.json").exists()}
         rows = headline_rows(metrics)
         for path, text in (("reports/report.html", render_html(rows, stage_metrics, plots)), ("reports/summary.md", markdown_table(rows))):
