@@ -18,23 +18,13 @@ from bench.bench_rollout import git_commit, save_report
 TABLE = Path("reports/methods.md")
 
 
-def method_figures(rows: list[dict], wall_s: float, seed: int, n_boot: int) -> dict:
-    from unison.judge.stats import bootstrap_ci
-
-    n = len(rows)
-    acc, lo, hi = bootstrap_ci([float(r["correct"]) for r in rows], n=n_boot, seed=seed)
-    return {"questions": n, "accuracy": acc, "accuracy_lo": lo, "accuracy_hi": hi,
-            "llm_calls_per_q": sum(r["n_llm_calls"] for r in rows) / n, "tokens_per_q": sum(r["n_tokens"] for r in rows) / n,
-            "tool_calls_per_q": sum(r["n_tool_calls"] for r in rows) / n, "tool_errors_per_q": sum(r["tool_errors"] for r in rows) / n,
-            "answered": sum(bool(r["final_answer"]) for r in rows) / n, "wall_s_per_q": wall_s / n}
-
-
 def format_table(figures: dict[str, dict]) -> str:
     lines = ["| method | accuracy [95% CI] | LLM calls/q | gen tokens/q | tool calls/q | tool errors/q | wall s/q |",
              "|---|---|---|---|---|---|---|"]
     for name, f in figures.items():
-        lines.append(f"| {name} | {f['accuracy']:.1%} [{f['accuracy_lo']:.1%}, {f['accuracy_hi']:.1%}] | {f['llm_calls_per_q']:.1f} | "
-                     f"{f['tokens_per_q']:.0f} | {f['tool_calls_per_q']:.1f} | {f['tool_errors_per_q']:.2f} | {f['wall_s_per_q']:.1f} |")
+        lines.append(f"| {name} | {f['accuracy']:.1%} [{f['accuracy_lo']:.1%}, {f['accuracy_hi']:.1%}] | {f['llm_calls_per_question']:.1f} | "
+                     f"{f['tokens_per_question']:.0f} | {f['tool_calls_per_question']:.1f} | {f['tool_errors_per_question']:.2f} | "
+                     f"{f['wall_s_per_question']:.1f} |")
     return "\n".join(lines)
 
 
@@ -48,6 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    from tasks.evaluate import system_metrics
     from tasks.label import label_rows
     from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, run_config
     from unison.agents.methods import MethodContext, get_method
@@ -66,8 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
                             params=g.get(name, {}), role_backends=make_role_backends(params), tools=enabled_tools(params))
         print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)
         t0 = time.perf_counter()
-        rows = label_rows(get_method(name)(questions, 1, ctx), stage_params("label", params))
-        figures[name] = method_figures(rows, time.perf_counter() - t0, params["seed"], params["evaluate"]["bootstrap"])
+        label_p = stage_params("label", params)
+        rows = label_rows(get_method(name)(questions, 1, ctx), label_p)
+        figures[name] = system_metrics(rows, time.perf_counter() - t0, label_p, params["evaluate"]["bootstrap"], params["seed"])
         print(format_table({name: figures[name]}).splitlines()[-1], flush=True)
     table = format_table(figures)
     print(table)

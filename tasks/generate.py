@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from unison import track
-from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, run_config
+from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, remote_counters, run_config
 from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, get_method
 from unison.agents.trace import sample_traces
@@ -66,6 +66,8 @@ def main() -> None:
             rows += read_table(path, TRAJECTORY)
         write_table(rows, OUT, TRAJECTORY)
         metrics = summarize(rows)
+        if ctx is not None:
+            metrics.update(remote_counters({"teacher": ctx.backend, **ctx.role_backends}, ctx.toolbox))
         write_json(metrics, "reports/generate.json")
         run.log_metrics(metrics)
         for i, ep in enumerate(sample_traces(rows, n=3, seed=params["seed"])):

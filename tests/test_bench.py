@@ -83,11 +83,13 @@ def test_timed_backends_count_requests_in_flight():
 
 
 def test_method_table_has_accuracy_ci_and_costs_per_question():
-    from bench.bench_methods import format_table, method_figures
+    from bench.bench_methods import format_table
+    from tasks.evaluate import system_metrics
 
-    rows = [{"correct": c, "n_llm_calls": 4, "n_tokens": 50, "n_tool_calls": 1, "tool_errors": e, "final_answer": a}
-            for c, e, a in [(True, 0, "x"), (False, 1, ""), (True, 0, "y"), (False, 0, "z")]]
-    fig = method_figures(rows, wall_s=8.0, seed=0, n_boot=200)
+    rows = [{"correct": c, "n_llm_calls": 4, "n_tokens": 50, "n_tool_calls": 1, "tool_errors": e, "final_answer": a, "task": "qa",
+             "answers": ["x"], "tool_stats": "{}"} for c, e, a in [(True, 0, "x"), (False, 1, ""), (True, 0, "y"), (False, 0, "z")]]
+    fig = system_metrics(rows, 8.0, {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}, n_boot=200, seed=0)
     assert fig["accuracy"] == 0.5 and fig["accuracy_lo"] <= 0.5 <= fig["accuracy_hi"]
-    assert (fig["llm_calls_per_q"], fig["tokens_per_q"], fig["tool_errors_per_q"], fig["answered"], fig["wall_s_per_q"]) == (4, 50, 0.25, 0.75, 2.0)
+    assert (fig["llm_calls_per_question"], fig["tokens_per_question"], fig["tool_errors_per_question"], fig["answered_rate"],
+            fig["wall_s_per_question"]) == (4, 50, 0.25, 0.75, 2.0)
     assert "| debate | 50.0% [" in format_table({"debate": fig})

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from unison.agents.context import enabled_tools, make_toolbox
+from unison.agents.context import enabled_tools, make_toolbox, remote_counters
 from unison.agents.protocol import SYSTEM_PROMPT, system_prompt
 from unison.tools.web import Crawl, WebCache, WebSearch, html_to_text
 
@@ -134,6 +134,9 @@ def test_web_tools_are_off_by_default_and_opt_in(server, tmp_path):
     box = make_toolbox(on, web_cache_dir=tmp_path)
     assert box.call("web_search", "Tarsk") == ("Doc 1 (Title: Tarsk 1) About Tarsk, part 1. (https://example.org/1)", None)
     assert box.call("crawl", f"{server.url}/notes.txt")[0].endswith("plain notes")
+    box.call("web_search", "Tarsk")  # answered from the shared cache
+    assert remote_counters({}, box) == {"web_cache.hits": 1.0, "web_cache.misses": 2.0}
+    assert remote_counters({}, make_toolbox(off, web_cache_dir=tmp_path)) == {}
 
 
 def test_episode_calls_web_search_through_the_toolbox(server, base_model_dir, tmp_path):

@@ -43,3 +43,14 @@ def make_role_backends(params: dict) -> dict:
             built[key] = make_backend(model, {**params["llm"], **spec}, seed=params["seed"])
         out[role] = built[key]
     return out
+
+
+def remote_counters(backends: dict, toolbox: Toolbox) -> dict[str, float]:
+    """Counters of the pieces behind a network (for MLflow): each backend's `stats` (openai: requests, retries, ...) by
+    role, and the web cache's hits and misses."""
+    out = {f"backend.{role}.{k}": float(v) for role, b in backends.items() for k, v in getattr(b, "stats", {}).items()}
+    caches = {id(h.cache): h.cache for h in toolbox.handlers.values() if getattr(h, "cache", None) is not None}
+    for key in ("hits", "misses"):
+        if caches:
+            out[f"web_cache.{key}"] = float(sum(getattr(c, key) for c in caches.values()))
+    return out

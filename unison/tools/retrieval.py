@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import requests
 
 from ..data.schemas import CORPUS, DataError, atomic_dir, read_table, write_table
 
@@ -251,19 +250,10 @@ class RemoteRetriever(SearchTool):
         ]
 
     def _post(self, route: str, body: dict) -> dict:
-        for attempt in range(self.retries + 1):
-            try:
-                response = requests.post(self.url + route, json=body, timeout=self.timeout)
-                if response.status_code < 500:
-                    if response.status_code != 200:
-                        raise RuntimeError(f"{self.url}{route} answered {response.status_code}: {response.text[:300]}")
-                    return response.json()
-                failure = f"{response.status_code}: {response.text[:300]}"
-            except (requests.ConnectionError, requests.Timeout) as e:
-                failure = repr(e)
-            if attempt < self.retries:
-                time.sleep(0.5 * 2**attempt)
-        raise RuntimeError(f"{self.url}{route} failed after {self.retries + 1} attempts: {failure}")
+        """POST with unison.http's retries (connection errors, timeouts, 429, 5xx); HTTPFailure names the URL."""
+        from ..http import request
+
+        return request("POST", self.url + route, json=body, timeout=self.timeout, retries=self.retries).json()
 
 
 def title_recall_at_1(retriever: Retriever, sample: int = 500, seed: int = 0) -> float:
