@@ -29,14 +29,18 @@ class TimedBackend:
     """A backend with only `generate` (the runtime then runs lock-step batches) that adds up the wall time and prompt
     tokens of its calls and records the most requests in flight at once (the runtime's effective batch)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, block_size: int = 32):
         self.backend, self.tokenizer = backend, backend.tokenizer
         self.seconds, self.calls, self.prompt_tokens, self.widest, self.inflight = 0.0, 0, 0, 0, 0
+        self.cache, self.prompts = PrefixCache(block_size), {}
 
     def generate(self, prompts, sampling):
         self.prompt_tokens += sum(map(len, prompts))  # submitted; the shared prefix may come from vLLM's prefix cache
         self.widest = max(self.widest, len(prompts))
-        return self._timed(self.backend.generate, prompts, sampling)
+        completions = self._timed(self.backend.generate, prompts, sampling)
+        for prompt, c in zip(prompts, completions):
+            self.cache.add(prompt, c.token_ids)
+        return completions
 
     def _timed(self, fn, *args):
         t0 = time.perf_counter()
@@ -56,12 +60,32 @@ class TimedStreamingBackend(TimedBackend):
         self.prompt_tokens += sum(len(p) for _, p, _ in requests)
         self.inflight += len(requests)
         self.widest = max(self.widest, self.inflight)
+        self.prompts.update((rid, p) for rid, p, _ in requests)
         return self._timed(self.backend.submit, requests)
 
     def step(self):
         finished = self._timed(self.backend.step)
         self.inflight -= len(finished)
+        for rid, c in finished:
+            self.cache.add(self.prompts.pop(rid), c.token_ids)
         return finished
+
+
+class PrefixCache:
+    """What vLLM's prefix cache must still compute: a prompt's tokens after its longest prefix of whole blocks seen
+    before (in any earlier prompt or completion). No eviction is modelled (the demo's KV cache never fills)."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.blocks, self.uncached = block_size, set(), 0
+
+    def add(self, prompt: list[int], completion: list[int]) -> None:
+        b = self.block_size
+        hit = 0
+        while hit + b <= len(prompt) and tuple(prompt[: hit + b]) in self.blocks:
+            hit += b
+        self.uncached += len(prompt) - hit
+        ids = list(prompt) + list(completion)
+        self.blocks.update(tuple(ids[: k]) for k in range(b, len(ids) + 1, b))
 
 
 class TimedToolbox:
@@ -111,14 +135,14 @@ def run_method(ctx, method: str, questions: list[dict], samples: int) -> dict:
     from unison.agents.methods import get_method
 
     backend, toolbox = ctx.backend, ctx.toolbox
-    llm_s0, tool_s0, llm_calls0, prompt0 = backend.seconds, toolbox.seconds, backend.calls, backend.prompt_tokens
+    llm_s0, tool_s0, llm_calls0, prompt0, uncached0 = backend.seconds, toolbox.seconds, backend.calls, backend.prompt_tokens, backend.cache.uncached
     t0 = time.perf_counter()
     rows = get_method(method)(questions, samples, ctx)
     wall = time.perf_counter() - t0
     tokens = sum(r["n_tokens"] for r in rows)
     llm_s = backend.seconds - llm_s0
     return {"trajectories": len(rows), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "prompt_tokens": backend.prompt_tokens - prompt0, "llm_calls": sum(r["n_llm_calls"] for r in rows),
+            "prompt_tokens": backend.prompt_tokens - prompt0, "uncached_prompt_tokens": backend.cache.uncached - uncached0, "llm_calls": sum(r["n_llm_calls"] for r in rows),
             "tool_calls": sum(r["n_tool_calls"] for r in rows),
             "tool_errors": sum(r["tool_errors"] for r in rows), "generate_calls": backend.calls - llm_calls0,
             "answered": sum(bool(r["final_answer"]) for r in rows) / len(rows),
@@ -152,6 +176,22 @@ def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"sequences": len(prompts), "max_tokens": max_tokens, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "prompt_tokens": sum(map(len, prompts))}
+
+
+def measure_prefill(llm, n: int = 32, length: int = 256, seed: int = 0) -> dict:
+    """Prefill throughput: `n` distinct random prompts of `length` tokens, one generated token each, cache cold."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(n)]
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False)
+    wall = time.perf_counter() - t0
+    return {"prompts": n, "tokens": n * length, "wall_s": wall, "tokens_per_s": n * length / wall}
 
 
 def machine_info(backend) -> dict:
@@ -198,6 +238,10 @@ def format_table(result: dict) -> str:
     lines.append(f"runtime / plain = {result['runtime_vs_plain']:.2f}x streamed, {result['lockstep_vs_plain']:.2f}x lock-step   "
                  f"streaming / lock-step = {result['streaming_vs_lockstep']:.2f}x   runtime / sequential = {result['runtime_vs_sequential']:.2f}x   "
                  f"(sequential would take ~{result['sequential']['projected_wall_s']:.0f} s for the runtime's workload)")
+    if "prefill" in result:
+        lines.append(f"prefill {result['prefill']['tokens_per_s']:.0f} tok/s; with no overhead at all the runtime's work (its generated and "
+                     f"uncached prompt tokens) would run at {result['compute_bound_ratio']:.2f}x plain; the runtime reaches "
+                     f"{result['runtime_vs_compute_bound']:.0%} of that bound streamed, {result['lockstep_vs_compute_bound']:.0%} lock-step")
     if "tools" in result:
         t = result["tools"]
         lines.append(f"{t['k']} tool calls in one parallel turn vs serial: search {t['search_parallel_s']:.2f} s vs {t['search_serial_s']:.2f} s "
@@ -249,9 +293,11 @@ def main(argv: list[str] | None = None) -> dict:
     toolbox.call("search", "warm up")
     toolbox.call("python", "print(1)")
     backend.generate([chat_prompt(backend.tokenizer, question_messages("warm up"))], [Sampling(max_tokens=8)])
+    block = backend.backend.block_size
 
     print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
     llm.reset_prefix_cache()
+    backend.cache = PrefixCache(block)
     runtime = run_method(ctx, args.method, questions, args.samples)
     # plain decoding of the same number of tokens at the runtime's peak parallelism (its widest step)
     runtime["episodes"] = backend.widest
@@ -259,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     print("bench_rollout: the same runtime in lock-step batches (one generate call per turn of all episodes)", flush=True)
     llm.reset_prefix_cache()
-    lockstep = run_method(replace(ctx, backend=TimedBackend(backend.backend)), args.method, questions, args.samples)
+    lockstep = run_method(replace(ctx, backend=TimedBackend(backend.backend, block)), args.method, questions, args.samples)
 
     print(f"bench_rollout: plain decode, {runtime['episodes']} sequences", flush=True)
     prompts = [chat_prompt(backend.tokenizer, question_messages(q["question"])) for q in questions for _ in range(args.samples)]
@@ -269,8 +315,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"bench_rollout: sequential, up to {min(args.sequential, len(questions))} questions one at a time", flush=True)
     llm.reset_prefix_cache()
+    backend.cache = PrefixCache(block)
     sequential = run_sequential(ctx, args.method, questions[: args.sequential], args.sequential_max_s)
     sequential["projected_wall_s"] = runtime["tokens"] / sequential["tokens_per_s"]
+
+    print("bench_rollout: prefill throughput (32 distinct 256-token prompts)", flush=True)
+    prefill = measure_prefill(llm)
+    # the runtime's work at the plain run's decode rate and the measured prefill rate: what it would take with no
+    # overhead at all (no idle engine, no tool waits, no small batches at the tail of a turn)
+    ideal_s = {k: r["tokens"] / plain["tokens_per_s"] + r["uncached_prompt_tokens"] / prefill["tokens_per_s"]
+               for k, r in (("runtime", runtime), ("lockstep", lockstep))}
 
     print(f"bench_rollout: tool concurrency, {args.parallel_k} calls in one parallel turn vs one after another", flush=True)
     tools = measure_tool_concurrency(toolbox.toolbox, [q["question"] for q in questions[: args.parallel_k]])
@@ -282,7 +336,10 @@ def main(argv: list[str] | None = None) -> dict:
                      "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
                      "enforce_eager": params["llm"].get("enforce_eager", True)},
         "engine_start_s": engine_start_s,
-        "plain": plain, "runtime": runtime, "lockstep": lockstep, "sequential": sequential, "tools": tools,
+        "plain": plain, "runtime": runtime, "lockstep": lockstep, "sequential": sequential, "tools": tools, "prefill": prefill,
+        "compute_bound_ratio": runtime["tokens"] / ideal_s["runtime"] / plain["tokens_per_s"],
+        "runtime_vs_compute_bound": ideal_s["runtime"] / runtime["wall_s"],
+        "lockstep_vs_compute_bound": ideal_s["lockstep"] / lockstep["wall_s"],
         "runtime_vs_plain": runtime["tokens_per_s"] / plain["tokens_per_s"],
         "runtime_vs_sequential": runtime["tokens_per_s"] / sequential["tokens_per_s"],
         "lockstep_vs_plain": lockstep["tokens_per_s"] / plain["tokens_per_s"],

@@ -19,11 +19,13 @@ def test_save_report_merges_under_its_key(tmp_path):
 
 
 def test_timed_backend_records_the_widest_step():
+    from unison.llm import Completion
+
     class Echo:
         tokenizer = None
 
         def generate(self, prompts, sampling):
-            return list(prompts)
+            return [Completion("", list(p), None, "stop") for p in prompts]
 
     backend = TimedBackend(Echo())
     backend.generate([[1, 2], [3]], [None, None])
@@ -66,11 +68,13 @@ def test_timed_backends_count_requests_in_flight():
     from bench.bench_rollout import TimedBackend, TimedStreamingBackend
     from unison.agents.runtime import LockStep
 
-    class Echo:  # a backend boundary stand-in: completes each prompt with its own length
+    from unison.llm import Completion
+
+    class Echo:  # a backend boundary stand-in: completes each prompt with its length as the one token
         tokenizer = None
 
         def generate(self, prompts, sampling):
-            return [len(p) for p in prompts]
+            return [Completion(str(len(p)), [len(p)], None, "stop") for p in prompts]
 
     lockstep = LockStep(Echo())
     lockstep.streaming, lockstep.tokenizer = True, None
@@ -78,7 +82,7 @@ def test_timed_backends_count_requests_in_flight():
     timed.submit([("a", [1, 2], None), ("b", [3], None)])
     timed.submit([("c", [4, 5, 6], None)])
     assert timed.widest == 3 and timed.prompt_tokens == 6
-    assert timed.step() == [("a", 2), ("b", 1), ("c", 3)] and timed.inflight == 0
+    assert [(rid, c.token_ids) for rid, c in timed.step()] == [("a", [2]), ("b", [1]), ("c", [3])] and timed.inflight == 0
     assert not hasattr(TimedBackend(Echo()), "streaming")
 
 
@@ -93,3 +97,15 @@ def test_method_table_has_accuracy_ci_and_costs_per_question():
     assert (fig["llm_calls_per_question"], fig["tokens_per_question"], fig["tool_errors_per_question"], fig["answered_rate"],
             fig["wall_s_per_question"]) == (4, 50, 0.25, 0.75, 2.0)
     assert "| debate | 50.0% [" in format_table({"debate": fig})
+
+
+def test_prefix_cache_counts_what_vllm_must_still_prefill():
+    from bench.bench_rollout import PrefixCache
+
+    cache = PrefixCache(block_size=4)
+    cache.add([1, 2, 3, 4, 5, 6], [7, 8, 9])  # cold: all 6 prompt tokens; blocks [1..4] and [1..8] are now cached
+    assert cache.uncached == 6
+    cache.add([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [])  # the next turn: 2 whole blocks hit, 2 tokens left
+    assert cache.uncached == 8
+    cache.add([1, 2, 3, 9, 9], [])  # a different prefix inside the first block: nothing hits
+    assert cache.uncached == 13
