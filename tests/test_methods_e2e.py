@@ -99,10 +99,12 @@ def test_streaming_engine_gives_the_lock_step_trajectories(ctx_factory):
     ctx = ctx_factory("debate")
     backend = ctx.backend
     runs = {}
-    for name, streaming in (("lockstep", False), ("stream", True), ("stream again", True)):
-        backend.streaming = streaming
-        rows = get_method("debate")(QUESTIONS, 2, ctx)
-        runs[name] = [(r["student"], r["final_answer"], r["n_tool_calls"]) for r in rows]
-    backend.streaming = False
+    try:
+        for name, streaming in (("lockstep", False), ("stream", True), ("stream again", True)):
+            backend.streaming = streaming  # False: the runtime wraps the engine in LockStep (one generate call per turn)
+            rows = get_method("debate")(QUESTIONS, 2, ctx)
+            runs[name] = [(r["student"], r["final_answer"], r["n_tool_calls"]) for r in rows]
+    finally:
+        del backend.streaming  # back to the class default
     assert runs["stream"] == runs["stream again"] == runs["lockstep"]
     assert sum(n for *_, n in runs["stream"]) > 0  # tools ran between turns

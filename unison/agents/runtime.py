@@ -151,7 +151,7 @@ _request_ids = itertools.count()
 def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunConfig, desc: str = "episodes") -> list[Episode]:
     """Run all episodes to completion; returns them (mutated).
 
-    A streaming engine (vLLM with `streaming` on: `submit`/`step`) keeps every live episode in one continuously batched run: an episode's
+    A streaming engine (vLLM: `submit`/`step`) keeps every live episode in one continuously batched run: an episode's
     next turn joins as soon as its tools return, while the others decode. Tool calls run in a thread pool during the
     engine's next step and are collected after it (or at once when the engine has nothing else to do), so the batch
     composition, and the outputs, depend only on the inputs and seeds. Other backends run in lock-step batches."""

