@@ -27,7 +27,10 @@ TINY = {
                              "mix": {"hop1": 1.0, "hop2": 0.0, "math": 0.0}}},
     "generate": {"samples": 2, "shard_size": 8, "max_tokens_per_turn": 48, "debate": {"agents": 2, "rounds": 2, "aggregator": "vote"}},
     "sft": {"epochs": 1, "batch_size": 4, "max_per_question": 1},
-    "evaluate": {"max_questions": 8, "bootstrap": 200},
+    "prm": {"epochs": 1, "freeze_backbone": True},
+    "pareto": {"k": 2, "min_groups": 2},
+    "rl": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens_per_turn": 48},
+    "evaluate": {"max_questions": 8, "bootstrap": 200, "rerank_samples": 2},
 }
 
 
@@ -76,7 +79,7 @@ def run(project: Path, *cmd: str, timeout: int = 1200, check: bool = True) -> su
 def test_full_pipeline_runs_and_reports(project):
     run(project, "dvc", "repro")
     metrics = json.loads((project / "reports/metrics.json").read_text())
-    assert set(metrics) == {"base", "teacher", "sft"}
+    assert set(metrics) == {"base", "teacher", "sft", "prm_rerank", "rl"}
     for m in metrics.values():
         assert m["questions"] == 8 and 0 <= m["accuracy_lo"] <= m["accuracy"] <= m["accuracy_hi"] <= 1
         assert m["tokens_per_question"] > 0
@@ -86,6 +89,12 @@ def test_full_pipeline_runs_and_reports(project):
     assert (project / "reports/plots/accuracy_vs_tokens.png").stat().st_size > 1000
     sft = json.loads((project / "reports/sft.json").read_text())
     assert sft["selected"] >= 1 and sft["steps"] >= 1
+    assert metrics["prm_rerank"]["samples_per_question"] == 2
+    assert metrics["prm_rerank"]["tokens_per_question"] > metrics["sft"]["tokens_per_question"]  # it pays for both samples
+    rl = json.loads((project / "reports/rl.json").read_text())
+    assert rl["steps"] == 1 and (project / "models/rl/config.json").exists()
+    assert (project / "reports/plots/rl_curves.png").stat().st_size > 1000
+    assert list((project / "data/rl").glob("stage*.parquet"))
     import pyarrow.parquet as pq
 
     traj = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
@@ -103,7 +112,7 @@ def test_mlflow_has_one_parent_with_a_child_per_stage_and_traces(project):
     parents = {r.data.tags["mlflow.parentRunId"] for r in children}
     assert len(parents) == 1
     stages = {r.data.tags.get("stage") for r in children}
-    assert {"download", "index", "generate", "label", "sft", "evaluate", "report"} <= stages
+    assert {"download", "index", "generate", "label", "prm", "sft", "pareto", "dpo", "rl", "evaluate", "report"} <= stages
     gen = next(r for r in children if r.data.tags.get("stage") == "generate")
     assert gen.data.params["generate.method"] == "debate"
     mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")

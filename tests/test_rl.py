@@ -1,0 +1,247 @@
+"""The RL stage on a tiny model: real rollouts, rewards, masks, updates and exact resume (DESIGN §7).
+
+`answerer` is the tiny random model taught (a few seconds of SFT) to answer "<answer>Paris</answer>" or
+"<answer>Rome</answer>" about equally often, so a group of rollouts has mixed rewards and RL has something to move.
+"""
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from unison.agents.protocol import chat_prompt, question_messages
+from unison.agents.runtime import Episode, RunConfig, Segment, Toolbox
+from unison.data.pareto import rl_rows
+from unison.data.schemas import RL_ROW, DataError, write_table
+from unison.train.policy_loss import token_logprobs
+from unison.train.rl import (RLConfig, batch_loss, build_samples, collate, load_rl_data, logprobs_of, score_episodes,
+                             step_prompts, train_rl)
+from unison.train.rollout import episode_view
+
+LABEL = {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
+QUESTION = "What is the capital of France?"
+
+
+def make_rows(n: int = 2, stages=(1, 2)) -> list[dict]:
+    groups = [{"question_id": f"q{i}", "task": "qa", "tool_calls": [0, 1], "correctness": [0.0, 1.0], "score_tool": 0.25,
+               "score_corr": 0.25, "front": 0, "crowding": 1.0} for i in range(n)]
+    questions = {f"q{i}": {"id": f"q{i}", "source": "test", "task": "qa", "question": QUESTION, "answers": ["Paris"]} for i in range(n)}
+    return rl_rows(groups, [stages[i % len(stages)] for i in range(n)], questions)
+
+
+@pytest.fixture(scope="module")
+def answerer(tiny_model_dir, tmp_path_factory):
+    """The tiny model after SFT on two answers to the same prompt (so it samples either)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompt = chat_prompt(tok, question_messages(QUESTION))
+    seqs = [prompt + tok(f"<answer>{a}</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for a in ("Paris", "Rome")]
+    ids = torch.tensor(seqs)
+    labels = ids.clone()
+    labels[:, : len(prompt)] = -100
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(60):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    path = tmp_path_factory.mktemp("answerer")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def rl_config(**kw) -> RLConfig:
+    base = dict(estimator="grpo", group_size=4, prompts_per_step=2, steps=1, lr=2e-3, warmup_steps=1, weight_decay=0.0, temperature=1.0,
+                max_turns=2, max_tokens_per_turn=12, dynamic_sampling=False, rollout_backend="transformers", micro_batch_size=3,
+                checkpoint_every=1, seed=0)
+    return RLConfig(**{**base, **kw})
+
+
+def run(model_dir, cfg, tmp_path, name, rows=None, on_step=None):
+    return train_rl(str(model_dir), rows or make_rows(), cfg, Toolbox(), RunConfig(temperature=cfg.temperature, top_p=1.0,
+                    max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn, max_model_len=512), ("search", "python"),
+                    LABEL, {"max_model_len": 512}, str(tmp_path / name / "out"), str(tmp_path / name / "ckpt"), on_step=on_step)
+
+
+def state(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def p_paris(model_dir) -> float:
+    """P(first answer token = 'Paris' | prompt + '<answer>') under the model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prefix = chat_prompt(tok, question_messages(QUESTION)) + tok("<answer>", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        probs = model(torch.tensor([prefix])).logits[0, -1].softmax(-1)
+    return probs[tok("Paris", add_special_tokens=False)["input_ids"][0]].item()
+
+
+def test_one_step_moves_the_policy_toward_the_rewarded_answer(answerer, tmp_path):
+    records = run(answerer, rl_config(format_weight=0.0, lr=1e-4), tmp_path, "one")  # reward: 1 for Paris, else 0; a small
+    # step (Adam moves every weight by ~lr at once: 1e-3 overshoots on this tiny model)
+    rec = records[0]
+    assert rec["episodes"] == 8 and 0 < rec["accuracy"] < 1, rec  # mixed outcomes: something to learn
+    assert rec["clip_frac"] == 0.0 and rec["samples"] == 8  # one epoch, one mini-batch: ratio 1 everywhere
+    before, after = state(answerer), state(tmp_path / "one" / "out")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert p_paris(tmp_path / "one" / "out") > p_paris(answerer)
+
+
+def test_resume_after_a_kill_gives_the_same_weights(answerer, tmp_path):
+    cfg = rl_config(steps=2)
+    straight = run(answerer, cfg, tmp_path, "straight")
+
+    def kill(rec):
+        if rec["step"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(answerer, cfg, tmp_path, "resumed", on_step=kill)
+    assert not (tmp_path / "resumed" / "out").exists()
+    resumed = run(answerer, cfg, tmp_path, "resumed")
+    a, b = state(tmp_path / "straight" / "out"), state(tmp_path / "resumed" / "out")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["reward_total"] for r in resumed] == [r["reward_total"] for r in straight] and len(resumed) == 2
+
+
+def episode(prompt, parts, answer_key="e") -> Episode:
+    e = Episode(key=answer_key, prompt_ids=prompt, seed=0)
+    for kind, text, ids in parts:
+        e.segments.append(Segment(kind, text, ids))
+    return e
+
+
+def test_tool_observations_get_no_gradient_but_later_tokens_keep_the_advantage():
+    # prompt [1 2 3], sampled [10 11], observation [20 21 22], sampled [12 13]; a group of two with rewards 1 and 0
+    e1 = episode([1, 2, 3], [("gen", "", [10, 11]), ("obs", "", [20, 21, 22]), ("gen", "", [12, 13])])
+    e2 = episode([1, 2, 3], [("gen", "", [14, 15])])
+    views = [episode_view(e1), episode_view(e2)]
+    assert views[0].loss_mask == [0, 0, 0, 1, 1, 0, 0, 0, 1, 1]
+    samples, kept = build_samples(views, {"groups": [0, 0], "total": [1.0, 0.0]}, rl_config())
+    a = 0.5 / math.sqrt(0.5)  # grpo: (1 - 0.5) / std([1, 0], unbiased) = 0.70711
+    # target-aligned (position t scores token t+1): tokens 10 11 | 20 21 22 | 12 13
+    assert samples[0]["advantages"] == pytest.approx([0, 0, a, a, 0, 0, 0, a, a], abs=1e-5)  # grpo eps 1e-6
+    assert samples[0]["loss_mask"] == [0, 0, 1, 1, 0, 0, 0, 1, 1] and kept == 1.0
+    batch = collate(samples, pad_id=0)
+    logits = torch.randn(2, 10, 30, requires_grad=True)
+    batch["old_logp"] = token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:]).detach()  # on-policy: ratio 1, nothing clipped
+    loss, _ = batch_loss(logits[:, :-1], batch, rl_config())
+    loss.backward()
+    grad = logits.grad[0].abs().sum(-1)  # logits at position t predict token t+1
+    assert grad[[0, 1, 4, 5, 6]].tolist() == [0, 0, 0, 0, 0]  # prompt and observation targets: no gradient
+    assert (grad[[2, 3, 7, 8]] > 0).all()  # sampled tokens before and after the observation both learn
+    assert (logits.grad[1, 4:] == 0).all() and (logits.grad[1, 2:4] != 0).any()  # the second row's padding never counts
+
+
+def test_padding_never_counts(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    cfg = rl_config()
+    torch.manual_seed(1)
+    samples = [{"ids": torch.randint(0, 1000, (n,)).tolist(), "loss_mask": m, "advantages": a} for n, m, a in
+               ((6, [0, 1, 1, 0, 1], [0, 1.0, 1.0, 0, 1.0]), (9, [0, 0, 1, 1, 1, 1, 0, 0], [0, 0, -0.5, -0.5, -0.5, -0.5, 0, 0]))]
+    for s in samples:
+        s["old_logp"] = [-11.0] * (len(s["ids"]) - 1)
+
+    def loss_of(batch_samples, pad_id):
+        batch = collate(batch_samples, pad_id)
+        with torch.no_grad():
+            _, logits = logprobs_of(model, batch, cfg.temperature)
+            return batch_loss(logits, batch, cfg)[0].item()
+
+    together = loss_of(samples, 0)
+    assert together == pytest.approx(loss_of(samples, 4242), abs=1e-6)  # what sits in the padding is irrelevant
+    n = [sum(s["loss_mask"]) for s in samples]  # token_mean: the batch loss is the token-weighted mean of the rows
+    assert together == pytest.approx((loss_of(samples[:1], 0) * n[0] + loss_of(samples[1:], 0) * n[1]) / sum(n), abs=1e-5)
+
+
+def test_flow_grpo_makes_one_sample_per_turn():
+    e1 = episode([1, 2], [("gen", "", [10, 11]), ("obs", "", [20]), ("gen", "", [12])])
+    e2 = episode([1, 2], [("gen", "", [13, 14, 15])])
+    samples, _ = build_samples([episode_view(e1), episode_view(e2)], {"groups": ["q", "q"], "total": [1.0, 0.0]},
+                               rl_config(estimator="flow_grpo"))
+    # turn rewards [1, 1, 0]: mean 2/3, unbiased std sqrt((1/9 + 1/9 + 4/9) / 2) = 0.57735 -> 0.57735, 0.57735, -1.1547
+    assert [s["ids"] for s in samples] == [[1, 2, 10, 11], [1, 2, 10, 11, 20, 12], [1, 2, 13, 14, 15]]
+    assert [s["loss_mask"] for s in samples] == [[0, 1, 1], [0, 0, 0, 0, 1], [0, 1, 1, 1]]
+    assert samples[0]["advantages"] == pytest.approx([0, 0.57735, 0.57735], abs=1e-4)
+    assert samples[1]["advantages"] == pytest.approx([0, 0, 0, 0, 0.57735], abs=1e-4)
+    assert samples[2]["advantages"] == pytest.approx([0, -1.1547, -1.1547, -1.1547], abs=1e-4)
+
+
+def test_dynamic_sampling_drops_groups_without_signal():
+    views = [episode_view(episode([1], [("gen", "", [5, 6])])) for _ in range(4)]
+    samples, kept = build_samples(views, {"groups": [0, 0, 1, 1], "total": [1.0, 1.0, 1.0, 0.0]}, rl_config(dynamic_sampling=True))
+    assert len(samples) == 2 and kept == 0.5
+
+
+def test_rewards_are_combined_as_configured(tiny_model_dir):
+    from unison.train.prm import build_prm
+
+    tools = ("search", "python")
+    good = episode([1], [("gen", "<search>France</search>", [5, 6]), ("obs", "\n<result>\nParis\n</result>\n", [7]),
+                         ("gen", "<answer>Paris</answer>", [8, 9, 10])])
+    wrong = episode([1], [("gen", "<answer>Rome</answer>", [5, 6])])
+    broken = episode([1], [("gen", "Paris is nice <answer>Paris</answer> ok", [5, 6, 7, 8])])
+    eps = [good, wrong, broken]
+    views = [episode_view(e) for e in eps]
+    rows = make_rows(1)
+    cfg = rl_config(verifiable_weight=1.0, format_weight=0.5, efficiency_weight=1.0, sigma_tool=0.2, sigma_len=0.5, sigma_decay=False,
+                    group_size=3, prm_weight=1.0)
+    prm = build_prm(tiny_model_dir, "\n", seed=0)  # an untrained head: scores are arbitrary but fixed
+    r = score_episodes(eps, rows, 3, views, cfg, LABEL, tools, step=1, prm=prm)
+    assert r["verifiable"] == [1.0, 0.0, 1.0] and r["format"] == [0.0, 0.0, -1.0] and r["tool_calls"] == [1, 0, 0]
+    assert r["lengths"] == [5, 2, 4]
+    # f_tool = 2 / (1 + exp(0.2 * (t - 1/3))); lengths [5, 2, 4]: mean 11/3, population std 1.2472 -> z
+    z = [(x - 11 / 3) / math.sqrt(((5 - 11 / 3) ** 2 + (2 - 11 / 3) ** 2 + (4 - 11 / 3) ** 2) / 3) for x in (5, 2, 4)]
+    f_tool = [2 / (1 + math.exp(0.2 * (t - 1 / 3))) for t in (1, 0, 0)]
+    f_len = [2 / (1 + math.exp(0.5 * zi)) for zi in z]
+    expect = [s + 0.5 * f + s * (ft * fl - 1) for s, f, ft, fl in zip((1, 0, 1), (0, 0, -1), f_tool, f_len)]
+    assert r["total"] == pytest.approx(expect)
+    steps = [["<search>France</search>\n<result>\nParis\n</result>\n", "<answer>Paris</answer>"], ["<answer>Rome</answer>"],
+             ["Paris is nice <answer>Paris</answer> ok"]]  # a turn with its observation, as label/prm cut steps
+    probs = prm.step_scores([rows[0]["extra_info"]["question"]] * 3, steps)
+    assert r["prm_steps"] == [[pytest.approx(2 * p - 1) for p in row] for row in probs]  # p(good) - p(bad)
+    samples, _ = build_samples(views, r, cfg)
+    no_prm, _ = build_samples(views, {k: v for k, v in r.items() if k != "prm_steps"}, cfg)
+    # the PRM adds step rewards at turn ends: the first turn of `good` (its token 6, target index 1) sees both steps
+    assert samples[0]["advantages"][1] != pytest.approx(no_prm[0]["advantages"][1])
+    assert samples[0]["advantages"][2] == 0.0  # the observation carries nothing
+
+
+def test_curriculum_takes_stage_one_first():
+    rows = make_rows(6, stages=(2, 1, 3))
+    first = step_prompts(rows, 0, 2, seed=0) + step_prompts(rows, 1, 2, seed=0) + step_prompts(rows, 2, 2, seed=0)
+    assert [r["stage"] for r in first] == [1, 1, 2, 2, 3, 3]
+    assert step_prompts(rows, 1, 2, seed=0) == step_prompts(rows, 1, 2, seed=0)
+
+
+def test_bad_rl_data_names_file_row_and_field(tmp_path):
+    rows = make_rows(3)
+    path = tmp_path / "stage1.parquet"
+    rows[2]["reward_model"] = {"ground_truth": [], "style": "rule"}
+    write_table(rows, path, RL_ROW)
+    with pytest.raises(DataError, match=r"stage1.parquet, row 2, field 'reward_model'"):
+        load_rl_data([path])
+    rows = make_rows(2)
+    rows[1]["ability"] = "poetry"
+    write_table(rows, path, RL_ROW)
+    with pytest.raises(DataError, match=r"row 1, field 'ability'"):
+        load_rl_data([path])
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "x"}]]}), path)
+    with pytest.raises(DataError, match=r"stage1.parquet.*missing column"):
+        load_rl_data([path])
+    with pytest.raises(DataError, match="no stage"):
+        load_rl_data([])

@@ -1,0 +1,362 @@
+"""RL: the GRPO family on multi-turn tool rollouts with the live policy (DESIGN §7; research/seeds.md §1.5, §3.5, §4.5, §5.2).
+
+One step: take the next prompts of the curriculum (stage 1 rows first), roll out `group_size` episodes per prompt with
+the current policy and real tools, score every reward component, turn rewards into group-relative advantages, then
+PPO-style epochs of the clipped token-level loss (old log-probs from the policy before the update, optional k3 KL to
+a frozen reference) with AdamW through accelerate (a DeepSpeed ZeRO config works). A checkpoint outside the DVC out
+lets a killed run resume exactly where it stopped.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..data.schemas import RL_ROW, DataError, atomic_dir, read_table
+from ..judge import SCORERS, score
+from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
+from .policy_loss import policy_loss, token_logprobs
+from .rewards import count_tool_calls, efficiency_rewards, format_reward, prmvr_token_rewards, returns_to_go, sigma_factor
+from .rollout import View, episode_view, make_rollout_backend, rollout, turn_views
+
+
+@dataclass
+class RLConfig:
+    estimator: str = "grpo"  # grpo | dr_grpo | rloo | flow_grpo (each assistant turn a sample, grouped by question)
+    group_size: int = 4
+    prompts_per_step: int = 4
+    steps: int = 8
+    lr: float = 1e-6
+    weight_decay: float = 0.1
+    warmup_steps: int = 3
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = 10.0
+    kl_coef: float = 0.0
+    loss_agg: str = "token_mean"
+    dynamic_sampling: bool = True
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batch_size: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int = 4
+    max_tokens_per_turn: int = 96
+    max_tool_calls: int = 3
+    verifiable_weight: float = 1.0
+    format_weight: float = 1.0
+    efficiency_weight: float = 0.0
+    sigma_tool: float = 0.2
+    sigma_len: float = 0.5
+    sigma_decay: bool = True
+    prm_weight: float = 0.0
+    prm_temperature: float = 0.1
+    prm_baseline: str = "token"
+    rollout_backend: str = "vllm"
+    rollout_batch_size: int = 32
+    deepspeed_config: str = ""
+    checkpoint_every: int = 1
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------------------------------------ data
+
+def load_rl_data(paths: list[str | Path]) -> list[dict]:
+    """RL rows of every stage file (schema RL_ROW), checked beyond types, in curriculum order (stage, then file order)."""
+    if not paths:
+        raise DataError("data/rl", "no stage*.parquet files")
+    rows = []
+    for path in paths:
+        for i, r in enumerate(read_table(path, RL_ROW)):
+            if not r["prompt"] or r["prompt"][-1]["role"] != "user":
+                raise DataError(path, "prompt must be chat messages ending with a user turn", i, "prompt")
+            if not r["reward_model"]["ground_truth"]:
+                raise DataError(path, "no ground-truth answers", i, "reward_model")
+            if r["ability"] not in SCORERS:
+                raise DataError(path, f"ability must be one of {sorted(SCORERS)} (a judged task), got {r['ability']!r}", i, "ability")
+            if r["stage"] < 1:
+                raise DataError(path, f"stage must be >= 1, got {r['stage']}", i, "stage")
+            rows.append(r)
+    return sorted(rows, key=lambda r: r["stage"])
+
+
+def step_prompts(rows: list[dict], step: int, n: int, seed: int) -> list[dict]:
+    """The rows of 0-based `step`: a pass over the data is stage 1 rows (shuffled), then stage 2, ...; passes repeat."""
+    out = []
+    for pos in range(step * n, (step + 1) * n):
+        epoch, i = divmod(pos, len(rows))
+        rng = random.Random(f"{seed}/{epoch}")
+        order = sorted(range(len(rows)), key=lambda k: (rows[k]["stage"], rng.random()))
+        out.append(rows[order[i]])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------- rewards
+
+def episode_steps(e) -> list[str]:
+    """PRM steps as `label` and `prm` cut them (unison.judge.steps.student_steps): each turn with its tool observations."""
+    steps: list[str] = []
+    for seg in e.segments:
+        if seg.kind == "gen":
+            steps.append(seg.text)
+        elif steps:
+            steps[-1] += seg.text
+    return steps
+
+
+def score_episodes(episodes, rows: list[dict], group_size: int, views: list[View], cfg: RLConfig, label_params: dict,
+                   tools: tuple[str, ...], step: int, prm=None) -> dict:
+    """Every reward component per episode and the scalar reward r = w_v*s + w_f*f_fmt + w_e*s*(f_tool*f_len - 1).
+
+    The efficiency term makes w = 1 everywhere ET-Agent's r = s*f_tool*f_len + f_fmt; the PRM adds token rewards.
+    """
+    groups = [i // group_size for i in range(len(episodes))]
+    judged = [score(rows[g]["ability"], e.answer, list(rows[g]["reward_model"]["ground_truth"]), label_params)
+              for e, g in zip(episodes, groups)]
+    s = [float(j[1]) for j in judged]
+    fmt = [format_reward(e.text, tools) for e in episodes]
+    calls = [count_tool_calls(e.text, tools) for e in episodes]
+    lengths = [sum(v.loss_mask) for v in views]
+    factor = sigma_factor(step, cfg.steps) if cfg.sigma_decay else 1.0
+    eff = efficiency_rewards(s, calls, lengths, fmt, groups, cfg.sigma_tool * factor, cfg.sigma_len * factor)
+    efficiency = [si * (ft * fl - 1) for si, ft, fl in zip(s, eff["f_tool"], eff["f_len"])]
+    total = [cfg.verifiable_weight * si + cfg.format_weight * fi + cfg.efficiency_weight * ei for si, fi, ei in zip(s, fmt, efficiency)]
+    out = {"groups": groups, "correct": [float(j[0]) for j in judged], "verifiable": s, "format": fmt, "efficiency": efficiency,
+           "total": total, "tool_calls": calls, "lengths": lengths, "f_tool": eff["f_tool"], "f_len": eff["f_len"]}
+    if prm is not None:
+        probs = prm.step_scores([rows[g]["extra_info"]["question"] for g in groups], [episode_steps(e) for e in episodes])
+        out["prm_steps"] = [[2 * p - 1 for p in row] for row in probs]  # p(good) - p(bad), in [-1, 1]
+    return out
+
+
+def padded(rows: list[list[float]], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def build_samples(views: list[View], rewards: dict, cfg: RLConfig) -> tuple[list[dict], float]:
+    """Training samples with token advantages (target-aligned: position t scores token t+1) and the kept-groups fraction.
+
+    Sequence estimators: A_i from the group, placed on the last sampled token with the PRM token rewards (if any), then
+    summed backwards (returns_to_go) so every sampled token, before or after a tool observation, carries it.
+    Flow-GRPO: every turn is a sample with its rollout's reward, normalised over all turns of the question's rollouts.
+    """
+    groups, total = rewards["groups"], rewards["total"]
+    keep = dynamic_sampling_keep(total, groups) if cfg.dynamic_sampling else torch.ones(len(views), dtype=torch.bool)
+    kept = [i for i in range(len(views)) if keep[i]]
+    n_groups = len(set(groups))
+    kept_frac = len({groups[i] for i in kept}) / max(1, n_groups)
+    if not kept:
+        return [], kept_frac
+    samples = []
+    if cfg.estimator == "flow_grpo":
+        per_turn = [turn_views(views[i]) for i in kept]
+        adv, owner = flow_grpo([groups[i] for i in kept], [total[i] for i in kept], [len(t) for t in per_turn])
+        flat = [t for ts in per_turn for t in ts]
+        for v, a in zip(flat, adv.tolist()):
+            samples.append(_sample(v.ids, v.loss_mask, [a * m for m in v.loss_mask]))
+        return samples, kept_frac
+    if cfg.estimator not in ESTIMATORS:
+        raise ValueError(f"params.yaml rl.estimator: unknown estimator {cfg.estimator!r} (one of {sorted(ESTIMATORS) + ['flow_grpo']})")
+    seq_adv = ESTIMATORS[cfg.estimator]([total[i] for i in kept], [groups[i] for i in kept])
+    width = max(len(views[i].ids) for i in kept)
+    mask = padded([views[i].loss_mask for i in kept], width)
+    token_r = torch.zeros_like(mask)
+    last = [max(k for k, m in enumerate(views[i].loss_mask) if m) if any(views[i].loss_mask) else -1 for i in kept]
+    if "prm_steps" in rewards:
+        ends = torch.zeros_like(mask, dtype=torch.bool)
+        for row, i in enumerate(kept):
+            for _, end in views[i].turn_spans:
+                ends[row, end - 1] = True
+        steps = [rewards["prm_steps"][i] for i in kept]
+        step_r = padded(steps, max(1, max(map(len, steps))))
+        token_r += cfg.prm_weight * prmvr_token_rewards(step_r, ends, mask, [0.0] * len(kept), [groups[i] for i in kept], mode="PRM",
+                                                        baseline=cfg.prm_baseline, temperature=cfg.prm_temperature)
+    for row, k in enumerate(last):
+        if k >= 0:
+            token_r[row, k] += float(seq_adv[row])
+    _, adv = returns_to_go(token_r, mask)
+    for row, i in enumerate(kept):
+        n = len(views[i].ids)
+        samples.append(_sample(views[i].ids, views[i].loss_mask, adv[row, :n].tolist()))
+    return samples, kept_frac
+
+
+def _sample(ids: list[int], loss_mask: list[int], adv: list[float]) -> dict:
+    return {"ids": ids, "loss_mask": loss_mask[1:], "advantages": adv[1:]}
+
+
+# ------------------------------------------------------------------------------------------------------------ loss
+
+def collate(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch; target-aligned fields (width - 1) are 0 on padding, so padding never counts."""
+    width = max(len(s["ids"]) for s in samples)
+    batch = {"input_ids": torch.full((len(samples), width), pad_id, dtype=torch.long),
+             "attention_mask": torch.zeros((len(samples), width), dtype=torch.long)}
+    for r, s in enumerate(samples):
+        batch["input_ids"][r, : len(s["ids"])] = torch.tensor(s["ids"])
+        batch["attention_mask"][r, : len(s["ids"])] = 1
+    for key in ("loss_mask", "advantages", "old_logp", "ref_logp"):
+        if key in samples[0]:
+            batch[key] = padded([list(s[key]) for s in samples], width - 1)
+    return batch
+
+
+def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of each next token, temperature-scaled logits) under `model` (the sampling distribution)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float() / temperature
+    return token_logprobs(logits, batch["input_ids"][:, 1:]), logits
+
+
+def batch_loss(logits: torch.Tensor, batch: dict, cfg: RLConfig, max_len: int | None = None) -> tuple[torch.Tensor, dict]:
+    """policy_loss of a collated batch from its (scaled) logits: clipped PG on loss_mask tokens, + k3 KL if configured."""
+    logp = token_logprobs(logits, batch["input_ids"][:, 1:])
+    return policy_loss(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], cfg.clip_low, cfg.clip_high,
+                       cfg.dual_clip, batch.get("ref_logp"), cfg.kl_coef, cfg.loss_agg, max_len, logits=logits)
+
+
+@torch.no_grad()
+def attach_logprobs(model, samples: list[dict], key: str, cfg: RLConfig, pad_id: int) -> None:
+    for i in range(0, len(samples), cfg.micro_batch_size):
+        chunk = samples[i : i + cfg.micro_batch_size]
+        logp, _ = logprobs_of(model, collate(chunk, pad_id), cfg.temperature)
+        for r, s in enumerate(chunk):
+            s[key] = logp[r, : len(s["ids"]) - 1].tolist()
+
+
+def train_on(acc, model, opt, sched, samples: list[dict], cfg: RLConfig, pad_id: int, rng: random.Random) -> dict:
+    """PPO epochs over the step's samples: each mini-batch one optimiser step, accumulated over micro-batches."""
+    sums, weight_total, grad_norms = {}, 0.0, []
+    for _ in range(cfg.ppo_epochs):
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        size = math.ceil(len(order) / cfg.mini_batches)
+        for mb in (order[i : i + size] for i in range(0, len(order), size)):
+            units = {i: sum(samples[i]["loss_mask"]) if cfg.loss_agg == "token_mean" else float(any(samples[i]["loss_mask"])) for i in mb}
+            max_len = max(len(samples[i]["ids"]) for i in mb) - 1
+            micros = [mb[i : i + cfg.micro_batch_size] for i in range(0, len(mb), cfg.micro_batch_size)]
+            for k, micro in enumerate(micros):
+                batch = {n: t.to(acc.device) for n, t in collate([samples[i] for i in micro], pad_id).items()}
+                w = sum(units[i] for i in micro) / max(1e-9, sum(units.values()))
+                acc.sync_gradients = k == len(micros) - 1  # DeepSpeed steps at the boundary; plain torch accumulates
+                _, logits = logprobs_of(model, batch, cfg.temperature)
+                loss, metrics = batch_loss(logits, batch, cfg, max_len)
+                acc.backward(loss * w)
+                for name, v in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + v * w
+                weight_total += w
+            grad_norms.append(float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    out = {name: v / max(1e-9, weight_total) for name, v in sums.items()}
+    out["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------ loop
+
+def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, tools: tuple[str, ...], label_params: dict,
+             llm_params: dict, out_dir: str, checkpoint_dir: str, prm=None, on_step=None) -> list[dict]:
+    """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.prm_weight > 0 and cfg.estimator == "flow_grpo":
+        raise ValueError("params.yaml rl.prm_weight > 0 needs a sequence estimator (grpo | dr_grpo | rloo), not flow_grpo")
+    torch.manual_seed(cfg.seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = None
+    if cfg.kl_coef > 0:
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+    plugin = None
+    if cfg.deepspeed_config:
+        from accelerate.utils import DeepSpeedPlugin
+
+        plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed_config)
+    acc = Accelerator(cpu=not torch.cuda.is_available() and plugin is None, deepspeed_plugin=plugin)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    if ref is not None:
+        ref.to(acc.device)
+    ckpt = Path(checkpoint_dir)
+    start, records = 0, []
+    if (ckpt / "state.json").exists():
+        acc.load_state(str(ckpt))
+        saved = json.loads((ckpt / "state.json").read_text())
+        start, records = saved["step"], saved["records"]
+        print(f"rl: resumed from {ckpt} at step {start}", flush=True)
+    policy = acc.unwrap_model(model)
+    backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm_params, cfg.seed, cfg.rollout_batch_size)
+    if start and cfg.rollout_backend == "vllm":
+        backend.sync(policy)
+    t_start = time.perf_counter()
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        batch_rows = step_prompts(rows, step, cfg.prompts_per_step, cfg.seed)
+        model.eval()
+        episodes = rollout(batch_rows, cfg.group_size, backend, toolbox, run_cfg, tools, cfg.seed, step)
+        t1 = time.perf_counter()
+        views = [episode_view(e) for e in episodes]
+        rewards = score_episodes(episodes, batch_rows, cfg.group_size, views, cfg, label_params, tools, step + 1, prm)
+        samples, kept_frac = build_samples(views, rewards, cfg)
+        t2 = time.perf_counter()
+        metrics = {}
+        if samples:
+            attach_logprobs(model, samples, "old_logp", cfg, pad_id)
+            if ref is not None:
+                attach_logprobs(ref, samples, "ref_logp", cfg, pad_id)
+            model.train()
+            metrics = train_on(acc, model, opt, sched, samples, cfg, pad_id, random.Random(f"{cfg.seed}/{step}"))
+            if cfg.rollout_backend == "vllm":
+                backend.sync(policy)
+        t3 = time.perf_counter()
+        rec = step_record(step + 1, batch_rows, episodes, rewards, metrics, kept_frac, len(samples),
+                          {"rollout_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2}, sched.get_last_lr()[0])
+        records.append(rec)
+        done = step + 1 - start
+        eta = (time.perf_counter() - t_start) / done * (cfg.steps - step - 1)
+        print(f"rl step {step + 1}/{cfg.steps} reward {rec['reward_total']:.3f} acc {rec['accuracy']:.2f} tools/ep "
+              f"{rec['tool_calls_per_episode']:.2f} kept {kept_frac:.2f} loss {rec['pg_loss']:.4f} "
+              f"({rec['rollout_s']:.0f}+{rec['reward_s']:.0f}+{rec['train_s']:.0f} s) eta {eta / 60:.1f} min", flush=True)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            with atomic_dir(ckpt) as tmp:
+                acc.save_state(str(tmp))
+                (tmp / "state.json").write_text(json.dumps({"step": step + 1, "records": records, "config": asdict(cfg)}))
+        if on_step:
+            on_step(rec)
+    with atomic_dir(out_dir) as tmp:
+        acc.unwrap_model(model).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    shutil.rmtree(ckpt, ignore_errors=True)  # finished: only a killed run resumes
+    return records
+
+
+def step_record(step: int, rows, episodes, rewards: dict, metrics: dict, kept_frac: float, n_samples: int, times: dict,
+                lr: float) -> dict:
+    """One row of reports/rl_curve.csv: reward components, behaviour, loss terms, timings."""
+    n = len(episodes)
+    mean = lambda xs: sum(xs) / max(1, len(xs))
+    rec = {"step": step, "stage": mean([r["stage"] for r in rows]), "episodes": n, "samples": n_samples,
+           "reward_total": mean(rewards["total"]), "reward_verifiable": mean(rewards["verifiable"]),
+           "reward_format": mean(rewards["format"]), "reward_efficiency": mean(rewards["efficiency"]),
+           "reward_prm": mean([mean(s) for s in rewards["prm_steps"]]) if "prm_steps" in rewards else 0.0,
+           "accuracy": mean(rewards["correct"]), "tool_call_rate": mean([float(c > 0) for c in rewards["tool_calls"]]),
+           "tool_calls_per_episode": mean(rewards["tool_calls"]), "turns_per_episode": mean([e.turn for e in episodes]),
+           "response_tokens": mean(rewards["lengths"]), "kept_groups": kept_frac, "lr": lr}
+    for key in ("pg_loss", "loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm"):
+        rec[key] = metrics.get(key, 0.0)
+    return {**rec, **times, "step_s": sum(times.values())}

@@ -1,0 +1,83 @@
+"""RL rollouts with the live policy (DESIGN §4, §7): the runtime's multi-turn tool episodes on the weights being trained.
+
+Two backends: `transformers` generates with the policy object itself (every update is visible at once); `vllm` runs
+an in-process engine whose weights are replaced after each optimiser step (`reload_weights` on its worker, then the
+prefix cache is reset so no KV block computed with old weights is reused). Episodes become token views exactly as
+generated: loss_mask is 1 on the model's turns (with the eos the runtime closes a turn with, as in SFT), 0 on the prompt,
+runtime prefills and tool observations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..agents.episodes import stable_seed
+from ..agents.protocol import chat_prompt
+from ..agents.runtime import Episode, RunConfig, Toolbox, run_episodes
+from ..llm.hf_backend import HFBackend
+
+
+class LiveHF(HFBackend):
+    """transformers `generate` on the live policy module (no copy: `sync` only re-points it)."""
+
+    def sync(self, model) -> None:
+        self.model = model
+
+
+def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm_params: dict, seed: int, batch_size: int = 32):
+    """`transformers` on `model` itself, or `vllm` started from `model_dir` and kept in step with `sync(model)`."""
+    if kind == "transformers":
+        return LiveHF(model=model, tokenizer=tokenizer, batch_size=batch_size)
+    if kind == "vllm":
+        from ..llm.vllm_backend import VLLMBackend
+
+        class LiveVLLM(VLLMBackend):
+            def sync(self, model) -> None:
+                """Copy the policy's weights into the engine (checkpoint names; vLLM fuses qkv/gate_up itself)."""
+                weights = [(name, t.detach()) for name, t in model.state_dict().items()]
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+                self.llm.reset_prefix_cache()
+
+        return LiveVLLM(model_dir, dtype=llm_params.get("dtype", "auto"), max_model_len=llm_params.get("max_model_len", 2048),
+                        enforce_eager=llm_params.get("enforce_eager", True), seed=seed, kv_cache_gb=llm_params.get("kv_cache_gb", 2),
+                        block_size=llm_params.get("block_size") or None, streaming=llm_params.get("streaming", "auto"))
+    raise ValueError(f"params.yaml rl.rollout_backend: unknown backend {kind!r} (transformers | vllm)")
+
+
+def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: RunConfig, tools: tuple[str, ...],
+            seed: int, step: int) -> list[Episode]:
+    """`group_size` unscaffolded episodes per RL row (its `prompt` messages through the chat template), run together."""
+    tok = backend.tokenizer
+    episodes = []
+    for k, row in enumerate(rows):
+        prompt = chat_prompt(tok, [{"role": m["role"], "content": m["content"]} for m in row["prompt"]])
+        for g in range(group_size):
+            episodes.append(Episode(key=f"{step}/{k}/{g}", prompt_ids=list(prompt), seed=stable_seed(seed, step, k, g),
+                                    scaffold=[], tools=tuple(tools)))
+    return run_episodes(episodes, backend, toolbox, cfg, desc=f"rl rollout {step}")
+
+
+@dataclass
+class View:
+    ids: list[int]
+    loss_mask: list[int]
+    turn_spans: list[tuple[int, int]]  # [start, end) of each generated turn's sampled tokens
+
+
+def episode_view(e: Episode) -> View:
+    """Token view of an episode: prompt + segment ids as generated; mask 1 on sampled tokens (prefills and observations 0)."""
+    ids, mask, spans = list(e.prompt_ids), [0] * len(e.prompt_ids), []
+    for s in e.segments:
+        start = len(ids) + (s.n_prefill if s.kind == "gen" else 0)
+        ids += s.ids
+        mask += [0] * (start - len(mask)) + [int(s.kind == "gen")] * (len(ids) - start)
+        if s.kind == "gen" and len(ids) > start:
+            spans.append((start, len(ids)))
+    return View(ids, mask, spans)
+
+
+def turn_views(v: View) -> list[View]:
+    """Flow-GRPO: one view per generated turn, its context everything before it, only its own tokens in the loss."""
+    out = []
+    for start, end in v.turn_spans:
+        out.append(View(v.ids[:end], [0] * start + [1] * (end - start), [(start, end)]))
+    return out
