@@ -19,6 +19,10 @@ class HFBackend:
         self.batch_size = batch_size
         self._stop_criteria: dict[tuple[str, ...], object] = {}  # building one costs ~1 s (it scans the vocabulary)
 
+    def sync(self, model) -> None:
+        """Generate with `model` from now on (RL: the live policy object itself, so every update is visible at once)."""
+        self.model = model
+
     def _stopping(self, stops: tuple[str, ...]):
         from transformers import StoppingCriteriaList, StopStringCriteria
 

@@ -40,6 +40,13 @@ class VLLMBackend:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], [self._params(s) for s in sampling], use_tqdm=False)
         return [self._completion(o) for o in outs]
 
+    def sync(self, model) -> None:
+        """Load a training model's current weights into the engine (RL: the policy after each update), then drop the
+        prefix cache so no KV block computed with the old weights is reused. vLLM fuses qkv / gate_up itself."""
+        weights = [(name, t.detach()) for name, t in model.state_dict().items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()
+
     def submit(self, requests: list[tuple[str, list[int], Sampling]]) -> None:
         """Queue requests (id, prompt, sampling) in the running engine; `step` advances them together with any queued
         later, so an episode's next turn joins the batch as soon as its tool returns (continuous batching)."""

@@ -13,33 +13,16 @@ from dataclasses import dataclass
 from ..agents.episodes import stable_seed
 from ..agents.protocol import chat_prompt
 from ..agents.runtime import Episode, RunConfig, Toolbox, run_episodes
+from ..llm import make_backend
 from ..llm.hf_backend import HFBackend
 
 
-class LiveHF(HFBackend):
-    """transformers `generate` on the live policy module (no copy: `sync` only re-points it)."""
-
-    def sync(self, model) -> None:
-        self.model = model
-
-
 def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm_params: dict, seed: int, batch_size: int = 32):
-    """`transformers` on `model` itself, or `vllm` started from `model_dir` and kept in step with `sync(model)`."""
+    """`transformers` on `model` itself, or `vllm` started from `model_dir`; both kept in step with `sync(model)`."""
     if kind == "transformers":
-        return LiveHF(model=model, tokenizer=tokenizer, batch_size=batch_size)
+        return HFBackend(model=model, tokenizer=tokenizer, batch_size=batch_size)
     if kind == "vllm":
-        from ..llm.vllm_backend import VLLMBackend
-
-        class LiveVLLM(VLLMBackend):
-            def sync(self, model) -> None:
-                """Copy the policy's weights into the engine (checkpoint names; vLLM fuses qkv/gate_up itself)."""
-                weights = [(name, t.detach()) for name, t in model.state_dict().items()]
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-                self.llm.reset_prefix_cache()
-
-        return LiveVLLM(model_dir, dtype=llm_params.get("dtype", "auto"), max_model_len=llm_params.get("max_model_len", 2048),
-                        enforce_eager=llm_params.get("enforce_eager", True), seed=seed, kv_cache_gb=llm_params.get("kv_cache_gb", 2),
-                        block_size=llm_params.get("block_size") or None, streaming=llm_params.get("streaming", "auto"))
+        return make_backend(model_dir, {**llm_params, "backend": "vllm"}, seed=seed)
     raise ValueError(f"params.yaml rl.rollout_backend: unknown backend {kind!r} (transformers | vllm)")
 
 
