@@ -11,20 +11,11 @@ from unison.judge.llm_judge import PROMPT_SHA256, LLMJudge, parse_verdict
 from unison.judge.steps import agent_labels, agent_solutions, montecarlo_labels, rule_judge, step_prefixes, student_steps
 from unison.llm.hf_backend import HFBackend
 from unison.train.token_view import token_view
+from tests.test_runtime_sft import CorpusRetriever
 
 PARAMS = {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
 QUESTION = "In which city was Zorvan Kelt born?"
 PASSAGE = "Doc 1 (Title: Zorvan Kelt) Zorvan Kelt is a chemist born in 1961 in Tarsk."
-
-
-class CorpusRetriever:
-    """A real (lexical) retriever over two passages: the runtime only needs `search(queries)`."""
-
-    passages = [{"title": "Zorvan Kelt", "text": "Zorvan Kelt is a chemist born in 1961 in Tarsk."},
-                {"title": "Tarsk", "text": "Tarsk is a city in Velmora."}]
-
-    def search(self, queries):
-        return [[p for p in self.passages if any(w.lower() in (p["title"] + p["text"]).lower() for w in q.split())][:1] for q in queries]
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..data.schemas import atomic_dir, write_json
-from .sft import collate
+from .sft import collate, save_model, with_lora
 from .token_view import token_view
 
 LOSSES = ("sigmoid", "ipo")
@@ -119,10 +118,7 @@ def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, 
         ref = [pair_logps(model, views[i : i + cfg.batch_size], pad, acc.device) for i in range(0, len(views), cfg.batch_size)]
     ref_c, ref_r = torch.cat([c for c, _ in ref]), torch.cat([r for _, r in ref])
     if cfg.lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, task_type="CAUSAL_LM",
-                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        model = with_lora(model, cfg.lora_r, cfg.lora_alpha)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     model, opt = acc.prepare(model, opt)
     model.train()
@@ -151,11 +147,6 @@ def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, 
                   f"acc {rec['accuracy']:.2f} {rec['elapsed_s'] / step:.1f}s/step eta {eta / 60:.1f} min", flush=True)
             if on_step:
                 on_step(rec)
-    model = acc.unwrap_model(model)
-    if cfg.lora:
-        model = model.merge_and_unload()
-    with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        write_json({"enabled": True, "start": str(model_dir), "pairs": len(views), "steps": step, **asdict(cfg)}, tmp / "dpo.json")
+    save_model(acc.unwrap_model(model), tok, out_dir, cfg.lora,
+               {"dpo.json": {"enabled": True, "start": str(model_dir), "pairs": len(views), "steps": step, **asdict(cfg)}})
     return records

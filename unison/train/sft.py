@@ -131,10 +131,7 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, task_type="CAUSAL_LM",
-                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        model = with_lora(model, cfg.lora_r, cfg.lora_alpha)
     acc = Accelerator(gradient_accumulation_steps=cfg.grad_accum, cpu=not torch.cuda.is_available())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(examples) / (cfg.batch_size * cfg.grad_accum))
@@ -173,10 +170,26 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
                       f"{rec['elapsed_s'] / step:.1f}s/step eta {eta / 60:.1f} min", flush=True)
                 if on_step:
                     on_step(rec)
-    model = acc.unwrap_model(model)
-    if cfg.lora:
-        model = model.merge_and_unload()  # save a plain model vLLM and transformers both load
+    save_model(acc.unwrap_model(model), tok, out_dir, cfg.lora)
+    return records
+
+
+def with_lora(model, r: int, alpha: int):
+    """`model` with LoRA adapters on the attention projections; only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+def save_model(model, tok, out_dir: str, lora: bool, extra: dict | None = None) -> None:
+    """Save a trained student atomically as a plain model vLLM and transformers both load (LoRA merged), plus `extra`
+    json files (name -> content) inside it."""
+    from ..data.schemas import write_json
+
+    if lora:
+        model = model.merge_and_unload()
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-    return records
+        for name, content in (extra or {}).items():
+            write_json(content, tmp / name)
