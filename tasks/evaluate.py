@@ -74,6 +74,8 @@ def main() -> None:
     p = stage_params("evaluate", params)
     label_p = stage_params("label", params)
     g = params["generate"]
+    if p["rerank_samples"] > 1 and not params["prm"]["enabled"]:
+        raise ValueError("params.yaml evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
     questions = read_table("data/raw/test.parquet", QUESTION)
     if p["max_questions"]:
         questions = questions[: p["max_questions"]]

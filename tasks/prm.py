@@ -1,15 +1,19 @@
-"""Stage `prm`: train a process reward model on the step labels; step accuracy, AUC and best-of-N on held-out questions."""
+"""Stage `prm`: train a process reward model on the step labels; step accuracy, AUC and best-of-N on held-out questions.
+
+With `prm.enabled: false` (seed systems that use no PRM) it only writes the marker models/prm/prm.json, so the DAG
+stays one graph; evaluate's reranking and rl's PRM rewards then refuse to run.
+"""
 from __future__ import annotations
 
 import csv
 from pathlib import Path
 
 from unison import track
-from unison.data.schemas import LABELED, DataError, atomic_path, read_table, write_json
+from unison.data.schemas import LABELED, DataError, atomic_dir, atomic_path, read_table, write_json
 from unison.params import load_params, stage_params
 from unison.train.prm import PRMConfig, evaluate_prm, split_by_question, train_prm
 
-IN, LOSS_CSV = "data/labeled/train.parquet", Path("reports/prm_loss.csv")
+IN, OUT, LOSS_CSV = "data/labeled/train.parquet", "models/prm", Path("reports/prm_loss.csv")
 
 
 def check_train(rows: list[dict]) -> None:
@@ -23,24 +27,35 @@ def check_train(rows: list[dict]) -> None:
                             "both classes (more samples, label.step_labels: montecarlo, or a stronger teacher)", field="step_labels")
 
 
+def write_loss_csv(records: list[dict]) -> None:
+    tmp = atomic_path(LOSS_CSV)
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["step", "epoch", "loss", "lr", "elapsed_s"])
+        w.writeheader()
+        w.writerows(records)
+    tmp.replace(LOSS_CSV)
+
+
 def main() -> None:
     p = stage_params("prm", load_params())
     cfg = PRMConfig(**{k: p[k] for k in PRMConfig.__dataclass_fields__ if k in p})
     with track.stage_run("prm", p) as run:
+        if not p["enabled"]:
+            with atomic_dir(OUT) as tmp:
+                write_json({"enabled": False}, tmp / "prm.json")
+            write_loss_csv([])
+            write_json({"enabled": False}, "reports/prm.json")
+            print("prm: disabled (prm.enabled: false); wrote the marker models/prm/prm.json", flush=True)
+            return
         rows = read_table(IN, LABELED)
         train, held = split_by_question(rows, cfg.eval_fraction, cfg.seed)
         check_train(train)
         print(f"prm: {len(train)} train / {len(held)} held-out trajectories "
               f"({len({r['question_id'] for r in held})} held-out questions)", flush=True)
-        prm, records = train_prm("models/base", train, cfg, "models/prm",
+        prm, records = train_prm("models/base", train, cfg, OUT,
                                  on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]))
-        tmp = atomic_path(LOSS_CSV)
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["step", "epoch", "loss", "lr", "elapsed_s"])
-            w.writeheader()
-            w.writerows(records)
-        tmp.replace(LOSS_CSV)
-        metrics = {"train_trajectories": len(train), "train_steps": sum(len(r["steps"]) for r in train),
+        write_loss_csv(records)
+        metrics = {"enabled": True, "train_trajectories": len(train), "train_steps": sum(len(r["steps"]) for r in train),
                    "eval_trajectories": len(held), "steps": len(records), "first_loss": records[0]["loss"],
                    "final_loss": records[-1]["loss"], "train_s": records[-1]["elapsed_s"], **evaluate_prm(prm, held, cfg.batch_size)}
         write_json(metrics, "reports/prm.json")

@@ -35,6 +35,8 @@ def main() -> None:
     params = load_params()
     p = stage_params("rl", params)
     cfg = RLConfig(**{k: p[k] for k in RLConfig.__dataclass_fields__ if k in p})
+    if cfg.prm_weight > 0 and not params["prm"]["enabled"]:
+        raise ValueError("params.yaml rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
     with track.stage_run("rl", {**p, "llm": params["llm"], "tools": params["tools"], "label": params["label"]}) as run:
         paths = sorted(Path("data/rl").glob("stage*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
@@ -46,7 +48,8 @@ def main() -> None:
         tools = enabled_tools(params)
         run_cfg = RunConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params["llm"]["max_model_len"])
-        inputs = paths + sorted(q for q in Path("models/sft").iterdir() if q.is_file())
+        model_dirs = ["models/sft"] + (["models/prm"] if prm is not None else [])
+        inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         key = run_key({"rl": p, "llm": params["llm"], "tools": params["tools"], "label": params["label"]}, inputs)
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)

@@ -117,3 +117,28 @@ def test_split_by_question_and_training_data_checks():
         check_train([{**r, "steps": [], "step_labels": []} for r in train])
     with pytest.raises(DataError, match="all 40 training step labels are good"):
         check_train([{**r, "step_labels": [1.0, 0.5]} for r in data[:20]])
+
+
+def test_disabled_stage_writes_a_marker_and_the_stages_that_read_it_refuse(tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from tasks import evaluate, prm, rl
+
+    params = yaml.safe_load((Path(__file__).parent.parent / "params.yaml").read_text())
+    params["prm"]["enabled"] = False
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
+    prm.main()  # no labeled data needed: nothing is trained
+    assert json.loads(Path("models/prm/prm.json").read_text()) == {"enabled": False} == json.loads(Path("reports/prm.json").read_text())
+    assert Path("reports/prm_loss.csv").read_text().strip() == "step,epoch,loss,lr,elapsed_s"
+    params["rl"]["prm_weight"] = 1.0
+    params["evaluate"]["rerank_samples"] = 4
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    for stage, setting in ((rl, "rl.prm_weight"), (evaluate, "evaluate.rerank_samples")):
+        with pytest.raises(ValueError, match=f"{setting} .* prm.enabled is false"):
+            stage.main()

@@ -51,11 +51,13 @@ def test_tiny_runs_on_builtin_data_and_model_with_the_teacher_scaffolded(name, d
     assert tiny["index"]["encoder"] == "builtin:all-minilm-l6-v2" and not tiny["tools"]["web_search_url"]
     assert tiny["generate"]["scaffold"] == {"qa": ["search", "answer"], "math": ["python", "answer"]}
     assert tiny["label"]["judge"] == "rule" and tiny["prm"]["epochs"] == 1 and tiny["sft"]["epochs"] == 1
+    for p in (paper, tiny):  # a recipe that reads models/prm trains one
+        assert p["prm"]["enabled"] or (p["rl"]["prm_weight"] == 0 and p["evaluate"]["rerank_samples"] == 1), name
     assert tiny["rl"]["steps"] == 1 and tiny["rl"]["group_size"] * tiny["rl"]["prompts_per_step"] <= 4
     assert tiny["evaluate"]["max_questions"] <= 4
     # the system itself is kept: teacher method, estimator, reward weights and step labels are the paper's
     for section, key in [("generate", "method"), ("rl", "estimator"), ("rl", "prm_weight"), ("rl", "efficiency_weight"),
-                         ("rl", "format_weight"), ("label", "step_labels"), ("dpo", "enabled")]:
+                         ("rl", "format_weight"), ("label", "step_labels"), ("dpo", "enabled"), ("prm", "enabled")]:
         assert tiny[section][key] == paper[section][key], (name, section, key)
 
 
@@ -224,6 +226,7 @@ def test_every_tiny_recipe_runs_end_to_end_in_one_project(tmp_path, base_model_d
         assert methods == {params["generate"]["method"]}, name
         rl = json.loads((project / "reports/rl.json").read_text())
         assert rl["steps"] == 1 and (project / "models/rl/model.safetensors").is_file(), name
+        assert json.loads((project / "reports/prm.json").read_text())["enabled"] == params["prm"]["enabled"], name
         dpo = json.loads((project / "reports/dpo.json").read_text())
         assert dpo["enabled"] == params["dpo"]["enabled"] and (not dpo["enabled"] or dpo["steps"] >= 1), name
         metrics = json.loads((project / "reports/metrics.json").read_text())

@@ -187,6 +187,29 @@ def test_dynamic_sampling_drops_groups_without_signal():
     assert len(samples) == 2 and kept == 0.5
 
 
+def test_dynamic_sampling_refills_until_enough_groups_keep_a_reward_spread(answerer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unison.llm.hf_backend import HFBackend
+    from unison.train.rl import collect_step
+
+    backend = HFBackend(model=AutoModelForCausalLM.from_pretrained(answerer), tokenizer=AutoTokenizer.from_pretrained(answerer))
+    rows = make_rows(6)
+
+    def collect(**kw):
+        cfg = rl_config(dynamic_sampling=True, group_size=2, format_weight=0.0, **kw)
+        run_cfg = RunConfig(temperature=1.0, top_p=1.0, max_turns=2, max_tokens_per_turn=12, max_model_len=512)
+        return collect_step(0, 0, rows, backend, Toolbox(), run_cfg, ("search", "python"), cfg, LABEL, None)
+
+    samples, seen, episodes, rewards, kept, rounds, _ = collect(max_refills=4)
+    spread = [len({rewards["total"][i] for i in range(len(episodes)) if rewards["groups"][i] == g}) > 1 for g in range(2 * rounds)]
+    assert rounds > 1 and len(episodes) == 4 * rounds and len(seen) == 2 * rounds  # this seed's first batch keeps < 2 groups
+    assert sum(spread[:-2]) < 2 and (sum(spread) >= 2 or rounds == 5)  # refilled only while short, stopped when enough
+    assert len(samples) == 2 * sum(spread) and kept == pytest.approx(sum(spread) / (2 * rounds))
+    assert [r["stage"] for r in seen] == [r["stage"] for r in step_prompts(rows, 0, 2 * rounds, seed=0)]  # curriculum order
+    assert collect(max_refills=0)[5] == 1
+
+
 def test_rewards_are_combined_as_configured(tiny_model_dir):
     from unison.train.prm import build_prm
 
@@ -223,9 +246,9 @@ def test_rewards_are_combined_as_configured(tiny_model_dir):
 
 def test_curriculum_takes_stage_one_first():
     rows = make_rows(6, stages=(2, 1, 3))
-    first = step_prompts(rows, 0, 2, seed=0) + step_prompts(rows, 1, 2, seed=0) + step_prompts(rows, 2, 2, seed=0)
-    assert [r["stage"] for r in first] == [1, 1, 2, 2, 3, 3]
-    assert step_prompts(rows, 1, 2, seed=0) == step_prompts(rows, 1, 2, seed=0)
+    first = step_prompts(rows, 0, 2, seed=0) + step_prompts(rows, 2, 2, seed=0) + step_prompts(rows, 4, 2, seed=0)
+    assert [r["stage"] for r in first] == [1, 1, 2, 2, 3, 3] and first == step_prompts(rows, 0, 6, seed=0)
+    assert sorted(map(id, step_prompts(rows, 6, 6, seed=0))) == sorted(map(id, first))
 
 
 def test_bad_rl_data_names_file_row_and_field(tmp_path):

@@ -1,7 +1,8 @@
 """RL: the GRPO family on multi-turn tool rollouts with the live policy (DESIGN §7; research/seeds.md §1.5, §3.5, §4.5, §5.2).
 
 One step: take the next prompts of the curriculum (stage 1 rows first), roll out `group_size` episodes per prompt with
-the current policy and real tools, score every reward component, turn rewards into group-relative advantages, then
+the current policy and real tools, score every reward component, drop groups whose rewards are all equal and roll out
+the next prompts while too few are kept (DAPO dynamic sampling), turn rewards into group-relative advantages, then
 PPO-style epochs of the clipped token-level loss (old log-probs from the policy before the update, optional k3 KL to
 a frozen reference) with AdamW through accelerate (a DeepSpeed ZeRO config works). A checkpoint outside the DVC out
 lets a killed run resume exactly where it stopped.
@@ -43,6 +44,7 @@ class RLConfig:
     kl_coef: float = 0.0
     loss_agg: str = "token_mean"
     dynamic_sampling: bool = True
+    max_refills: int = 0  # DAPO: extra rollout batches per step while fewer than prompts_per_step groups are kept
     ppo_epochs: int = 1
     mini_batches: int = 1
     micro_batch_size: int = 4
@@ -88,10 +90,10 @@ def load_rl_data(paths: list[str | Path]) -> list[dict]:
     return sorted(rows, key=lambda r: r["stage"])
 
 
-def step_prompts(rows: list[dict], step: int, n: int, seed: int) -> list[dict]:
-    """The rows of 0-based `step`: a pass over the data is stage 1 rows (shuffled), then stage 2, ...; passes repeat."""
+def step_prompts(rows: list[dict], start: int, n: int, seed: int) -> list[dict]:
+    """Prompts `start`..`start+n-1` of the curriculum: a pass is stage 1 rows (shuffled), then stage 2, ...; passes repeat."""
     out = []
-    for pos in range(step * n, (step + 1) * n):
+    for pos in range(start, start + n):
         epoch, i = divmod(pos, len(rows))
         rng = random.Random(f"{seed}/{epoch}")
         order = sorted(range(len(rows)), key=lambda k: (rows[k]["stage"], rng.random()))
@@ -293,11 +295,11 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, 
     if ref is not None:
         ref.to(acc.device)
     ckpt = Path(checkpoint_dir)
-    start, records = 0, []
+    start, pos, records = 0, 0, []  # pos: prompts of the curriculum drawn so far
     if (ckpt / "state.json").exists():
         acc.load_state(str(ckpt))
         saved = json.loads((ckpt / "state.json").read_text())
-        start, records = saved["step"], saved["records"]
+        start, pos, records = saved["step"], saved["pos"], saved["records"]
         print(f"rl: resumed from {ckpt} at step {start}", flush=True)
     policy = acc.unwrap_model(model)
     backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm_params, cfg.seed, cfg.rollout_batch_size)
@@ -305,14 +307,10 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, 
         backend.sync(policy)
     t_start = time.perf_counter()
     for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        batch_rows = step_prompts(rows, step, cfg.prompts_per_step, cfg.seed)
         model.eval()
-        episodes = rollout(batch_rows, cfg.group_size, backend, toolbox, run_cfg, tools, cfg.seed, step)
-        t1 = time.perf_counter()
-        views = [episode_view(e) for e in episodes]
-        rewards = score_episodes(episodes, batch_rows, cfg.group_size, views, cfg, label_params, tools, step + 1, prm)
-        samples, kept_frac = build_samples(views, rewards, cfg)
+        samples, rows_seen, episodes, rewards, kept, rounds, times = collect_step(step, pos, rows, backend, toolbox, run_cfg, tools,
+                                                                                 cfg, label_params, prm)
+        pos += rounds * cfg.prompts_per_step
         t2 = time.perf_counter()
         metrics = {}
         if samples:
@@ -323,19 +321,19 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, 
             metrics = train_on(acc, model, opt, sched, samples, cfg, pad_id, random.Random(f"{cfg.seed}/{step}"))
             if cfg.rollout_backend == "vllm":
                 backend.sync(policy)
-        t3 = time.perf_counter()
-        rec = step_record(step + 1, batch_rows, episodes, rewards, metrics, kept_frac, len(samples),
-                          {"rollout_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2}, sched.get_last_lr()[0])
+        times["train_s"] = time.perf_counter() - t2
+        rec = step_record(step + 1, rows_seen, episodes, rewards, metrics, kept, len(samples), times, sched.get_last_lr()[0])
+        rec["rollout_rounds"] = rounds
         records.append(rec)
         done = step + 1 - start
         eta = (time.perf_counter() - t_start) / done * (cfg.steps - step - 1)
         print(f"rl step {step + 1}/{cfg.steps} reward {rec['reward_total']:.3f} acc {rec['accuracy']:.2f} tools/ep "
-              f"{rec['tool_calls_per_episode']:.2f} kept {kept_frac:.2f} loss {rec['pg_loss']:.4f} "
+              f"{rec['tool_calls_per_episode']:.2f} kept {kept:.2f} of {rounds} batch(es) loss {rec['pg_loss']:.4f} "
               f"({rec['rollout_s']:.0f}+{rec['reward_s']:.0f}+{rec['train_s']:.0f} s) eta {eta / 60:.1f} min", flush=True)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
             with atomic_dir(ckpt) as tmp:
                 acc.save_state(str(tmp))
-                (tmp / "state.json").write_text(json.dumps({"step": step + 1, "records": records, "config": asdict(cfg)}))
+                (tmp / "state.json").write_text(json.dumps({"step": step + 1, "pos": pos, "records": records, "config": asdict(cfg)}))
         if on_step:
             on_step(rec)
     with atomic_dir(out_dir) as tmp:
@@ -343,6 +341,33 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, 
         tok.save_pretrained(tmp)
     shutil.rmtree(ckpt, ignore_errors=True)  # finished: only a killed run resumes
     return records
+
+
+def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_cfg, tools, cfg: RLConfig, label_params: dict, prm):
+    """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills` more
+    while fewer than prompts_per_step groups keep a reward spread. Returns the samples of every kept group, the rows,
+    episodes and rewards of every batch (groups numbered across batches), the kept share of groups, batches and timings."""
+    n, samples, rows_seen, episodes, merged, kept_groups, times = cfg.prompts_per_step, [], [], [], {}, 0, {"rollout_s": 0.0, "reward_s": 0.0}
+    rounds = 0
+    while rounds == 0 or (cfg.dynamic_sampling and kept_groups < n and rounds <= cfg.max_refills):
+        t0 = time.perf_counter()
+        batch_rows = step_prompts(rows, pos + rounds * n, n, cfg.seed)
+        eps = rollout(batch_rows, cfg.group_size, backend, toolbox, run_cfg, tools, cfg.seed, pos // n + rounds)
+        t1 = time.perf_counter()
+        views = [episode_view(e) for e in eps]
+        rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label_params, tools, step + 1, prm)
+        new, kept_frac = build_samples(views, rewards, cfg)
+        times["rollout_s"] += t1 - t0
+        times["reward_s"] += time.perf_counter() - t1
+        rewards["groups"] = [g + rounds * n for g in rewards["groups"]]
+        for key, values in rewards.items():
+            merged.setdefault(key, []).extend(values)
+        samples += new
+        rows_seen += batch_rows
+        episodes += eps
+        kept_groups += round(kept_frac * n)
+        rounds += 1
+    return samples, rows_seen, episodes, merged, kept_groups / (rounds * n), rounds, times
 
 
 def step_record(step: int, rows, episodes, rewards: dict, metrics: dict, kept_frac: float, n_samples: int, times: dict,
