@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     figures = {}
     for name in args.methods.split(","):
         ctx = MethodContext(backend, toolbox, run_config(params, g["temperature"]), teacher="models/base", scaffold=g["scaffold"] or {},
-                            params=g.get(name, {}), role_backends=make_role_backends(params), tools=enabled_tools(params))
+                            params=g.get(name, {}), role_backends=make_role_backends(params), tools=enabled_tools(params),
+                            protocol=name)
         print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)
         t0 = time.perf_counter()
         label_p = stage_params("label", params)

@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = run_config(params, g["temperature"])
     method_params = g.get(args.method, {})
     ctx = MethodContext(backend, toolbox, cfg, teacher="models/base", scaffold=g["scaffold"] or {}, params=method_params,
-                        tools=enabled_tools(params))
+                        tools=enabled_tools(params), protocol=args.method)
     llm = backend.backend.llm
 
     # warm up once (first-call costs: the sandbox probe, the encoder's first batch, the engine's first step)

@@ -100,7 +100,7 @@ def main() -> None:
                 backend, loaded = make_backend(model_dir, params["llm"], seed=params["seed"]), model_dir
             roles = make_role_backends(params) if name == "teacher" else {}
             ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=model_dir, scaffold=scaffold, params=mparams,
-                                role_backends=roles, tools=enabled_tools(params))
+                                role_backends=roles, tools=enabled_tools(params), protocol=g["method"])
             print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()
             n = p["rerank_samples"] if name == "prm_rerank" else 1

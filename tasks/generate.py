@@ -60,7 +60,7 @@ def main() -> None:
                     backend = make_backend("models/base", params["llm"], seed=params["seed"])
                     ctx = MethodContext(backend, make_toolbox(params), run_config(params, g["temperature"]), teacher=_model_id(),
                                         scaffold=g["scaffold"] or {}, params=g.get(g["method"], {}),
-                                        role_backends=make_role_backends(params), tools=enabled_tools(params))
+                                        role_backends=make_role_backends(params), tools=enabled_tools(params), protocol=g["method"])
                 print(f"generate: shard {k + 1}/{len(chunks)} ({len(chunk)} questions x {g['samples']} samples, {g['method']})", flush=True)
                 write_table(get_method(g["method"])(chunk, g["samples"], ctx), path, TRAJECTORY)
             rows += read_table(path, TRAJECTORY)

@@ -34,7 +34,8 @@ PLOT = "reports/pareto_front.png"  # not under reports/plots: that folder is the
 def student_rollouts(questions: list[dict], k: int, backend, toolbox, params: dict, temperature: float, label_p: dict) -> list[dict]:
     """K labeled rollouts per question by the student: `single`, unscaffolded, seeded per (question, sample)."""
     tools = enabled_tools(params)
-    ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=STUDENT, tools=tools)
+    ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=STUDENT, tools=tools,
+                        protocol=params["generate"]["method"])
     return label_rows(get_method("single")(questions, k, ctx), label_p)
 
 
@@ -111,7 +112,7 @@ def main() -> None:
         rollouts = student_rollouts(questions, p["k"], backend, make_toolbox(params), params, p["temperature"], label_p)
         wall = time.perf_counter() - t0
         write_table(rollouts, ROLLOUTS, LABELED)
-        rows, groups, metrics = build_rl(rollouts, questions, p, system_prompt(enabled_tools(params)))
+        rows, groups, metrics = build_rl(rollouts, questions, p, system_prompt(enabled_tools(params), params["generate"]["method"]))
         metrics["rollout_s"] = wall
         with atomic_dir(OUT) as tmp:
             write_rl_data(rows, tmp)

@@ -9,7 +9,7 @@ from unison.agents.methods import MethodContext, get_method
 from unison.agents.methods.agentflow import memory_text, parse_next_step, verdict
 from unison.agents.methods.chain_of_agents import double_check_score
 from unison.agents.methods.gap import parse_plan, plan_levels, query_of, topological_levels
-from unison.agents.protocol import chat_prompt
+from unison.agents.protocol import SYSTEM_PROMPT, chat_prompt
 from unison.agents.runtime import RunConfig, Toolbox
 from unison.llm.base import Completion
 from unison.llm.hf_backend import HFBackend
@@ -77,6 +77,15 @@ def check_student(tok, student: list[dict]) -> None:
     assert pos == len(ids) and ids[-1] == tok.eos_token_id and mask[-1] == 1 and tok.eos_token_id not in ids[start:-1]
 
 
+def check_student_system(student: list[dict], method: str, tag: str) -> None:
+    """The rendering's system prompt tells the role tags, and is the one a student of `method` is prompted with after
+    (evaluate, pareto and rl take it from a context with protocol=method); the teacher's own rules are not in it."""
+    system = student[0]["content"]
+    assert tag in system and system != SYSTEM_PROMPT and "chain of agents" not in system and "'T1: description'" not in system
+    assert system == MethodContext(None, Toolbox(), RunConfig(), "x", protocol=method).system
+    assert MethodContext(None, Toolbox(), RunConfig(), "x", protocol="debate").system == SYSTEM_PROMPT
+
+
 def test_plan_parsing_and_topological_levels():
     tasks = parse_plan("T1: Zorvan Kelt birthplace\n- Dependencies: none\nT2: Tarsk country - Dependencies: T1\n**T3:** Velmora\n"
                        "T4: compare\n- Dependencies: T2, T3, T9")
@@ -127,6 +136,7 @@ def test_chain_of_agents_is_one_trajectory_that_replans_on_a_low_double_check(sm
         for m in student[2:]:  # token-in/token-out: each turn's ids are its text
             assert smol.tokenizer.decode(m["token_ids"], skip_special_tokens=True) == m["content"]
         check_student(smol.tokenizer, student)
+        check_student_system(student, "chain_of_agents", "<double_check>")
 
 
 def test_agentflow_roles_memory_and_student_rendering(smol):
@@ -153,6 +163,7 @@ def test_gap_runs_each_plan_level_as_one_parallel_search_turn(smol):
     assert [m["content"].count(" | ") + 1 for m in student if m["content"].startswith("<search>")] == [2, 1]
     assert row["n_tool_calls"] == 2 and sum(m["name"] == "query_writer" for m in row["messages"]) == 3
     check_student(smol.tokenizer, student)
+    check_student_system(student, "gap", "<plan>")
 
 
 @pytest.mark.parametrize("method,params", [("chain_of_agents", {"max_cycles": 1}), ("agentflow", {"max_steps": 2}), ("gap", {})])

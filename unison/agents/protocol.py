@@ -24,9 +24,21 @@ TOOL_SENTENCES = {
 }
 
 
-def system_prompt(tools: tuple[str, ...] = DEFAULT_TOOLS) -> str:
-    """SYSTEM_PROMPT plus a sentence for each enabled web tool (SYSTEM_PROMPT itself for the default tools)."""
-    return " ".join([SYSTEM_PROMPT] + [TOOL_SENTENCES[t] for t in tools if t in TOOL_SENTENCES])
+# The role tags a student distilled from a planning teacher writes besides the base protocol, told in its system prompt
+# (in its SFT renderings, and wherever it is prompted after: pareto, rl, evaluate).
+STUDENT_RULES = {
+    "chain_of_agents": "You may also write <plan> for the next steps, <reflection> to rate tool results, <suggested_answer> "
+                       "for a candidate answer and <double_check> to score it from 1 (wrong) to 4 (correct) before <answer>.",
+    "gap": "First write a plan of sub-tasks with their dependencies in <plan>...</plan>; independent tasks are searched "
+           "together in one <search> with their queries joined by |.",
+}
+
+
+def system_prompt(tools: tuple[str, ...] = DEFAULT_TOOLS, method: str = "") -> str:
+    """SYSTEM_PROMPT plus a sentence for each enabled web tool, plus the role tags students of teacher `method` write
+    (SYSTEM_PROMPT itself for the default tools and a method without role tags)."""
+    return " ".join([SYSTEM_PROMPT] + [TOOL_SENTENCES[t] for t in tools if t in TOOL_SENTENCES]
+                    + ([STUDENT_RULES[method]] if method in STUDENT_RULES else []))
 
 
 def stops_for(tools: tuple[str, ...]) -> list[str]:

@@ -18,14 +18,15 @@ class MethodContext:
     params: dict = field(default_factory=dict)  # the method's own params (e.g. generate.debate)
     role_backends: dict = field(default_factory=dict)  # role -> backend, for roles with their own model (generate.roles)
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools acting agents may call (the stages pass context.enabled_tools(params))
+    protocol: str = ""  # the teacher method whose students this context prompts (generate.method): their role tags
 
     def scaffold_for(self, task: str) -> list[str]:
         return self.scaffold.get(task, [])
 
     @property
     def system(self) -> str:
-        """The student protocol's system prompt for this context's tools."""
-        return system_prompt(self.tools)
+        """The student protocol's system prompt for this context's tools and teacher method."""
+        return system_prompt(self.tools, self.protocol)
 
     def solver_episode(self, key: str, question: str, seed: int, task: str) -> Episode:
         """An agent acting on the student protocol: this context's tools and the scaffold for the question's task."""

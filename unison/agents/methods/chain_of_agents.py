@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..episodes import agent_messages, merge_tool_stats, stable_seed, student_messages, trajectory_row
-from ..protocol import chat_prompt, question_messages
+from ..protocol import chat_prompt, question_messages, system_prompt
 from ..runtime import Episode, run_episodes
 
-RULES = (  # appended to the student protocol's system prompt
+RULES = (  # appended to the protocol's system prompt for the teacher (its students get protocol.STUDENT_RULES)
     " You work as a chain of agents, each writing its own tag: <think> reasons, <plan> lists the next steps, a tool "
     "call gathers facts, <reflection> rates the results good, average or poor (poor means plan again), "
     "<suggested_answer> proposes an answer and <double_check> scores it from 1 (wrong) to 4 (fully correct); with a "
@@ -81,7 +81,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     max_cycles, accept = int(ctx.params.get("max_cycles", 2)), int(ctx.params.get("accept_score", 3))
     room = 4 * ctx.cfg.max_tokens_per_turn  # a chain with less context left answers instead of starting a cycle
     groups = [(q, s) for q in questions for s in range(samples)]
-    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], ctx.system + RULES.format(accept=accept)) for q, s in groups]
+    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES.format(accept=accept)) for q, s in groups]
     tool_tag = {c.key: next((t for t in ctx.scaffold_for(q["task"]) if t != "answer"), None) for c, (q, _) in zip(chains, groups)}
     t0 = time.perf_counter()
     live, answering = chains, []
@@ -101,6 +101,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         live = [c for c in live if c.key not in passed]
     extend(answering, "answer" if ctx.scaffold else None, ctx, "answer", "coa answer")
     per_group = (time.perf_counter() - t0) / max(1, len(groups))
-    return [trajectory_row(q, s, "chain_of_agents", ctx.teacher, c.messages, student_messages(q["question"], c.segments, ctx.system), c.answer,
+    return [trajectory_row(q, s, "chain_of_agents", ctx.teacher, c.messages, student_messages(q["question"], c.segments, system_prompt(ctx.tools, "chain_of_agents")), c.answer,
                            [c], per_group, c.finish_reason or ("answer" if c.answer else "no_answer"))
             for c, (q, s) in zip(chains, groups)]

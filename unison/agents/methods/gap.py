@@ -15,11 +15,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..episodes import continue_episode, stable_seed, student_messages, trajectory_row
-from ..protocol import observation
+from ..protocol import observation, system_prompt
 from ..runtime import Segment, _timed, run_episodes
 from .chain_of_agents import absorb, extend, new_chain
 
-RULES = (  # appended to the student protocol's system prompt
+RULES = (  # appended to the protocol's system prompt for the teacher (its students get protocol.STUDENT_RULES)
     " First write a plan in <plan>...</plan>: one sub-task per line as 'T1: description', each followed by "
     "'- Dependencies: none' or '- Dependencies: T1, T2'. Independent tasks are searched together in one <search> with "
     "their queries joined by |; a task waits for the results of the tasks it depends on.")
@@ -100,7 +100,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     max_levels, max_parallel = int(ctx.params.get("max_levels", 3)), int(ctx.params.get("max_parallel", 4))
     room = 4 * ctx.cfg.max_tokens_per_turn  # a chain with less context left answers instead of searching again
     groups = [(q, s) for q in questions for s in range(samples)]
-    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], ctx.system + RULES) for q, s in groups]
+    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES) for q, s in groups]
     t0 = time.perf_counter()
     plans = extend(chains, "plan", ctx, "plan", "gap plan")
     levels = {c.key: plan_levels(p, q["question"]) for c, p, (q, _) in zip(chains, plans, groups)}
@@ -120,6 +120,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         search_turn(live, queries, ctx)
     extend(chains, "answer" if ctx.scaffold else None, ctx, "answer", "gap answer")
     per_group = (time.perf_counter() - t0) / max(1, len(groups))
-    return [trajectory_row(q, s, "gap", ctx.teacher, c.messages, student_messages(q["question"], c.segments, ctx.system), c.answer, [c],
+    return [trajectory_row(q, s, "gap", ctx.teacher, c.messages, student_messages(q["question"], c.segments, system_prompt(ctx.tools, "gap")), c.answer, [c],
                            per_group, c.finish_reason or ("answer" if c.answer else "no_answer"))
             for c, (q, s) in zip(chains, groups)]
