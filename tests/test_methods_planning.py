@@ -177,3 +177,33 @@ def test_unscaffolded_methods_survive_garbage(tiny_model_dir, method, params):
         ids, mask = token_view(tiny.tokenizer, row["student"])
         assert len(ids) == len(mask) and sum(mask) > 0
         assert tiny.tokenizer.eos_token_id not in ids[prompt_len(tiny.tokenizer, row["student"]) : -1]  # one assistant turn
+
+
+def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
+    """generate.roles with two real models at once: the verifier on a second model (the tiny random one, transformers),
+    every other agentflow role on SmolLM2; each backend gets exactly its roles' calls."""
+    from unison.agents.context import make_role_backends
+
+    roles = make_role_backends({"seed": 0, "llm": {"backend": "vllm", "dtype": "float32"},
+                                "generate": {"roles": {"verifier": {"model": str(tiny_model_dir), "backend": "transformers"}}}})
+    verifier = roles["verifier"]
+    assert isinstance(verifier, HFBackend) and verifier.tokenizer is not smol.tokenizer
+    calls = {"main": 0, "verifier": 0}
+
+    def counted(backend, name):
+        generate = backend.generate
+
+        def wrapper(prompts, samplings):
+            calls[name] += len(prompts)
+            return generate(prompts, samplings)
+        return wrapper
+
+    main = HFBackend(model=smol.model, tokenizer=smol.tokenizer)
+    main.generate, verifier.generate = counted(main, "main"), counted(verifier, "verifier")
+    ctx = MethodContext(main, Toolbox(CorpusRetriever()), RunConfig(temperature=0.0, max_tokens_per_turn=16), "smol",
+                        scaffold={"qa": ["search", "answer"]}, params={"max_steps": 2}, role_backends=roles)
+    (row,) = get_method("agentflow")([Q], 1, ctx)
+    verdicts = sum(m["name"] == "verifier" for m in row["messages"])
+    assert verdicts >= 1 and calls["verifier"] == verdicts  # a random model's verdict is garbage: CONTINUE, so 2 steps
+    assert calls["main"] == row["n_llm_calls"] - verdicts
+    check_student(smol.tokenizer, row["student"])
