@@ -187,6 +187,14 @@ def test_dynamic_sampling_drops_groups_without_signal():
     assert len(samples) == 2 and kept == 0.5
 
 
+def test_dynamic_sampling_trims_to_the_first_groups_with_signal():
+    views = [episode_view(episode([1], [("gen", "", [5, 6 + i])])) for i in range(6)]
+    rewards = {"groups": [0, 0, 1, 1, 2, 2], "total": [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]}
+    samples, kept = build_samples(views, rewards, rl_config(dynamic_sampling=True), max_groups=1)
+    assert kept == pytest.approx(2 / 3) and [s["ids"][-1] for s in samples] == [8, 9]  # group 1 only; group 2 trimmed
+    assert build_samples(views, rewards, rl_config(dynamic_sampling=True), max_groups=0)[0] == []
+
+
 def test_dynamic_sampling_refills_until_enough_groups_keep_a_reward_spread(answerer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -205,7 +213,7 @@ def test_dynamic_sampling_refills_until_enough_groups_keep_a_reward_spread(answe
     spread = [len({rewards["total"][i] for i in range(len(episodes)) if rewards["groups"][i] == g}) > 1 for g in range(2 * rounds)]
     assert rounds > 1 and len(episodes) == 4 * rounds and len(seen) == 2 * rounds  # this seed's first batch keeps < 2 groups
     assert sum(spread[:-2]) < 2 and (sum(spread) >= 2 or rounds == 5)  # refilled only while short, stopped when enough
-    assert len(samples) == 2 * sum(spread) and kept == pytest.approx(sum(spread) / (2 * rounds))
+    assert len(samples) == 2 * min(2, sum(spread)) and kept == pytest.approx(sum(spread) / (2 * rounds))  # trimmed to 2 groups
     assert [r["stage"] for r in seen] == [r["stage"] for r in step_prompts(rows, 0, 2 * rounds, seed=0)]  # curriculum order
     assert collect(max_refills=0)[5] == 1
 

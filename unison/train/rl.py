@@ -146,8 +146,9 @@ def padded(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def build_samples(views: list[View], rewards: dict, cfg: RLConfig) -> tuple[list[dict], float]:
-    """Training samples with token advantages (target-aligned: position t scores token t+1) and the kept-groups fraction.
+def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: int | None = None) -> tuple[list[dict], float]:
+    """Training samples with token advantages (target-aligned: position t scores token t+1) and the share of groups with a
+    reward spread; samples come from the first `max_groups` such groups only (DAPO fills the batch, then trims it).
 
     Sequence estimators: A_i from the group, placed on the last sampled token with the PRM token rewards (if any), then
     summed backwards (returns_to_go) so every sampled token, before or after a tool observation, carries it.
@@ -156,8 +157,10 @@ def build_samples(views: list[View], rewards: dict, cfg: RLConfig) -> tuple[list
     groups, total = rewards["groups"], rewards["total"]
     keep = dynamic_sampling_keep(total, groups) if cfg.dynamic_sampling else torch.ones(len(views), dtype=torch.bool)
     kept = [i for i in range(len(views)) if keep[i]]
-    n_groups = len(set(groups))
-    kept_frac = len({groups[i] for i in kept}) / max(1, n_groups)
+    kept_frac = len({groups[i] for i in kept}) / max(1, len(set(groups)))
+    if max_groups is not None:
+        first = list(dict.fromkeys(groups[i] for i in kept))[:max_groups]
+        kept = [i for i in kept if groups[i] in first]
     if not kept:
         return [], kept_frac
     samples = []
@@ -345,8 +348,9 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, 
 
 def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_cfg, tools, cfg: RLConfig, label_params: dict, prm):
     """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills` more
-    while fewer than prompts_per_step groups keep a reward spread. Returns the samples of every kept group, the rows,
-    episodes and rewards of every batch (groups numbered across batches), the kept share of groups, batches and timings."""
+    while fewer than prompts_per_step groups keep a reward spread. Returns the samples of the first prompts_per_step kept
+    groups, the rows, episodes and rewards of every batch (groups numbered across batches), the share of groups with a
+    reward spread, batches and timings."""
     n, samples, rows_seen, episodes, merged, kept_groups, times = cfg.prompts_per_step, [], [], [], {}, 0, {"rollout_s": 0.0, "reward_s": 0.0}
     rounds = 0
     while rounds == 0 or (cfg.dynamic_sampling and kept_groups < n and rounds <= cfg.max_refills):
@@ -356,7 +360,7 @@ def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_cf
         t1 = time.perf_counter()
         views = [episode_view(e) for e in eps]
         rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label_params, tools, step + 1, prm)
-        new, kept_frac = build_samples(views, rewards, cfg)
+        new, kept_frac = build_samples(views, rewards, cfg, max_groups=max(0, n - kept_groups))
         times["rollout_s"] += t1 - t0
         times["reward_s"] += time.perf_counter() - t1
         rewards["groups"] = [g + rounds * n for g in rewards["groups"]]
