@@ -200,7 +200,7 @@ def copy_project(dst, base_model_dir):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(3600)
-@pytest.mark.skipif(not os.environ.get("UNISON_RECIPES_E2E"), reason="~26 min on 2 cores, over the suite's budget: "
+@pytest.mark.skipif(not os.environ.get("UNISON_RECIPES_E2E"), reason="13-26 min on 2 cores, over the suite's budget: "
                     "`make test-recipes` (UNISON_RECIPES_E2E=1) runs it")
 def test_every_tiny_recipe_runs_end_to_end_in_one_project(tmp_path, base_model_dir, default):
     """Each recipe's tiny variant through `dvc repro` (real SmolLM2, faiss, bubblewrap, DVC, MLflow); params.yaml is switched
