@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .sft import collate, save_model, with_lora
+from .sft import collate, make_accelerator, save_model, with_lora
 from .token_view import token_view
 
 LOSSES = ("sigmoid", "ipo")
@@ -103,7 +103,6 @@ def pair_logps(model, views: list[tuple], pad_id: int, device) -> tuple[torch.Te
 
 def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, on_step=None) -> list[dict]:
     """Train from `model_dir` (also the frozen reference), save to `out_dir` atomically with a dpo.json; the step records."""
-    from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if cfg.loss not in LOSSES:
@@ -112,7 +111,7 @@ def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, 
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id or 0
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    acc = make_accelerator()
     model.to(acc.device).eval()
     with torch.no_grad():  # the reference: the starting weights, scored once
         ref = [pair_logps(model, views[i : i + cfg.batch_size], pad, acc.device) for i in range(0, len(views), cfg.batch_size)]

@@ -26,6 +26,7 @@ from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .policy_loss import policy_loss, token_logprobs
 from .rewards import count_tool_calls, efficiency_rewards, format_reward, prmvr_token_rewards, returns_to_go, sigma_factor
 from .rollout import View, episode_view, make_rollout_backend, rollout, turn_views
+from .sft import make_accelerator
 
 
 @dataclass
@@ -274,7 +275,6 @@ def train_on(acc, model, opt, sched, samples: list[dict], cfg: RLConfig, pad_id:
 def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, tools: tuple[str, ...], label_params: dict,
              llm_params: dict, out_dir: str, checkpoint_dir: str, prm=None, on_step=None) -> list[dict]:
     """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically."""
-    from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if cfg.prm_weight > 0 and cfg.estimator == "flow_grpo":
@@ -286,12 +286,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, 
     ref = None
     if cfg.kl_coef > 0:
         ref = copy.deepcopy(model).eval().requires_grad_(False)
-    plugin = None
-    if cfg.deepspeed_config:
-        from accelerate.utils import DeepSpeedPlugin
-
-        plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed_config)
-    acc = Accelerator(cpu=not torch.cuda.is_available() and plugin is None, deepspeed_plugin=plugin)
+    acc = make_accelerator(cfg.deepspeed_config, param="rl.deepspeed_config")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     model, opt, sched = acc.prepare(model, opt, sched)

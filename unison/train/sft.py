@@ -4,10 +4,12 @@ A plain training loop (through accelerate, so a DeepSpeed config works on GPUs) 
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,7 +29,27 @@ class SFTConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     packing: bool = False  # several examples per row of up to max_length; same steps and loss, fewer pad tokens
+    deepspeed_config: str = ""  # a DeepSpeed json (e.g. configs/deepspeed/zero2.json): ZeRO through accelerate
     seed: int = 0
+
+
+def make_accelerator(deepspeed_config: str = "", grad_accum: int = 1, param: str = "sft.deepspeed_config"):
+    """An Accelerator on the GPU if there is one (else the CPU); with a DeepSpeed json, a DeepSpeed engine whose gradient
+    accumulation is `grad_accum`. `param` names the setting in errors."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    if not deepspeed_config:
+        return Accelerator(gradient_accumulation_steps=grad_accum, cpu=not torch.cuda.is_available())
+    path = Path(deepspeed_config)
+    if not path.is_file():
+        raise FileNotFoundError(f"params.yaml {param}: no DeepSpeed config at {path}")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"params.yaml {param}: {path} is not valid JSON ({e})") from None
+    ds["gradient_accumulation_steps"] = grad_accum
+    return Accelerator(gradient_accumulation_steps=grad_accum, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
 
 
 def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -> list[dict]:
@@ -124,7 +146,6 @@ def masked_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
 
 def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_step=None) -> list[dict]:
     """Train and save to `out_dir` atomically; `on_step(record)` sees every optimiser step; returns the step records."""
-    from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(cfg.seed)
@@ -132,7 +153,7 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.lora:
         model = with_lora(model, cfg.lora_r, cfg.lora_alpha)
-    acc = Accelerator(gradient_accumulation_steps=cfg.grad_accum, cpu=not torch.cuda.is_available())
+    acc = make_accelerator(cfg.deepspeed_config, cfg.grad_accum)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(examples) / (cfg.batch_size * cfg.grad_accum))
     total = max(1, steps_per_epoch * cfg.epochs)
@@ -155,7 +176,8 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
                 logits = model(**{n: t for n, t in batch.items() if n != "loss_mask"}, use_cache=False).logits
                 loss = masked_loss(logits, batch["input_ids"], batch["loss_mask"])
                 acc.backward(loss)
-                acc.clip_grad_norm_(model.parameters(), 1.0)
+                if acc.sync_gradients:  # clip the accumulated gradient, not each micro-batch's part of it
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 sched.step()
                 opt.zero_grad()
