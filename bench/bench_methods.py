@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tasks.evaluate import system_metrics
     from tasks.label import label_rows
     from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, run_config
-    from unison.agents.methods import MethodContext, get_method
+    from unison.agents.methods import MethodContext, run_method
     from unison.data.schemas import QUESTION, read_table
     from unison.llm import make_backend
     from unison.params import load_params, stage_params
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)
         t0 = time.perf_counter()
         label_p = stage_params("label", params)
-        rows = label_rows(get_method(name)(questions, 1, ctx), label_p)
+        rows = label_rows(run_method(name, questions, 1, ctx, g["questions_in_flight"]), label_p)
         figures[name] = system_metrics(rows, time.perf_counter() - t0, label_p, params["evaluate"]["bootstrap"], params["seed"])
         print(format_table({name: figures[name]}).splitlines()[-1], flush=True)
     table = format_table(figures)

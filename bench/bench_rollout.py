@@ -1,7 +1,9 @@
 """Rollout benchmark: the generate stage's batched agent runtime against plain vLLM decoding and one-at-a-time runs.
 
 One process, one vLLM engine over models/base, real tools (search over data/index, the python sandbox):
-  runtime     the configured method on the first N train questions x samples, all episodes batched (DESIGN §5)
+  runtime     the configured method on the first N train questions x samples, each question a flow, all episodes
+              batched (DESIGN §5); also (multi-round methods, or more questions than generate.shard_size) as the
+              generate stage ran before flows: shard_size questions at a time, every round a barrier
   plain       vLLM decoding of as many sequences from the same prompts, each exactly the runtime's mean tokens per
               episode long (ignore_eos): the ceiling the runtime could reach on the same model and batch
   sequential  the same runtime on one trajectory at a time (for `single`, one episode), on a few questions
@@ -130,14 +132,19 @@ def measure_tool_concurrency(toolbox, queries: list[str], sleep_s: float = 0.2) 
             "python_parallel_s": python_parallel, "python_serial_s": python_serial, "python_speedup": python_serial / python_parallel}
 
 
-def run_method(ctx, method: str, questions: list[dict], samples: int) -> dict:
-    """Run the method through the batched runtime; tokens, calls and where the wall time went."""
-    from unison.agents.methods import get_method
+def measure_method(ctx, method: str, questions: list[dict], samples: int, in_flight: int, barrier_chunk: int = 0) -> dict:
+    """Run the method through the batched runtime, each question a flow (`in_flight` at once), or with `barrier_chunk`
+    on that many questions at a time, every round a barrier (generate before flows); tokens, calls and where the wall
+    time went."""
+    from unison.agents.methods import get_method, run_method
 
     backend, toolbox = ctx.backend, ctx.toolbox
     llm_s0, tool_s0, llm_calls0, prompt0, uncached0 = backend.seconds, toolbox.seconds, backend.calls, backend.prompt_tokens, backend.cache.uncached
     t0 = time.perf_counter()
-    rows = get_method(method)(questions, samples, ctx)
+    if barrier_chunk:
+        rows = [r for i in range(0, len(questions), barrier_chunk) for r in get_method(method)(questions[i : i + barrier_chunk], samples, ctx)]
+    else:
+        rows = run_method(method, questions, samples, ctx, in_flight)
     wall = time.perf_counter() - t0
     tokens = sum(r["n_tokens"] for r in rows)
     llm_s = backend.seconds - llm_s0
@@ -154,7 +161,7 @@ def run_sequential(ctx, method: str, questions: list[dict], max_s: float) -> dic
     """The same runtime, one question (one sample) at a time, no batching across trajectories; stops after `max_s`."""
     parts = []
     for q in questions:
-        parts.append(run_method(ctx, method, [q], 1))
+        parts.append(measure_method(ctx, method, [q], 1, 1))
         if sum(p["wall_s"] for p in parts) > max_s:
             break
     tokens, wall, llm_s, prompt_tokens = (sum(p[k] for p in parts) for k in ("tokens", "wall_s", "llm_s", "prompt_tokens"))
@@ -162,7 +169,7 @@ def run_sequential(ctx, method: str, questions: list[dict], max_s: float) -> dic
             "llm_s": llm_s, "llm_fraction": llm_s / wall}
 
 
-def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float) -> dict:
+def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float, block_size: int) -> dict:
     """Plain batched vLLM decoding: every prompt generates exactly `max_tokens` tokens (eos ignored)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -174,8 +181,11 @@ def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    cache = PrefixCache(block_size)
+    for p in prompts:
+        cache.add(p, [])
     return {"sequences": len(prompts), "max_tokens": max_tokens, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "prompt_tokens": sum(map(len, prompts))}
+            "prompt_tokens": sum(map(len, prompts)), "uncached_prompt_tokens": cache.uncached}
 
 
 def measure_prefill(llm, n: int = 32, length: int = 256, seed: int = 0) -> dict:
@@ -233,6 +243,9 @@ def format_table(result: dict) -> str:
              f"{result['runtime']['episodes']} episodes streamed, LLM {result['runtime']['llm_fraction']:.0%} of wall"),
             ("runtime, lock-step batches", result["lockstep"], f"{result['lockstep']['generate_calls']} generate calls"),
             ("runtime, one trajectory at a time", result["sequential"], f"{result['sequential']['trajectories']} trajectories")]
+    if "barrier" in result:
+        rows.insert(2, ("runtime, rounds as barriers", result["barrier"],
+                        f"{result['barrier']['questions_at_a_time']} questions at a time; flows {result['flows_vs_barrier']:.2f}x faster"))
     lines = [f"{'':36} {'prompt tok':>10} {'gen tok':>8} {'wall s':>8} {'gen tok/s':>9}  notes"]
     lines += [f"{name:36} {r['prompt_tokens']:>10} {r['tokens']:>8} {r['wall_s']:>8.1f} {r['tokens_per_s']:>9.1f}  {note}" for name, r, note in rows]
     lines.append(f"runtime / plain = {result['runtime_vs_plain']:.2f}x streamed, {result['lockstep_vs_plain']:.2f}x lock-step   "
@@ -255,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--questions", type=int, default=64, help="first N train questions")
     ap.add_argument("--method", default="single", help="teacher method (any of generate.method)")
     ap.add_argument("--samples", type=int, default=2, help="samples per question")
+    ap.add_argument("--in-flight", type=int, default=0, help="questions in flight at once (0 = generate.questions_in_flight)")
     ap.add_argument("--sequential", type=int, default=8, help="questions run one at a time for the sequential baseline")
     ap.add_argument("--sequential-max-s", type=float, default=60, help="stop the sequential baseline after this long")
     ap.add_argument("--parallel-k", type=int, default=4, help="tool calls in the parallel-turn measurement")
@@ -298,20 +312,27 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
     llm.reset_prefix_cache()
     backend.cache = PrefixCache(block)
-    runtime = run_method(ctx, args.method, questions, args.samples)
+    in_flight = args.in_flight or g["questions_in_flight"]
+    runtime = measure_method(ctx, args.method, questions, args.samples, in_flight)
     # plain decoding of the same number of tokens at the runtime's peak parallelism (its widest step)
     runtime["episodes"] = backend.widest
     runtime["tokens_per_episode"] = runtime["tokens"] / runtime["episodes"]
 
+    barrier = None
+    if args.method != "single" or len(questions) > g["shard_size"]:  # else the same run as the flows
+        print(f"bench_rollout: the method on {g['shard_size']} questions at a time, every round a barrier", flush=True)
+        llm.reset_prefix_cache()
+        barrier = measure_method(ctx, args.method, questions, args.samples, in_flight, barrier_chunk=g["shard_size"])
+
     print("bench_rollout: the same runtime in lock-step batches (one generate call per turn of all episodes)", flush=True)
     llm.reset_prefix_cache()
-    lockstep = run_method(replace(ctx, backend=TimedBackend(backend.backend, block)), args.method, questions, args.samples)
+    lockstep = measure_method(replace(ctx, backend=TimedBackend(backend.backend, block)), args.method, questions, args.samples, in_flight)
 
     print(f"bench_rollout: plain decode, {runtime['episodes']} sequences", flush=True)
     prompts = [chat_prompt(backend.tokenizer, question_messages(q["question"])) for q in questions for _ in range(args.samples)]
     prompts = [prompts[i % len(prompts)] for i in range(runtime["episodes"])]  # several agents per question: reuse prompts
     llm.reset_prefix_cache()
-    plain = run_plain(llm, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p)
+    plain = run_plain(llm, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p, block)
 
     print(f"bench_rollout: sequential, up to {min(args.sequential, len(questions))} questions one at a time", flush=True)
     llm.reset_prefix_cache()
@@ -321,9 +342,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     print("bench_rollout: prefill throughput (32 distinct 256-token prompts)", flush=True)
     prefill = measure_prefill(llm)
-    # the runtime's work at the plain run's decode rate and the measured prefill rate: what it would take with no
-    # overhead at all (no idle engine, no tool waits, no small batches at the tail of a turn)
-    ideal_s = {k: r["tokens"] / plain["tokens_per_s"] + r["uncached_prompt_tokens"] / prefill["tokens_per_s"]
+    # the runtime's work at the plain run's rate (which includes prefilling the first prompts) plus the prompt tokens
+    # it must prefill beyond those at the measured prefill rate: what it would take with no overhead at all (no idle
+    # engine, no tool waits, no small batches at the tail of a turn)
+    ideal_s = {k: r["tokens"] / plain["tokens_per_s"]
+               + max(0, r["uncached_prompt_tokens"] - plain["uncached_prompt_tokens"] * r["tokens"] / plain["tokens"]) / prefill["tokens_per_s"]
                for k, r in (("runtime", runtime), ("lockstep", lockstep))}
 
     print(f"bench_rollout: tool concurrency, {args.parallel_k} calls in one parallel turn vs one after another", flush=True)
@@ -333,6 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
         "machine": {**machine_info(backend.backend), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "workload": {"method": args.method, "questions": len(questions), "samples": args.samples, "scaffold": g["scaffold"],
+                     "questions_in_flight": in_flight,
                      "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
                      "enforce_eager": params["llm"].get("enforce_eager", True)},
         "engine_start_s": engine_start_s,
@@ -345,6 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
         "lockstep_vs_plain": lockstep["tokens_per_s"] / plain["tokens_per_s"],
         "streaming_vs_lockstep": runtime["tokens_per_s"] / lockstep["tokens_per_s"],
     }
+    if barrier:
+        result.update(barrier={**barrier, "questions_at_a_time": g["shard_size"]}, flows_vs_barrier=runtime["tokens_per_s"] / barrier["tokens_per_s"])
     print(format_table(result), flush=True)
     save_report(result)
     print(f"bench_rollout: wrote {REPORT} (key 'rollout')", flush=True)

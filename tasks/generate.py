@@ -1,7 +1,9 @@
 """Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each).
 
-Questions are processed in shards; each finished shard is written atomically under data/.cache/generate/<params hash>/,
-so a killed run resumes from completed shards without duplicates. The output is written once, atomically, at the end.
+Every question is a flow of its own on one engine (`generate.questions_in_flight` at once, no barrier between
+questions or shards); each shard of questions is written atomically under data/.cache/generate/<params hash>/ as soon
+as all its questions are done, so a killed run resumes from completed shards without duplicates. The output is written
+once, atomically, at the end.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 from unison import track
 from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, remote_counters, run_config
 from unison.agents.episodes import tool_totals
-from unison.agents.methods import MethodContext, get_method
+from unison.agents.methods import MethodContext, run_method
 from unison.agents.trace import sample_traces
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
 from unison.llm import make_backend
@@ -29,6 +31,24 @@ def shard_dir(params: dict, questions: list[dict]) -> Path:
     meta = Path("models/base/unison_model.json")
     key += meta.read_text() if meta.exists() else ""
     return Path("data/.cache/generate") / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class ShardWriter:
+    """Collects each question's rows as it finishes and writes a shard (atomically) once all its questions are in;
+    shards fill out of order when questions finish out of order. `pending`: (shard, question) in shard order."""
+
+    def __init__(self, pending: list[tuple[int, dict]], paths: list[Path]):
+        self.shard_of, self.paths = [k for k, _ in pending], paths
+        self.left = Counter(self.shard_of)
+        self.rows: dict[int, dict[int, list[dict]]] = {k: {} for k in self.left}
+
+    def __call__(self, i: int, rows: list[dict]) -> None:
+        k = self.shard_of[i]
+        self.rows[k][i] = rows
+        self.left[k] -= 1
+        if not self.left[k]:
+            write_table([r for j in sorted(self.rows[k]) for r in self.rows[k].pop(j)], self.paths[k], TRAJECTORY)
+            print(f"generate: shard {k + 1}/{len(self.paths)} written", flush=True)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -49,21 +69,22 @@ def main() -> None:
         shards.mkdir(parents=True, exist_ok=True)
         size = g["shard_size"]
         chunks = [questions[i : i + size] for i in range(0, len(questions), size)]
+        paths = [shards / f"shard-{k:05d}.parquet" for k in range(len(chunks))]
+        todo = [k for k, path in enumerate(paths) if not path.exists()]
+        for k in sorted(set(range(len(chunks))) - set(todo)):
+            print(f"generate: shard {k + 1}/{len(chunks)} already done, reusing", flush=True)
         ctx = None
-        rows: list[dict] = []
-        for k, chunk in enumerate(chunks):
-            path = shards / f"shard-{k:05d}.parquet"
-            if path.exists():
-                print(f"generate: shard {k + 1}/{len(chunks)} already done, reusing", flush=True)
-            else:
-                if ctx is None:  # start the engine only if some shard is left to do
-                    backend = make_backend("models/base", params["llm"], seed=params["seed"])
-                    ctx = MethodContext(backend, make_toolbox(params), run_config(params, g["temperature"]), teacher=_model_id(),
-                                        scaffold=g["scaffold"] or {}, params=g.get(g["method"], {}),
-                                        role_backends=make_role_backends(params), tools=enabled_tools(params), protocol=g["method"])
-                print(f"generate: shard {k + 1}/{len(chunks)} ({len(chunk)} questions x {g['samples']} samples, {g['method']})", flush=True)
-                write_table(get_method(g["method"])(chunk, g["samples"], ctx), path, TRAJECTORY)
-            rows += read_table(path, TRAJECTORY)
+        if todo:  # start the engine only if some shard is left to do
+            backend = make_backend("models/base", params["llm"], seed=params["seed"])
+            ctx = MethodContext(backend, make_toolbox(params), run_config(params, g["temperature"]), teacher=_model_id(),
+                                scaffold=g["scaffold"] or {}, params=g.get(g["method"], {}),
+                                role_backends=make_role_backends(params), tools=enabled_tools(params), protocol=g["method"])
+            pending = [(k, q) for k in todo for q in chunks[k]]
+            print(f"generate: {len(pending)} questions in {len(todo)} shards x {g['samples']} samples, {g['method']}, "
+                  f"{g['questions_in_flight']} questions in flight", flush=True)
+            run_method(g["method"], [q for _, q in pending], g["samples"], ctx, g["questions_in_flight"],
+                       on_question=ShardWriter(pending, paths))
+        rows = [r for path in paths for r in read_table(path, TRAJECTORY)]
         write_table(rows, OUT, TRAJECTORY)
         metrics = summarize(rows)
         if ctx is not None:

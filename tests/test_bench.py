@@ -62,6 +62,10 @@ def test_format_table_names_every_measurement():
     table = format_table(result)
     assert "4 seqs x 25 tok" in table and "LLM 90% of wall" in table and "runtime / sequential = 4.00x" in table
     assert "6 generate calls" in table and "streaming / lock-step = 1.25x" in table and "0.40x lock-step" in table
+    assert "barriers" not in table
+    with_barrier = format_table({**result, "workload": {"method": "debate"}, "barrier": {**part, "questions_at_a_time": 64},
+                                 "flows_vs_barrier": 1.15})
+    assert "runtime, rounds as barriers" in with_barrier and "64 questions at a time; flows 1.15x faster" in with_barrier
 
 
 def test_timed_backends_count_requests_in_flight():

@@ -8,7 +8,7 @@ import mlflow
 import pytest
 
 from unison import track
-from unison.agents.methods import METHODS, MethodContext, get_method
+from unison.agents.methods import METHODS, MethodContext, get_method, run_method
 from unison.agents.runtime import RunConfig, Toolbox
 from unison.agents.trace import episode_from_row
 from unison.data.schemas import TRAJECTORY, read_table, write_table
@@ -93,18 +93,21 @@ def test_method_writes_valid_trajectories_with_a_student_rendering_and_a_trace(m
     assert sum(s.span_type == "LLM" for s in spans) == sum(m["role"] == "assistant" for m in rows[0]["messages"])
 
 
-def test_streaming_engine_gives_the_lock_step_trajectories(ctx_factory):
+def test_streaming_engine_and_per_question_flows_give_the_lock_step_trajectories(ctx_factory):
     """vLLM streaming (each turn joins the running batch when its tools return) is deterministic and gives the same
-    trajectories as lock-step batches: tool results are collected at fixed engine steps, and seeds are per request."""
+    trajectories as lock-step batches: tool results are collected at fixed engine steps, and seeds are per request.
+    `run_method`, where each question's debate rounds run as their own flow, batches differently (bf16 sums on CPU
+    depend on the batch) but is as deterministic."""
     ctx = ctx_factory("debate")
     backend = ctx.backend
     runs = {}
     try:
-        for name, streaming in (("lockstep", False), ("stream", True), ("stream again", True)):
+        for name, streaming in (("lockstep", False), ("stream", True), ("stream again", True), ("flows", True), ("flows again", True)):
             backend.streaming = streaming  # False: the runtime wraps the engine in LockStep (one generate call per turn)
-            rows = get_method("debate")(QUESTIONS, 2, ctx)
+            rows = run_method("debate", QUESTIONS, 2, ctx, questions_in_flight=2) if name.startswith("flows") else get_method("debate")(QUESTIONS, 2, ctx)
             runs[name] = [(r["student"], r["final_answer"], r["n_tool_calls"]) for r in rows]
     finally:
         del backend.streaming  # back to the class default
     assert runs["stream"] == runs["stream again"] == runs["lockstep"]
+    assert runs["flows"] == runs["flows again"] and len(runs["flows"]) == len(runs["stream"])
     assert sum(n for *_, n in runs["stream"]) > 0  # tools ran between turns

@@ -2,13 +2,15 @@
 
 `run_episodes` keeps every live episode — all questions, samples and agents — in one continuously batched engine run
 (lock-step batches for backends without streaming); tool calls run concurrently in a thread pool; finished episodes
-leave the batch. Every
-episode is token-in/token-out: its ids are the prompt plus each segment's ids exactly as generated or appended.
+leave the batch. `scheduler.run_flows` runs many multi-round flows (a teacher method on one question each) on one
+engine, so no question waits for another's round to end. Every episode is token-in/token-out: its ids are the prompt plus each
+segment's ids exactly as generated or appended.
 """
 from __future__ import annotations
 
 import itertools
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -148,65 +150,130 @@ class LockStep:
 _request_ids = itertools.count()
 
 
-def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunConfig, desc: str = "episodes") -> list[Episode]:
-    """Run all episodes to completion; returns them (mutated).
+class EngineLoop:
+    """Every live episode of one engine in one continuously batched run (DESIGN §5); `run_episodes` drives one batch
+    of episodes through it, `scheduler.run_flows` many concurrent flows' batches.
 
     A streaming engine (vLLM: `submit`/`step`) keeps every live episode in one continuously batched run: an episode's
     next turn joins as soon as its tools return, while the others decode. Tool calls run in a thread pool during the
     engine's next step and are collected after it (or at once when the engine has nothing else to do), so the batch
     composition, and the outputs, depend only on the inputs and seeds. Other backends run in lock-step batches."""
-    tok = backend.tokenizer
-    engine = backend if getattr(backend, "streaming", False) else LockStep(backend)
-    order = {id(e): k for k, e in enumerate(episodes)}
-    inflight: dict[str, tuple[Episode, tuple]] = {}
-    bar = tqdm(total=sum(e.finish_reason is None for e in episodes), desc=desc, unit="ep", mininterval=5)
 
-    def submit(eps: list[Episode]) -> None:
+    def __init__(self, backend, desc: str, progress: bool = True):
+        self.backend, self.tok = backend, backend.tokenizer
+        self.engine = backend if getattr(backend, "streaming", False) else LockStep(backend)
+        self.inflight: dict[str, tuple[Episode, tuple]] = {}
+        self.waiting: list[tuple[Episode, tuple, object]] = []  # tool calls started during the previous step
+        self.order: dict[int, int] = {}  # id(episode) -> arrival, to handle completions in a fixed order
+        self.arrivals = itertools.count()
+        self.setup: dict[int, tuple[Toolbox, RunConfig, "Batch"]] = {}
+        self.pool = ThreadPoolExecutor(max_workers=8)
+        self.bar = tqdm(total=0, desc=desc, unit="ep", mininterval=5, disable=not progress)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inflight or self.waiting)
+
+    def add(self, episodes: list[Episode], toolbox: Toolbox, cfg: RunConfig) -> "Batch":
+        """Queue a batch of episodes; the returned batch counts down as they finish."""
+        batch = Batch(sum(e.finish_reason is None for e in episodes))
+        live = [e for e in episodes if e.finish_reason is None]
+        for e in live:
+            self.order[id(e)] = next(self.arrivals)
+            self.setup[id(e)] = (toolbox, cfg, batch)
+        self.bar.total += len(live)
+        self.bar.refresh()
+        self._submit(live)
+        return batch
+
+    def step(self) -> list["Batch"]:
+        """One engine iteration and the tool results it waited for; the batches that finished in it."""
+        done: list[_Batch] = []
+        t0 = time.perf_counter()
+        finished = self.engine.step() if self.inflight else []
+        step_s = time.perf_counter() - t0
+        started, again = [], []
+        for rid, c in sorted(finished, key=lambda rc: self.order[id(self.inflight[rc[0]][0])]):
+            e, scaffold = self.inflight.pop(rid)
+            toolbox, cfg, _ = self.setup[id(e)]
+            call = _apply_completion(e, c, scaffold, self.tok, cfg, step_s)
+            if call:
+                started.append((e, call, self.pool.submit(_timed, toolbox, *call)))
+            elif e.finish_reason is None:
+                again.append(e)
+            else:
+                self._finished(e, done)
+        waiting = self.waiting
+        if not self.inflight and not again:  # the engine would idle: wait for this step's tools too
+            waiting, started = waiting + started, []
+        for e, (tool, arg), future in waiting:
+            text, err, secs = future.result()
+            e.n_tool_calls += 1
+            e.count_tool(tool, err)
+            e.events.append({"type": "tool", "tool": tool, "input": arg, "output": text, "error": err, "latency_s": secs})
+            e.segments.append(_obs(self.tok, text))
+            if e.finish_reason is None:
+                again.append(e)
+            else:
+                self._finished(e, done)
+        self.waiting = started
+        done += self._submit(sorted(again, key=lambda e: self.order[id(e)]))
+        return done
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.bar.close()
+
+    def _submit(self, eps: list[Episode]) -> list["Batch"]:
+        done: list[_Batch] = []
         requests = []
         for e in eps:
+            cfg = self.setup[id(e)][1]
             if len(e.ids) + MIN_TURN_TOKENS > cfg.max_model_len:  # no room for another turn: end it, never send it
                 _finish(e, "context")
-                bar.update(1)
+                self._finished(e, done)
                 continue
             rid = f"u{next(_request_ids)}"
-            request, scaffold = _turn_request(e, tok, cfg)
-            inflight[rid] = (e, scaffold)
+            request, scaffold = _turn_request(e, self.tok, cfg)
+            self.inflight[rid] = (e, scaffold)
             requests.append((rid, *request))
         if requests:
-            engine.submit(requests)
+            self.engine.submit(requests)
+        return done
 
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        submit([e for e in episodes if e.finish_reason is None])
-        waiting: list[tuple[Episode, tuple, object]] = []  # tool calls started after the previous step
-        while inflight or waiting:
-            t0 = time.perf_counter()
-            finished = engine.step() if inflight else []
-            step_s = time.perf_counter() - t0
-            started, again = [], []
-            for rid, c in sorted(finished, key=lambda rc: order[id(inflight[rc[0]][0])]):
-                e, scaffold = inflight.pop(rid)
-                call = _apply_completion(e, c, scaffold, tok, cfg, step_s)
-                if call:
-                    started.append((e, call, pool.submit(_timed, toolbox, *call)))
-                elif e.finish_reason is None:
-                    again.append(e)
-                else:
-                    bar.update(1)
-            if not inflight and not again:  # the engine would idle: wait for this step's tools too
-                waiting, started = waiting + started, []
-            for e, (tool, arg), future in waiting:
-                text, err, secs = future.result()
-                e.n_tool_calls += 1
-                e.count_tool(tool, err)
-                e.events.append({"type": "tool", "tool": tool, "input": arg, "output": text, "error": err, "latency_s": secs})
-                e.segments.append(_obs(tok, text))
-                if e.finish_reason is None:
-                    again.append(e)
-                else:
-                    bar.update(1)
-            waiting = started
-            submit(sorted(again, key=lambda e: order[id(e)]))
-    bar.close()
+    def _finished(self, e: Episode, done: list["Batch"]) -> None:
+        batch = self.setup.pop(id(e))[2]
+        self.order.pop(id(e))
+        self.bar.update(1)
+        batch.left -= 1
+        if batch.left == 0:
+            done.append(batch)
+
+
+@dataclass
+class Batch:
+    left: int  # episodes not finished yet
+    flow: int = -1  # the flow waiting for it (scheduler.run_flows)
+
+
+flow_thread = threading.local()  # .driver, .flow: in a flow thread of `scheduler.run_flows`, its driver and index
+
+
+def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunConfig, desc: str = "episodes") -> list[Episode]:
+    """Run all episodes to completion; returns them (mutated).
+
+    Inside a flow of `scheduler.run_flows` on the same backend, the episodes join that run's engine with every other
+    flow's and this returns when they are done; otherwise they run as one batch on their own."""
+    driver = getattr(flow_thread, "driver", None)
+    if driver is not None and driver.loop.backend is backend:
+        return driver.wait_for(episodes, toolbox, cfg)
+    loop = EngineLoop(backend, desc)
+    try:
+        loop.add(episodes, toolbox, cfg)
+        while loop.busy:
+            loop.step()
+    finally:
+        loop.close()
     return episodes
 
 

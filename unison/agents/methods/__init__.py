@@ -1,10 +1,12 @@
 """Teacher methods (DESIGN §5), one module each; `run(questions, samples, ctx) -> trajectory rows`."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..episodes import start_episode
 from ..protocol import DEFAULT_TOOLS, system_prompt
+from ..scheduler import run_flows
 from ..runtime import Episode, RunConfig, Toolbox
 
 
@@ -46,3 +48,20 @@ def get_method(name: str):
     if name not in METHODS:
         raise ValueError(f"params.yaml generate.method: unknown method {name!r} (one of {sorted(METHODS)})")
     return import_module(f".{name}", __package__).run
+
+
+def run_method(name: str, questions: list[dict], samples: int, ctx: MethodContext, questions_in_flight: int,
+               on_question: Callable[[int, list[dict]], None] | None = None) -> list[dict]:
+    """Trajectory rows of a teacher method on the questions, each question a flow of its own on ctx's engine
+    (`run_flows`): a question's next round starts as soon as its own agents finish, and the next question starts as
+    soon as one of the `questions_in_flight` ends. `on_question(i, rows)` is called as question i finishes."""
+    run = get_method(name)
+
+    def flow(i: int, q: dict) -> list[dict]:
+        rows = run([q], samples, ctx)
+        if on_question:
+            on_question(i, rows)
+        return rows
+
+    flows = [lambda i=i, q=q: flow(i, q) for i, q in enumerate(questions)]
+    return [row for rows in run_flows(flows, ctx.backend, questions_in_flight, desc=name, unit="q") for row in rows]

@@ -1,0 +1,110 @@
+"""Many multi-round flows on one engine: `run_flows` runs functions that call `run_episodes` (a teacher method on one
+question each) concurrently, so no question waits for another's round to end.
+
+Each flow runs in a thread of its own, but only one runs at a time: a flow runs until it waits for episodes or
+returns, then the driver runs the next ready flow, and steps the engine once all are waiting.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from tqdm import tqdm
+
+from .runtime import Episode, EngineLoop, RunConfig, Toolbox, flow_thread
+
+T = TypeVar("T")
+
+
+def run_flows(flows: list[Callable[[], T]], backend, max_active: int, desc: str = "flows", unit: str = "flow") -> list[T]:
+    """Run the flows (functions that call `run_episodes`, maybe several times, e.g. a method on one question)
+    concurrently on one engine, at most `max_active` at once; their results in order.
+
+    A flow's episodes join the engine as soon as it asks, so one question's next round starts when its own agents
+    finish, not when every question's have, and the next flow starts as soon as one ends. Flows run one at a time
+    between engine steps, in a fixed order, so the batches and the outputs are the same on every run."""
+    if max_active < 1:
+        raise ValueError(f"run_flows: max_active must be >= 1, got {max_active}")
+    bar = tqdm(total=len(flows), desc=desc, unit=unit, mininterval=5)
+    driver = _FlowDriver(flows, EngineLoop(backend, desc, progress=False), max_active, bar)
+    try:
+        return driver.run()
+    finally:
+        driver.loop.close()
+        driver.bar.close()
+
+
+class _Aborted(Exception):
+    """Raised in a waiting flow when another flow failed."""
+
+
+class _FlowDriver:
+    """Hands control to one flow thread at a time: a flow runs until it waits for episodes or returns."""
+
+    def __init__(self, flows: list[Callable], loop: EngineLoop, max_active: int, bar):
+        self.flows, self.loop, self.max_active, self.bar = flows, loop, max_active, bar
+        self.results: list = [None] * len(flows)
+        self.error: BaseException | None = None
+        self.resume = [threading.Event() for _ in flows]
+        self.paused = threading.Event()
+        self.started = [False] * len(flows)
+        self.ended = [False] * len(flows)
+        self.aborted = False
+
+    def run(self) -> list:
+        ready = list(range(min(self.max_active, len(self.flows))))
+        unstarted = len(ready)
+        try:
+            while ready or self.loop.busy:
+                while ready and self.error is None:
+                    k = ready.pop(0)
+                    self._switch_to(k)
+                    if self.ended[k]:
+                        self.bar.update(1)
+                        if unstarted < len(self.flows):  # a slot is free: the next flow starts in this round
+                            ready.append(unstarted)
+                            unstarted += 1
+                if self.error is not None:
+                    raise self.error
+                ready = sorted(b.flow for b in self.loop.step())
+        finally:
+            self.aborted = True
+            for k in range(len(self.flows)):
+                if self.started[k] and not self.ended[k]:
+                    self._switch_to(k)  # its wait raises _Aborted and the flow ends
+        return self.results
+
+    def wait_for(self, episodes: list[Episode], toolbox: Toolbox, cfg: RunConfig) -> list[Episode]:
+        """In a flow thread: queue the episodes, give control back, and continue once they are all done."""
+        k = flow_thread.flow
+        batch = self.loop.add(episodes, toolbox, cfg)
+        batch.flow = k
+        if batch.left:
+            self.paused.set()
+            self.resume[k].wait()
+            self.resume[k].clear()
+        if self.aborted:
+            raise _Aborted
+        return episodes
+
+    def _switch_to(self, k: int) -> None:
+        self.paused.clear()
+        if not self.started[k]:
+            self.started[k] = True
+            threading.Thread(target=self._body, args=(k,), daemon=True, name=f"flow-{k}").start()
+        else:
+            self.resume[k].set()
+        self.paused.wait()
+
+    def _body(self, k: int) -> None:
+        flow_thread.driver, flow_thread.flow = self, k
+        try:
+            self.results[k] = self.flows[k]()
+        except _Aborted:
+            pass
+        except BaseException as ex:  # re-raised by the driver
+            self.error = self.error or ex
+        finally:
+            self.ended[k] = True
+            self.paused.set()
