@@ -2,8 +2,8 @@
 
 One process, one vLLM engine over models/base, real tools (search over data/index, the python sandbox):
   runtime     the configured method on the first N train questions x samples, each question a flow, all episodes
-              batched (DESIGN §5); also (multi-round methods, or more questions than generate.shard_size) as the
-              generate stage ran before flows: shard_size questions at a time, every round a barrier
+              batched (DESIGN §5); also (multi-round methods, or more questions than in flight) as the generate
+              stage ran before flows: as many questions at a time (then a shard), every round a barrier
   plain       vLLM decoding of as many sequences from the same prompts, each exactly the runtime's mean tokens per
               episode long (ignore_eos): the ceiling the runtime could reach on the same model and batch
   sequential  the same runtime on one trajectory at a time (for `single`, one episode), on a few questions
@@ -319,10 +319,10 @@ def main(argv: list[str] | None = None) -> dict:
     runtime["tokens_per_episode"] = runtime["tokens"] / runtime["episodes"]
 
     barrier = None
-    if args.method != "single" or len(questions) > g["shard_size"]:  # else the same run as the flows
-        print(f"bench_rollout: the method on {g['shard_size']} questions at a time, every round a barrier", flush=True)
+    if args.method != "single" or len(questions) > in_flight:  # else the same run as the flows
+        print(f"bench_rollout: the method on {in_flight} questions at a time, every round a barrier", flush=True)
         llm.reset_prefix_cache()
-        barrier = measure_method(ctx, args.method, questions, args.samples, in_flight, barrier_chunk=g["shard_size"])
+        barrier = measure_method(ctx, args.method, questions, args.samples, in_flight, barrier_chunk=in_flight)
 
     print("bench_rollout: the same runtime in lock-step batches (one generate call per turn of all episodes)", flush=True)
     llm.reset_prefix_cache()
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         "streaming_vs_lockstep": runtime["tokens_per_s"] / lockstep["tokens_per_s"],
     }
     if barrier:
-        result.update(barrier={**barrier, "questions_at_a_time": g["shard_size"]}, flows_vs_barrier=runtime["tokens_per_s"] / barrier["tokens_per_s"])
+        result.update(barrier={**barrier, "questions_at_a_time": in_flight}, flows_vs_barrier=runtime["tokens_per_s"] / barrier["tokens_per_s"])
     print(format_table(result), flush=True)
     save_report(result)
     print(f"bench_rollout: wrote {REPORT} (key 'rollout')", flush=True)
