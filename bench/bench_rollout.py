@@ -2,8 +2,8 @@
 
 One process, one vLLM engine over models/base, real tools (search over data/index, the python sandbox):
   runtime     the configured method on the first N train questions x samples, each question a flow, all episodes
-              batched (DESIGN §5); also (multi-round methods, or more questions than in flight) as the generate
-              stage ran before flows: as many questions at a time (then a shard), every round a barrier
+              batched (DESIGN §5); also (multi-round methods, or more questions than a shard) as the generate
+              stage ran before flows: generate.shard_size questions at a time, every round a barrier
   plain       vLLM decoding of as many sequences from the same prompts, each exactly the runtime's mean tokens per
               episode long (ignore_eos): the ceiling the runtime could reach on the same model and batch
   sequential  the same runtime on one trajectory at a time (for `single`, one episode), on a few questions
@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPORT = Path("reports/bench.json")
+NARROW = 8  # an engine step with at most this many requests in flight: the tail of a wave, mostly fixed per-step cost
 
 
 class TimedBackend:
@@ -34,6 +35,7 @@ class TimedBackend:
     def __init__(self, backend, block_size: int = 32):
         self.backend, self.tokenizer = backend, backend.tokenizer
         self.seconds, self.calls, self.prompt_tokens, self.widest, self.inflight = 0.0, 0, 0, 0, 0
+        self.steps, self.narrow_steps, self.narrow_s = 0, 0, 0.0  # engine steps; those with <= NARROW requests in flight
         self.cache, self.prompts = PrefixCache(block_size), {}
 
     def generate(self, prompts, sampling):
@@ -66,7 +68,12 @@ class TimedStreamingBackend(TimedBackend):
         return self._timed(self.backend.submit, requests)
 
     def step(self):
+        width, t0 = self.inflight, time.perf_counter()
         finished = self._timed(self.backend.step)
+        self.steps += 1
+        if width <= NARROW:
+            self.narrow_steps += 1
+            self.narrow_s += time.perf_counter() - t0
         self.inflight -= len(finished)
         for rid, c in finished:
             self.cache.add(self.prompts.pop(rid), c.token_ids)
@@ -133,13 +140,14 @@ def measure_tool_concurrency(toolbox, queries: list[str], sleep_s: float = 0.2) 
 
 
 def measure_method(ctx, method: str, questions: list[dict], samples: int, in_flight: int, barrier_chunk: int = 0) -> dict:
-    """Run the method through the batched runtime, each question a flow (`in_flight` at once), or with `barrier_chunk`
-    on that many questions at a time, every round a barrier (generate before flows); tokens, calls and where the wall
-    time went."""
+    """Run the method through the batched runtime, each question a flow (up to `in_flight` episodes live), or with
+    `barrier_chunk` on that many questions at a time, every round a barrier (generate before flows); tokens, calls and
+    where the wall time went."""
     from unison.agents.methods import get_method, run_method
 
     backend, toolbox = ctx.backend, ctx.toolbox
     llm_s0, tool_s0, llm_calls0, prompt0, uncached0 = backend.seconds, toolbox.seconds, backend.calls, backend.prompt_tokens, backend.cache.uncached
+    steps0, narrow0, narrow_s0 = backend.steps, backend.narrow_steps, backend.narrow_s
     t0 = time.perf_counter()
     if barrier_chunk:
         rows = [r for i in range(0, len(questions), barrier_chunk) for r in get_method(method)(questions[i : i + barrier_chunk], samples, ctx)]
@@ -154,7 +162,8 @@ def measure_method(ctx, method: str, questions: list[dict], samples: int, in_fli
             "tool_errors": sum(r["tool_errors"] for r in rows), "generate_calls": backend.calls - llm_calls0,
             "answered": sum(bool(r["final_answer"]) for r in rows) / len(rows),
             "llm_s": llm_s, "llm_fraction": llm_s / wall, "tool_call_s_summed": toolbox.seconds - tool_s0,
-            "other_s": wall - llm_s}
+            "other_s": wall - llm_s, "engine_steps": backend.steps - steps0, "narrow_steps": backend.narrow_steps - narrow0,
+            "narrow_s": backend.narrow_s - narrow_s0}
 
 
 def run_sequential(ctx, method: str, questions: list[dict], max_s: float) -> dict:
@@ -255,6 +264,10 @@ def format_table(result: dict) -> str:
         lines.append(f"prefill {result['prefill']['tokens_per_s']:.0f} tok/s; with no overhead at all the runtime's work (its generated and "
                      f"uncached prompt tokens) would run at {result['compute_bound_ratio']:.2f}x plain; the runtime reaches "
                      f"{result['runtime_vs_compute_bound']:.0%} of that bound streamed, {result['lockstep_vs_compute_bound']:.0%} lock-step")
+    if result["runtime"].get("engine_steps"):
+        r = result["runtime"]
+        lines.append(f"streamed runtime: {r['engine_steps']} engine steps, {r['narrow_steps']} of them with <= {NARROW} requests in flight "
+                     f"taking {r['narrow_s']:.1f} s ({r['narrow_s'] / r['wall_s']:.0%} of its wall): a wave's tail, few tokens per step")
     if "tools" in result:
         t = result["tools"]
         lines.append(f"{t['k']} tool calls in one parallel turn vs serial: search {t['search_parallel_s']:.2f} s vs {t['search_serial_s']:.2f} s "
@@ -268,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--questions", type=int, default=64, help="first N train questions")
     ap.add_argument("--method", default="single", help="teacher method (any of generate.method)")
     ap.add_argument("--samples", type=int, default=2, help="samples per question")
-    ap.add_argument("--in-flight", type=int, default=0, help="questions in flight at once (0 = generate.questions_in_flight)")
+    ap.add_argument("--in-flight", type=int, default=0, help="episodes in flight at once (0 = generate.episodes_in_flight)")
     ap.add_argument("--sequential", type=int, default=8, help="questions run one at a time for the sequential baseline")
     ap.add_argument("--sequential-max-s", type=float, default=60, help="stop the sequential baseline after this long")
     ap.add_argument("--parallel-k", type=int, default=4, help="tool calls in the parallel-turn measurement")
@@ -312,17 +325,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
     llm.reset_prefix_cache()
     backend.cache = PrefixCache(block)
-    in_flight = args.in_flight or g["questions_in_flight"]
+    in_flight = args.in_flight or g["episodes_in_flight"]
     runtime = measure_method(ctx, args.method, questions, args.samples, in_flight)
     # plain decoding of the same number of tokens at the runtime's peak parallelism (its widest step)
     runtime["episodes"] = backend.widest
     runtime["tokens_per_episode"] = runtime["tokens"] / runtime["episodes"]
 
     barrier = None
-    if args.method != "single" or len(questions) > in_flight:  # else the same run as the flows
-        print(f"bench_rollout: the method on {in_flight} questions at a time, every round a barrier", flush=True)
+    chunk = g["shard_size"]
+    if args.method != "single" or len(questions) > chunk:  # else the same run as the flows
+        print(f"bench_rollout: as generate ran before flows: {chunk} questions (a shard) at a time, every round a barrier", flush=True)
         llm.reset_prefix_cache()
-        barrier = measure_method(ctx, args.method, questions, args.samples, in_flight, barrier_chunk=in_flight)
+        barrier = measure_method(ctx, args.method, questions, args.samples, in_flight, barrier_chunk=chunk)
 
     print("bench_rollout: the same runtime in lock-step batches (one generate call per turn of all episodes)", flush=True)
     llm.reset_prefix_cache()
@@ -356,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
         "machine": {**machine_info(backend.backend), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "workload": {"method": args.method, "questions": len(questions), "samples": args.samples, "scaffold": g["scaffold"],
-                     "questions_in_flight": in_flight,
+                     "episodes_in_flight": in_flight,
                      "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
                      "enforce_eager": params["llm"].get("enforce_eager", True)},
         "engine_start_s": engine_start_s,
@@ -370,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
         "streaming_vs_lockstep": runtime["tokens_per_s"] / lockstep["tokens_per_s"],
     }
     if barrier:
-        result.update(barrier={**barrier, "questions_at_a_time": in_flight}, flows_vs_barrier=runtime["tokens_per_s"] / barrier["tokens_per_s"])
+        result.update(barrier={**barrier, "questions_at_a_time": chunk}, flows_vs_barrier=runtime["tokens_per_s"] / barrier["tokens_per_s"])
     print(format_table(result), flush=True)
     save_report(result)
     print(f"bench_rollout: wrote {REPORT} (key 'rollout')", flush=True)

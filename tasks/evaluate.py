@@ -90,7 +90,7 @@ def main() -> None:
         systems.append(("dpo", "models/dpo", "single", {}, p["temperature"], {}))
     systems.append(("rl", "models/rl", "single", {}, p["temperature"], {}))
     metrics: dict[str, dict] = {}
-    with track.stage_run("evaluate", {**p, "teacher_method": g["method"], "questions_in_flight": g["questions_in_flight"]}) as run:
+    with track.stage_run("evaluate", {**p, "teacher_method": g["method"], "episodes_in_flight": g["episodes_in_flight"]}) as run:
         toolbox = make_toolbox(params)
         backend, loaded = None, None
         for name, model_dir, method, scaffold, temperature, mparams in systems:
@@ -104,7 +104,7 @@ def main() -> None:
             print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()
             n = p["rerank_samples"] if name == "prm_rerank" else 1
-            rows = label_rows(run_method(method, questions, n, ctx, g["questions_in_flight"]), label_p)
+            rows = label_rows(run_method(method, questions, n, ctx, g["episodes_in_flight"]), label_p)
             extra = {}
             if name == "prm_rerank":
                 rows, extra = prm_rerank(rows, load_prm("models/prm"))

@@ -1,7 +1,7 @@
 """Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each).
 
-Every question is a flow of its own on one engine (`generate.questions_in_flight` at once, no barrier between
-questions or shards); each shard of questions is written atomically under data/.cache/generate/<params hash>/ as soon
+Every question is a flow of its own on one engine (a new one starts whenever fewer than `generate.episodes_in_flight`
+episodes are live; no barrier between questions or shards); each shard of questions is written atomically under data/.cache/generate/<params hash>/ as soon
 as all its questions are done, so a killed run resumes from completed shards without duplicates. The output is written
 once, atomically, at the end.
 """
@@ -81,8 +81,8 @@ def main() -> None:
                                 role_backends=make_role_backends(params), tools=enabled_tools(params), protocol=g["method"])
             pending = [(k, q) for k in todo for q in chunks[k]]
             print(f"generate: {len(pending)} questions in {len(todo)} shards x {g['samples']} samples, {g['method']}, "
-                  f"{g['questions_in_flight']} questions in flight", flush=True)
-            run_method(g["method"], [q for _, q in pending], g["samples"], ctx, g["questions_in_flight"],
+                  f"up to {g['episodes_in_flight']} episodes in flight", flush=True)
+            run_method(g["method"], [q for _, q in pending], g["samples"], ctx, g["episodes_in_flight"],
                        on_question=ShardWriter(pending, paths))
         rows = [r for path in paths for r in read_table(path, TRAJECTORY)]
         write_table(rows, OUT, TRAJECTORY)

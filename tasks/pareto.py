@@ -36,7 +36,7 @@ def student_rollouts(questions: list[dict], k: int, backend, toolbox, params: di
     tools = enabled_tools(params)
     ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=STUDENT, tools=tools,
                         protocol=params["generate"]["method"])
-    return label_rows(run_method("single", questions, k, ctx, params["generate"]["questions_in_flight"]), label_p)
+    return label_rows(run_method("single", questions, k, ctx, params["generate"]["episodes_in_flight"]), label_p)
 
 
 def choose_groups(groups: list[dict], counts: int, min_groups: int, threshold: float) -> tuple[list[dict], int]:
@@ -105,7 +105,7 @@ def main() -> None:
     questions = read_table("data/raw/train.parquet", QUESTION)
     if p["max_questions"]:
         questions = questions[: p["max_questions"]]
-    with track.stage_run("pareto", {**p, "questions_in_flight": params["generate"]["questions_in_flight"]}) as run:
+    with track.stage_run("pareto", {**p, "episodes_in_flight": params["generate"]["episodes_in_flight"]}) as run:
         backend = make_backend(STUDENT, params["llm"], seed=params["seed"])
         print(f"pareto: {p['k']} rollouts x {len(questions)} questions with {STUDENT} at temperature {p['temperature']}", flush=True)
         t0 = time.perf_counter()

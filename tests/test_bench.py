@@ -63,6 +63,8 @@ def test_format_table_names_every_measurement():
     assert "4 seqs x 25 tok" in table and "LLM 90% of wall" in table and "runtime / sequential = 4.00x" in table
     assert "6 generate calls" in table and "streaming / lock-step = 1.25x" in table and "0.40x lock-step" in table
     assert "barriers" not in table
+    steps = format_table({**result, "runtime": {**result["runtime"], "engine_steps": 40, "narrow_steps": 10, "narrow_s": 0.5}})
+    assert "40 engine steps, 10 of them with <= 8 requests in flight taking 0.5 s (25% of its wall)" in steps
     with_barrier = format_table({**result, "workload": {"method": "debate"}, "barrier": {**part, "questions_at_a_time": 64},
                                  "flows_vs_barrier": 1.15})
     assert "runtime, rounds as barriers" in with_barrier and "64 questions at a time; flows 1.15x faster" in with_barrier
@@ -87,6 +89,7 @@ def test_timed_backends_count_requests_in_flight():
     timed.submit([("c", [4, 5, 6], None)])
     assert timed.widest == 3 and timed.prompt_tokens == 6
     assert [(rid, c.token_ids) for rid, c in timed.step()] == [("a", [2]), ("b", [1]), ("c", [3])] and timed.inflight == 0
+    assert (timed.steps, timed.narrow_steps) == (1, 1) and timed.narrow_s > 0
     assert not hasattr(TimedBackend(Echo()), "streaming")
 
 

@@ -143,7 +143,7 @@ def test_generate_is_reproducible_and_resumes_after_a_kill(project):
 
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["generate"]["shard_size"] = 8  # 4 shards; kill after the first is on disk
-    params["generate"]["questions_in_flight"] = 8  # so the shards finish one after another
+    params["generate"]["episodes_in_flight"] = 8  # 2 questions (2 agents x 2 samples) at a time: shards finish in order
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     out.unlink()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}

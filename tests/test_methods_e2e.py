@@ -104,7 +104,7 @@ def test_streaming_engine_and_per_question_flows_give_the_lock_step_trajectories
     try:
         for name, streaming in (("lockstep", False), ("stream", True), ("stream again", True), ("flows", True), ("flows again", True)):
             backend.streaming = streaming  # False: the runtime wraps the engine in LockStep (one generate call per turn)
-            rows = run_method("debate", QUESTIONS, 2, ctx, questions_in_flight=2) if name.startswith("flows") else get_method("debate")(QUESTIONS, 2, ctx)
+            rows = run_method("debate", QUESTIONS, 2, ctx, episodes_in_flight=12) if name.startswith("flows") else get_method("debate")(QUESTIONS, 2, ctx)
             runs[name] = [(r["student"], r["final_answer"], r["n_tool_calls"]) for r in rows]
     finally:
         del backend.streaming  # back to the class default

@@ -52,26 +52,39 @@ def two_flows(backend, log: list):
 
 def test_a_flows_next_round_joins_the_engine_while_another_flow_is_still_running(tiny):
     backend, log = RecordingBackend(tiny), []
-    short, long = run_flows(two_flows(backend, log), backend, max_active=2)
+    short, long = run_flows(two_flows(backend, log), backend, max_episodes=2)
     assert short == "short" and long.turn == 4 and long.n_tool_calls == 3  # search unavailable: an observation each turn
     assert long.tool_stats["search"]["unavailable"] == 3
     assert backend.calls[:2] == [[1, 3], [2, 3]]  # round 2 of the short flow ran beside turn 2 of the long one
     assert log == ["e1", "e2", "e3"]
 
 
-def test_at_most_max_active_flows_run_at_once_and_the_next_starts_when_one_ends(tiny):
+def test_at_most_max_episodes_flows_run_at_once_and_the_next_starts_when_one_ends(tiny):
     backend, log = RecordingBackend(tiny), []
-    run_flows(two_flows(backend, log), backend, max_active=1)
+    run_flows(two_flows(backend, log), backend, max_episodes=1)
     assert backend.calls == [[1], [2], [3], [3], [3], [3]] and log == ["e1", "e2", "e3"]
-    with pytest.raises(ValueError, match="max_active"):
-        run_flows(two_flows(backend, log), backend, max_active=0)
+    with pytest.raises(ValueError, match="max_episodes"):
+        run_flows(two_flows(backend, log), backend, max_episodes=0)
+
+
+def test_the_next_flow_starts_as_soon_as_an_episode_slot_frees_not_when_a_flow_ends(tiny):
+    backend, tok = RecordingBackend(tiny), tiny.tokenizer
+
+    def two_episodes():  # one short and one long episode in one round
+        run_episodes([episode(tok, 1, ["answer"]), episode(tok, 2, ["search", "search", "answer"])], backend, Toolbox(), CFG)
+
+    def short():
+        run_episodes([episode(tok, 3, ["answer"])], backend, Toolbox(), CFG)
+
+    run_flows([two_episodes, short], backend, max_episodes=2)
+    assert backend.calls == [[1, 2], [2, 3], [2]]  # episode 1 ended: flow 2 joined while episode 2 went on
 
 
 def test_flows_are_deterministic(tiny):
     runs = []
     for _ in range(2):
         backend, log = RecordingBackend(tiny), []
-        short, long = run_flows(two_flows(backend, log), backend, max_active=2)
+        short, long = run_flows(two_flows(backend, log), backend, max_episodes=2)
         runs.append((backend.calls, log, long.ids, long.text))
     assert runs[0] == runs[1]
 
@@ -89,7 +102,7 @@ def test_a_failing_flow_raises_and_every_other_flow_stops(tiny):
         raise AssertionError("this flow must not continue after the other failed")
 
     with pytest.raises(ValueError, match="bad flow"):
-        run_flows([waits, fails_after_a_round], tiny, max_active=2)
+        run_flows([waits, fails_after_a_round], tiny, max_episodes=2)
     for t in threading.enumerate():
         if t.name.startswith("flow-"):
             t.join(timeout=5)
@@ -106,5 +119,5 @@ def test_episodes_on_another_backend_run_inside_the_flow(tiny, tiny_model_dir):
         (e,) = run_episodes([episode(tok, 2, ["answer"])], other, Toolbox(), CFG)
         return e.finish_reason
 
-    assert run_flows([flow, flow], main, max_active=2) == ["answer", "answer"]
+    assert run_flows([flow, flow], main, max_episodes=2) == ["answer", "answer"]
     assert main.calls == [[1]] and other.calls == [[2], [2]]

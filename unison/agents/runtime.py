@@ -174,6 +174,11 @@ class EngineLoop:
     def busy(self) -> bool:
         return bool(self.inflight or self.waiting)
 
+    @property
+    def live(self) -> int:
+        """Episodes added and not finished."""
+        return len(self.setup)
+
     def add(self, episodes: list[Episode], toolbox: Toolbox, cfg: RunConfig) -> "Batch":
         """Queue a batch of episodes; the returned batch counts down as they finish."""
         batch = Batch(sum(e.finish_reason is None for e in episodes))

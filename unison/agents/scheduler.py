@@ -17,17 +17,18 @@ from .runtime import Episode, EngineLoop, RunConfig, Toolbox, flow_thread
 T = TypeVar("T")
 
 
-def run_flows(flows: list[Callable[[], T]], backend, max_active: int, desc: str = "flows", unit: str = "flow") -> list[T]:
+def run_flows(flows: list[Callable[[], T]], backend, max_episodes: int, desc: str = "flows", unit: str = "flow") -> list[T]:
     """Run the flows (functions that call `run_episodes`, maybe several times, e.g. a method on one question)
-    concurrently on one engine, at most `max_active` at once; their results in order.
+    concurrently on one engine; their results in order.
 
     A flow's episodes join the engine as soon as it asks, so one question's next round starts when its own agents
-    finish, not when every question's have, and the next flow starts as soon as one ends. Flows run one at a time
-    between engine steps, in a fixed order, so the batches and the outputs are the same on every run."""
-    if max_active < 1:
-        raise ValueError(f"run_flows: max_active must be >= 1, got {max_active}")
+    finish, not when every question's have; the next flow starts whenever fewer than `max_episodes` episodes are live,
+    so the engine's batch stays full. Flows run one at a time between engine steps, in a fixed order, so the batches
+    and the outputs are the same on every run."""
+    if max_episodes < 1:
+        raise ValueError(f"run_flows: max_episodes must be >= 1, got {max_episodes}")
     bar = tqdm(total=len(flows), desc=desc, unit=unit, mininterval=5)
-    driver = _FlowDriver(flows, EngineLoop(backend, desc, progress=False), max_active, bar)
+    driver = _FlowDriver(flows, EngineLoop(backend, desc, progress=False), max_episodes, bar)
     try:
         return driver.run()
     finally:
@@ -42,8 +43,8 @@ class _Aborted(Exception):
 class _FlowDriver:
     """Hands control to one flow thread at a time: a flow runs until it waits for episodes or returns."""
 
-    def __init__(self, flows: list[Callable], loop: EngineLoop, max_active: int, bar):
-        self.flows, self.loop, self.max_active, self.bar = flows, loop, max_active, bar
+    def __init__(self, flows: list[Callable], loop: EngineLoop, max_episodes: int, bar):
+        self.flows, self.loop, self.max_episodes, self.bar = flows, loop, max_episodes, bar
         self.results: list = [None] * len(flows)
         self.error: BaseException | None = None
         self.resume = [threading.Event() for _ in flows]
@@ -53,20 +54,24 @@ class _FlowDriver:
         self.aborted = False
 
     def run(self) -> list:
-        ready = list(range(min(self.max_active, len(self.flows))))
-        unstarted = len(ready)
+        ready: list[int] = []  # flows whose episodes are done, to resume
+        unstarted = 0
         try:
-            while ready or self.loop.busy:
-                while ready and self.error is None:
-                    k = ready.pop(0)
+            while True:
+                while self.error is None:  # resume the ready flows, then start new ones while the engine has room
+                    if ready:
+                        k = ready.pop(0)
+                    elif unstarted < len(self.flows) and self.loop.live < self.max_episodes:
+                        k, unstarted = unstarted, unstarted + 1
+                    else:
+                        break
                     self._switch_to(k)
                     if self.ended[k]:
                         self.bar.update(1)
-                        if unstarted < len(self.flows):  # a slot is free: the next flow starts in this round
-                            ready.append(unstarted)
-                            unstarted += 1
                 if self.error is not None:
                     raise self.error
+                if not self.loop.busy:  # nothing live and nothing left to start
+                    break
                 ready = sorted(b.flow for b in self.loop.step())
         finally:
             self.aborted = True

@@ -50,11 +50,11 @@ def get_method(name: str):
     return import_module(f".{name}", __package__).run
 
 
-def run_method(name: str, questions: list[dict], samples: int, ctx: MethodContext, questions_in_flight: int,
+def run_method(name: str, questions: list[dict], samples: int, ctx: MethodContext, episodes_in_flight: int,
                on_question: Callable[[int, list[dict]], None] | None = None) -> list[dict]:
     """Trajectory rows of a teacher method on the questions, each question a flow of its own on ctx's engine
     (`run_flows`): a question's next round starts as soon as its own agents finish, and the next question starts as
-    soon as one of the `questions_in_flight` ends. `on_question(i, rows)` is called as question i finishes."""
+    soon as fewer than `episodes_in_flight` episodes are live. `on_question(i, rows)` is called as question i finishes."""
     run = get_method(name)
 
     def flow(i: int, q: dict) -> list[dict]:
@@ -64,4 +64,4 @@ def run_method(name: str, questions: list[dict], samples: int, ctx: MethodContex
         return rows
 
     flows = [lambda i=i, q=q: flow(i, q) for i, q in enumerate(questions)]
-    return [row for rows in run_flows(flows, ctx.backend, questions_in_flight, desc=name, unit="q") for row in rows]
+    return [row for rows in run_flows(flows, ctx.backend, episodes_in_flight, desc=name, unit="q") for row in rows]
