@@ -1,9 +1,9 @@
 """Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each).
 
 Every question is a flow of its own on one engine (a new one starts whenever fewer than `generate.episodes_in_flight`
-episodes are live; no barrier between questions or shards); each shard of questions is written atomically under data/.cache/generate/<params hash>/ as soon
-as all its questions are done, so a killed run resumes from completed shards without duplicates. The output is written
-once, atomically, at the end.
+episodes are live; no barrier between questions or shards). Each shard of questions is written atomically under
+data/.cache/generate/<params hash>/ as soon as all its questions are done, so a killed run resumes from completed
+shards without duplicates. The output is written once, atomically, at the end.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from ..episodes import start_episode
 from ..protocol import DEFAULT_TOOLS, system_prompt
-from ..scheduler import run_flows
 from ..runtime import Episode, RunConfig, Toolbox
+from ..scheduler import run_flows
 
 
 @dataclass
