@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.method != "single" or len(questions) > chunk:  # else the same run as the flows
         print(f"bench_rollout: as generate ran before flows: {chunk} questions (a shard) at a time, every round a barrier", flush=True)
         llm.reset_prefix_cache()
+        backend.cache = PrefixCache(block)  # count its uncached prompt tokens from a cold cache, as the runtime's
         barrier = measure_method(ctx, args.method, questions, args.samples, in_flight, barrier_chunk=chunk)
 
     print("bench_rollout: the same runtime in lock-step batches (one generate call per turn of all episodes)", flush=True)

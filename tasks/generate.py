@@ -70,9 +70,12 @@ def main() -> None:
         size = g["shard_size"]
         chunks = [questions[i : i + size] for i in range(0, len(questions), size)]
         paths = [shards / f"shard-{k:05d}.parquet" for k in range(len(chunks))]
-        todo = [k for k, path in enumerate(paths) if not path.exists()]
-        for k in sorted(set(range(len(chunks))) - set(todo)):
-            print(f"generate: shard {k + 1}/{len(chunks)} already done, reusing", flush=True)
+        todo = []
+        for k, path in enumerate(paths):
+            if path.exists():
+                print(f"generate: shard {k + 1}/{len(chunks)} already done, reusing", flush=True)
+            else:
+                todo.append(k)
         ctx = None
         if todo:  # start the engine only if some shard is left to do
             backend = make_backend("models/base", params["llm"], seed=params["seed"])

@@ -3,8 +3,8 @@
 `run_episodes` keeps every live episode — all questions, samples and agents — in one continuously batched engine run
 (lock-step batches for backends without streaming); tool calls run concurrently in a thread pool; finished episodes
 leave the batch. `scheduler.run_flows` runs many multi-round flows (a teacher method on one question each) on one
-engine, so no question waits for another's round to end. Every episode is token-in/token-out: its ids are the prompt plus each
-segment's ids exactly as generated or appended.
+engine, so no question waits for another's round to end. Every episode is token-in/token-out: its ids are the prompt
+plus each segment's ids exactly as generated or appended.
 """
 from __future__ import annotations
 
@@ -181,8 +181,8 @@ class EngineLoop:
 
     def add(self, episodes: list[Episode], toolbox: Toolbox, cfg: RunConfig) -> "Batch":
         """Queue a batch of episodes; the returned batch counts down as they finish."""
-        batch = Batch(sum(e.finish_reason is None for e in episodes))
         live = [e for e in episodes if e.finish_reason is None]
+        batch = Batch(len(live))
         for e in live:
             self.order[id(e)] = next(self.arrivals)
             self.setup[id(e)] = (toolbox, cfg, batch)
@@ -193,7 +193,7 @@ class EngineLoop:
 
     def step(self) -> list["Batch"]:
         """One engine iteration and the tool results it waited for; the batches that finished in it."""
-        done: list[_Batch] = []
+        done: list[Batch] = []
         t0 = time.perf_counter()
         finished = self.engine.step() if self.inflight else []
         step_s = time.perf_counter() - t0
@@ -230,7 +230,7 @@ class EngineLoop:
         self.bar.close()
 
     def _submit(self, eps: list[Episode]) -> list["Batch"]:
-        done: list[_Batch] = []
+        done: list[Batch] = []
         requests = []
         for e in eps:
             cfg = self.setup[id(e)][1]
