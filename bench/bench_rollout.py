@@ -6,6 +6,8 @@ One process, one vLLM engine over models/base, real tools (search over data/inde
               stage ran before flows: generate.shard_size questions at a time, every round a barrier
   plain       vLLM decoding of as many sequences from the same prompts, each exactly the runtime's mean tokens per
               episode long (ignore_eos): the ceiling the runtime could reach on the same model and batch
+  beside tools  plain decoding again while a thread replays the runtime's tool calls at its rate: what the tools' CPU
+              work costs the engine when both share the cores
   sequential  the same runtime on one trajectory at a time (for `single`, one episode), on a few questions
 Prints a table and merges the figures into reports/bench.json under "rollout".
 
@@ -20,6 +22,7 @@ import platform
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -98,13 +101,16 @@ class PrefixCache:
 
 
 class TimedToolbox:
-    """A toolbox that adds up the seconds of every tool call (calls of one step overlap in threads)."""
+    """A toolbox that adds up the seconds of every tool call (calls of one step overlap in threads) and keeps the calls
+    (tool, argument) in order of their start, to replay them."""
 
     def __init__(self, toolbox):
-        self.toolbox, self.seconds, self.calls = toolbox, 0.0, 0
+        self.toolbox, self.seconds, self.calls, self.log = toolbox, 0.0, 0, []
         self._lock = threading.Lock()
 
     def call(self, tool: str, arg: str):
+        with self._lock:
+            self.log.append((tool, arg))
         t0 = time.perf_counter()
         try:
             return self.toolbox.call(tool, arg)
@@ -197,6 +203,29 @@ def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float
             "prompt_tokens": sum(map(len, prompts)), "uncached_prompt_tokens": cache.uncached}
 
 
+@contextmanager
+def replaying(toolbox, calls: list[tuple[str, str]], rate: float):
+    """While the block runs, another thread makes `calls` (tool, argument) at `rate` per second, in order, and stops
+    when the block ends; yields the list of how many calls it made (one item, final once the block has ended)."""
+    stop, made = threading.Event(), [0]
+
+    def replay():
+        start = time.perf_counter()
+        for k, (tool, arg) in enumerate(calls):
+            if stop.wait(max(0.0, start + k / rate - time.perf_counter())):
+                return
+            toolbox.call(tool, arg)
+            made[0] += 1
+
+    thread = threading.Thread(target=replay, daemon=True)
+    thread.start()
+    try:
+        yield made
+    finally:
+        stop.set()
+        thread.join()
+
+
 def measure_prefill(llm, n: int = 32, length: int = 256, seed: int = 0) -> dict:
     """Prefill throughput: `n` distinct random prompts of `length` tokens, one generated token each, cache cold."""
     import random
@@ -264,6 +293,11 @@ def format_table(result: dict) -> str:
         lines.append(f"prefill {result['prefill']['tokens_per_s']:.0f} tok/s; with no overhead at all the runtime's work (its generated and "
                      f"uncached prompt tokens) would run at {result['compute_bound_ratio']:.2f}x plain; the runtime reaches "
                      f"{result['runtime_vs_compute_bound']:.0%} of that bound streamed, {result['lockstep_vs_compute_bound']:.0%} lock-step")
+    if "plain_beside_tools" in result:
+        b = result["plain_beside_tools"]
+        lines.append(f"plain decode beside the runtime's {b['tool_calls_replayed']} tool calls ({b['tool_calls_per_s']:.1f}/s): "
+                     f"{b['tokens_per_s']:.1f} tok/s, {result['tool_slowdown']:.2f}x alone; the bound with the tools' CPU work is "
+                     f"{result['bound_with_tools_ratio']:.2f}x plain, the runtime reaches {result['runtime_vs_bound_with_tools']:.0%} of it")
     if result["runtime"].get("engine_steps"):
         r = result["runtime"]
         lines.append(f"streamed runtime: {r['engine_steps']} engine steps, {r['narrow_steps']} of them with <= {NARROW} requests in flight "
@@ -326,7 +360,9 @@ def main(argv: list[str] | None = None) -> dict:
     llm.reset_prefix_cache()
     backend.cache = PrefixCache(block)
     in_flight = args.in_flight or g["episodes_in_flight"]
+    toolbox.log = []
     runtime = measure_method(ctx, args.method, questions, args.samples, in_flight)
+    runtime_tool_calls = list(toolbox.log)
     # plain decoding of the same number of tokens at the runtime's peak parallelism (its widest step)
     runtime["episodes"] = backend.widest
     runtime["tokens_per_episode"] = runtime["tokens"] / runtime["episodes"]
@@ -348,6 +384,14 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [prompts[i % len(prompts)] for i in range(runtime["episodes"])]  # several agents per question: reuse prompts
     llm.reset_prefix_cache()
     plain = run_plain(llm, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p, block)
+    print(f"bench_rollout: plain decode again, beside the runtime's {len(runtime_tool_calls)} tool calls at its rate", flush=True)
+    llm.reset_prefix_cache()
+    # the same again while the runtime's tool calls run beside it at the runtime's rate: what the tools' CPU work
+    # (encoder, sandbox processes) costs the engine when both share the cores
+    rate = len(runtime_tool_calls) / runtime["wall_s"]
+    with replaying(toolbox.toolbox, runtime_tool_calls, rate) as made:
+        beside_tools = run_plain(llm, prompts, plain["max_tokens"], cfg.temperature, cfg.top_p, block)
+    beside_tools.update(tool_calls_replayed=made[0], tool_calls_per_s=rate)
 
     print(f"bench_rollout: sequential, up to {min(args.sequential, len(questions))} questions one at a time", flush=True)
     llm.reset_prefix_cache()
@@ -363,6 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
     ideal_s = {k: r["tokens"] / plain["tokens_per_s"]
                + max(0, r["uncached_prompt_tokens"] - plain["uncached_prompt_tokens"] * r["tokens"] / plain["tokens"]) / prefill["tokens_per_s"]
                for k, r in (("runtime", runtime), ("lockstep", lockstep))}
+    # the same, with the engine slowed as much as the tools' CPU work slowed plain decoding
+    tool_slowdown = beside_tools["tokens_per_s"] / plain["tokens_per_s"]
 
     print(f"bench_rollout: tool concurrency, {args.parallel_k} calls in one parallel turn vs one after another", flush=True)
     tools = measure_tool_concurrency(toolbox.toolbox, [q["question"] for q in questions[: args.parallel_k]])
@@ -375,9 +421,13 @@ def main(argv: list[str] | None = None) -> dict:
                      "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
                      "enforce_eager": params["llm"].get("enforce_eager", True)},
         "engine_start_s": engine_start_s,
-        "plain": plain, "runtime": runtime, "lockstep": lockstep, "sequential": sequential, "tools": tools, "prefill": prefill,
+        "plain": plain, "plain_beside_tools": beside_tools, "runtime": runtime, "lockstep": lockstep, "sequential": sequential,
+        "tools": tools, "prefill": prefill,
         "compute_bound_ratio": runtime["tokens"] / ideal_s["runtime"] / plain["tokens_per_s"],
         "runtime_vs_compute_bound": ideal_s["runtime"] / runtime["wall_s"],
+        "tool_slowdown": tool_slowdown,
+        "bound_with_tools_ratio": runtime["tokens"] / ideal_s["runtime"] / plain["tokens_per_s"] * tool_slowdown,
+        "runtime_vs_bound_with_tools": ideal_s["runtime"] / tool_slowdown / runtime["wall_s"],
         "lockstep_vs_compute_bound": ideal_s["lockstep"] / lockstep["wall_s"],
         "runtime_vs_plain": runtime["tokens_per_s"] / plain["tokens_per_s"],
         "runtime_vs_sequential": runtime["tokens_per_s"] / sequential["tokens_per_s"],

@@ -50,6 +50,22 @@ def test_timed_toolbox_counts_calls_and_passes_results_through():
     assert box.call("search", "x") == ("error: search is not available", "unavailable")
     assert box.call("shell", "ls")[1] == "unknown_tool"
     assert box.calls == 2 and box.seconds >= 0
+    assert box.log == [("search", "x"), ("shell", "ls")]
+
+
+def test_replaying_makes_the_calls_at_the_rate_and_stops_with_the_block():
+    from bench.bench_rollout import replaying
+
+    box = TimedToolbox(Toolbox(retriever=None))
+    calls = [("search", f"q{k}") for k in range(100)]
+    t0 = time.perf_counter()
+    with replaying(box, calls, rate=20.0) as made:
+        time.sleep(0.5)  # the work the calls run beside
+    expected = (time.perf_counter() - t0) * 20  # ~20/s while the block ran, not all 100 at once
+    assert expected - 3 <= made[0] <= expected + 2
+    assert box.log == calls[: made[0]]  # in order, and none after the block ended
+    time.sleep(0.2)
+    assert box.calls == made[0]
 
 
 def test_format_table_names_every_measurement():
@@ -65,6 +81,9 @@ def test_format_table_names_every_measurement():
     assert "barriers" not in table
     steps = format_table({**result, "runtime": {**result["runtime"], "engine_steps": 40, "narrow_steps": 10, "narrow_s": 0.5}})
     assert "40 engine steps, 10 of them with <= 8 requests in flight taking 0.5 s (25% of its wall)" in steps
+    beside = format_table({**result, "plain_beside_tools": {"tool_calls_replayed": 30, "tool_calls_per_s": 6.0, "tokens_per_s": 45.0},
+                           "tool_slowdown": 0.9, "bound_with_tools_ratio": 0.49, "runtime_vs_bound_with_tools": 0.88})
+    assert "beside the runtime's 30 tool calls (6.0/s): 45.0 tok/s, 0.90x alone" in beside and "0.49x plain" in beside and "88%" in beside
     with_barrier = format_table({**result, "workload": {"method": "debate"}, "barrier": {**part, "questions_at_a_time": 64},
                                  "flows_vs_barrier": 1.15})
     assert "runtime, rounds as barriers" in with_barrier and "64 questions at a time; flows 1.15x faster" in with_barrier
