@@ -101,11 +101,33 @@ def test_rebuild_replaces_the_index_dir_in_place(corpus, tmp_path):
 
 
 def test_concurrent_searches_match_sequential(index_dirs):
-    retriever = Retriever(index_dirs["hnsw"], topk=2)
     queries = [[p["title"]] for p in PASSAGES[:16]]
-    sequential = [retriever.search(q) for q in queries]
-    with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(retriever.search, queries)) == sequential
+    sequential = [Retriever(index_dirs["hnsw"], topk=2).search(q) for q in queries]
+    with ThreadPoolExecutor(8) as pool:  # a fresh retriever: nothing cached
+        assert list(pool.map(Retriever(index_dirs["hnsw"], topk=2).search, queries)) == sequential
+
+
+def test_a_repeated_search_is_answered_from_the_cache(index_dirs):
+    retriever = Retriever(index_dirs["flat"], topk=2)
+    encoded = []
+    encode = retriever.encoder.encode
+    retriever.encoder = type("CountingEncoder", (), {"encode": lambda self, texts: encoded.append(texts) or encode(texts)})()
+    first = retriever.search(["Praxil", "Tolvane Garden"])
+    first[0][0]["title"] = "edited by the caller"
+    again = retriever.search(["Praxil", "Tolvane Garden"])
+    assert encoded == [["Praxil", "Tolvane Garden"]]  # the second call ran no encoder
+    assert again == Retriever(index_dirs["flat"], topk=2).search(["Praxil", "Tolvane Garden"])  # and is unedited
+    retriever.search(["Praxil"])  # another call (one query, not the pair): encoded on its own
+    retriever.search(["Praxil"], topk=1)  # another k
+    assert encoded[1:] == [["Praxil"], ["Praxil"]]
+
+
+def test_the_cache_keeps_only_the_most_recent_calls(index_dirs):
+    retriever = Retriever(index_dirs["flat"], topk=1)
+    retriever.CACHE_SIZE = 2
+    for q in ("a", "b", "a", "c"):  # "b" is least recently used when "c" arrives
+        retriever.search([q])
+    assert [key[0] for key in retriever._cache] == [("a",), ("c",)]
 
 
 def test_topk_is_capped_and_empty_batch(index_dirs):

@@ -180,3 +180,15 @@ def test_missing_bwrap_is_a_clear_error_not_an_unsandboxed_run():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("False sandbox unavailable: not found on PATH: bwrap"), proc.stdout
+
+
+def test_editable_install_hooks_are_masked():
+    from unison.tools.python_sandbox import _editable_hooks
+
+    if not _editable_hooks():
+        pytest.skip("no editable install in this interpreter's site-packages")
+    probe = "import sys; print(any('__editable__' in m for m in sys.modules))"
+    host = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=True)
+    assert host.stdout == "True\n"  # outside, site runs the hook
+    result = run_python(probe)
+    assert result.ok and result.output == "False\n", result

@@ -15,6 +15,7 @@ import os
 import random
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -216,19 +217,33 @@ class Retriever(SearchTool):
         self.encoder = load_encoder(self.meta["encoder"], self.meta["query_prefix"], self.meta["passage_prefix"])
         self.topk, self.max_chars = topk, max_chars
         self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, list[list[dict]]] = OrderedDict()  # (queries, k) -> hits, least recent first
+
+    CACHE_SIZE = 4096  # calls remembered: agents repeat a search across samples, rounds and agents
 
     def search(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
-        """Top-k passages per query as dicts (id, title, text, score), best first."""
+        """Top-k passages per query as dicts (id, title, text, score), best first.
+
+        A call repeated with the same queries returns the remembered result of that call (the same batch, so the
+        same floats) without running the encoder again."""
         if not queries:
             return []
         k = min(topk or self.topk, len(self.passages))
-        vectors = self.encoder.encode(list(queries))
-        with self._lock:  # faiss GPU indexes are not thread-safe
-            scores, ids = self.index.search(vectors, k)
-        return [
-            [{**self.passages[i], "score": float(s)} for s, i in zip(row_scores, row_ids) if i >= 0]
-            for row_scores, row_ids in zip(scores, ids)
-        ]
+        key = (tuple(queries), k)
+        with self._lock:
+            hits = self._cache.get(key)
+            if hits is not None:
+                self._cache.move_to_end(key)
+        if hits is None:
+            vectors = self.encoder.encode(list(queries))
+            with self._lock:  # faiss GPU indexes are not thread-safe
+                scores, ids = self.index.search(vectors, k)
+                hits = [[{**self.passages[i], "score": float(s)} for s, i in zip(row_scores, row_ids) if i >= 0]
+                        for row_scores, row_ids in zip(scores, ids)]
+                self._cache[key] = hits
+                if len(self._cache) > self.CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return [[dict(h) for h in row] for row in hits]  # copies: a caller's edits never reach the cache
 
 
 class RemoteRetriever(SearchTool):
