@@ -100,6 +100,13 @@ class PrefixCache:
         self.blocks.update(tuple(ids[: k]) for k in range(b, len(ids) + 1, b))
 
 
+def forget_searches(toolbox) -> None:
+    """Empty the retriever's cache of search calls, so a measured run does all its searches itself."""
+    clear = getattr(toolbox.toolbox.retriever, "clear_cache", None)
+    if clear:
+        clear()
+
+
 class TimedToolbox:
     """A toolbox that adds up the seconds of every tool call (calls of one step overlap in threads) and keeps the calls
     (tool, argument) in order of their start, to replay them."""
@@ -358,6 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
     llm.reset_prefix_cache()
+    forget_searches(toolbox)
     backend.cache = PrefixCache(block)
     in_flight = args.in_flight or g["episodes_in_flight"]
     toolbox.log = []
@@ -372,11 +380,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.method != "single" or len(questions) > chunk:  # else the same run as the flows
         print(f"bench_rollout: as generate ran before flows: {chunk} questions (a shard) at a time, every round a barrier", flush=True)
         llm.reset_prefix_cache()
+        forget_searches(toolbox)
         backend.cache = PrefixCache(block)  # count its uncached prompt tokens from a cold cache, as the runtime's
         barrier = measure_method(ctx, args.method, questions, args.samples, in_flight, barrier_chunk=chunk)
 
     print("bench_rollout: the same runtime in lock-step batches (one generate call per turn of all episodes)", flush=True)
     llm.reset_prefix_cache()
+    forget_searches(toolbox)
     lockstep = measure_method(replace(ctx, backend=TimedBackend(backend.backend, block)), args.method, questions, args.samples, in_flight)
 
     print(f"bench_rollout: plain decode, {runtime['episodes']} sequences", flush=True)
@@ -386,6 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     plain = run_plain(llm, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p, block)
     print(f"bench_rollout: plain decode again, beside the runtime's {len(runtime_tool_calls)} tool calls at its rate", flush=True)
     llm.reset_prefix_cache()
+    forget_searches(toolbox)  # the replay searches as the runtime did: its repeats from the cache
     # the same again while the runtime's tool calls run beside it at the runtime's rate: what the tools' CPU work
     # (encoder, sandbox processes) costs the engine when both share the cores
     rate = len(runtime_tool_calls) / runtime["wall_s"]
@@ -395,6 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"bench_rollout: sequential, up to {min(args.sequential, len(questions))} questions one at a time", flush=True)
     llm.reset_prefix_cache()
+    forget_searches(toolbox)
     backend.cache = PrefixCache(block)
     sequential = run_sequential(ctx, args.method, questions[: args.sequential], args.sequential_max_s)
     sequential["projected_wall_s"] = runtime["tokens"] / sequential["tokens_per_s"]

@@ -128,6 +128,8 @@ def test_the_cache_keeps_only_the_most_recent_calls(index_dirs):
     for q in ("a", "b", "a", "c"):  # "b" is least recently used when "c" arrives
         retriever.search([q])
     assert [key[0] for key in retriever._cache] == [("a",), ("c",)]
+    retriever.clear_cache()
+    assert not retriever._cache
 
 
 def test_topk_is_capped_and_empty_batch(index_dirs):

@@ -245,6 +245,10 @@ class Retriever(SearchTool):
                     self._cache.popitem(last=False)
         return [[dict(h) for h in row] for row in hits]  # copies: a caller's edits never reach the cache
 
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
 
 class RemoteRetriever(SearchTool):
     """The same `search` against a `search_server` (Search-R1's /retrieve contract), with retries."""
