@@ -82,8 +82,8 @@ def test_format_table_names_every_measurement():
     steps = format_table({**result, "runtime": {**result["runtime"], "engine_steps": 40, "narrow_steps": 10, "narrow_s": 0.5}})
     assert "40 engine steps, 10 of them with <= 8 requests in flight taking 0.5 s (25% of its wall)" in steps
     beside = format_table({**result, "plain_beside_tools": {"tool_calls_replayed": 30, "tool_calls_per_s": 6.0, "tokens_per_s": 45.0},
-                           "tool_slowdown": 0.9, "bound_with_tools_ratio": 0.49, "runtime_vs_bound_with_tools": 0.88})
-    assert "beside the runtime's 30 tool calls (6.0/s): 45.0 tok/s, 0.90x alone" in beside and "0.49x plain" in beside and "88%" in beside
+                           "tool_slowdown": 0.9})
+    assert "beside the runtime's 30 tool calls (6.0/s): 45.0 tok/s, 0.90x alone" in beside
     with_barrier = format_table({**result, "workload": {"method": "debate"}, "barrier": {**part, "questions_at_a_time": 64},
                                  "flows_vs_barrier": 1.15})
     assert "runtime, rounds as barriers" in with_barrier and "64 questions at a time; flows 1.15x faster" in with_barrier
