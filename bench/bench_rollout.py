@@ -12,6 +12,9 @@ One process, one vLLM engine over models/base, real tools (search over data/inde
 Prints a table and merges the figures into reports/bench.json under "rollout".
 
     python -m bench.bench_rollout [--questions 64] [--method single] [--samples 2] [--sequential 8]
+    python -m bench.bench_rollout --questions 100 --samples 8 \
+        --scaffold '{"qa": ["think", "search", "think", "answer"], "math": ["think", "python", "think", "answer"]}'
+                                    (ReAct: a thought before every action)
 """
 from __future__ import annotations
 
@@ -326,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sequential", type=int, default=8, help="questions run one at a time for the sequential baseline")
     ap.add_argument("--sequential-max-s", type=float, default=60, help="stop the sequential baseline after this long")
     ap.add_argument("--parallel-k", type=int, default=4, help="tool calls in the parallel-turn measurement")
+    ap.add_argument("--scaffold", default="", help="JSON {task: [tag, ...]} in place of generate.scaffold")
     ap.add_argument("--omp-threads", type=int, default=0, help="set OMP_NUM_THREADS for the engine (0 = leave as is)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -353,7 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
     toolbox = TimedToolbox(make_toolbox(params))
     cfg = run_config(params, g["temperature"])
     method_params = g.get(args.method, {})
-    ctx = MethodContext(backend, toolbox, cfg, teacher="models/base", scaffold=g["scaffold"] or {}, params=method_params,
+    scaffold = json.loads(args.scaffold) if args.scaffold else g["scaffold"] or {}
+    ctx = MethodContext(backend, toolbox, cfg, teacher="models/base", scaffold=scaffold, params=method_params,
                         tools=enabled_tools(params), protocol=args.method)
     llm = backend.backend.llm
 
@@ -426,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
         "machine": {**machine_info(backend.backend), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
-        "workload": {"method": args.method, "questions": len(questions), "samples": args.samples, "scaffold": g["scaffold"],
+        "workload": {"method": args.method, "questions": len(questions), "samples": args.samples, "scaffold": scaffold,
                      "episodes_in_flight": in_flight,
                      "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
                      "enforce_eager": params["llm"].get("enforce_eager", True)},

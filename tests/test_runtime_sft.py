@@ -160,3 +160,24 @@ def test_an_episode_without_room_for_a_turn_ends_with_context_and_is_never_sent(
     run_episodes([short, long], backend, Toolbox(), cfg)
     assert long.finish_reason == "context" and long.n_llm_calls == 0 and long.segments == []
     assert short.n_llm_calls >= 1 and short.finish_reason is not None
+
+
+def test_a_scaffolded_thought_is_followed_by_the_next_tag_react(tiny_model_dir):
+    backend = HFBackend(str(tiny_model_dir), dtype="float32")
+    tok = backend.tokenizer
+    question = "In which city was Zorvan Kelt born?"
+    react = start_episode(tok, "r", question, seed=0, scaffold=["think", "search", "think", "answer"])
+    thought_only = start_episode(tok, "t", question, seed=1, scaffold=["think"])  # a one-turn role (Chain-of-Agents)
+    run_episodes([react, thought_only], backend, Toolbox(CorpusRetriever()), RunConfig(temperature=0.0, max_tokens_per_turn=6, max_turns=4))
+    kinds = [(s.kind, s.text[: s.text.find(">") + 1] if s.kind == "gen" else "") for s in react.segments]
+    assert kinds == [("gen", "<think>"), ("gen", "<search>"), ("obs", ""), ("gen", "<think>"), ("gen", "<answer>")]
+    assert all(s.text.endswith(f"</{tag[1:]}") for s, (_, tag) in zip(react.segments, kinds) if s.kind == "gen")
+    assert react.n_tool_calls == 1 and react.finish_reason == "answer" and react.n_llm_calls == 4
+    ids, _ = token_view(tok, student_messages(question, react.segments))
+    assert ids == react.ids
+    assert thought_only.n_llm_calls == 1 and thought_only.finish_reason != "answer"
+
+
+def test_an_unknown_scaffold_tag_names_the_param(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"generate\.scaffold\.qa: unknown tag\(s\) \['thought'\]"):
+        MethodContext(backend=None, toolbox=Toolbox(), cfg=RunConfig(), teacher="t", scaffold={"qa": ["thought", "answer"]})

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ..llm import Sampling
-from .protocol import DEFAULT_TOOLS, SCAFFOLD, observation, parse_tool_call, split_queries, stops_for
+from .protocol import DEFAULT_TOOLS, ROLE_TAGS, SCAFFOLD, observation, parse_tool_call, split_queries, stops_for
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Episode:
     key: str
     prompt_ids: list[int]
     seed: int
-    scaffold: list[str] = field(default_factory=list)  # forced tag per turn: "search" | "python" | "answer"
+    scaffold: list[str] = field(default_factory=list)  # forced tag per turn: "search" | "python" | "answer" | "think" ...
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools this episode may call; () = a role that only writes (critic, ranker)
     segments: list[Segment] = field(default_factory=list)
     finish_reason: str | None = None
@@ -318,6 +318,8 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: RunConfig, step_
         elif call is None:
             e.count_tool(tool, "unparsable")
             e.segments.append(_obs(tok, "error: could not parse the tool call"))
+    elif tool in ROLE_TAGS and stop == close and e.turn < len(e.scaffold):
+        pass  # a scaffolded thought (ReAct): the scaffold's next tag opens the next turn
     elif c.finish_reason == "stop":
         _finish(e, "eos")
     elif len(e.ids) >= cfg.max_model_len - 1:

@@ -2,7 +2,7 @@
 
 `build_index` embeds "title\\ntext" of every corpus passage and writes `index_dir/` atomically:
 `index.faiss`, `passages.parquet` (id, title, text in index order) and `meta.json` (encoder, prefixes,
-dim, count, kind, corpus sha256, build seconds). `Retriever` loads it and answers batched queries in
+dim, count, kind, corpus sha256; no timings, so the same corpus and params give the same files). `Retriever` loads it and answers batched queries in
 process; `RemoteRetriever` asks a `search_server` over HTTP; `make_retriever` picks one from params.
 Embeddings are L2-normalised, so inner product = cosine similarity.
 """
@@ -103,7 +103,8 @@ def build_index(
     passage_prefix: str | None = None,
     seed: int = 0,
 ) -> dict:
-    """Embed the corpus, build the faiss index and write `index_dir/` atomically; returns meta.json's content."""
+    """Embed the corpus, build the faiss index and write `index_dir/` atomically; returns meta.json's content plus the
+    embed and build seconds (metrics, kept out of the index files)."""
     import faiss
 
     if kind not in KINDS:
@@ -146,12 +147,11 @@ def build_index(
         "hnsw_m": hnsw_m if kind == "hnsw" else None,
         "hnsw_ef_search": hnsw_ef_search if kind == "hnsw" else None,
         "corpus_sha256": _sha256(corpus_path),
-        "embed_seconds": round(embed_seconds, 3),
-        "build_seconds": round(time.time() - start, 3),  # embedding + indexing, not loading the encoder
     }
     _write_index_dir(index_dir, index, rows, meta)
-    print(f"index: {kind} index of {index.ntotal} x {enc.dim} written to {index_dir} in {meta['build_seconds']} s", flush=True)
-    return meta
+    build_seconds = round(time.time() - start, 3)  # embedding + indexing, not loading the encoder
+    print(f"index: {kind} index of {index.ntotal} x {enc.dim} written to {index_dir} in {build_seconds} s", flush=True)
+    return {**meta, "embed_seconds": round(embed_seconds, 3), "build_seconds": build_seconds}
 
 
 def _sha256(path: str | os.PathLike) -> str:

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..episodes import start_episode
-from ..protocol import DEFAULT_TOOLS, system_prompt
+from ..protocol import DEFAULT_TOOLS, SCAFFOLD, system_prompt
 from ..runtime import Episode, RunConfig, Toolbox
 from ..scheduler import run_flows
 
@@ -21,6 +21,12 @@ class MethodContext:
     role_backends: dict = field(default_factory=dict)  # role -> backend, for roles with their own model (generate.roles)
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools acting agents may call (the stages pass context.enabled_tools(params))
     protocol: str = ""  # the teacher method whose students this context prompts (generate.method): their role tags
+
+    def __post_init__(self):
+        for task, tags in self.scaffold.items():
+            unknown = [t for t in tags if t not in SCAFFOLD]
+            if unknown:
+                raise ValueError(f"params.yaml generate.scaffold.{task}: unknown tag(s) {unknown} (one of {sorted(SCAFFOLD)})")
 
     def scaffold_for(self, task: str) -> list[str]:
         return self.scaffold.get(task, [])
