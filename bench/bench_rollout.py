@@ -9,6 +9,8 @@ One process, one vLLM engine over models/base, real tools (search over data/inde
   beside tools  plain decoding again while a thread replays the runtime's tool calls at its rate: what the tools' CPU
               work costs the engine when both share the cores
   sequential  the same runtime on one trajectory at a time (for `single`, one episode), on a few questions
+Every run also counts what the engine computed (`EngineCounter`: prompt and decoded tokens at its scheduler, and its
+preemptions), so the zero-overhead bound rests on measured work.
 Prints a table and merges the figures into reports/bench.json under "rollout".
 
     python -m bench.bench_rollout [--questions 64] [--method single] [--samples 2] [--sequential 8]
@@ -38,19 +40,15 @@ class TimedBackend:
     """A backend with only `generate` (the runtime then runs lock-step batches) that adds up the wall time and prompt
     tokens of its calls and records the most requests in flight at once (the runtime's effective batch)."""
 
-    def __init__(self, backend, block_size: int = 32):
+    def __init__(self, backend):
         self.backend, self.tokenizer = backend, backend.tokenizer
         self.seconds, self.calls, self.prompt_tokens, self.widest, self.inflight = 0.0, 0, 0, 0, 0
         self.steps, self.narrow_steps, self.narrow_s = 0, 0, 0.0  # engine steps; those with <= NARROW requests in flight
-        self.cache, self.prompts = PrefixCache(block_size), {}
 
     def generate(self, prompts, sampling):
         self.prompt_tokens += sum(map(len, prompts))  # submitted; the shared prefix may come from vLLM's prefix cache
         self.widest = max(self.widest, len(prompts))
-        completions = self._timed(self.backend.generate, prompts, sampling)
-        for prompt, c in zip(prompts, completions):
-            self.cache.add(prompt, c.token_ids)
-        return completions
+        return self._timed(self.backend.generate, prompts, sampling)
 
     def _timed(self, fn, *args):
         t0 = time.perf_counter()
@@ -70,7 +68,6 @@ class TimedStreamingBackend(TimedBackend):
         self.prompt_tokens += sum(len(p) for _, p, _ in requests)
         self.inflight += len(requests)
         self.widest = max(self.widest, self.inflight)
-        self.prompts.update((rid, p) for rid, p, _ in requests)
         return self._timed(self.backend.submit, requests)
 
     def step(self):
@@ -81,26 +78,42 @@ class TimedStreamingBackend(TimedBackend):
             self.narrow_steps += 1
             self.narrow_s += time.perf_counter() - t0
         self.inflight -= len(finished)
-        for rid, c in finished:
-            self.cache.add(self.prompts.pop(rid), c.token_ids)
         return finished
 
 
-class PrefixCache:
-    """What vLLM's prefix cache must still compute: a prompt's tokens after its longest prefix of whole blocks seen
-    before (in any earlier prompt or completion). No eviction is modelled (the demo's KV cache never fills)."""
+class EngineCounter:
+    """What the in-process vLLM engine really computed, counted at its scheduler: the tokens of every step (prompt
+    tokens its prefix cache did not hold, decoded tokens, recomputation after a preemption) and the requests it
+    preempted (its KV cache was full)."""
 
-    def __init__(self, block_size: int):
-        self.block_size, self.blocks, self.uncached = block_size, set(), 0
+    def __init__(self, scheduler):
+        self.computed = self.preemptions = 0
+        schedule, preempt = scheduler.schedule, scheduler._preempt_request
 
-    def add(self, prompt: list[int], completion: list[int]) -> None:
-        b = self.block_size
-        hit = 0
-        while hit + b <= len(prompt) and tuple(prompt[: hit + b]) in self.blocks:
-            hit += b
-        self.uncached += len(prompt) - hit
-        ids = list(prompt) + list(completion)
-        self.blocks.update(tuple(ids[: k]) for k in range(b, len(ids) + 1, b))
+        def counted_schedule(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            self.computed += out.total_num_scheduled_tokens
+            return out
+
+        def counted_preempt(*args, **kwargs):
+            self.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler.schedule, scheduler._preempt_request = counted_schedule, counted_preempt
+
+    @classmethod
+    def of(cls, llm) -> "EngineCounter":
+        return cls(llm.llm_engine.engine_core.engine_core.scheduler)
+
+    def work(self, before: tuple[int, int], generated: int, requests: int) -> dict:
+        """The engine's work since `before` (a `mark()`): its computed tokens, the prompt tokens among them (a request
+        computes each generated token but its last, so prompt = computed - (generated - requests)), its preemptions."""
+        computed = self.computed - before[0]
+        return {"computed_tokens": computed, "prompt_tokens_computed": computed - generated + requests,
+                "preemptions": self.preemptions - before[1]}
+
+    def mark(self) -> tuple[int, int]:
+        return self.computed, self.preemptions
 
 
 def forget_searches(toolbox) -> None:
@@ -155,14 +168,15 @@ def measure_tool_concurrency(toolbox, queries: list[str], sleep_s: float = 0.2) 
             "python_parallel_s": python_parallel, "python_serial_s": python_serial, "python_speedup": python_serial / python_parallel}
 
 
-def measure_method(ctx, method: str, questions: list[dict], samples: int, in_flight: int, barrier_chunk: int = 0) -> dict:
+def measure_method(ctx, counter: EngineCounter, method: str, questions: list[dict], samples: int, in_flight: int,
+                   barrier_chunk: int = 0) -> dict:
     """Run the method through the batched runtime, each question a flow (up to `in_flight` episodes live), or with
     `barrier_chunk` on that many questions at a time, every round a barrier (generate before flows); tokens, calls and
     where the wall time went."""
     from unison.agents.methods import get_method, run_method
 
     backend, toolbox = ctx.backend, ctx.toolbox
-    llm_s0, tool_s0, llm_calls0, prompt0, uncached0 = backend.seconds, toolbox.seconds, backend.calls, backend.prompt_tokens, backend.cache.uncached
+    llm_s0, tool_s0, llm_calls0, prompt0, engine0 = backend.seconds, toolbox.seconds, backend.calls, backend.prompt_tokens, counter.mark()
     steps0, narrow0, narrow_s0 = backend.steps, backend.narrow_steps, backend.narrow_s
     t0 = time.perf_counter()
     if barrier_chunk:
@@ -170,10 +184,10 @@ def measure_method(ctx, method: str, questions: list[dict], samples: int, in_fli
     else:
         rows = run_method(method, questions, samples, ctx, in_flight)
     wall = time.perf_counter() - t0
-    tokens = sum(r["n_tokens"] for r in rows)
+    tokens, llm_calls = sum(r["n_tokens"] for r in rows), sum(r["n_llm_calls"] for r in rows)
     llm_s = backend.seconds - llm_s0
     return {"trajectories": len(rows), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "prompt_tokens": backend.prompt_tokens - prompt0, "uncached_prompt_tokens": backend.cache.uncached - uncached0, "llm_calls": sum(r["n_llm_calls"] for r in rows),
+            "prompt_tokens": backend.prompt_tokens - prompt0, **counter.work(engine0, tokens, llm_calls), "llm_calls": llm_calls,
             "tool_calls": sum(r["n_tool_calls"] for r in rows),
             "tool_errors": sum(r["tool_errors"] for r in rows), "generate_calls": backend.calls - llm_calls0,
             "answered": sum(bool(r["final_answer"]) for r in rows) / len(rows),
@@ -182,11 +196,11 @@ def measure_method(ctx, method: str, questions: list[dict], samples: int, in_fli
             "narrow_s": backend.narrow_s - narrow_s0}
 
 
-def run_sequential(ctx, method: str, questions: list[dict], max_s: float) -> dict:
+def run_sequential(ctx, counter: EngineCounter, method: str, questions: list[dict], max_s: float) -> dict:
     """The same runtime, one question (one sample) at a time, no batching across trajectories; stops after `max_s`."""
     parts = []
     for q in questions:
-        parts.append(measure_method(ctx, method, [q], 1, 1))
+        parts.append(measure_method(ctx, counter, method, [q], 1, 1))
         if sum(p["wall_s"] for p in parts) > max_s:
             break
     tokens, wall, llm_s, prompt_tokens = (sum(p[k] for p in parts) for k in ("tokens", "wall_s", "llm_s", "prompt_tokens"))
@@ -194,7 +208,7 @@ def run_sequential(ctx, method: str, questions: list[dict], max_s: float) -> dic
             "llm_s": llm_s, "llm_fraction": llm_s / wall}
 
 
-def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float, block_size: int) -> dict:
+def run_plain(llm, counter: EngineCounter, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float) -> dict:
     """Plain batched vLLM decoding: every prompt generates exactly `max_tokens` tokens (eos ignored)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -202,15 +216,12 @@ def run_plain(llm, prompts: list[list[int]], max_tokens: int, temperature: float
     # a seed per request, as the runtime's backend asks for them
     params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True, seed=i)
               for i in range(len(prompts))]
-    t0 = time.perf_counter()
+    engine0, t0 = counter.mark(), time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    cache = PrefixCache(block_size)
-    for p in prompts:
-        cache.add(p, [])
     return {"sequences": len(prompts), "max_tokens": max_tokens, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "prompt_tokens": sum(map(len, prompts)), "uncached_prompt_tokens": cache.uncached}
+            "prompt_tokens": sum(map(len, prompts)), **counter.work(engine0, tokens, len(prompts))}
 
 
 @contextmanager
@@ -256,12 +267,13 @@ def machine_info(backend) -> dict:
     import torch
     import vllm
 
-    model_config = backend.llm.llm_engine.model_config
+    model_config, cache_config = backend.llm.llm_engine.model_config, backend.llm.llm_engine.vllm_config.cache_config
     cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), platform.processor())
     return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "cpu_model": cpu_model,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "dtype": str(model_config.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
+            "dtype": str(model_config.dtype).removeprefix("torch."), "kv_cache_tokens": cache_config.num_gpu_blocks * cache_config.block_size,
+            "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torch": torch.__version__, "vllm": vllm.__version__, "python": platform.python_version()}
 
@@ -300,8 +312,12 @@ def format_table(result: dict) -> str:
                  f"streaming / lock-step = {result['streaming_vs_lockstep']:.2f}x   runtime / sequential = {result['runtime_vs_sequential']:.2f}x   "
                  f"(sequential would take ~{result['sequential']['projected_wall_s']:.0f} s for the runtime's workload)")
     if "prefill" in result:
+        r, p = result["runtime"], result["plain"]
+        lines.append(f"engine work: the runtime computed {r['prompt_tokens_computed'] / r['tokens']:.2f} prompt tokens per generated token "
+                     f"(plain {p['prompt_tokens_computed'] / p['tokens']:.2f}); preemptions (KV cache full): runtime {r['preemptions']}, "
+                     f"plain {p['preemptions']}")
         lines.append(f"prefill {result['prefill']['tokens_per_s']:.0f} tok/s; with no overhead at all the runtime's work (its generated and "
-                     f"uncached prompt tokens) would run at {result['compute_bound_ratio']:.2f}x plain; the runtime reaches "
+                     f"computed prompt tokens) would run at {result['compute_bound_ratio']:.2f}x plain; the runtime reaches "
                      f"{result['runtime_vs_compute_bound']:.0%} of that bound streamed, {result['lockstep_vs_compute_bound']:.0%} lock-step")
     if "plain_beside_tools" in result:
         b = result["plain_beside_tools"]
@@ -366,15 +382,14 @@ def main(argv: list[str] | None = None) -> dict:
     toolbox.call("search", "warm up")
     toolbox.call("python", "print(1)")
     backend.generate([chat_prompt(backend.tokenizer, question_messages("warm up"))], [Sampling(max_tokens=8)])
-    block = backend.backend.block_size
+    counter = EngineCounter.of(llm)
 
     print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
     llm.reset_prefix_cache()
     forget_searches(toolbox)
-    backend.cache = PrefixCache(block)
     in_flight = args.in_flight or g["episodes_in_flight"]
     toolbox.log = []
-    runtime = measure_method(ctx, args.method, questions, args.samples, in_flight)
+    runtime = measure_method(ctx, counter, args.method, questions, args.samples, in_flight)
     runtime_tool_calls = list(toolbox.log)
     # plain decoding of the same number of tokens at the runtime's peak parallelism (its widest step)
     runtime["episodes"] = backend.widest
@@ -386,19 +401,18 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"bench_rollout: as generate ran before flows: {chunk} questions (a shard) at a time, every round a barrier", flush=True)
         llm.reset_prefix_cache()
         forget_searches(toolbox)
-        backend.cache = PrefixCache(block)  # count its uncached prompt tokens from a cold cache, as the runtime's
-        barrier = measure_method(ctx, args.method, questions, args.samples, in_flight, barrier_chunk=chunk)
+        barrier = measure_method(ctx, counter, args.method, questions, args.samples, in_flight, barrier_chunk=chunk)
 
     print("bench_rollout: the same runtime in lock-step batches (one generate call per turn of all episodes)", flush=True)
     llm.reset_prefix_cache()
     forget_searches(toolbox)
-    lockstep = measure_method(replace(ctx, backend=TimedBackend(backend.backend, block)), args.method, questions, args.samples, in_flight)
+    lockstep = measure_method(replace(ctx, backend=TimedBackend(backend.backend)), counter, args.method, questions, args.samples, in_flight)
 
     print(f"bench_rollout: plain decode, {runtime['episodes']} sequences", flush=True)
     prompts = [chat_prompt(backend.tokenizer, question_messages(q["question"])) for q in questions for _ in range(args.samples)]
     prompts = [prompts[i % len(prompts)] for i in range(runtime["episodes"])]  # several agents per question: reuse prompts
     llm.reset_prefix_cache()
-    plain = run_plain(llm, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p, block)
+    plain = run_plain(llm, counter, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p)
     print(f"bench_rollout: plain decode again, beside the runtime's {len(runtime_tool_calls)} tool calls at its rate", flush=True)
     llm.reset_prefix_cache()
     forget_searches(toolbox)  # the replay searches as the runtime did: its repeats from the cache
@@ -406,23 +420,22 @@ def main(argv: list[str] | None = None) -> dict:
     # (encoder, sandbox processes) costs the engine when both share the cores
     rate = len(runtime_tool_calls) / runtime["wall_s"]
     with replaying(toolbox.toolbox, runtime_tool_calls, rate) as made:
-        beside_tools = run_plain(llm, prompts, plain["max_tokens"], cfg.temperature, cfg.top_p, block)
+        beside_tools = run_plain(llm, counter, prompts, plain["max_tokens"], cfg.temperature, cfg.top_p)
     beside_tools.update(tool_calls_replayed=made[0], tool_calls_per_s=rate)
 
     print(f"bench_rollout: sequential, up to {min(args.sequential, len(questions))} questions one at a time", flush=True)
     llm.reset_prefix_cache()
     forget_searches(toolbox)
-    backend.cache = PrefixCache(block)
-    sequential = run_sequential(ctx, args.method, questions[: args.sequential], args.sequential_max_s)
+    sequential = run_sequential(ctx, counter, args.method, questions[: args.sequential], args.sequential_max_s)
     sequential["projected_wall_s"] = runtime["tokens"] / sequential["tokens_per_s"]
 
     print("bench_rollout: prefill throughput (32 distinct 256-token prompts)", flush=True)
     prefill = measure_prefill(llm)
     # the runtime's work at the plain run's rate (which includes prefilling the first prompts) plus the prompt tokens
-    # it must prefill beyond those at the measured prefill rate: what it would take with no overhead at all (no idle
-    # engine, no tool waits, no small batches at the tail of a turn)
+    # the engine computed for it beyond those (per generated token) at the measured prefill rate: what it would take
+    # with no overhead at all (no idle engine, no tool waits, no small batches at the tail of a turn)
     ideal_s = {k: r["tokens"] / plain["tokens_per_s"]
-               + max(0, r["uncached_prompt_tokens"] - plain["uncached_prompt_tokens"] * r["tokens"] / plain["tokens"]) / prefill["tokens_per_s"]
+               + max(0, r["prompt_tokens_computed"] - plain["prompt_tokens_computed"] * r["tokens"] / plain["tokens"]) / prefill["tokens_per_s"]
                for k, r in (("runtime", runtime), ("lockstep", lockstep))}
 
     print(f"bench_rollout: tool concurrency, {args.parallel_k} calls in one parallel turn vs one after another", flush=True)

@@ -123,15 +123,3 @@ def test_method_table_has_accuracy_ci_and_costs_per_question():
     assert (fig["llm_calls_per_question"], fig["tokens_per_question"], fig["tool_errors_per_question"], fig["answered_rate"],
             fig["wall_s_per_question"]) == (4, 50, 0.25, 0.75, 2.0)
     assert "| debate | 50.0% [" in format_table({"debate": fig})
-
-
-def test_prefix_cache_counts_what_vllm_must_still_prefill():
-    from bench.bench_rollout import PrefixCache
-
-    cache = PrefixCache(block_size=4)
-    cache.add([1, 2, 3, 4, 5, 6], [7, 8, 9])  # cold: all 6 prompt tokens; blocks [1..4] and [1..8] are now cached
-    assert cache.uncached == 6
-    cache.add([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [])  # the next turn: 2 whole blocks hit, 2 tokens left
-    assert cache.uncached == 8
-    cache.add([1, 2, 3, 9, 9], [])  # a different prefix inside the first block: nothing hits
-    assert cache.uncached == 13

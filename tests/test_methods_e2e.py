@@ -111,3 +111,18 @@ def test_streaming_engine_and_per_question_flows_give_the_lock_step_trajectories
     assert runs["stream"] == runs["stream again"] == runs["lockstep"]
     assert runs["flows"] == runs["flows again"] and len(runs["flows"]) == len(runs["stream"])
     assert sum(n for *_, n in runs["stream"]) > 0  # tools ran between turns
+
+
+def test_bench_engine_counter_measures_what_vllm_computed(ctx_factory):
+    """bench_rollout's EngineCounter on the real engine: a cold prompt is computed whole, the same prompt again only
+    after its cached whole blocks (32 tokens each), and each request computes its generated tokens but the last."""
+    from bench.bench_rollout import EngineCounter, run_plain
+
+    llm = ctx_factory("single").backend.llm
+    counter = EngineCounter.of(llm)
+    llm.reset_prefix_cache()
+    prompt = list(range(1000, 1070))  # 70 tokens: 2 whole blocks + 6
+    cold = run_plain(llm, counter, [prompt], max_tokens=5, temperature=0.0, top_p=1.0)
+    warm = run_plain(llm, counter, [prompt], max_tokens=5, temperature=0.0, top_p=1.0)
+    assert (cold["computed_tokens"], cold["prompt_tokens_computed"], cold["preemptions"]) == (74, 70, 0)
+    assert (warm["computed_tokens"], warm["prompt_tokens_computed"]) == (10, 6)
