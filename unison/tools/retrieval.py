@@ -2,8 +2,9 @@
 
 `build_index` embeds "title\\ntext" of every corpus passage and writes `index_dir/` atomically:
 `index.faiss`, `passages.parquet` (id, title, text in index order) and `meta.json` (encoder, prefixes,
-dim, count, kind, corpus sha256; no timings, so the same corpus and params give the same files). `Retriever` loads it and answers batched queries in
-process; `RemoteRetriever` asks a `search_server` over HTTP; `make_retriever` picks one from params.
+dim, count, kind, corpus sha256; no timings, so the same corpus and params give the same files).
+`Retriever` loads it and answers batched queries in process; `RemoteRetriever` asks a `search_server`
+over HTTP; `make_retriever` picks one from params.
 Embeddings are L2-normalised, so inner product = cosine similarity.
 """
 from __future__ import annotations
@@ -148,8 +149,8 @@ def build_index(
         "hnsw_ef_search": hnsw_ef_search if kind == "hnsw" else None,
         "corpus_sha256": _sha256(corpus_path),
     }
+    build_seconds = round(time.time() - start, 3)  # embedding + indexing, not loading the encoder or writing
     _write_index_dir(index_dir, index, rows, meta)
-    build_seconds = round(time.time() - start, 3)  # embedding + indexing, not loading the encoder
     print(f"index: {kind} index of {index.ntotal} x {enc.dim} written to {index_dir} in {build_seconds} s", flush=True)
     return {**meta, "embed_seconds": round(embed_seconds, 3), "build_seconds": build_seconds}
 
