@@ -30,9 +30,9 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	command -v bwrap >/dev/null || (apt-get install -y -q bubblewrap >/dev/null || sudo apt-get install -y -q bubblewrap >/dev/null)
 	touch $(STAMP)
 
-demo: setup
-	@start=$$(date +%s); \
-	$(VENV)/bin/dvc repro && \
+demo: setup  # each stage's time is printed at the end (unison/stage_clock.py)
+	@set -o pipefail; start=$$(date +%s); \
+	$(VENV)/bin/dvc repro 2>&1 | $(PY) -u -m unison.stage_clock && \
 	cat reports/summary.md && \
 	echo "demo finished in $$(( $$(date +%s) - start )) s; open reports/report.html"
 

@@ -1,6 +1,6 @@
 """What each teacher method costs and scores on the demo benchmark: one engine, every method, the same test questions.
 
-For each method (its params from params.yaml, the teacher scaffold and temperature): accuracy with a bootstrap 95% CI,
+For each method (its params from params.yaml, the teacher scaffold and temperature): accuracy with a Wilson 95% CI,
 LLM calls, generated tokens and tool calls per question, and wall seconds per question. Prints a markdown table, saves
 it to reports/methods.md and the figures to reports/bench.json under "methods".
 
@@ -40,22 +40,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     from tasks.evaluate import system_metrics
     from tasks.label import label_rows
-    from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, run_config
+    from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, run_config
     from unison.agents.methods import MethodContext, run_method
     from unison.data.schemas import QUESTION, read_table
-    from unison.llm import make_backend
+    from unison.llm import teacher_backend, teacher_id
     from unison.params import load_params, stage_params
 
     params = load_params()
     g = params["generate"]
     questions = read_table(f"data/raw/{args.split}.parquet", QUESTION)[: args.questions]
-    backend = make_backend("models/base", params["llm"], seed=params["seed"])
+    backend = teacher_backend(params)
     toolbox = make_toolbox(params)
     figures = {}
     for name in args.methods.split(","):
-        ctx = MethodContext(backend, toolbox, run_config(params, g["temperature"]), teacher="models/base", scaffold=g["scaffold"] or {},
+        ctx = MethodContext(backend, toolbox, run_config(params, g["temperature"]), teacher=teacher_id(params), scaffold=g["scaffold"] or {},
                             params=g.get(name, {}), role_backends=make_role_backends(params), tools=enabled_tools(params),
-                            protocol=name)
+                            protocol=name, demonstrations=demonstrations(params))
         print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)
         t0 = time.perf_counter()
         label_p = stage_params("label", params)
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = format_table(figures)
     print(table)
     TABLE.parent.mkdir(parents=True, exist_ok=True)
-    TABLE.write_text(f"{len(questions)} {args.split} questions of the demo benchmark, teacher = models/base with the scaffold, "
+    TABLE.write_text(f"{len(questions)} {args.split} questions of the demo benchmark, teacher = {teacher_id(params)} with the scaffold, "
                      f"temperature {g['temperature']}\n\n{table}\n")
     save_report({"split": args.split, "questions": len(questions), "git_commit": git_commit(), "methods": figures}, key="methods")
     return figures

@@ -1,6 +1,6 @@
 """Rollout benchmark: the generate stage's batched agent runtime against plain vLLM decoding and one-at-a-time runs.
 
-One process, one vLLM engine over models/base, real tools (search over data/index, the python sandbox):
+One process, one vLLM engine over models/teacher (the teacher block, run locally), real tools (search over data/index, the python sandbox):
   runtime     the configured method on the first N train questions x samples, each question a flow, all episodes
               batched (DESIGN §5); also (multi-round methods, or more questions than a shard) as the generate
               stage ran before flows: generate.shard_size questions at a time, every round a barrier
@@ -356,25 +356,25 @@ def main(argv: list[str] | None = None) -> dict:
     from unison.agents.methods import MethodContext
     from unison.agents.protocol import chat_prompt, question_messages
     from unison.data.schemas import QUESTION, read_table
-    from unison.llm import Sampling, make_backend
+    from unison.llm import Sampling, teacher_backend
     from unison.params import load_params
 
-    for needed in ("data/raw/train.parquet", "data/index/meta.json", "models/base/config.json"):
+    for needed in ("data/raw/train.parquet", "data/index/meta.json", "models/teacher/config.json"):
         if not Path(needed).exists():
-            raise SystemExit(f"bench_rollout: {needed} is missing; run `dvc repro index` first (from the project root)")
+            raise SystemExit(f"bench_rollout: {needed} is missing; run `dvc repro index teacher` first (from the project root)")
     params = load_params()
     g = params["generate"]
     questions = read_table("data/raw/train.parquet", QUESTION)[: args.questions]
     load_start = os.getloadavg()
 
     t0 = time.perf_counter()
-    backend = TimedStreamingBackend(make_backend("models/base", params["llm"], seed=params["seed"]))
+    backend = TimedStreamingBackend(teacher_backend(params))
     engine_start_s = time.perf_counter() - t0
     toolbox = TimedToolbox(make_toolbox(params))
     cfg = run_config(params, g["temperature"])
     method_params = g.get(args.method, {})
     scaffold = json.loads(args.scaffold) if args.scaffold else g["scaffold"] or {}
-    ctx = MethodContext(backend, toolbox, cfg, teacher="models/base", scaffold=scaffold, params=method_params,
+    ctx = MethodContext(backend, toolbox, cfg, teacher="models/teacher", scaffold=scaffold, params=method_params,
                         tools=enabled_tools(params), protocol=args.method)
     llm = backend.backend.llm
 

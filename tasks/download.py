@@ -1,6 +1,7 @@
 """download: materialise the questions, the retrieval corpus and the base model.
 
-Outputs: data/raw/{train,test,corpus}.parquet, models/base/, metrics reports/download.json.
+Outputs: data/raw/{train,test,corpus}.parquet, models/base/ (the student's starting weights, `student.model`), metrics
+reports/download.json. The teacher has a stage of its own (tasks/teacher.py), so changing it never re-runs this one.
 Datasets: `builtin` (generated world with its own corpus), `hf:<name>`, `local:<path>` (unison/data/adapters.py).
 For hf/local datasets the corpus comes from `download.corpus` (a {title,text} file); QA questions require one
 (search needs something to search), math-only datasets get an empty corpus.
@@ -17,7 +18,7 @@ import pyarrow.parquet as pq
 from unison import track
 from unison.data import adapters, builtin, models
 from unison.data.schemas import CORPUS, QUESTION, atomic_path, write_json, write_table
-from unison.params import stage_params
+from unison.params import load_params, stage_params
 
 RAW = Path("data/raw")
 MODEL_DIR = Path("models/base")
@@ -62,7 +63,8 @@ def split_counts(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    p = stage_params("download")
+    params = load_params()
+    p = {**stage_params("download", params), "model": params["student"]["model"]}
     with track.stage_run("download", p) as run:
         corpus, train, test = load_splits(p)
         train = train[: p["max_train"] or None]

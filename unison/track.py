@@ -225,6 +225,22 @@ def stage_run(stage: str, params: dict | None = None):
             mlflow.flush_trace_async_logging()
 
 
+@contextmanager
+def child_run(parent: StageRun, name: str, params: dict | None = None):
+    """A run nested under a stage's run (e.g. one flywheel round), finished when the block ends (FAILED on an exception)."""
+    info = parent.client.get_run(parent.run_id).info
+    created = parent.client.create_run(info.experiment_id, run_name=name, tags={"mlflow.parentRunId": parent.run_id})
+    run = StageRun(parent.client, created.info.run_id)
+    run.log_params(flatten_params(params or {}))
+    status = "FAILED"
+    try:
+        yield run
+        status = "FINISHED"
+    finally:
+        run.flush()
+        parent.client.set_terminated(run.run_id, status)
+
+
 def trace_episode(episode: dict) -> str:
     """Record one agent episode as an MLflow trace (attached to the active stage run); return the trace id.
 

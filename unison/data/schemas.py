@@ -70,8 +70,8 @@ TRAJECTORY = pa.schema(
         ("n_tokens", pa.int32()),
         ("tool_errors", pa.int32()),
         ("tool_stats", pa.string()),  # JSON: tool -> {"calls", "errors", <error kind>: n}
-        ("latency_s", pa.float64()),
         ("finish_reason", pa.string()),
+        ("tokenizer", pa.string()),  # fingerprint of the tokenizer `student` token ids belong to ("" = unknown)
     ]
 )
 

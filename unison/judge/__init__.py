@@ -1,7 +1,7 @@
 """Judging: one scorer per task type (like verl's reward_score/), behind one `score` call."""
 from __future__ import annotations
 
-from unison.judge.answers import extract_answer
+from unison.judge.answers import judged_answer
 from unison.judge.math import math_score
 from unison.judge.qa import qa_scores
 
@@ -35,9 +35,7 @@ def score(
     """
     if task not in SCORERS:
         raise ValueError(f"no scorer for task {task!r}; known: {sorted(SCORERS)}")
-    answer = extract_answer(prediction)
-    if answer is None and prediction and "<answer>" not in prediction:
-        answer = prediction.strip()
+    answer = judged_answer(prediction)
     if not answer:
         return False, 0.0, "no-answer"
     return SCORERS[task](answer, list(answers), params)

@@ -60,6 +60,14 @@ def extract_answer(text: str | None) -> str | None:
     return answer or None
 
 
+def judged_answer(prediction: str | None) -> str | None:
+    """The answer the judges read in a recorded final answer: extract_answer's, else untagged text itself; None if none."""
+    answer = extract_answer(prediction)
+    if answer is None and prediction and "<answer>" not in prediction:
+        answer = prediction.strip()
+    return answer or None
+
+
 def split_answers(answer: str | None, first_only: bool = False) -> list[str]:
     """`a | b | c` -> ["a", "b", "c"] (empties dropped); only the first item when `first_only`."""
     items = [item.strip() for item in (answer or "").split("|")]

@@ -9,7 +9,7 @@ import hashlib
 
 from ..agents.protocol import chat_prompt
 from ..llm import Sampling
-from .answers import extract_answer
+from .answers import judged_answer
 
 PROMPT = (
     "You are labeling whether an answer correctly answers a question.\n\n"
@@ -31,7 +31,7 @@ class LLMJudge:
         self.calls = self.unparsable = 0
 
     def __call__(self, items: list[tuple[str, str, str | None, list[str]]]) -> list[tuple[bool, float, str]]:
-        answers = [_answer(pred) for _, _, pred, _ in items]
+        answers = [judged_answer(pred) for _, _, pred, _ in items]
         asked = [k for k, a in enumerate(answers) if a]
         tok = self.backend.tokenizer
         prompts = [chat_prompt(tok, [{"role": "user", "content": PROMPT.format(
@@ -51,11 +51,3 @@ def parse_verdict(text: str) -> bool | None:
     """The reply's first word as true/false (case, punctuation and markdown ignored); None if it is neither."""
     word = (text.strip().split() or [""])[0].strip(".,:;!*\"'`").lower()
     return {"true": True, "false": False}.get(word)
-
-
-def _answer(prediction: str | None) -> str | None:
-    """The answer in a recorded prediction; untagged text is the answer itself (as unison.judge.score reads it)."""
-    answer = extract_answer(prediction)
-    if answer is None and prediction and "<answer>" not in prediction:
-        answer = prediction.strip()
-    return answer or None

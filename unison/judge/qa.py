@@ -17,6 +17,9 @@ PUNCTUATION = str.maketrans("", "", string.punctuation)
 # If either side is one of these, only an exact match counts (ET-Agent): "no" must not
 # partially match "no way", nor be found inside "i do not know".
 EXACT_ONLY = {"yes", "no", "noanswer"}
+# SubEM counts only predictions at most this many times as long (in normalised tokens) as the gold: otherwise pasting
+# a retrieved passage or listing candidates would contain the gold and pay.
+SUBEM_MAX_LENGTH_RATIO = 5
 
 
 def normalize(text: str) -> str:
@@ -34,10 +37,13 @@ def exact_match(prediction: str, gold: str) -> float:
 def substring_match(prediction: str, gold: str) -> float:
     """1 if the normalised gold occurs in the normalised prediction on word boundaries.
 
-    Word boundaries, not raw characters: gold "1" is not found in "1990", nor "art" in "martin".
+    Word boundaries, not raw characters: gold "1" is not found in "1990", nor "art" in "martin". A prediction of more
+    than SUBEM_MAX_LENGTH_RATIO times the gold's tokens scores 0 (a passage or a list of guesses is not an answer).
     """
     pred, gold = normalize(prediction), normalize(gold)
     if not gold or ((pred in EXACT_ONLY or gold in EXACT_ONLY) and pred != gold):
+        return 0.0
+    if len(pred.split()) > SUBEM_MAX_LENGTH_RATIO * len(gold.split()):
         return 0.0
     return float(f" {gold} " in f" {pred} ")
 

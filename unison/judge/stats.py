@@ -1,9 +1,26 @@
-"""Bootstrap confidence intervals for per-question scores (percentile bootstrap, seeded)."""
+"""Confidence intervals for per-question scores: Wilson score intervals for 0/1 outcomes, percentile bootstrap (seeded)
+for the rest."""
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
 from typing import Sequence
 
 import numpy as np
+
+
+def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> tuple[float, float, float]:
+    """(successes / n, lo, hi): the (1 - alpha) Wilson score interval, which stays inside [0, 1] and is not empty at 0 or n."""
+    if n <= 0:
+        raise ValueError(f"wilson_interval needs n >= 1 trials, got n={n}")
+    if not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval needs 0 <= successes <= n, got successes={successes}, n={n}")
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    p = successes / n
+    shrink = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / shrink
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / shrink
+    return p, max(0.0, centre - half), min(1.0, centre + half)
 
 
 def bootstrap_ci(

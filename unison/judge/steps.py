@@ -53,19 +53,20 @@ def agent_labels(rows: list[dict], judge) -> list[tuple[list[str], list[float]]]
     return [(ss, [float(next(verdicts)[1]) for _ in ss]) for ss in sols]
 
 
-def step_prefixes(tok, student: list[dict]) -> list[list[int]]:
-    """Token ids of the trajectory up to the end of each step (its tool observations included), as generated."""
+def step_prefixes(tok, student: list[dict], as_generated: bool = True) -> list[list[int]]:
+    """Token ids of the trajectory up to the end of each step (its tool observations included), as generated (re-rendered
+    under `tok` when `as_generated` is False: the ids are another tokenizer's)."""
     from ..train.token_view import token_view
 
     starts = [j for j in range(2, len(student)) if student[j]["role"] == "assistant"]
     if not starts:
         return []
-    ids, _ = token_view(tok, student)
+    ids, _ = token_view(tok, student, as_generated)
     prefixes = []
     for end in starts[1:] + [len(student)]:  # step k is student[starts[k]:end]: its turn and the observations after it
-        n = len(token_view(tok, student[:end])[0])
+        n = len(token_view(tok, student[:end], as_generated)[0])
         last = student[end - 1]
-        if end < len(student) and last["role"] == "assistant" and not last["token_ids"]:
+        if end < len(student) and last["role"] == "assistant" and not (as_generated and last["token_ids"]):
             n -= 1  # token_view closes a rendered last turn with eos; mid-trajectory the turn is not closed
         prefixes.append(ids[:n])
     return prefixes
@@ -79,12 +80,13 @@ def montecarlo_labels(rows: list[dict], backend, toolbox, cfg, judge, rollouts: 
     prefixes of all rows run in one `run_episodes` call; completions continue the teacher's scaffold from step k+1."""
     from ..agents.episodes import stable_seed
     from ..agents.runtime import Episode, run_episodes
+    from ..train.token_view import generated_by
 
     tok = backend.tokenizer
     episodes, owners = [], []
     steps = [student_steps(r["student"]) for r in rows]
     for i, r in enumerate(rows):
-        for k, prefix in enumerate(step_prefixes(tok, r["student"])[:-1]):
+        for k, prefix in enumerate(step_prefixes(tok, r["student"], generated_by(tok, r))[:-1]):
             follow = scaffold.get(r["task"], [])[k + 1:]
             for j in range(rollouts):
                 episodes.append(Episode(key=f"{r['id']}/step{k}/mc{j}", prompt_ids=prefix, seed=stable_seed(seed, r["id"], k, j),

@@ -31,4 +31,35 @@ def make_backend(model_dir: str, llm_params: dict, seed: int = 0):
     raise ValueError(f"params.yaml llm.backend: unknown backend {backend!r} (vllm | transformers | openai)")
 
 
-__all__ = ["Completion", "Sampling", "make_backend"]
+TEACHER_DIR = "models/teacher"
+
+
+def teacher_backend(params: dict):
+    """The teacher of the `teacher` block: models/teacher on this machine, or its server (tokenizer from models/teacher)."""
+    from ..params import teacher_llm
+
+    return make_backend(TEACHER_DIR, teacher_llm(params), seed=params["seed"])
+
+
+def teacher_id(params: dict) -> str:
+    """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote."""
+    from ..params import teacher_llm
+
+    llm = teacher_llm(params)
+    return f"{llm['api_model']}@{llm['base_url']}" if llm["backend"] == "openai" else params["teacher"]["model"]
+
+
+def student_backend(model_dir: str, params: dict):
+    """A student the pipeline trained (or its base), always loaded from `model_dir` on this machine."""
+    from pathlib import Path
+
+    from ..params import LOCAL_BACKENDS
+
+    if params["llm"]["backend"] not in LOCAL_BACKENDS:
+        raise ValueError(f"params.yaml llm.backend: students run locally ({' | '.join(LOCAL_BACKENDS)})")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no trained student weights there (config.json missing)")
+    return make_backend(model_dir, params["llm"], seed=params["seed"])
+
+
+__all__ = ["Completion", "Sampling", "make_backend", "student_backend", "teacher_backend", "teacher_id"]

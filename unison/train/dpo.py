@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .sft import collate, make_accelerator, save_model, with_lora
-from .token_view import token_view
+from .token_view import row_view
 
 LOSSES = ("sigmoid", "ipo")
 
@@ -63,7 +63,7 @@ def pair_views(tok, pairs: list[tuple[dict, dict]], max_length: int) -> tuple[li
     for chosen, rejected in pairs:
         pair = []
         for r in (chosen, rejected):
-            ids, mask = token_view(tok, r["student"])
+            ids, mask = row_view(tok, r)
             truncated += len(ids) > max_length
             pair.append((ids[:max_length], mask[:max_length]))
         views.append(tuple(pair))

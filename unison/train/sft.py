@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..data.schemas import atomic_dir
-from .token_view import retokenization_drift, token_view
+from .token_view import retokenization_drift, row_view
 
 
 @dataclass
@@ -73,7 +73,7 @@ def build_examples(tok, rows: list[dict], max_length: int) -> tuple[list[tuple[l
     """Token views of the selected rows (too long ones truncated) and drift statistics."""
     examples, drifted, drift_tokens, truncated, n_tokens = [], 0, 0, 0, 0
     for r in rows:
-        ids, mask = token_view(tok, r["student"])
+        ids, mask = row_view(tok, r)
         d = retokenization_drift(tok, ids)
         drifted += d > 0
         drift_tokens += d

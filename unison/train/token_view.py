@@ -1,21 +1,30 @@
 """The token view of a student trajectory (DESIGN §3): input ids and a loss mask that is 1 only on assistant tokens.
 
-Ids are concatenated from each turn's tokens as generated (token-in/token-out), never by re-tokenising the decoded
-text; `retokenization_drift` compares with a full re-tokenisation and counts where they differ.
+Under the tokenizer that generated them, ids are concatenated from each turn's tokens as generated (token-in/token-out),
+never by re-tokenising the decoded text; `retokenization_drift` compares with a full re-tokenisation and counts where
+they differ. A trajectory from a teacher with another tokenizer or chat template is re-rendered: the student's template
+for the prompt, each turn's text tokenised on its own, so the mask still covers exactly the assistant turns.
 """
 from __future__ import annotations
 
 from ..agents.protocol import chat_prompt
+from ..llm.base import tokenizer_fingerprint
 
 
-def token_view(tok, student: list[dict]) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one student rendering: prompt (system+user) and tool observations carry mask 0."""
+def generated_by(tok, row: dict) -> bool:
+    """Whether `row`'s token ids are `tok`'s (its `tokenizer` fingerprint matches, or is unknown)."""
+    return row.get("tokenizer", "") in ("", tokenizer_fingerprint(tok))
+
+
+def token_view(tok, student: list[dict], as_generated: bool = True) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one student rendering: prompt (system+user) and tool observations carry mask 0.
+    `as_generated` False ignores the stored token ids (another tokenizer's) and tokenises every turn's text."""
     head = [{"role": m["role"], "content": m["content"]} for m in student[:2]]
     ids = chat_prompt(tok, head)
     mask = [0] * len(ids)
     turns = student[2:]
     for k, m in enumerate(turns):
-        t = list(m["token_ids"])
+        t = list(m["token_ids"]) if as_generated else []
         if not t:  # a rendered (not generated) turn: tokenise its text; the last assistant turn closes with eos
             t = tok(m["content"], add_special_tokens=False)["input_ids"]
             if m["role"] == "assistant" and k == len(turns) - 1:
@@ -23,6 +32,11 @@ def token_view(tok, student: list[dict]) -> tuple[list[int], list[int]]:
         ids += t
         mask += [1 if m["role"] == "assistant" else 0] * len(t)
     return ids, mask
+
+
+def row_view(tok, row: dict) -> tuple[list[int], list[int]]:
+    """The token view of a trajectory row under `tok`: as generated when its ids are tok's, else re-rendered."""
+    return token_view(tok, row["student"], generated_by(tok, row))
 
 
 def retokenization_drift(tok, ids: list[int]) -> int:

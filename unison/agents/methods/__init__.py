@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ...llm.base import tokenizer_fingerprint
 from ..episodes import start_episode
 from ..protocol import DEFAULT_TOOLS, SCAFFOLD, system_prompt
 from ..runtime import Episode, RunConfig, Toolbox
@@ -21,6 +22,7 @@ class MethodContext:
     role_backends: dict = field(default_factory=dict)  # role -> backend, for roles with their own model (generate.roles)
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools acting agents may call (the stages pass context.enabled_tools(params))
     protocol: str = ""  # the teacher method whose students this context prompts (generate.method): their role tags
+    demonstrations: str = ""  # worked examples the acting agents see after the system prompt; never in the student rendering
 
     def __post_init__(self):
         for task, tags in self.scaffold.items():
@@ -37,8 +39,10 @@ class MethodContext:
         return system_prompt(self.tools, self.protocol)
 
     def solver_episode(self, key: str, question: str, seed: int, task: str) -> Episode:
-        """An agent acting on the student protocol: this context's tools and the scaffold for the question's task."""
-        return start_episode(self.backend.tokenizer, key, question, seed, self.scaffold_for(task), system=self.system, tools=self.tools)
+        """An agent acting on the student protocol: this context's tools, the scaffold for the question's task, and the
+        teacher's demonstrations after the system prompt (the student learns to act without them: context distillation)."""
+        system = f"{self.system}\n\n{self.demonstrations}" if self.demonstrations else self.system
+        return start_episode(self.backend.tokenizer, key, question, seed, self.scaffold_for(task), system=system, tools=self.tools)
 
     def backend_for(self, role: str):
         return self.role_backends.get(role, self.backend)
@@ -63,8 +67,10 @@ def run_method(name: str, questions: list[dict], samples: int, ctx: MethodContex
     soon as fewer than `episodes_in_flight` episodes are live. `on_question(i, rows)` is called as question i finishes."""
     run = get_method(name)
 
+    fingerprint = tokenizer_fingerprint(ctx.backend.tokenizer)
+
     def flow(i: int, q: dict) -> list[dict]:
-        rows = run([q], samples, ctx)
+        rows = [{**r, "tokenizer": fingerprint} for r in run([q], samples, ctx)]
         if on_question:
             on_question(i, rows)
         return rows

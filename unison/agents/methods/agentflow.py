@@ -8,7 +8,6 @@ Student rendering: per step <think>sub_goal</think>, the executor's tool call an
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field, replace
 
 from ..episodes import agent_messages, stable_seed, start_episode, student_messages, trajectory_row
@@ -106,7 +105,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     max_steps = int(ctx.params.get("max_steps", 3))
     tools, system = ctx.tools, ctx.system
     flows = [Flow(q, s, messages=[{"role": "user", "name": None, "content": q["question"]}]) for q in questions for s in range(samples)]
-    t0 = time.perf_counter()
     for f, e in zip(flows, phase(flows, "planner", [f.prompt(ANALYSIS, tools=tools) for f in flows], "analysis", ctx)):
         f.analysis = e.text.strip()
     live = flows
@@ -129,10 +127,9 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
             live = [f for f, e in zip(live, checks) if verdict(e.text) == "CONTINUE"]
     answers = phase(flows, "generator", [f.prompt(ANSWER) for f in flows], "answer", ctx, system,
                     [["answer"] if ctx.scaffold else [] for _ in flows])
-    per_group = (time.perf_counter() - t0) / max(1, len(flows))
     rows = []
     for f, e in zip(flows, answers):
         segments = f.segments + own_ids(e.segments, ctx, "generator")
         rows.append(trajectory_row(f.q, f.sample, "agentflow", ctx.teacher, f.messages, student_messages(f.q["question"], segments, system),
-                                   e.answer, f.episodes, per_group, "answer" if e.answer else "no_answer"))
+                                   e.answer, f.episodes, "answer" if e.answer else "no_answer"))
     return rows

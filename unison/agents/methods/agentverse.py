@@ -10,7 +10,6 @@ and critics start fresh each round (AgentArk: the last 3); the last turn is not 
 from __future__ import annotations
 
 import re
-import time
 
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
@@ -86,7 +85,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         return g, name, prompt, start_episode(backend.tokenizer, f"{q['id']}/{s}/{key}", prompt, stable_seed(q["id"], s, key), [],
                                               system=system, tools=())
 
-    t0 = time.perf_counter()
     phase([(g, "solver", None, ctx.solver_episode(f"{q['id']}/{s}/solve0", q["question"], stable_seed(q["id"], s, "solve0"), q["task"]))
            for g, (q, s) in enumerate(groups)], ctx.backend, "agentverse solve t1")
     live, advice = list(range(len(groups))), {}
@@ -111,13 +109,12 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         verdicts = {g: parse_evaluation(response(e)) for g, _, _, e in items}
         advice = {g: a for g, (_, a) in verdicts.items()}
         live = [g for g in live if not verdicts[g][0]]
-    per_group = (time.perf_counter() - t0) / max(1, len(groups))
 
     rows = []
     for g, (q, s) in enumerate(groups):
         final = next((e.answer for e in reversed(solutions[g]) if e.answer), None)  # the last solution that gave an answer
         messages[g].append({"role": "assistant", "name": "aggregator(last)", "content": f"<answer>{final or ''}</answer>"})
         student = student_rendering(q["question"], solutions[g][:1], solutions[g][:1], final, ctx.system)
-        rows.append(trajectory_row(q, s, "agentverse", ctx.teacher, messages[g], student, final, episodes[g], per_group,
+        rows.append(trajectory_row(q, s, "agentverse", ctx.teacher, messages[g], student, final, episodes[g],
                                    "answer" if final else "no_answer"))
     return rows

@@ -12,7 +12,6 @@ which is what AFM distils.
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field, replace
 
 from ..episodes import agent_messages, merge_tool_stats, stable_seed, student_messages, trajectory_row
@@ -83,7 +82,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     groups = [(q, s) for q in questions for s in range(samples)]
     chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES.format(accept=accept)) for q, s in groups]
     tool_tag = {c.key: next((t for t in ctx.scaffold_for(q["task"]) if t != "answer"), None) for c, (q, _) in zip(chains, groups)}
-    t0 = time.perf_counter()
     live, answering = chains, []
     for cycle in range(max_cycles):
         last = cycle == max_cycles - 1
@@ -100,7 +98,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         answering += [c for c in live if c.key in passed]
         live = [c for c in live if c.key not in passed]
     extend(answering, "answer" if ctx.scaffold else None, ctx, "answer", "coa answer")
-    per_group = (time.perf_counter() - t0) / max(1, len(groups))
     return [trajectory_row(q, s, "chain_of_agents", ctx.teacher, c.messages, student_messages(q["question"], c.segments, system_prompt(ctx.tools, "chain_of_agents")), c.answer,
-                           [c], per_group, c.finish_reason or ("answer" if c.answer else "no_answer"))
+                           [c], c.finish_reason or ("answer" if c.answer else "no_answer"))
             for c, (q, s) in zip(chains, groups)]

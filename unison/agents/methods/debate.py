@@ -6,7 +6,6 @@ final answer — one agent doing what the team concluded.
 """
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 from ...judge.qa import normalize as normalize_answer
@@ -14,6 +13,7 @@ from ..episodes import agent_messages, continue_episode, stable_seed, start_epis
 from ..runtime import Episode, Segment, run_episodes
 
 END = "----- END OF THE AGENT RESPONSE -----"
+AGGREGATOR_SYSTEM = "You read several solutions to a task and give the one final answer they support best."
 
 
 def update_prompt(question: str, others: list[Episode]) -> str:
@@ -34,6 +34,14 @@ def aggregate_prompt(question: str, finals: list[Episode]) -> str:
             f"final answer to the task as <answer>...</answer>.")
 
 
+def aggregate(groups: list[tuple[dict, int]], prompts: list[str], ctx, desc: str) -> list[Episode]:
+    """One LLM aggregator per (question, sample), a judging role: on the `aggregator` role's backend, without tools."""
+    backend = ctx.backend_for("aggregator")
+    episodes = [start_episode(backend.tokenizer, f"{q['id']}/{s}/agg", prompt, stable_seed(q["id"], s, "agg"), ["answer"] if ctx.scaffold else [],
+                              system=AGGREGATOR_SYSTEM, tools=()) for (q, s), prompt in zip(groups, prompts)]
+    return run_episodes(episodes, backend, ctx.toolbox, ctx.cfg, desc=desc)
+
+
 def majority(answers: list[str | None]) -> str | None:
     """Most frequent normalised answer; ties go to the earliest agent."""
     votes = Counter(normalize_answer(a) for a in answers if a)
@@ -48,7 +56,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     n_agents, n_rounds = int(ctx.params.get("agents", 3)), int(ctx.params.get("rounds", 2))
     aggregator = ctx.params.get("aggregator", "vote")
     groups = [(q, s) for q in questions for s in range(samples)]
-    t0 = time.perf_counter()
     rounds: list[list[list[Episode]]] = []  # rounds[r][group][agent]
     first = [[ctx.solver_episode(f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), q["task"])
               for a in range(n_agents)] for q, s in groups]
@@ -63,12 +70,9 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         rounds.append(nxt)
     aggregators = [None] * len(groups)
     if aggregator == "llm":
-        aggregators = [start_episode(tok, f"{q['id']}/{s}/agg", aggregate_prompt(q["question"], last), stable_seed(q["id"], s, "agg"),
-                                     follow_scaffold) for (q, s), last in zip(groups, rounds[-1])]
-        run_episodes(aggregators, ctx.backend, ctx.toolbox, ctx.cfg, desc="debate aggregate")
+        aggregators = aggregate(groups, [aggregate_prompt(q["question"], last) for (q, _), last in zip(groups, rounds[-1])], ctx, "debate aggregate")
     elif aggregator != "vote":
         raise ValueError(f"params.yaml generate.debate.aggregator: unknown {aggregator!r} (vote | llm)")
-    per_group = (time.perf_counter() - t0) / max(1, len(groups))
 
     rows = []
     for g, (q, s) in enumerate(groups):
@@ -82,10 +86,12 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
                     prev = rounds[r - 1][g]
                     messages.append({"role": "user", "name": "moderator", "content": update_prompt(q["question"], prev[:a] + prev[a + 1:])})
                 messages += agent_messages(e, f"agent{a}")
+        if agg is not None:
+            messages += [{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], last)}] + agent_messages(agg, "aggregator")
         messages.append({"role": "assistant", "name": f"aggregator({aggregator})", "content": f"<answer>{final or ''}</answer>"})
         episodes = [e for rnd in rounds for e in rnd[g]] + ([agg] if agg is not None else [])
         rows.append(trajectory_row(q, s, "debate", ctx.teacher, messages, student_rendering(q["question"], rounds[0][g], last, final, ctx.system),
-                                   final, episodes, per_group, "answer" if final else "no_answer"))
+                                   final, episodes, "answer" if final else "no_answer"))
     return rows
 
 

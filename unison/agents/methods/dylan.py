@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from collections import Counter
 
 from ...judge.qa import normalize as normalize_answer
@@ -52,7 +51,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     top_k, threshold = int(p.get("top_k", 2)), float(p.get("consensus", 0.667))
     ranker, follow = ctx.backend_for("ranker"), ["answer"] if ctx.scaffold else []
     groups = [(q, s) for q in questions for s in range(samples)]
-    t0 = time.perf_counter()
     layers = [[{a: ctx.solver_episode(f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), q["task"])
                 for a in range(n_agents)}] for q, s in groups]  # layers[group][round] = {agent: episode}
     run_episodes([e for g in layers for e in g[0].values()], ctx.backend, ctx.toolbox, ctx.cfg, desc="dylan r1")
@@ -73,7 +71,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
                                                   stable_seed(q["id"], s, a, r), follow) for a in keep[g]})
         run_episodes([e for g in live for e in layers[g][-1].values()], ctx.backend, ctx.toolbox, ctx.cfg, desc=f"dylan r{r + 1}")
         live = [g for g in live if not consensus([e.answer for e in layers[g][-1].values()], threshold)]
-    per_group = (time.perf_counter() - t0) / max(1, len(groups))
 
     rows = []
     for g, (q, s) in enumerate(groups):
@@ -93,6 +90,5 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
                 episodes.append(e)
         messages.append({"role": "assistant", "name": "aggregator(vote)", "content": f"<answer>{final or ''}</answer>"})
         student = student_rendering(q["question"], [layers[g][0][a] for a in last], list(last.values()), final, ctx.system)
-        rows.append(trajectory_row(q, s, "dylan", ctx.teacher, messages, student, final, episodes, per_group,
-                                   "answer" if final else "no_answer"))
+        rows.append(trajectory_row(q, s, "dylan", ctx.teacher, messages, student, final, episodes, "answer" if final else "no_answer"))
     return rows

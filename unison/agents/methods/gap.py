@@ -11,7 +11,6 @@ Student rendering: the plan, each level's parallel search turn as issued (parall
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..episodes import continue_episode, stable_seed, student_messages, trajectory_row
@@ -101,7 +100,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     room = 4 * ctx.cfg.max_tokens_per_turn  # a chain with less context left answers instead of searching again
     groups = [(q, s) for q in questions for s in range(samples)]
     chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES) for q, s in groups]
-    t0 = time.perf_counter()
     plans = extend(chains, "plan", ctx, "plan", "gap plan")
     levels = {c.key: plan_levels(p, q["question"]) for c, p, (q, _) in zip(chains, plans, groups)}
     for k in range(max_levels):
@@ -119,7 +117,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
             absorb(c, w, "query_writer", None, join=False)
         search_turn(live, queries, ctx)
     extend(chains, "answer" if ctx.scaffold else None, ctx, "answer", "gap answer")
-    per_group = (time.perf_counter() - t0) / max(1, len(groups))
     return [trajectory_row(q, s, "gap", ctx.teacher, c.messages, student_messages(q["question"], c.segments, system_prompt(ctx.tools, "gap")), c.answer, [c],
-                           per_group, c.finish_reason or ("answer" if c.answer else "no_answer"))
+                           c.finish_reason or ("answer" if c.answer else "no_answer"))
             for c, (q, s) in zip(chains, groups)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from dataclasses import replace
 
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
@@ -50,11 +49,10 @@ def best_solution(scores: list[float], answers: list[str | None]) -> int:
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
-    tok, p = ctx.backend.tokenizer, ctx.params
+    p = ctx.params
     n_solutions, n_verifiers = int(p.get("solutions", 2)), int(p.get("verifiers", 2))
     verifier, vcfg = ctx.backend_for("verifier"), replace(ctx.cfg, temperature=float(p.get("verifier_temperature", 0.0)))
     groups = [(q, s) for q in questions for s in range(samples)]
-    t0 = time.perf_counter()
     sols = [[ctx.solver_episode(f"{q['id']}/{s}/sol{k}", f"{q['question']}\n\n{GENERATE}", stable_seed(q["id"], s, "sol", k), q["task"])
              for k in range(n_solutions)] for q, s in groups]
     run_episodes([e for g in sols for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc="mav generate")
@@ -64,7 +62,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     run_episodes([e for g in checks for *_, e in g], verifier, ctx.toolbox, vcfg, desc="mav verify")
     verdicts = [[continue_episode(verifier.tokenizer, e, f"{e.key}/verdict", VERDICT, stable_seed(e.key, "verdict"), []) for *_, e in g] for g in checks]
     run_episodes([e for g in verdicts for e in g], verifier, ctx.toolbox, vcfg, desc="mav verdict")
-    per_group = (time.perf_counter() - t0) / max(1, len(groups))
 
     rows = []
     for (q, s), g, chk, ver in zip(groups, sols, checks, verdicts):
@@ -80,5 +77,5 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
             messages += [{"role": "user", "name": name, "content": VERDICT}] + agent_messages(v, name)
         messages.append({"role": "assistant", "name": "aggregator(verified)", "content": f"<answer>{final or ''}</answer>"})
         rows.append(trajectory_row(q, s, "mav", ctx.teacher, messages, student_rendering(q["question"], g[pick:pick + 1], g[pick:pick + 1], final, ctx.system),
-                                   final, g + [e for *_, e in chk] + ver, per_group, "answer" if final else "no_answer"))
+                                   final, g + [e for *_, e in chk] + ver, "answer" if final else "no_answer"))
     return rows

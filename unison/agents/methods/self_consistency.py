@@ -6,13 +6,9 @@ Student rendering: as debate's — an agreeing answer's tool turns, closed by th
 """
 from __future__ import annotations
 
-import time
-
-from ..episodes import agent_messages, stable_seed, start_episode, trajectory_row
+from ..episodes import agent_messages, stable_seed, trajectory_row
 from ..runtime import Episode, run_episodes
-from .debate import majority, response, student_rendering
-
-AGGREGATOR_SYSTEM = "You read several solutions to a task and give the one final answer they support best."
+from .debate import aggregate, majority, response, student_rendering
 
 
 def aggregate_prompt(question: str, paths: list[Episode]) -> str:
@@ -26,17 +22,12 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     if aggregator not in ("vote", "llm"):
         raise ValueError(f"params.yaml generate.self_consistency.aggregator: unknown {aggregator!r} (vote | llm)")
     groups = [(q, s) for q in questions for s in range(samples)]
-    t0 = time.perf_counter()
     paths = [[ctx.solver_episode(f"{q['id']}/{s}/p{k}", q["question"], stable_seed(q["id"], s, k), q["task"])
               for k in range(n_paths)] for q, s in groups]
     run_episodes([e for g in paths for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc="self_consistency")
     aggs: list[Episode | None] = [None] * len(groups)
     if aggregator == "llm":
-        backend = ctx.backend_for("aggregator")
-        aggs = [start_episode(backend.tokenizer, f"{q['id']}/{s}/agg", aggregate_prompt(q["question"], g), stable_seed(q["id"], s, "agg"),
-                              ["answer"] if ctx.scaffold else [], system=AGGREGATOR_SYSTEM, tools=()) for (q, s), g in zip(groups, paths)]
-        run_episodes(aggs, backend, ctx.toolbox, ctx.cfg, desc="self_consistency aggregate")
-    per_group = (time.perf_counter() - t0) / max(1, len(groups))
+        aggs = aggregate(groups, [aggregate_prompt(q["question"], g) for (q, _), g in zip(groups, paths)], ctx, "self_consistency aggregate")
 
     rows = []
     for (q, s), g, agg in zip(groups, paths, aggs):
@@ -48,5 +39,5 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
             messages += [{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], g)}] + agent_messages(agg, "aggregator")
         messages.append({"role": "assistant", "name": f"aggregator({aggregator})", "content": f"<answer>{final or ''}</answer>"})
         rows.append(trajectory_row(q, s, "self_consistency", ctx.teacher, messages, student_rendering(q["question"], g, g, final, ctx.system), final,
-                                   g + ([agg] if agg is not None else []), per_group, "answer" if final else "no_answer"))
+                                   g + ([agg] if agg is not None else []), "answer" if final else "no_answer"))
     return rows

@@ -1,8 +1,6 @@
 """`single`: one agent, ReAct/TIR style, following the student protocol (the baseline and the student's own format)."""
 from __future__ import annotations
 
-import time
-
 from ..episodes import agent_messages, stable_seed, student_messages, trajectory_row
 from ..runtime import run_episodes
 
@@ -10,13 +8,11 @@ from ..runtime import run_episodes
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     episodes = [ctx.solver_episode(f"{q['id']}/{s}", q["question"], stable_seed(q["id"], s), q["task"])
                 for q in questions for s in range(samples)]
-    t0 = time.perf_counter()
     run_episodes(episodes, ctx.backend, ctx.toolbox, ctx.cfg, desc="single")
-    per_episode = (time.perf_counter() - t0) / max(1, len(episodes))
     rows = []
     for i, e in enumerate(episodes):
         q, s = questions[i // samples], i % samples
         messages = [{"role": "user", "name": None, "content": q["question"]}] + agent_messages(e, "agent")
         rows.append(trajectory_row(q, s, "single", ctx.teacher, messages, student_messages(q["question"], e.segments, ctx.system),
-                                   e.answer, [e], per_episode, e.finish_reason))
+                                   e.answer, [e], e.finish_reason))
     return rows

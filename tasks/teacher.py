@@ -1,0 +1,43 @@
+"""Stage `teacher`: materialise the teacher named by the `teacher` block into models/teacher.
+
+A local teacher (teacher.backend vllm | transformers) gets its weights and tokenizer there. A served teacher
+(teacher.backend openai) gets only the tokenizer that renders its prompts (teacher.tokenizer, else teacher.model's);
+its weights stay on the server. models/teacher/unison_model.json records what the teacher is (never an API key).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from unison import track
+from unison.data import models
+from unison.params import load_params
+
+OUT = Path("models/teacher")
+
+
+def teacher_info(t: dict) -> dict:
+    """What models/teacher/unison_model.json says of this teacher block (a local teacher: its source)."""
+    if t.get("backend", "vllm") != "openai":
+        return {"source": t["model"]}
+    return {"source": t["model"], "base_url": t["base_url"], "served_name": t.get("served_name") or t["model"].partition(":")[2],
+            "tokenizer": t.get("tokenizer") or t["model"]}
+
+
+def main() -> None:
+    t = load_params()["teacher"]
+    with track.stage_run("teacher", t) as run:
+        want = teacher_info(t)
+        info = models.read_info(OUT) or {}
+        if {k: info.get(k) for k in want} == want:
+            print(f"teacher: {OUT} already holds {t['model']}", flush=True)
+        elif "served_name" in want:
+            print(f"teacher: {want['served_name']} at {want['base_url']}; keeping its tokenizer in {OUT}", flush=True)
+            info = models.materialize_tokenizer(want["tokenizer"], OUT, want)
+        else:
+            print(f"teacher: materialising {t['model']} -> {OUT} ...", flush=True)
+            info = models.materialize_model(t["model"], OUT)
+        run.log_metrics({"teacher_parameters": float(info["n_parameters"])})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""A served teacher through the whole pipeline: vLLM's own OpenAI server on 127.0.0.1 is the teacher, the student runs here.
+
+`dvc repro` of a tiny overlay whose `teacher` block points at the server (SmolLM2 served as "smol-teacher"); the student is
+the same model's local copy. The server's own request counter (/metrics) shows generate went to it, that label, sft, pareto
+and rl never did, and that evaluate sent it exactly the teacher row's calls and none of the students'. Runs with
+`vllm_extensions` on (token ids from the server), then off (plain OpenAI completions, re-tokenised here): changing the
+teacher re-runs the teacher stage, generate and what follows, never the student's download.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from unison.params import ROOT
+
+from .local_http import served_requests, vllm_openai_server
+from .test_e2e import merge, run
+from .test_recipes import copy_project
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+SECRET = "sk-unison-test-5f0c2b9e7d"  # the server refuses requests without it; it must never land in a file
+
+SERVED = {
+    "download": {"builtin": {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 16, "test_size": 6,
+                             "mix": {"hop1": 1.0, "hop2": 0.0, "math": 0.0}}},
+    "generate": {"method": "single", "samples": 3, "shard_size": 8, "max_tokens_per_turn": 48},
+    "sft": {"epochs": 1, "batch_size": 4, "max_per_question": 1},
+    "prm": {"enabled": False},
+    "pareto": {"k": 2, "min_groups": 2},
+    "rl": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens_per_turn": 48, "rollout_backend": "transformers"},
+    "evaluate": {"rerank_samples": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, base_model_dir):
+    """(project dir, server URL): a fresh DVC project with the cached student, and the teacher's server."""
+    dst = copy_project(tmp_path_factory.mktemp("served-project"), base_model_dir)  # stage teacher swaps its local copy for a tokenizer
+    os.environ["UNISON_TEACHER_KEY"] = SECRET
+    with vllm_openai_server(base_model_dir, "smol-teacher", tmp_path_factory.mktemp("server") / "vllm.log", api_key=SECRET) as url:
+        teacher = {"model": f"local:{base_model_dir}", "backend": "openai", "base_url": url, "served_name": "smol-teacher",
+                   "api_key_env": "UNISON_TEACHER_KEY"}
+        params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), {**SERVED, "teacher": teacher})
+        (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        yield dst, url
+    del os.environ["UNISON_TEACHER_KEY"]
+
+
+def set_extensions(project, on: bool) -> None:
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["teacher"]["llm"] = {"vllm_extensions": on}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def ran(p: subprocess.CompletedProcess) -> list[str]:
+    return [line.split("'")[1] for line in p.stdout.splitlines() if line.startswith("Running stage")]
+
+
+def check_pipeline_on_the_server(project, url: str, extensions: bool) -> list[str]:
+    """Run the DAG in three steps, counting the server's requests in each; returns the stages that ran."""
+    before = served_requests(url)
+    stages = ran(run(project, "dvc", "repro", "generate"))
+    after_generate = served_requests(url)
+    traj = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
+    assert after_generate - before == sum(r["n_llm_calls"] for r in traj) > 0  # every teacher call went to the server
+    assert all(r["teacher"] == f"smol-teacher@{url}" for r in traj)
+    stats = json.loads((project / "reports/generate.json").read_text())
+    assert stats["backend.teacher.requests"] == after_generate - before
+    assert (stats["backend.teacher.retokenized"] > 0) != extensions  # plain OpenAI: completions re-tokenised here
+
+    stages += ran(run(project, "dvc", "repro", "rl"))
+    assert served_requests(url) == after_generate  # label, sft, pareto and rl: the students never reach the server
+    assert (project / "models/rl/config.json").is_file()
+
+    stages += ran(run(project, "dvc", "repro"))
+    teacher_rows = pq.read_table(project / "reports/eval/teacher.parquet").to_pylist()
+    assert served_requests(url) - after_generate == sum(r["n_llm_calls"] for r in teacher_rows) > 0  # the teacher row only
+    metrics = json.loads((project / "reports/metrics.json").read_text())
+    assert {"base", "teacher", "sft", "rl"} <= set(metrics)
+    return stages
+
+
+@pytest.mark.timeout(3000)  # two runs of a tiny DAG beside the server
+def test_a_served_teacher_with_vllm_extensions_then_without(served):
+    project, url = served
+    set_extensions(project, True)
+    first = check_pipeline_on_the_server(project, url, extensions=True)
+    assert {"download", "teacher", "generate", "label", "sft", "pareto", "rl", "evaluate", "report"} <= set(first)
+    info = json.loads((project / "models/teacher/unison_model.json").read_text())  # the local copy was replaced by the tokenizer
+    assert info["served_name"] == "smol-teacher" and not list((project / "models/teacher").glob("*.safetensors"))
+
+    set_extensions(project, False)  # changing the teacher re-runs it and everything after, never the student's download
+    second = check_pipeline_on_the_server(project, url, extensions=False)
+    assert "download" not in second and "index" not in second
+    assert {"teacher", "generate", "label", "sft", "evaluate"} <= set(second)
+    leaked = [str(f) for f in project.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
+    assert not leaked  # params, dvc.lock, MLflow's database and artifacts, reports, data and models never hold the key
