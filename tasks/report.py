@@ -131,10 +131,13 @@ def key_value_rows(stage_json: dict) -> list[dict]:
 
 
 def flywheel_rows(flywheel: dict) -> list[dict]:
-    """reports/flywheel.json's `rounds` (a list of dicts) as table rows, every key a column in order of appearance; a key
-    with `_lo` and `_hi` siblings becomes one "key [95% CI]" column."""
+    """reports/flywheel.json's `rounds` as table rows: round, teacher and student with EM (one "key [95% CI]" column where
+    `_lo` and `_hi` are there) and tokens, the round's correct trajectories and SFT steps."""
     rounds = flywheel.get("rounds") or []
-    columns = list(dict.fromkeys(k for r in rounds for k in r))
+    shown = ("round", "teacher", "teacher_em", "teacher_tokens_per_question", "student", "student_em", "student_tokens_per_question",
+             "correct_trajectories", "sft_steps")  # the rest stays in reports/flywheel.json
+    present = {k for r in rounds for k in r}
+    columns = [c for c in shown if c in present] + [f"{c}_{end}" for c in ("teacher_em", "student_em") for end in ("lo", "hi") if f"{c}_{end}" in present]
     with_interval = {c for c in columns if f"{c}_lo" in columns and f"{c}_hi" in columns}
     bounds = {f"{c}_{end}" for c in with_interval for end in ("lo", "hi")}
     return [{(f"{c} [95% CI]" if c in with_interval else c): (with_ci(r, c) if c in with_interval else format_value(r.get(c)))
