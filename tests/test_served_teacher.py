@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 
 import pyarrow.parquet as pq
 import pytest
@@ -23,7 +24,7 @@ from .test_e2e import merge, run
 from .test_recipes import copy_project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-SECRET = "sk-unison-test-5f0c2b9e7d"  # the server refuses requests without it; it must never land in a file
+SECRET = f"sk-unison-{uuid.uuid4().hex}"  # made at run time (so no copied source holds it); the server refuses requests without it
 
 SERVED = {
     "download": {"builtin": {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 16, "test_size": 6,
@@ -34,6 +35,7 @@ SERVED = {
     "pareto": {"k": 2, "min_groups": 2},
     "rl": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens_per_turn": 48, "rollout_backend": "transformers"},
     "evaluate": {"rerank_samples": 1},
+    "flywheel": {"rounds": 0},  # its rounds run students locally; tests/test_e2e.py covers them
 }
 
 
