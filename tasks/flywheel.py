@@ -142,7 +142,7 @@ def main() -> None:
     n = int(params["flywheel"]["rounds"])
     with track.stage_run("flywheel", {**params["flywheel"], "teacher_method": params["generate"]["method"]}) as run:
         first, base = round_zero(params)
-        rounds, work = [first], cache_dir(params)
+        rounds, work = [first], cache_dir(params) if n else None  # hashing the models costs seconds: only when rounds run
         toolbox, judge = make_toolbox(params), make_judge(params, {})
         for k in range(1, n + 1):
             done = work / f"round-{k}" / "round.json"
@@ -169,7 +169,8 @@ def main() -> None:
         plot(rounds, base, PLOT)
         run.log_metrics({f"round{r['round']}.{key}": v for r in rounds for key, v in r.items() if isinstance(v, (int, float))})
         run.log_artifact(str(PLOT))
-    shutil.rmtree(work, ignore_errors=True)
+    if work:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

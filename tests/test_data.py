@@ -14,7 +14,7 @@ from unison.data import adapters, models
 from unison.data.builtin import ORG_SUFFIXES, generate_world
 from unison.data.schemas import CORPUS, QUESTION, DataError, read_table, write_table
 
-SHARED = Path("/work/shared/data")
+SHARED = Path(__file__).parent / "fixtures" / "data"  # copies of the real GSM8K, Bamboogle and MATH-500 test sets
 SMALL_WORLD = {
     "n_people": 40, "n_orgs": 10, "n_cities": 8, "n_countries": 3,
     "train_size": 60, "test_size": 30, "mix": {"hop1": 0.5, "hop2": 0.25, "math": 0.25},

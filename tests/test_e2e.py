@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import pytest
 import yaml
 
 from unison.params import ROOT
+
+from .test_recipes import copy_project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -51,19 +52,9 @@ def sha256(path: Path) -> str:
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, base_model_dir):
     """A clean copy of the repo (files git tracks or would track) with a tiny params.yaml and the cached model in place."""
-    dst = tmp_path_factory.mktemp("project")
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()
-    for f in files + ["params.yaml", "dvc.yaml"]:
-        if (ROOT / f).is_file():
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, dst / f)
+    dst = copy_project(tmp_path_factory.mktemp("project"), base_model_dir)
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
     (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    (dst / "dvc.lock").unlink(missing_ok=True)
-    for model in ("base", "teacher"):  # download and teacher skip conversion when the spec matches
-        shutil.copytree(base_model_dir, dst / "models" / model)
-    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     return dst
 
 

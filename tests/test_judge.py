@@ -12,7 +12,7 @@ from unison.judge.qa import exact_match, normalize, qa_scores, substring_match, 
 from unison.judge.stats import bootstrap_ci, paired_difference_ci, wilson_interval
 
 PARAMS = {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
-# Gold answers copied from MATH-500 (/work/shared/data/math500_test.jsonl, rows 0-2).
+# Gold answers copied from MATH-500 (tests/fixtures/data/math500_test.jsonl, rows 0-2).
 POLAR = r"\left( 3, \frac{\pi}{2} \right)"
 P_MINUS_Q = "p - q"
 FOURTEEN_THIRDS = r"\frac{14}{3}"
