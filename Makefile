@@ -54,6 +54,7 @@ ui: setup
 bench: setup
 	$(PY) -m bench.bench_rollout
 	$(PY) -m bench.bench_methods
+	$(PY) -m bench.bench_train
 
 clean:
 	rm -rf data models reports mlruns mlflow.db .prefect .unison .dvc/cache .dvc/tmp

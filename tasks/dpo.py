@@ -5,21 +5,19 @@ so, quickly, so the DAG stays the same whether or not DPO runs.
 """
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 from transformers import AutoTokenizer
 
 from unison import track
-from unison.data.schemas import LABELED, DataError, atomic_dir, atomic_path, read_table, write_json
+from unison.data.schemas import LABELED, DataError, atomic_dir, read_table, write_json
 from unison.params import load_params, stage_params
 from unison.train.dpo import DPOConfig, build_pairs, pair_views, train_dpo
+from unison.train.loop import resolve_precision, write_records_csv
 
 LABELED_PATH = "data/labeled/train.parquet"
 START = "models/sft"
 OUT = "models/dpo"
-LOSS_CSV = Path("reports/dpo_loss.csv")
-FIELDS = ["step", "epoch", "loss", "reward_chosen", "reward_rejected", "reward_margin", "accuracy", "elapsed_s"]
+LOSS_CSV = "reports/dpo_loss.csv"
+FIELDS = ["step", "epoch", "loss", "reward_chosen", "reward_rejected", "reward_margin", "accuracy", "grad_norm", "lr", "elapsed_s"]
 
 
 def load_pairs(path: str, max_per_question: int) -> list[tuple[dict, dict]]:
@@ -33,15 +31,6 @@ def load_pairs(path: str, max_per_question: int) -> list[tuple[dict, dict]]:
     return pairs
 
 
-def write_loss_csv(records: list[dict]) -> None:
-    tmp = atomic_path(LOSS_CSV)
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(records)
-    tmp.replace(LOSS_CSV)
-
-
 def main() -> None:
     p = stage_params("dpo", load_params())
     cfg = DPOConfig(**{k: p[k] for k in DPOConfig.__dataclass_fields__ if k in p})
@@ -49,7 +38,7 @@ def main() -> None:
         if not p["enabled"]:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False, "model": None, "start": START}, tmp / "dpo.json")
-            write_loss_csv([])
+            write_records_csv([], LOSS_CSV, FIELDS)
             write_json({"enabled": False}, "reports/dpo.json")
             print("dpo: disabled (dpo.enabled: false); wrote the marker models/dpo/dpo.json", flush=True)
             return
@@ -58,10 +47,11 @@ def main() -> None:
         print(f"dpo: {stats['pairs']} pairs from {stats['questions']} questions", flush=True)
         records = train_dpo(START, views, cfg, OUT, on_step=lambda r: run.log_metrics(
             {k: r[k] for k in ("loss", "reward_margin", "accuracy")}, step=r["step"]))
-        write_loss_csv(records)
+        write_records_csv(records, LOSS_CSV, FIELDS)
         metrics = {"enabled": True, **stats, "steps": len(records), "first_loss": records[0]["loss"],
                    "final_loss": records[-1]["loss"], "final_reward_margin": records[-1]["reward_margin"],
-                   "final_accuracy": records[-1]["accuracy"], "train_s": records[-1]["elapsed_s"]}
+                   "final_accuracy": records[-1]["accuracy"], "train_s": records[-1]["elapsed_s"],
+                   "precision": resolve_precision(cfg.precision, "dpo.precision")}
         write_json(metrics, "reports/dpo.json")
         run.log_metrics(metrics)
 

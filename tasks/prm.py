@@ -5,15 +5,14 @@ stays one graph; evaluate's reranking and rl's PRM rewards then refuse to run.
 """
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 from unison import track
-from unison.data.schemas import LABELED, DataError, atomic_dir, atomic_path, read_table, write_json
+from unison.data.schemas import LABELED, DataError, atomic_dir, read_table, write_json
 from unison.params import load_params, stage_params
+from unison.train.loop import resolve_precision, write_records_csv
 from unison.train.prm import PRMConfig, evaluate_prm, split_by_question, train_prm
 
-IN, OUT, LOSS_CSV = "data/labeled/train.parquet", "models/prm", Path("reports/prm_loss.csv")
+IN, OUT, LOSS_CSV = "data/labeled/train.parquet", "models/prm", "reports/prm_loss.csv"
+LOSS_FIELDS = ["step", "epoch", "loss", "lr", "grad_norm", "elapsed_s"]
 
 
 def check_train(rows: list[dict]) -> None:
@@ -27,15 +26,6 @@ def check_train(rows: list[dict]) -> None:
                             "both classes (more samples, label.step_labels: montecarlo, or a stronger teacher)", field="step_labels")
 
 
-def write_loss_csv(records: list[dict]) -> None:
-    tmp = atomic_path(LOSS_CSV)
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["step", "epoch", "loss", "lr", "elapsed_s"])
-        w.writeheader()
-        w.writerows(records)
-    tmp.replace(LOSS_CSV)
-
-
 def main() -> None:
     p = stage_params("prm", load_params())
     cfg = PRMConfig(**{k: p[k] for k in PRMConfig.__dataclass_fields__ if k in p})
@@ -43,7 +33,7 @@ def main() -> None:
         if not p["enabled"]:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False}, tmp / "prm.json")
-            write_loss_csv([])
+            write_records_csv([], LOSS_CSV, LOSS_FIELDS)
             write_json({"enabled": False}, "reports/prm.json")
             print("prm: disabled (prm.enabled: false); wrote the marker models/prm/prm.json", flush=True)
             return
@@ -54,10 +44,11 @@ def main() -> None:
               f"({len({r['question_id'] for r in held})} held-out questions)", flush=True)
         prm, records = train_prm("models/base", train, cfg, OUT,
                                  on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]))
-        write_loss_csv(records)
+        write_records_csv(records, LOSS_CSV, LOSS_FIELDS)
         metrics = {"enabled": True, "train_trajectories": len(train), "train_steps": sum(len(r["steps"]) for r in train),
                    "eval_trajectories": len(held), "steps": len(records), "first_loss": records[0]["loss"],
-                   "final_loss": records[-1]["loss"], "train_s": records[-1]["elapsed_s"], **evaluate_prm(prm, held, cfg.batch_size)}
+                   "final_loss": records[-1]["loss"], "train_s": records[-1]["elapsed_s"],
+                   "precision": resolve_precision(cfg.precision, "prm.precision"), **evaluate_prm(prm, held, cfg.batch_size)}
         write_json(metrics, "reports/prm.json")
         run.log_metrics(metrics)
         print(f"prm: {metrics}", flush=True)

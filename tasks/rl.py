@@ -4,31 +4,18 @@ A killed run resumes from data/.cache/rl-checkpoint/<key>, the key hashing every
 """
 from __future__ import annotations
 
-import csv
-import hashlib
-import json
 from pathlib import Path
 
 from unison import track
 from unison.agents.context import enabled_tools, make_toolbox
 from unison.agents.runtime import RunConfig
-from unison.data.schemas import atomic_path, write_json
+from unison.data.schemas import write_json
 from unison.params import load_params, stage_params
+from unison.train.loop import run_key, write_records_csv
 from unison.train.rl import RLConfig, load_rl_data, train_rl
 
 CURVE_CSV = Path("reports/rl_curve.csv")
 CHECKPOINTS = Path("data/.cache/rl-checkpoint")
-
-
-def run_key(params: dict, files: list[Path]) -> str:
-    """Hash of the settings (params) and the bytes of the input files: a checkpoint is only resumed by the same run."""
-    h = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode())
-    for path in files:
-        h.update(str(path).encode())
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()[:16]
 
 
 def main() -> None:
@@ -46,21 +33,16 @@ def main() -> None:
 
             prm = load_prm("models/prm")
         tools = enabled_tools(params)
-        run_cfg = RunConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
+        run_config = RunConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params["llm"]["max_model_len"])
         model_dirs = ["models/sft"] + (["models/prm"] if prm is not None else [])
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         key = run_key({"rl": p, "llm": params["llm"], "tools": params["tools"], "label": params["label"]}, inputs)
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)
-        records = train_rl("models/sft", rows, cfg, make_toolbox(params), run_cfg, tools, params["label"], params["llm"], "models/rl",
+        records = train_rl("models/sft", rows, cfg, make_toolbox(params), run_config, tools, params["label"], params["llm"], "models/rl",
                            str(CHECKPOINTS / key), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]))
-        tmp = atomic_path(CURVE_CSV)
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(records[0]))
-            w.writeheader()
-            w.writerows(records)
-        tmp.replace(CURVE_CSV)
+        write_records_csv(records, CURVE_CSV)
         first, last = records[0], records[-1]
         metrics = {"steps": len(records), "prompts": len(rows), "first_reward": first["reward_total"], "final_reward": last["reward_total"],
                    "first_accuracy": first["accuracy"], "final_accuracy": last["accuracy"],

@@ -60,14 +60,14 @@ def test_observation_and_prompt_tokens_do_not_change_the_logprob_sums(tiny_model
     ids_t, mask_t = torch.tensor([ids]), torch.tensor([mask])
     with torch.no_grad():
         logits = model(input_ids=ids_t).logits
-    total = sequence_logps(logits, ids_t, mask_t)
+    total = sequence_logps(logits[:, :-1], ids_t[:, 1:], mask_t[:, 1:])
     logp = torch.log_softmax(logits[0], -1)
     by_hand = sum(logp[t - 1, ids[t]] for t in range(1, len(ids)) if mask[t])
     assert torch.allclose(total, by_hand.reshape(1), atol=1e-5)
     noisy = logits.clone()
     masked_targets = [t - 1 for t in range(1, len(ids)) if not mask[t]]
     noisy[0, masked_targets] = torch.randn(len(masked_targets), logits.shape[-1]) * 10  # change what predicts them
-    assert torch.allclose(sequence_logps(noisy, ids_t, mask_t), total)
+    assert torch.allclose(sequence_logps(noisy[:, :-1], ids_t[:, 1:], mask_t[:, 1:]), total)
 
 
 def test_pairs_are_one_question_correct_over_wrong_deduped_and_capped():

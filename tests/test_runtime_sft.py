@@ -10,7 +10,7 @@ from unison.agents.methods.debate import majority
 from unison.agents.protocol import parse_tool_call, split_queries
 from unison.agents.runtime import RunConfig, Toolbox, _timed, run_episodes
 from unison.llm.hf_backend import HFBackend
-from unison.train.sft import SFTConfig, build_examples, masked_loss, select_trajectories, train_sft
+from unison.train.sft import SFTConfig, build_examples, select_trajectories, target_nll, train_sft
 from unison.train.token_view import retokenization_drift, token_view
 
 
@@ -99,12 +99,12 @@ def test_drift_counts_retokenisation_differences(smol):
     assert retokenization_drift(tok, split) > 0
 
 
-def test_masked_loss_ignores_prompt_and_tool_tokens():
+def test_target_nll_ignores_prompt_and_tool_tokens():
     torch.manual_seed(0)
     logits = torch.randn(1, 6, 11, requires_grad=True)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     mask = torch.tensor([[0, 0, 1, 0, 1, 1]])  # targets at positions 2, 4, 5 count
-    loss = masked_loss(logits, ids, mask)
+    loss = target_nll(logits[:, :-1], ids[:, 1:], mask[:, 1:])
     logp = torch.log_softmax(logits[0], -1)
     expected = -(logp[1, 3] + logp[3, 5] + logp[4, 6]) / 3
     assert torch.allclose(loss, expected)

@@ -3,7 +3,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

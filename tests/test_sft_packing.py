@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from unison.train.sft import SFTConfig, collate, collate_packed, masked_loss, pack, train_sft
+from unison.train.sft import SFTConfig, collate, collate_packed, pack, target_logits, target_nll, train_sft
 
 
 def examples(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -38,8 +38,7 @@ def test_packed_loss_and_gradients_equal_unpacked(tiny_model_dir):
 
     def loss_and_grads(inputs):
         model.zero_grad()
-        logits = model(**{k: v for k, v in inputs.items() if k != "loss_mask"}, use_cache=False).logits
-        loss = masked_loss(logits, inputs["input_ids"], inputs["loss_mask"])
+        loss = target_nll(*target_logits(model, inputs))
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -55,7 +54,11 @@ def test_packed_loss_and_gradients_equal_unpacked(tiny_model_dir):
     leak = {**packed, "position_ids": torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"])}
     with torch.no_grad():
         logits = model(**{k: v for k, v in leak.items() if k != "loss_mask"}, use_cache=False).logits
-    assert not torch.allclose(masked_loss(logits, leak["input_ids"], leak["loss_mask"]), loss_a, atol=1e-4)
+    assert not torch.allclose(target_nll(logits[:, :-1], leak["input_ids"][:, 1:], leak["loss_mask"][:, 1:]), loss_a, atol=1e-4)
+    # the LM head only where targets are gives the loss of the full logits
+    with torch.no_grad():
+        full = model(**{k: v for k, v in plain.items() if k != "loss_mask"}, use_cache=False).logits
+    assert torch.allclose(target_nll(full[:, :-1], plain["input_ids"][:, 1:], plain["loss_mask"][:, 1:]), loss_a, atol=1e-6)
 
 
 def test_train_sft_packed_takes_the_same_steps(tiny_model_dir, tmp_path):

@@ -4,7 +4,7 @@ Both sides use the SFT token view (token_view.py), so only generated tokens coun
 are masked out of the sequence log-probabilities, as AFM's IgnoreObsPairwiseDatasetProcessor masks `<observation>`
 spans. TRL's DPOTrainer is not used: it tokenises prompt/chosen/rejected text itself and masks only the prompt, so an
 observation in the middle of a multi-turn completion would be trained on and the ids would not be the generated ones.
-A plain loop through accelerate (as sft.py): the reference is the frozen starting model, its log-probabilities
+The loop is loop.py's (as sft.py): the reference is the frozen starting model, its log-probabilities
 computed once before training.
 """
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .sft import collate, make_accelerator, save_model, with_lora
+from .loop import Trainer, autocast, fit, resolve_precision
+from .sft import collate, save_model, target_logits, with_lora
 from .token_view import row_view
 
 LOSSES = ("sigmoid", "ipo")
@@ -33,6 +33,7 @@ class DPOConfig:
     batch_size: int = 4  # pairs per optimiser step
     max_length: int = 768
     max_pairs_per_question: int = 2
+    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp32
     lora: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
@@ -70,11 +71,11 @@ def pair_views(tok, pairs: list[tuple[dict, dict]], max_length: int) -> tuple[li
     return views, {"pairs": len(views), "questions": len({c["question_id"] for c, _ in pairs}), "truncated_sequences": truncated}
 
 
-def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Per row: the sum of log p(token) over target tokens with loss_mask = 1."""
-    logits = logits[:, :-1].float()
-    logp = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # no (B, L, V) log-softmax copy
-    return (logp * loss_mask[:, 1:].float()).sum(-1)
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row: the sum of log p(targets[b, p]) under logits[b, p] (aligned) over the positions where mask = 1."""
+    logits = logits.float()
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # no (B, L, V) log-softmax copy
+    return (logp * mask.float()).sum(-1)
 
 
 def dpo_loss(pol_c: torch.Tensor, pol_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor, beta: float,
@@ -96,8 +97,7 @@ def dpo_loss(pol_c: torch.Tensor, pol_r: torch.Tensor, ref_c: torch.Tensor, ref_
 def pair_logps(model, views: list[tuple], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) sequence log-probs of a batch of pairs, both sides in one forward pass."""
     batch = {k: t.to(device) for k, t in collate([v[0] for v in views] + [v[1] for v in views], pad_id).items()}
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logps = sequence_logps(logits, batch["input_ids"], batch["loss_mask"])
+    logps = sequence_logps(*target_logits(model, batch))
     return logps[: len(views)], logps[len(views):]
 
 
@@ -111,41 +111,28 @@ def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, 
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id or 0
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    acc = make_accelerator()
-    model.to(acc.device).eval()
-    with torch.no_grad():  # the reference: the starting weights, scored once
-        ref = [pair_logps(model, views[i : i + cfg.batch_size], pad, acc.device) for i in range(0, len(views), cfg.batch_size)]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    precision = resolve_precision(cfg.precision, "dpo.precision")
+    with torch.no_grad(), autocast(precision, device.type):  # the reference: the starting weights, scored once
+        ref = [pair_logps(model, views[i : i + cfg.batch_size], pad, device) for i in range(0, len(views), cfg.batch_size)]
     ref_c, ref_r = torch.cat([c for c, _ in ref]), torch.cat([r for _, r in ref])
     if cfg.lora:
         model = with_lora(model, cfg.lora_r, cfg.lora_alpha)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    model, opt = acc.prepare(model, opt)
-    model.train()
-    rng = random.Random(cfg.seed)
-    total = math.ceil(len(views) / cfg.batch_size) * cfg.epochs
-    records, step, t0 = [], 0, time.perf_counter()
-    for epoch in range(cfg.epochs):
+    rng, steps = random.Random(cfg.seed), []
+    for _ in range(cfg.epochs):
         order = list(range(len(views)))
         rng.shuffle(order)
-        for k in range(0, len(order), cfg.batch_size):
-            idx = order[k : k + cfg.batch_size]
-            pol_c, pol_r = pair_logps(model, [views[i] for i in idx], pad, acc.device)
-            loss, rew_c, rew_r = dpo_loss(pol_c, pol_r, ref_c[idx].to(acc.device), ref_r[idx].to(acc.device), cfg.beta, cfg.loss)
-            acc.backward(loss.mean())
-            acc.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            rec = {"step": step, "epoch": epoch + min(1.0, (k + len(idx)) / len(order)), "loss": loss.mean().item(),
-                   "reward_chosen": rew_c.mean().item(), "reward_rejected": rew_r.mean().item(),
-                   "reward_margin": (rew_c - rew_r).mean().item(), "accuracy": (rew_c > rew_r).float().mean().item(),
-                   "elapsed_s": time.perf_counter() - t0}
-            records.append(rec)
-            eta = rec["elapsed_s"] / step * (total - step)
-            print(f"dpo step {step}/{total} loss {rec['loss']:.4f} margin {rec['reward_margin']:.4f} "
-                  f"acc {rec['accuracy']:.2f} {rec['elapsed_s'] / step:.1f}s/step eta {eta / 60:.1f} min", flush=True)
-            if on_step:
-                on_step(rec)
-    save_model(acc.unwrap_model(model), tok, out_dir, cfg.lora,
-               {"dpo.json": {"enabled": True, "start": str(model_dir), "pairs": len(views), "steps": step, **asdict(cfg)}})
+        steps += [[order[k : k + cfg.batch_size]] for k in range(0, len(order), cfg.batch_size)]
+    trainer = Trainer("dpo", model, len(steps), cfg.lr, precision=precision, on_step=on_step)
+
+    def loss_fn(idx):
+        pol_c, pol_r = pair_logps(trainer.model, [views[i] for i in idx], pad, trainer.device)
+        loss, rew_c, rew_r = dpo_loss(pol_c, pol_r, ref_c[idx].to(trainer.device), ref_r[idx].to(trainer.device), cfg.beta, cfg.loss)
+        return loss.mean(), {"reward_chosen": rew_c.mean().item(), "reward_rejected": rew_r.mean().item(),
+                             "reward_margin": (rew_c - rew_r).mean().item(), "accuracy": (rew_c > rew_r).float().mean().item()}
+
+    records = fit(trainer, steps, loss_fn, math.ceil(len(views) / cfg.batch_size))
+    save_model(trainer.unwrapped(), tok, out_dir, cfg.lora,
+               {"dpo.json": {"enabled": True, "start": str(model_dir), "pairs": len(views), "steps": len(records), **asdict(cfg)}})
     return records

@@ -2,14 +2,13 @@
 
 The input is the question, then each step followed by a separator; a 2-class linear head reads the backbone's last
 hidden state at each step's (last) separator token. Loss: cross-entropy against soft targets [1 - y, y] from the step
-labels. `freeze_backbone` trains only the head (AgentArk fix_llm). A plain training loop a reader can hold in their head.
+labels. `freeze_backbone` trains only the head (AgentArk fix_llm). The loop is loop.py's.
 """
 from __future__ import annotations
 
 import json
 import math
 import random
-import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch import nn
 
 from ..data.schemas import atomic_dir
 from ..judge.qa import normalize
+from .loop import Trainer, fit
 
 HEAD_FILE, CONFIG_FILE = "prm_head.safetensors", "prm_config.json"
 
@@ -32,6 +32,7 @@ class PRMConfig:
     batch_size: int = 8
     max_length: int = 1024
     eval_fraction: float = 0.2
+    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp32
     seed: int = 0
 
 
@@ -150,35 +151,17 @@ def build_examples(prm: PRM, rows: list[dict], max_length: int) -> tuple[list[tu
 def train_prm(model_dir: str, rows: list[dict], cfg: PRMConfig, out_dir: str | None = None, on_step=None) -> tuple[PRM, list[dict]]:
     """Train on `rows`' step labels; save to `out_dir` (if given) atomically; returns the PRM and the step records."""
     prm = build_prm(model_dir, cfg.separator, cfg.seed)
-    prm.to("cuda" if torch.cuda.is_available() else "cpu").train()
     if cfg.freeze_backbone:
-        prm.backbone.requires_grad_(False).eval()
+        prm.backbone.requires_grad_(False)
     examples, _ = build_examples(prm, rows, cfg.max_length)
-    params = [p for p in prm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    total = max(1, math.ceil(len(examples) / cfg.batch_size) * cfg.epochs)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total))
-    rng = random.Random(cfg.seed)
-    records, step, t0 = [], 0, time.perf_counter()
-    for epoch in range(cfg.epochs):
+    rng, steps = random.Random(cfg.seed), []
+    for _ in range(cfg.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
-        for i in range(0, len(order), cfg.batch_size):
-            loss = prm_loss(prm, [examples[k] for k in order[i : i + cfg.batch_size]])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            step += 1
-            rec = {"step": step, "epoch": epoch + min(1.0, (i + cfg.batch_size) / len(order)), "loss": loss.item(),
-                   "lr": sched.get_last_lr()[0], "elapsed_s": time.perf_counter() - t0}
-            records.append(rec)
-            eta = rec["elapsed_s"] / step * (total - step)
-            print(f"prm step {step}/{total} loss {rec['loss']:.4f} {rec['elapsed_s'] / step:.2f}s/step eta {eta / 60:.1f} min", flush=True)
-            if on_step:
-                on_step(rec)
-    prm.eval()
+        steps += [[[examples[k] for k in order[i : i + cfg.batch_size]]] for i in range(0, len(order), cfg.batch_size)]
+    total = max(1, len(steps))
+    trainer = Trainer("prm", prm, total, cfg.lr, schedule=lambda s: max(0.0, 1 - s / total), precision=cfg.precision, on_step=on_step)
+    records = fit(trainer, steps, lambda batch: (prm_loss(prm, batch), {}), max(1, total // cfg.epochs))
     if out_dir:
         prm.save(out_dir, {"base": str(model_dir), **asdict(cfg)})
     return prm, records

@@ -10,7 +10,6 @@ lets a killed run resume exactly where it stopped.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 import shutil
@@ -20,13 +19,14 @@ from pathlib import Path
 
 import torch
 
-from ..data.schemas import RL_ROW, DataError, atomic_dir, read_table
+from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS, score
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .policy_loss import policy_loss, token_logprobs
 from .rewards import count_tool_calls, efficiency_rewards, format_reward, prmvr_token_rewards, returns_to_go, sigma_factor
 from .rollout import View, episode_view, make_rollout_backend, rollout, turn_views
-from .sft import make_accelerator
+from .loop import Trainer, autocast, warmup_constant
+from .sft import save_model
 
 
 @dataclass
@@ -65,6 +65,7 @@ class RLConfig:
     prm_baseline: str = "token"
     rollout_backend: str = "vllm"
     rollout_batch_size: int = 32
+    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp32
     deepspeed_config: str = ""
     checkpoint_every: int = 1
     seed: int = 0
@@ -232,17 +233,21 @@ def batch_loss(logits: torch.Tensor, batch: dict, cfg: RLConfig, max_len: int | 
 
 
 @torch.no_grad()
-def attach_logprobs(model, samples: list[dict], key: str, cfg: RLConfig, pad_id: int) -> None:
+def attach_logprobs(model, samples: list[dict], key: str, cfg: RLConfig, pad_id: int, device, precision: str) -> None:
+    """Each sample's per-token log-probs under `model` (in the training precision) as samples[i][key]."""
     for i in range(0, len(samples), cfg.micro_batch_size):
         chunk = samples[i : i + cfg.micro_batch_size]
-        logp, _ = logprobs_of(model, collate(chunk, pad_id), cfg.temperature)
+        batch = {n: t.to(device) for n, t in collate(chunk, pad_id).items()}
+        with autocast(precision, device.type):
+            logp, _ = logprobs_of(model, batch, cfg.temperature)
         for r, s in enumerate(chunk):
             s[key] = logp[r, : len(s["ids"]) - 1].tolist()
 
 
-def train_on(acc, model, opt, sched, samples: list[dict], cfg: RLConfig, pad_id: int, rng: random.Random) -> dict:
-    """PPO epochs over the step's samples: each mini-batch one optimiser step, accumulated over micro-batches."""
-    sums, weight_total, grad_norms = {}, 0.0, []
+def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, rng: random.Random) -> dict:
+    """PPO epochs over the step's samples: each mini-batch one optimiser step, its micro-batches weighted by their share
+    of the mini-batch's loss units (tokens for token_mean, sequences otherwise)."""
+    sums, n_steps = {}, 0
     for _ in range(cfg.ppo_epochs):
         order = list(range(len(samples)))
         rng.shuffle(order)
@@ -251,28 +256,22 @@ def train_on(acc, model, opt, sched, samples: list[dict], cfg: RLConfig, pad_id:
             units = {i: sum(samples[i]["loss_mask"]) if cfg.loss_agg == "token_mean" else float(any(samples[i]["loss_mask"])) for i in mb}
             max_len = max(len(samples[i]["ids"]) for i in mb) - 1
             micros = [mb[i : i + cfg.micro_batch_size] for i in range(0, len(mb), cfg.micro_batch_size)]
-            for k, micro in enumerate(micros):
-                batch = {n: t.to(acc.device) for n, t in collate([samples[i] for i in micro], pad_id).items()}
-                w = sum(units[i] for i in micro) / max(1e-9, sum(units.values()))
-                acc.sync_gradients = k == len(micros) - 1  # DeepSpeed steps at the boundary; plain torch accumulates
-                _, logits = logprobs_of(model, batch, cfg.temperature)
-                loss, metrics = batch_loss(logits, batch, cfg, max_len)
-                acc.backward(loss * w)
-                for name, v in metrics.items():
-                    sums[name] = sums.get(name, 0.0) + v * w
-                weight_total += w
-            grad_norms.append(float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-    out = {name: v / max(1e-9, weight_total) for name, v in sums.items()}
-    out["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
-    return out
+            weights = [sum(units[i] for i in micro) / max(1e-9, sum(units.values())) for micro in micros]
+
+            def loss_fn(micro):
+                batch = {n: t.to(trainer.device) for n, t in collate([samples[i] for i in micro], pad_id).items()}
+                _, logits = logprobs_of(trainer.model, batch, cfg.temperature)
+                return batch_loss(logits, batch, cfg, max_len)
+
+            for name, v in trainer.step(micros, loss_fn, weights).items():
+                sums[name] = sums.get(name, 0.0) + v
+            n_steps += 1
+    return {name: v / max(1, n_steps) for name, v in sums.items()}
 
 
 # ------------------------------------------------------------------------------------------------------------ loop
 
-def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, tools: tuple[str, ...], label_params: dict,
+def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_config, tools: tuple[str, ...], label_params: dict,
              llm_params: dict, out_dir: str, checkpoint_dir: str, prm=None, on_step=None) -> list[dict]:
     """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -283,65 +282,44 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_cfg, 
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ref = None
-    if cfg.kl_coef > 0:
-        ref = copy.deepcopy(model).eval().requires_grad_(False)
-    acc = make_accelerator(cfg.deepspeed_config, param="rl.deepspeed_config")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
-    model, opt, sched = acc.prepare(model, opt, sched)
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    trainer = Trainer("rl", model, cfg.steps, cfg.lr, weight_decay=cfg.weight_decay, schedule=warmup_constant(cfg.warmup_steps),
+                      max_grad_norm=cfg.max_grad_norm, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config, on_step=on_step)
     if ref is not None:
-        ref.to(acc.device)
-    ckpt = Path(checkpoint_dir)
-    start, pos, records = 0, 0, []  # pos: prompts of the curriculum drawn so far
-    if (ckpt / "state.json").exists():
-        acc.load_state(str(ckpt))
-        saved = json.loads((ckpt / "state.json").read_text())
-        start, pos, records = saved["step"], saved["pos"], saved["records"]
-        print(f"rl: resumed from {ckpt} at step {start}", flush=True)
-    policy = acc.unwrap_model(model)
+        ref.to(trainer.device)
+    saved = trainer.load_checkpoint(checkpoint_dir)
+    start, pos = (saved["rl_step"], saved["pos"]) if saved else (0, 0)  # pos: prompts of the curriculum drawn so far
+    policy = trainer.unwrapped()
     backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm_params, cfg.seed, cfg.rollout_batch_size)
     if start and cfg.rollout_backend == "vllm":
         backend.sync(policy)
-    t_start = time.perf_counter()
     for step in range(start, cfg.steps):
-        model.eval()
-        samples, rows_seen, episodes, rewards, kept, rounds, times = collect_step(step, pos, rows, backend, toolbox, run_cfg, tools,
+        trainer.model.eval()
+        samples, rows_seen, episodes, rewards, kept, rounds, times = collect_step(step, pos, rows, backend, toolbox, run_config, tools,
                                                                                  cfg, label_params, prm)
         pos += rounds * cfg.prompts_per_step
         t2 = time.perf_counter()
         metrics = {}
         if samples:
-            attach_logprobs(model, samples, "old_logp", cfg, pad_id)
+            attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision)
             if ref is not None:
-                attach_logprobs(ref, samples, "ref_logp", cfg, pad_id)
-            model.train()
-            metrics = train_on(acc, model, opt, sched, samples, cfg, pad_id, random.Random(f"{cfg.seed}/{step}"))
+                attach_logprobs(ref, samples, "ref_logp", cfg, pad_id, trainer.device, trainer.precision)
+            trainer.model.train()
+            metrics = train_on(trainer, samples, cfg, pad_id, random.Random(f"{cfg.seed}/{step}"))
             if cfg.rollout_backend == "vllm":
                 backend.sync(policy)
         times["train_s"] = time.perf_counter() - t2
-        rec = step_record(step + 1, rows_seen, episodes, rewards, metrics, kept, len(samples), times, sched.get_last_lr()[0])
+        rec = step_record(step + 1, rows_seen, episodes, rewards, metrics, kept, len(samples), times, trainer.sched.get_last_lr()[0])
         rec["rollout_rounds"] = rounds
-        records.append(rec)
-        done = step + 1 - start
-        eta = (time.perf_counter() - t_start) / done * (cfg.steps - step - 1)
-        print(f"rl step {step + 1}/{cfg.steps} reward {rec['reward_total']:.3f} acc {rec['accuracy']:.2f} tools/ep "
-              f"{rec['tool_calls_per_episode']:.2f} kept {kept:.2f} of {rounds} batch(es) loss {rec['pg_loss']:.4f} "
-              f"({rec['rollout_s']:.0f}+{rec['reward_s']:.0f}+{rec['train_s']:.0f} s) eta {eta / 60:.1f} min", flush=True)
+        trainer.log(rec)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-            with atomic_dir(ckpt) as tmp:
-                acc.save_state(str(tmp))
-                (tmp / "state.json").write_text(json.dumps({"step": step + 1, "pos": pos, "records": records, "config": asdict(cfg)}))
-        if on_step:
-            on_step(rec)
-    with atomic_dir(out_dir) as tmp:
-        acc.unwrap_model(model).save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-    shutil.rmtree(ckpt, ignore_errors=True)  # finished: only a killed run resumes
-    return records
+            trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": asdict(cfg)})
+    save_model(trainer.unwrapped(), tok, out_dir, lora=False)
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: only a killed run resumes
+    return trainer.records
 
 
-def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_cfg, tools, cfg: RLConfig, label_params: dict, prm):
+def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_config, tools, cfg: RLConfig, label_params: dict, prm):
     """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills` more
     while fewer than prompts_per_step groups keep a reward spread. Returns the samples of the first prompts_per_step kept
     groups, the rows, episodes and rewards of every batch (groups numbered across batches), the share of groups with a
@@ -351,7 +329,7 @@ def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_cf
     while rounds == 0 or (cfg.dynamic_sampling and kept_groups < n and rounds <= cfg.max_refills):
         t0 = time.perf_counter()
         batch_rows = step_prompts(rows, pos + rounds * n, n, cfg.seed)
-        eps = rollout(batch_rows, cfg.group_size, backend, toolbox, run_cfg, tools, cfg.seed, pos // n + rounds)
+        eps = rollout(batch_rows, cfg.group_size, backend, toolbox, run_config, tools, cfg.seed, pos // n + rounds)
         t1 = time.perf_counter()
         views = [episode_view(e) for e in eps]
         rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label_params, tools, step + 1, prm)

@@ -1,19 +1,16 @@
 """SFT: distil correct teacher trajectories into the student, loss only where loss_mask = 1 (DESIGN §7).
 
-A plain training loop (through accelerate, so a DeepSpeed config works on GPUs) a reader can hold in their head.
+The batches and the loss; the loop (accelerate, so a DeepSpeed config works on GPUs; bf16 where supported) is loop.py.
 """
 from __future__ import annotations
 
-import json
-import math
 import random
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ..data.schemas import atomic_dir
+from .loop import Trainer, fit, warmup_linear
 from .token_view import retokenization_drift, row_view
 
 
@@ -29,27 +26,10 @@ class SFTConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     packing: bool = False  # several examples per row of up to max_length; same steps and loss, fewer pad tokens
+    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp32
+    checkpoint_every: int = 0  # optimiser steps between checkpoints a killed run resumes from; 0 = none
     deepspeed_config: str = ""  # a DeepSpeed json (e.g. configs/deepspeed/zero2.json): ZeRO through accelerate
     seed: int = 0
-
-
-def make_accelerator(deepspeed_config: str = "", grad_accum: int = 1, param: str = "sft.deepspeed_config"):
-    """An Accelerator on the GPU if there is one (else the CPU); with a DeepSpeed json, a DeepSpeed engine whose gradient
-    accumulation is `grad_accum`. `param` names the setting in errors."""
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
-
-    if not deepspeed_config:
-        return Accelerator(gradient_accumulation_steps=grad_accum, cpu=not torch.cuda.is_available())
-    path = Path(deepspeed_config)
-    if not path.is_file():
-        raise FileNotFoundError(f"params.yaml {param}: no DeepSpeed config at {path}")
-    try:
-        ds = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"params.yaml {param}: {path} is not valid JSON ({e})") from None
-    ds["gradient_accumulation_steps"] = grad_accum
-    return Accelerator(gradient_accumulation_steps=grad_accum, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
 
 
 def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -> list[dict]:
@@ -136,16 +116,45 @@ def collate_packed(batch: list[tuple[list[int], list[int]]], pad_id: int, max_le
     return {"input_ids": ids, "loss_mask": mask, "position_ids": pos}
 
 
-def masked_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over positions whose target token has loss_mask = 1."""
-    target_mask = loss_mask[:, 1:].float()
-    logp = torch.log_softmax(logits[:, :-1].float(), -1)
-    nll = -logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
+def target_logits(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, target ids, target mask), aligned, at only the positions whose next token is a target in some row.
+
+    The LM head runs nowhere else (logits_to_keep): on the demo 2% of tokens are targets, and the head is a fifth of a
+    135M model's compute plus a [batch, length, vocab] fp32 tensor and its log-softmax.
+    """
+    keep = batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1)
+    inputs = {n: t for n, t in batch.items() if n != "loss_mask"}
+    logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
+    return logits, batch["input_ids"][:, keep + 1], batch["loss_mask"][:, keep + 1]
 
 
-def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_step=None) -> list[dict]:
-    """Train and save to `out_dir` atomically; `on_step(record)` sees every optimiser step; returns the step records."""
+def target_nll(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits[b, p] against targets[b, p] over the positions where mask = 1."""
+    mask = mask.float()
+    logp = torch.log_softmax(logits.float(), -1)
+    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (nll * mask).sum() / mask.sum().clamp(min=1)
+
+
+def sft_steps(examples: list, cfg: SFTConfig, pad_id: int) -> list[list[tuple[dict, int]]]:
+    """Every epoch's optimiser steps in order: shuffled (one seeded stream over all epochs), batch_size examples a
+    micro-batch (collated, with its count of real tokens), grad_accum micro-batches a step."""
+    rng, steps = random.Random(cfg.seed), []
+    for _ in range(cfg.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        micros = []
+        for i in range(0, len(order), cfg.batch_size):
+            chosen = [examples[k] for k in order[i : i + cfg.batch_size]]
+            batch = collate_packed(chosen, pad_id, cfg.max_length) if cfg.packing else collate(chosen, pad_id)
+            micros.append((batch, sum(len(ids) for ids, _ in chosen)))
+        steps += [micros[i : i + cfg.grad_accum] for i in range(0, len(micros), cfg.grad_accum)]
+    return steps
+
+
+def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_step=None, checkpoint_dir: str | None = None) -> list[dict]:
+    """Train and save to `out_dir` atomically; `on_step(record)` sees every optimiser step; returns the step records.
+    A killed run resumes from `checkpoint_dir` (written every cfg.checkpoint_every steps) when one is given."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(cfg.seed)
@@ -153,46 +162,22 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.lora:
         model = with_lora(model, cfg.lora_r, cfg.lora_alpha)
-    acc = make_accelerator(cfg.deepspeed_config, cfg.grad_accum)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(examples) / (cfg.batch_size * cfg.grad_accum))
-    total = max(1, steps_per_epoch * cfg.epochs)
-    warmup = max(1, int(cfg.warmup_ratio * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup))))
-    model, opt, sched = acc.prepare(model, opt, sched)
-    model.train()
-    rng = random.Random(cfg.seed)
-    pad = tok.pad_token_id or 0
-    records, step, t0 = [], 0, time.perf_counter()
-    for epoch in range(cfg.epochs):
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
-        for k, idx in enumerate(batches):
-            chosen = [examples[i] for i in idx]
-            batch = collate_packed(chosen, pad, cfg.max_length) if cfg.packing else collate(chosen, pad)
-            batch = {n: t.to(acc.device) for n, t in batch.items()}
-            with acc.accumulate(model):
-                logits = model(**{n: t for n, t in batch.items() if n != "loss_mask"}, use_cache=False).logits
-                loss = masked_loss(logits, batch["input_ids"], batch["loss_mask"])
-                acc.backward(loss)
-                if acc.sync_gradients:  # clip the accumulated gradient, not each micro-batch's part of it
-                    acc.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-            if acc.sync_gradients:
-                step += 1
-                rec = {"step": step, "epoch": epoch + (k + 1) / len(batches), "loss": loss.item(), "lr": sched.get_last_lr()[0],
-                       "tokens": int(batch["loss_mask"].sum()),
-                       "row_tokens": batch["input_ids"].numel(), "elapsed_s": time.perf_counter() - t0}
-                records.append(rec)
-                eta = rec["elapsed_s"] / step * (total - step)
-                print(f"sft step {step}/{total} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
-                      f"{rec['elapsed_s'] / step:.1f}s/step eta {eta / 60:.1f} min", flush=True)
-                if on_step:
-                    on_step(rec)
-    save_model(acc.unwrap_model(model), tok, out_dir, cfg.lora)
+    steps = sft_steps(examples, cfg, tok.pad_token_id or 0)
+    total = max(1, len(steps))
+    trainer = Trainer("sft", model, total, cfg.lr, schedule=warmup_linear(total, max(1, int(cfg.warmup_ratio * total))),
+                      grad_accum=cfg.grad_accum, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config, on_step=on_step)
+
+    def loss_fn(micro):
+        batch = {n: t.to(trainer.device) for n, t in micro[0].items()}
+        return target_nll(*target_logits(trainer.model, batch)), {}
+
+    def record(micros, _):
+        return {"tokens": sum(int(b["loss_mask"].sum()) for b, _ in micros), "row_tokens": sum(b["input_ids"].numel() for b, _ in micros),
+                "real_tokens": sum(n for _, n in micros)}
+
+    records = fit(trainer, steps, loss_fn, max(1, total // cfg.epochs), record=record, checkpoint_dir=checkpoint_dir,
+                  checkpoint_every=cfg.checkpoint_every)
+    save_model(trainer.unwrapped(), tok, out_dir, cfg.lora)
     return records
 
 
