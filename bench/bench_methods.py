@@ -42,31 +42,30 @@ def main(argv: list[str] | None = None) -> dict:
     from tasks.label import label_rows
     from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, run_config
     from unison.agents.methods import MethodContext, run_method
+    from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table
     from unison.llm import teacher_backend, teacher_id
-    from unison.params import load_params, stage_params
 
     params = load_params()
-    g = params["generate"]
+    g = params.generate
     questions = read_table(f"data/raw/{args.split}.parquet", QUESTION)[: args.questions]
     backend = teacher_backend(params)
     toolbox = make_toolbox(params)
     figures = {}
     for name in args.methods.split(","):
-        ctx = MethodContext(backend, toolbox, run_config(params, g["temperature"]), teacher=teacher_id(params), scaffold=g["scaffold"] or {},
-                            params=g.get(name, {}), role_backends=make_role_backends(params), tools=enabled_tools(params),
+        ctx = MethodContext(backend, toolbox, run_config(params, g.temperature), teacher=teacher_id(params), scaffold=g.scaffold,
+                            params=getattr(g, name, None), role_backends=make_role_backends(params), tools=enabled_tools(params),
                             protocol=name, demonstrations=demonstrations(params))
         print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)
         t0 = time.perf_counter()
-        label_p = stage_params("label", params)
-        rows = label_rows(run_method(name, questions, 1, ctx, g["episodes_in_flight"]), label_p)
-        figures[name] = system_metrics(rows, time.perf_counter() - t0, label_p, params["evaluate"]["bootstrap"], params["seed"])
+        rows = label_rows(run_method(name, questions, 1, ctx, g.episodes_in_flight), params.label)
+        figures[name] = system_metrics(rows, time.perf_counter() - t0, params.label, params.evaluate.bootstrap, params.seed)
         print(format_table({name: figures[name]}).splitlines()[-1], flush=True)
     table = format_table(figures)
     print(table)
     TABLE.parent.mkdir(parents=True, exist_ok=True)
     TABLE.write_text(f"{len(questions)} {args.split} questions of the demo benchmark, teacher = {teacher_id(params)} with the scaffold, "
-                     f"temperature {g['temperature']}\n\n{table}\n")
+                     f"temperature {g.temperature}\n\n{table}\n")
     save_report({"split": args.split, "questions": len(questions), "git_commit": git_commit(), "methods": figures}, key="methods")
     return figures
 

@@ -34,7 +34,7 @@ def rl_data(n: int) -> list[dict]:
     return rl_rows(groups, [1] * len(qs), {q["id"]: q for q in qs})
 
 
-def vllm_sync_check(model_dir: str, llm_params: dict) -> dict:
+def vllm_sync_check(model_dir: str, llm) -> dict:
     """Max |log-prob difference| between vLLM and the transformers model: before an update, after it (stale engine),
     and after pushing the new weights (should be back to the before level)."""
     import torch
@@ -46,7 +46,7 @@ def vllm_sync_check(model_dir: str, llm_params: dict) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    engine = make_rollout_backend("vllm", model, tok, model_dir, llm_params, seed=0)
+    engine = make_rollout_backend("vllm", model, tok, model_dir, llm, seed=0)
     ids = tok("Alice was born in Paris. She works for the city of Rome as an engineer.")["input_ids"]
 
     def diff() -> float:
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from unison.agents.context import enabled_tools, make_toolbox
     from unison.agents.runtime import RunConfig
-    from unison.params import load_params
-    from unison.train.rl import RLConfig, train_rl
+    from unison.config import load_params
+    from unison.train.rl import train_rl
 
     params = load_params()
     model_dir = "models/sft" if Path("models/sft/config.json").exists() else "models/base"
@@ -90,21 +90,21 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"bench_rl: {needed} is missing; run `dvc repro sft` first (from the project root)")
     rows = rl_data(args.prompts * args.steps)
     toolbox, tools = make_toolbox(params), enabled_tools(params)
-    p = params["rl"]
+    p = params.rl
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(), "model": model_dir,
               "machine": {"cpus_usable": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
                           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"},
-              "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size, "estimator": p["estimator"],
-                           "max_turns": p["max_turns"], "max_tokens_per_turn": p["max_tokens_per_turn"]}, "backends": {}}
+              "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size, "estimator": p.estimator,
+                           "max_turns": p.max_turns, "max_tokens_per_turn": p.max_tokens_per_turn}, "backends": {}}
     for backend in args.backends.split(","):
-        cfg = RLConfig(**{**{k: p[k] for k in RLConfig.__dataclass_fields__ if k in p}, "rollout_backend": backend, "steps": args.steps,
-                          "prompts_per_step": args.prompts, "group_size": args.group_size, "checkpoint_every": 0, "seed": params["seed"]})
+        cfg = p.model_copy(update={"rollout_backend": backend, "steps": args.steps, "prompts_per_step": args.prompts,
+                                   "group_size": args.group_size, "checkpoint_every": 0})
         run_cfg = RunConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
-                            max_tool_calls=cfg.max_tool_calls, max_model_len=params["llm"]["max_model_len"])
+                            max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
         print(f"bench_rl: {backend}: {args.steps} steps x {args.prompts} prompts x {args.group_size} rollouts", flush=True)
         with tempfile.TemporaryDirectory(dir=".cache" if Path(".cache").is_dir() else None) as tmp:
             t0 = time.perf_counter()
-            records = train_rl(model_dir, rows, cfg, toolbox, run_cfg, tools, params["label"], params["llm"], f"{tmp}/out", f"{tmp}/ckpt")
+            records = train_rl(model_dir, rows, cfg, toolbox, run_cfg, tools, params.label, params.llm, f"{tmp}/out", f"{tmp}/ckpt")
             wall = time.perf_counter() - t0
         steps = records[1:] if len(records) > 1 else records  # the first step pays one-off warm-up costs
         mean = lambda k: sum(r[k] for r in steps) / len(steps)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
             "rollout_tokens_per_s": sum(r["response_tokens"] * r["episodes"] for r in steps) / sum(r["rollout_s"] for r in steps)}
     if "vllm" in args.backends.split(","):
         print("bench_rl: vLLM weight push check", flush=True)
-        result["vllm_sync"] = vllm_sync_check(model_dir, params["llm"])
+        result["vllm_sync"] = vllm_sync_check(model_dir, params.llm)
     print(format_table(result), flush=True)
     save_report(result, key="rl")
     print(f"bench_rl: wrote {REPORT} (key 'rl')", flush=True)

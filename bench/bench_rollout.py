@@ -355,15 +355,15 @@ def main(argv: list[str] | None = None) -> dict:
     from unison.agents.context import enabled_tools, make_toolbox, run_config
     from unison.agents.methods import MethodContext
     from unison.agents.protocol import chat_prompt, question_messages
+    from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table
     from unison.llm import Sampling, teacher_backend
-    from unison.params import load_params
 
     for needed in ("data/raw/train.parquet", "data/index/meta.json", "models/teacher/config.json"):
         if not Path(needed).exists():
             raise SystemExit(f"bench_rollout: {needed} is missing; run `dvc repro index teacher` first (from the project root)")
     params = load_params()
-    g = params["generate"]
+    g = params.generate
     questions = read_table("data/raw/train.parquet", QUESTION)[: args.questions]
     load_start = os.getloadavg()
 
@@ -371,9 +371,9 @@ def main(argv: list[str] | None = None) -> dict:
     backend = TimedStreamingBackend(teacher_backend(params))
     engine_start_s = time.perf_counter() - t0
     toolbox = TimedToolbox(make_toolbox(params))
-    cfg = run_config(params, g["temperature"])
-    method_params = g.get(args.method, {})
-    scaffold = json.loads(args.scaffold) if args.scaffold else g["scaffold"] or {}
+    cfg = run_config(params, g.temperature)
+    method_params = getattr(g, args.method, None)
+    scaffold = json.loads(args.scaffold) if args.scaffold else g.scaffold
     ctx = MethodContext(backend, toolbox, cfg, teacher="models/teacher", scaffold=scaffold, params=method_params,
                         tools=enabled_tools(params), protocol=args.method)
     llm = backend.backend.llm
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
     llm.reset_prefix_cache()
     forget_searches(toolbox)
-    in_flight = args.in_flight or g["episodes_in_flight"]
+    in_flight = args.in_flight or g.episodes_in_flight
     toolbox.log = []
     runtime = measure_method(ctx, counter, args.method, questions, args.samples, in_flight)
     runtime_tool_calls = list(toolbox.log)
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     runtime["tokens_per_episode"] = runtime["tokens"] / runtime["episodes"]
 
     barrier = None
-    chunk = g["shard_size"]
+    chunk = g.shard_size
     if args.method != "single" or len(questions) > chunk:  # else the same run as the flows
         print(f"bench_rollout: as generate ran before flows: {chunk} questions (a shard) at a time, every round a barrier", flush=True)
         llm.reset_prefix_cache()
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
         "workload": {"method": args.method, "questions": len(questions), "samples": args.samples, "scaffold": scaffold,
                      "episodes_in_flight": in_flight,
                      "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
-                     "enforce_eager": params["llm"].get("enforce_eager", True)},
+                     "enforce_eager": params.llm.enforce_eager},
         "engine_start_s": engine_start_s,
         "plain": plain, "plain_beside_tools": beside_tools, "runtime": runtime, "lockstep": lockstep, "sequential": sequential,
         "tools": tools, "prefill": prefill,

@@ -11,9 +11,10 @@ import argparse
 import os
 from pathlib import Path
 
-from flows.pipeline import pipeline, rerun_on_data_change  # first: it sets PREFECT_HOME before prefect loads
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
+
+from flows.pipeline import pipeline, rerun_on_data_change  # first: it sets PREFECT_HOME before prefect loads
 
 
 def deployments(project_dir: Path, cron: str, data_check_every_s: int) -> list[RunnerDeployment]:

@@ -16,28 +16,29 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from unison import track
+from unison.cli import stage_main
+from unison.config import DownloadConfig, load_params
 from unison.data import adapters, builtin, models
 from unison.data.schemas import CORPUS, QUESTION, atomic_path, write_json, write_table
-from unison.params import load_params, stage_params
 
 RAW = Path("data/raw")
 MODEL_DIR = Path("models/base")
 METRICS = Path("reports/download.json")
 
 
-def load_splits(p: dict) -> tuple[list[dict], list[dict], list[dict]]:
+def load_splits(p: DownloadConfig, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
     """(corpus, train, test) for the configured dataset."""
-    spec = p["dataset"]
+    spec = p.dataset
     if spec == "builtin":
-        return builtin.generate_world(p["builtin"], p["seed"])
-    kwargs = dict(fields=p.get("fields"), format_name=p.get("format", ""))
-    if adapters.same_source(spec, p["split_train"], p["split_test"]):  # one file: hold out part of it as test
-        rows = adapters.load_questions(spec, p["split_test"], **kwargs)
-        train, test = adapters.holdout(rows, p["test_fraction"], p["seed"])
+        return builtin.generate_world(p.builtin, seed)
+    kwargs = dict(fields=p.fields, format_name=p.format)
+    if adapters.same_source(spec, p.split_train, p.split_test):  # one file: hold out part of it as test
+        rows = adapters.load_questions(spec, p.split_test, **kwargs)
+        train, test = adapters.holdout(rows, p.test_fraction, seed)
     else:
-        train = adapters.load_questions(spec, p["split_train"], **kwargs)
-        test = adapters.load_questions(spec, p["split_test"], **kwargs)
-    corpus = adapters.load_corpus(p["corpus"]) if p.get("corpus") else []
+        train = adapters.load_questions(spec, p.split_train, **kwargs)
+        test = adapters.load_questions(spec, p.split_test, **kwargs)
+    corpus = adapters.load_corpus(p.corpus) if p.corpus else []
     if not corpus and any(r["task"] == "qa" for r in train + test):
         raise ValueError(f"{spec} has QA questions but download.corpus is empty: give a {{title,text}} passages file")
     return corpus, train, test
@@ -64,22 +65,22 @@ def split_counts(rows: list[dict]) -> dict:
 
 def main() -> None:
     params = load_params()
-    p = {**stage_params("download", params), "model": params["student"]["model"]}
-    with track.stage_run("download", p) as run:
-        corpus, train, test = load_splits(p)
-        train = train[: p["max_train"] or None]
-        test = test[: p["max_test"] or None]
+    p, student = params.download, params.student.model
+    with track.stage_run("download", {"seed": params.seed, **p.model_dump(), "model": student}) as run:
+        corpus, train, test = load_splits(p, params.seed)
+        train = train[: p.max_train or None]
+        test = test[: p.max_test or None]
         write_table(train, RAW / "train.parquet", QUESTION)
         write_table(test, RAW / "test.parquet", QUESTION)
         write_corpus(corpus, RAW / "corpus.parquet")
         print(f"download: {len(train)} train, {len(test)} test questions, {len(corpus)} passages -> {RAW}/", flush=True)
 
         info = models.read_info(MODEL_DIR)
-        if info and info["source"] == p["model"]:
-            print(f"download: {MODEL_DIR} already holds {p['model']}", flush=True)
+        if info and info["source"] == student:
+            print(f"download: {MODEL_DIR} already holds {student}", flush=True)
         else:
-            print(f"download: materialising {p['model']} -> {MODEL_DIR} ...", flush=True)
-            info = models.materialize_model(p["model"], MODEL_DIR)
+            print(f"download: materialising {student} -> {MODEL_DIR} ...", flush=True)
+            info = models.materialize_model(student, MODEL_DIR)
 
         metrics = {
             "train": split_counts(train),
@@ -93,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("download", main)

@@ -8,9 +8,10 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from unison import track
+from unison.cli import stage_main
+from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, atomic_dir, read_table, write_json
-from unison.params import load_params, stage_params
-from unison.train.dpo import DPOConfig, build_pairs, pair_views, train_dpo
+from unison.train.dpo import build_pairs, pair_views, train_dpo
 from unison.train.loop import resolve_precision, write_records_csv
 
 LABELED_PATH = "data/labeled/train.parquet"
@@ -32,10 +33,9 @@ def load_pairs(path: str, max_per_question: int) -> list[tuple[dict, dict]]:
 
 
 def main() -> None:
-    p = stage_params("dpo", load_params())
-    cfg = DPOConfig(**{k: p[k] for k in DPOConfig.__dataclass_fields__ if k in p})
-    with track.stage_run("dpo", p) as run:
-        if not p["enabled"]:
+    cfg = load_params().dpo
+    with track.stage_run("dpo", {"seed": cfg.seed, **cfg.model_dump()}) as run:
+        if not cfg.enabled:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False, "model": None, "start": START}, tmp / "dpo.json")
             write_records_csv([], LOSS_CSV, FIELDS)
@@ -57,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("dpo", main)

@@ -14,20 +14,21 @@ import gc
 import time
 from collections import Counter, defaultdict
 
+from tasks.label import label_rows, make_judge
 from unison import track
 from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, run_config
 from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, run_method
+from unison.cli import stage_main
+from unison.config import LabelConfig, Params, load_params
 from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
 from unison.judge import score
 from unison.judge.answers import judged_answer
 from unison.judge.qa import normalize
-from unison.judge.steps import student_steps
 from unison.judge.stats import bootstrap_ci, wilson_interval
+from unison.judge.steps import student_steps
 from unison.llm import TEACHER_DIR, student_backend, teacher_backend, teacher_id
-from unison.params import load_params, stage_params
 from unison.train.prm import auc, load_prm
-from tasks.label import label_rows, make_judge
 
 COST_FIELDS = ("n_llm_calls", "n_tokens", "n_tool_calls", "tool_errors")
 
@@ -38,9 +39,10 @@ def with_interval(name: str, estimate: tuple[float, float, float]) -> dict:
     return {name: value, f"{name}_lo": lo, f"{name}_hi": hi}
 
 
-def rule_correct(rows: list[dict], label_p: dict, metric: str) -> int:
+def rule_correct(rows: list[dict], label: LabelConfig, metric: str) -> int:
     """How many rows the rule judge finds correct under qa_metric `metric` (math rows: math equivalence)."""
-    return sum(score(r["task"], r["final_answer"], r["answers"], {**label_p, "qa_metric": metric})[0] for r in rows)
+    label = label.model_copy(update={"qa_metric": metric})
+    return sum(score(r["task"], r["final_answer"], r["answers"], label)[0] for r in rows)
 
 
 def answer_tokens(row: dict) -> int:
@@ -58,12 +60,13 @@ def per_correct(rows: list[dict]) -> dict:
     return {f"{key}_per_correct": sum(r[field] for r in rows) / correct if correct else None for key, field in totals.items()}
 
 
-def system_metrics(rows: list[dict], wall_s: float, label_p: dict, n_boot: int, seed: int) -> dict:
+def system_metrics(rows: list[dict], wall_s: float, label: LabelConfig, n_boot: int, seed: int) -> dict:
     """One system's metrics: EM, SubEM, F1 and the judge's accuracy with 95% CIs, answer length, cost, efficiency."""
     n = len(rows)
-    f1 = [score(r["task"], r["final_answer"], r["answers"], {**label_p, "qa_metric": "f1"})[1] for r in rows]
-    out = {**with_interval("em", wilson_interval(rule_correct(rows, label_p, "em"), n)),
-           **with_interval("subem", wilson_interval(rule_correct(rows, label_p, "subem"), n)),
+    f1_label = label.model_copy(update={"qa_metric": "f1"})
+    f1 = [score(r["task"], r["final_answer"], r["answers"], f1_label)[1] for r in rows]
+    out = {**with_interval("em", wilson_interval(rule_correct(rows, label, "em"), n)),
+           **with_interval("subem", wilson_interval(rule_correct(rows, label, "subem"), n)),
            **with_interval("f1", bootstrap_ci(f1, n=n_boot, seed=seed)),
            **with_interval("accuracy", wilson_interval(sum(bool(r["correct"]) for r in rows), n)),
            "answer_tokens": sum(map(answer_tokens, rows)) / n,
@@ -109,19 +112,17 @@ def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
                     "prm_outcome_auc": auc([s for g in groups.values() for _, s in g], [r["correct"] for g in groups.values() for r, _ in g])}
 
 
-def scoring_params(params: dict) -> dict:
+def scoring_params(params: Params) -> Params:
     """`params` with label.first_only replaced by evaluate.first_only unless that is null (GAP: train on all, score the first)."""
-    first_only = params["evaluate"]["first_only"]
+    first_only = params.evaluate.first_only
     if first_only is None:
         return params
-    if not isinstance(first_only, bool):
-        raise TypeError(f"params.yaml evaluate.first_only must be null (= label.first_only), true or false, not {first_only!r}")
-    return {**params, "label": {**params["label"], "first_only": first_only}}
+    return params.model_copy(update={"label": params.label.model_copy(update={"first_only": first_only})})
 
 
-def judged_system(name: str, episodes: list[dict], label_p: dict, judge) -> tuple[list[dict], dict]:
+def judged_system(name: str, episodes: list[dict], label: LabelConfig, judge) -> tuple[list[dict], dict]:
     """A system's episodes judged by `judge` (label.judge), PRM-reranked when `name` is prm_rerank; (rows, extra metrics)."""
-    rows = label_rows(episodes, label_p, judge)
+    rows = label_rows(episodes, label, judge)
     if name == "prm_rerank":
         return prm_rerank(rows, load_prm("models/prm"))
     return rows, {}
@@ -129,29 +130,29 @@ def judged_system(name: str, episodes: list[dict], label_p: dict, judge) -> tupl
 
 def main() -> None:
     params = load_params()
-    p = stage_params("evaluate", params)
+    p = params.evaluate
     scored = scoring_params(params)
-    label_p = stage_params("label", scored)
-    g = params["generate"]
-    if p["rerank_samples"] > 1 and not params["prm"]["enabled"]:
+    label = scored.label
+    g = params.generate
+    if p.rerank_samples > 1 and not params.prm.enabled:
         raise ValueError("params.yaml evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
     questions = read_table("data/raw/test.parquet", QUESTION)
-    if p["max_questions"]:
-        questions = questions[: p["max_questions"]]
+    if p.max_questions:
+        questions = questions[: p.max_questions]
     # (system, model dir, method, scaffold, temperature, method params); systems sharing a model share one engine. Only the
     # teacher runs on the teacher block (models/teacher or its server); every student is loaded here from its trained weights.
-    systems = [("base", "models/base", "single", {}, p["temperature"], {})]
-    if p["teacher"]:
-        systems.append(("teacher", TEACHER_DIR, g["method"], g["scaffold"] or {}, g["temperature"], g.get(g["method"], {})))
-    systems.append(("sft", "models/sft", "single", {}, p["temperature"], {}))
-    if p["rerank_samples"] > 1:
-        systems.append(("prm_rerank", "models/sft", "single", {}, p["rerank_temperature"], {}))
-    if params["dpo"]["enabled"]:
-        systems.append(("dpo", "models/dpo", "single", {}, p["temperature"], {}))
-    systems.append(("rl", "models/rl", "single", {}, p["temperature"], {}))
+    systems = [("base", "models/base", "single", {}, p.temperature, None)]
+    if p.teacher:
+        systems.append(("teacher", TEACHER_DIR, g.method, g.scaffold, g.temperature, getattr(g, g.method, None)))
+    systems.append(("sft", "models/sft", "single", {}, p.temperature, None))
+    if p.rerank_samples > 1:
+        systems.append(("prm_rerank", "models/sft", "single", {}, p.rerank_temperature, None))
+    if params.dpo.enabled:
+        systems.append(("dpo", "models/dpo", "single", {}, p.temperature, None))
+    systems.append(("rl", "models/rl", "single", {}, p.temperature, None))
     metrics: dict[str, dict] = {}
-    with track.stage_run("evaluate", {**p, "teacher_method": g["method"], "episodes_in_flight": g["episodes_in_flight"],
-                                      "teacher": params["teacher"]}) as run:
+    with track.stage_run("evaluate", {"seed": params.seed, **p.model_dump(), "teacher_method": g.method,
+                                      "episodes_in_flight": g.episodes_in_flight, "teacher": params.teacher.model_dump()}) as run:
         toolbox = make_toolbox(params)
         judge = make_judge(scored, {})
         backend, loaded = None, None
@@ -164,22 +165,22 @@ def main() -> None:
             roles = make_role_backends(params) if name == "teacher" else {}
             model_id = teacher_id(params) if name == "teacher" else model_dir
             ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=model_id, scaffold=scaffold, params=mparams,
-                                role_backends=roles, tools=enabled_tools(params), protocol=g["method"],
+                                role_backends=roles, tools=enabled_tools(params), protocol=g.method,
                                 demonstrations=demonstrations(params) if name == "teacher" else "")
             print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()
-            n = p["rerank_samples"] if name == "prm_rerank" else 1
-            rows, extra = judged_system(name, run_method(method, questions, n, ctx, g["episodes_in_flight"]), label_p, judge)
+            n = p.rerank_samples if name == "prm_rerank" else 1
+            rows, extra = judged_system(name, run_method(method, questions, n, ctx, g.episodes_in_flight), label, judge)
             wall = time.perf_counter() - t0
             write_table(rows, f"reports/eval/{name}.parquet", LABELED)
-            metrics[name] = {**system_metrics(rows, wall, label_p, p["bootstrap"], params["seed"]), **extra}
+            metrics[name] = {**system_metrics(rows, wall, label, p.bootstrap, params.seed), **extra}
             run.log_metrics({f"{name}.{k}": v for k, v in metrics[name].items()})
             m = metrics[name]
-            print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy ({label_p['judge']} judge) "
+            print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy ({label.judge} judge) "
                   f"{m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]", flush=True)
         write_json(metrics, "reports/metrics.json")
         run.log_artifact("reports/metrics.json")
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("evaluate", main)

@@ -24,15 +24,16 @@ import shutil
 import time
 from pathlib import Path
 
+from tasks.evaluate import scoring_params, system_metrics
+from tasks.label import label_rows, make_judge
 from unison import track
 from unison.agents.context import demonstrations, enabled_tools, make_toolbox, run_config
 from unison.agents.methods import MethodContext, run_method
+from unison.cli import stage_main
+from unison.config import LabelConfig, Params, load_params
 from unison.data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
 from unison.llm import student_backend, teacher_id
-from unison.params import load_params, stage_params
-from unison.train.sft import SFTConfig, build_examples, select_trajectories, train_sft
-from tasks.evaluate import scoring_params, system_metrics
-from tasks.label import label_rows, make_judge
+from unison.train.sft import build_examples, select_trajectories, train_sft
 
 FIRST_STUDENT = "models/rl"
 DATA, MODELS = Path("data/flywheel"), Path("models/flywheel")
@@ -40,9 +41,9 @@ REPORT, PLOT = Path("reports/flywheel.json"), Path("reports/flywheel.png")
 KEPT = ("em", "em_lo", "em_hi", "subem", "tokens_per_question")  # per system in a round's row of reports/flywheel.json
 
 
-def cache_dir(params: dict) -> Path:
+def cache_dir(params: Params) -> Path:
     """Finished rounds are valid only for the same settings and the same first student, base model and questions."""
-    h = hashlib.sha256(json.dumps([params[k] for k in ("seed", "flywheel", "generate", "label", "sft", "evaluate", "llm", "tools")],
+    h = hashlib.sha256(json.dumps(params.model_dump(include={"seed", "flywheel", "generate", "label", "sft", "evaluate", "llm", "tools"}),
                                   sort_keys=True).encode())
     files = ["data/raw/train.parquet", "data/raw/test.parquet", *sorted(map(str, Path("models/base").glob("*.safetensors"))),
              *sorted(map(str, Path(FIRST_STUDENT).glob("*.safetensors")))]
@@ -53,17 +54,17 @@ def cache_dir(params: dict) -> Path:
     return Path("data/.cache/flywheel") / h.hexdigest()[:16]
 
 
-def run_system(model_dir: str, questions: list[dict], samples: int, temperature: float, params: dict, toolbox, teacher: bool,
-               judge, label_p: dict) -> tuple[list[dict], float]:
+def run_system(model_dir: str, questions: list[dict], samples: int, temperature: float, params: Params, toolbox, teacher: bool,
+               judge, label: LabelConfig) -> tuple[list[dict], float]:
     """A model run locally as the teacher (generate.method + scaffold) or as a student (`single`, unscaffolded) on the
     questions, judged; (labeled rows, wall seconds)."""
-    g = params["generate"]
-    method, scaffold, mparams = (g["method"], g["scaffold"] or {}, g.get(g["method"], {})) if teacher else ("single", {}, {})
+    g = params.generate
+    method, scaffold, mparams = (g.method, g.scaffold, getattr(g, g.method, None)) if teacher else ("single", {}, None)
     t0 = time.perf_counter()
     ctx = MethodContext(student_backend(model_dir, params), toolbox, run_config(params, temperature), teacher=model_dir,
-                        scaffold=scaffold, params=mparams, tools=enabled_tools(params), protocol=g["method"],
+                        scaffold=scaffold, params=mparams, tools=enabled_tools(params), protocol=g.method,
                         demonstrations=demonstrations(params) if teacher else "")
-    rows = label_rows(run_method(method, questions, samples, ctx, g["episodes_in_flight"]), label_p, judge)
+    rows = label_rows(run_method(method, questions, samples, ctx, g.episodes_in_flight), label, judge)
     del ctx
     gc.collect()  # free the engine before the next one starts
     return rows, time.perf_counter() - t0
@@ -73,28 +74,26 @@ def flat(prefix: str, m: dict) -> dict:
     return {f"{prefix}_{k}": m[k] for k in KEPT if k in m}
 
 
-def run_round(k: int, teacher_dir: str, params: dict, toolbox, judge, work: Path) -> dict:
+def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Path) -> dict:
     """Round k in `work` (trajectories, student, round.json written last as the round's completion mark); its report row."""
-    g, e, seed = params["generate"], params["evaluate"], params["seed"]
+    g, e, seed, cfg = params.generate, params.evaluate, params.seed, params.sft
     train, test = read_table("data/raw/train.parquet", QUESTION), read_table("data/raw/test.parquet", QUESTION)
-    test = test[: e["max_questions"] or None]
-    label_p, eval_p = stage_params("label", params), stage_params("label", scoring_params(params))
-    print(f"flywheel: round {k}: {teacher_dir} teaches ({g['method']}, scaffolded) on {len(train)} train questions", flush=True)
-    rows, _ = run_system(teacher_dir, train, g["samples"], g["temperature"], params, toolbox, True, judge, label_p)
+    test = test[: e.max_questions or None]
+    label, eval_label = params.label, scoring_params(params).label
+    print(f"flywheel: round {k}: {teacher_dir} teaches ({g.method}, scaffolded) on {len(train)} train questions", flush=True)
+    rows, _ = run_system(teacher_dir, train, g.samples, g.temperature, params, toolbox, True, judge, label)
     write_table(rows, work / "train.parquet", LABELED)
-    teacher_rows, teacher_s = run_system(teacher_dir, test, 1, g["temperature"], params, toolbox, True, judge, eval_p)
-    sft_p = stage_params("sft", params)
-    chosen = select_trajectories(rows, sft_p["max_per_question"], sft_p["dedupe"])
+    teacher_rows, teacher_s = run_system(teacher_dir, test, 1, g.temperature, params, toolbox, True, judge, eval_label)
+    chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
     if not chosen:
         raise DataError(work / "train.parquet", f"round {k}: the teacher got no train question right; nothing to distil", field="correct")
     from transformers import AutoTokenizer
 
-    cfg = SFTConfig(**{f: sft_p[f] for f in SFTConfig.__dataclass_fields__ if f in sft_p})
     examples, _ = build_examples(AutoTokenizer.from_pretrained("models/base"), chosen, cfg.max_length)
     records = train_sft("models/base", examples, cfg, str(work / "student"))
-    student_rows, student_s = run_system(str(work / "student"), test, 1, e["temperature"], params, toolbox, False, judge, eval_p)
-    teacher_m = system_metrics(teacher_rows, teacher_s, eval_p, e["bootstrap"], seed)
-    student_m = system_metrics(student_rows, student_s, eval_p, e["bootstrap"], seed)
+    student_rows, student_s = run_system(str(work / "student"), test, 1, e.temperature, params, toolbox, False, judge, eval_label)
+    teacher_m = system_metrics(teacher_rows, teacher_s, eval_label, e.bootstrap, seed)
+    student_m = system_metrics(student_rows, student_s, eval_label, e.bootstrap, seed)
     teacher_name = FIRST_STUDENT if k == 1 else str(MODELS / f"round-{k - 1}")
     row = {"round": k, "teacher": teacher_name, "student": str(MODELS / f"round-{k}"), **flat("teacher", teacher_m), **flat("student", student_m),
            "trajectories": len(rows), "correct_trajectories": sum(r["correct"] for r in rows), "sft_examples": len(chosen),
@@ -103,7 +102,7 @@ def run_round(k: int, teacher_dir: str, params: dict, toolbox, judge, work: Path
     return row
 
 
-def round_zero(params: dict) -> tuple[dict, dict]:
+def round_zero(params: Params) -> tuple[dict, dict]:
     """(the pipeline's own round from reports/metrics.json: its teacher (when evaluate.teacher ran it) and its RL student,
     the base student's metrics)."""
     metrics = json.loads(Path("reports/metrics.json").read_text())
@@ -139,8 +138,8 @@ def plot(rounds: list[dict], base: dict, path: Path) -> None:
 
 def main() -> None:
     params = load_params()
-    n = int(params["flywheel"]["rounds"])
-    with track.stage_run("flywheel", {**params["flywheel"], "teacher_method": params["generate"]["method"]}) as run:
+    n = params.flywheel.rounds
+    with track.stage_run("flywheel", {**params.flywheel.model_dump(), "teacher_method": params.generate.method}) as run:
         first, base = round_zero(params)
         rounds, work = [first], cache_dir(params) if n else None  # hashing the models costs seconds: only when rounds run
         toolbox, judge = make_toolbox(params), make_judge(params, {})
@@ -174,4 +173,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("flywheel", main)

@@ -20,16 +20,17 @@ from unison.agents.context import demonstrations, enabled_tools, make_role_backe
 from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, run_method
 from unison.agents.trace import sample_traces
+from unison.cli import stage_main
+from unison.config import Params, load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
 from unison.llm import TEACHER_DIR, teacher_backend, teacher_id
-from unison.params import load_params
 
 OUT = Path("data/trajectories/train.parquet")
 
 
-def shard_dir(params: dict, questions: list[dict]) -> Path:
+def shard_dir(params: Params, questions: list[dict]) -> Path:
     """Shards are valid only for the same settings, model and questions."""
-    key = json.dumps([params["generate"], params["llm"], params["teacher"], params["tools"], params["seed"], [q["id"] for q in questions]],
+    key = json.dumps([params.model_dump(include={"generate", "llm", "teacher", "tools", "seed"}), [q["id"] for q in questions]],
                      sort_keys=True)
     meta = Path(TEACHER_DIR) / "unison_model.json"
     key += meta.read_text() if meta.exists() else ""
@@ -65,13 +66,12 @@ def summarize(rows: list[dict]) -> dict:
 
 def main() -> None:
     params = load_params()
-    g = params["generate"]
+    g = params.generate
     questions = read_table("data/raw/train.parquet", QUESTION)
-    with track.stage_run("generate", {**g, "seed": params["seed"], "llm": params["llm"], "teacher": params["teacher"],
-                                      "tools": params["tools"]}) as run:
+    with track.stage_run("generate", {**g.model_dump(), **params.model_dump(include={"seed", "llm", "teacher", "tools"})}) as run:
         shards = shard_dir(params, questions)
         shards.mkdir(parents=True, exist_ok=True)
-        size = g["shard_size"]
+        size = g.shard_size
         chunks = [questions[i : i + size] for i in range(0, len(questions), size)]
         paths = [shards / f"shard-{k:05d}.parquet" for k in range(len(chunks))]
         todo = []
@@ -83,15 +83,14 @@ def main() -> None:
         ctx, wall_s = None, 0.0
         if todo:  # start the engine only if some shard is left to do
             backend = teacher_backend(params)
-            ctx = MethodContext(backend, make_toolbox(params), run_config(params, g["temperature"]), teacher=teacher_id(params),
-                                scaffold=g["scaffold"] or {}, params=g.get(g["method"], {}),
-                                role_backends=make_role_backends(params), tools=enabled_tools(params), protocol=g["method"],
-                                demonstrations=demonstrations(params))
+            ctx = MethodContext(backend, make_toolbox(params), run_config(params, g.temperature), teacher=teacher_id(params),
+                                scaffold=g.scaffold, params=getattr(g, g.method, None), role_backends=make_role_backends(params),
+                                tools=enabled_tools(params), protocol=g.method, demonstrations=demonstrations(params))
             pending = [(k, q) for k in todo for q in chunks[k]]
-            print(f"generate: {len(pending)} questions in {len(todo)} shards x {g['samples']} samples, {g['method']}, "
-                  f"up to {g['episodes_in_flight']} episodes in flight", flush=True)
+            print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples, {g.method}, "
+                  f"up to {g.episodes_in_flight} episodes in flight", flush=True)
             t0 = time.perf_counter()
-            run_method(g["method"], [q for _, q in pending], g["samples"], ctx, g["episodes_in_flight"],
+            run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight,
                        on_question=ShardWriter(pending, paths))
             wall_s = time.perf_counter() - t0
         rows = [r for path in paths for r in read_table(path, TRAJECTORY)]
@@ -101,11 +100,11 @@ def main() -> None:
             metrics.update(remote_counters({"teacher": ctx.backend, **ctx.role_backends}, ctx.toolbox))
         write_json(metrics, "reports/generate.json")
         run.log_metrics(metrics)
-        for i, ep in enumerate(sample_traces(rows, n=3, seed=params["seed"])):
+        for i, ep in enumerate(sample_traces(rows, n=3, seed=params.seed)):
             track.trace_episode(ep)
         run.log_dict(rows[:5], "samples/trajectories.json")
     shutil.rmtree(shards)
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("generate", main)

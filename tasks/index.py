@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from unison import track
+from unison.cli import stage_main
+from unison.config import load_params
 from unison.data.schemas import write_json
-from unison.params import stage_params
 from unison.tools.retrieval import Retriever, build_index, title_recall_at_1
 
 CORPUS = "data/raw/corpus.parquet"
@@ -12,22 +13,20 @@ METRICS = "reports/index.json"
 
 
 def main() -> None:
-    params = stage_params("index")
-    with track.stage_run("index", params) as run:
-        meta = build_index(
-            CORPUS, INDEX_DIR,
-            encoder=params["encoder"], kind=params["kind"], nlist=params["nlist"], nprobe=params["nprobe"],
-            hnsw_m=params["hnsw_m"], hnsw_ef_search=params["hnsw_ef_search"], batch_size=params["batch_size"], query_prefix=params.get("query_prefix"),
-            passage_prefix=params.get("passage_prefix"), seed=params["seed"],
-        )
-        recall = title_recall_at_1(Retriever(INDEX_DIR, topk=1), params["recall_sample"], params["seed"])
+    params = load_params()
+    p = params.index
+    with track.stage_run("index", {"seed": params.seed, **p.model_dump()}) as run:
+        meta = build_index(CORPUS, INDEX_DIR, encoder=p.encoder, kind=p.kind, nlist=p.nlist, nprobe=p.nprobe, hnsw_m=p.hnsw_m,
+                           hnsw_ef_search=p.hnsw_ef_search, batch_size=p.batch_size, query_prefix=p.query_prefix,
+                           passage_prefix=p.passage_prefix, seed=params.seed)
+        recall = title_recall_at_1(Retriever(INDEX_DIR, topk=1), p.recall_sample, params.seed)
         metrics = {"count": meta["count"], "dim": meta["dim"], "embed_seconds": meta["embed_seconds"],
                    "build_seconds": meta["build_seconds"],
                    "title_recall_at_1": recall}
         write_json(metrics, METRICS)
         run.log_metrics(metrics)
-        print(f"index: title recall@1 {recall:.3f} on {min(params['recall_sample'], meta['count'])} passages", flush=True)
+        print(f"index: title recall@1 {recall:.3f} on {min(p.recall_sample, meta['count'])} passages", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("index", main)

@@ -8,17 +8,18 @@ from __future__ import annotations
 from collections import defaultdict
 
 from unison import track
+from unison.cli import stage_main
+from unison.config import LabelConfig, Params, engine_with, load_params
 from unison.data.schemas import LABELED, TRAJECTORY, DataError, read_table, write_json, write_table
 from unison.judge.llm_judge import PROMPT_SHA256, LLMJudge
-from unison.judge.steps import STEP_LABELS, agent_labels, montecarlo_labels, rule_judge, student_steps
-from unison.params import load_params, stage_params
+from unison.judge.steps import agent_labels, montecarlo_labels, rule_judge, student_steps
 
 IN, OUT = "data/trajectories/train.parquet", "data/labeled/train.parquet"
 
 
-def label_rows(rows: list[dict], p: dict, judge=None) -> list[dict]:
+def label_rows(rows: list[dict], label: LabelConfig, judge=None) -> list[dict]:
     """Judge each final answer (`judge`, default the rule judge) and give each student step the episode's score."""
-    judge = judge or rule_judge(p)
+    judge = judge or rule_judge(label)
     verdicts = judge([(r["task"], r["question"], r["final_answer"], r["answers"]) for r in rows])
     out = []
     for r, (correct, value, name) in zip(rows, verdicts):
@@ -58,9 +59,10 @@ def check_step_labels(rows: list[dict], path: str) -> None:
             raise DataError(path, f"step labels outside [0, 1]: {r['step_labels']}", i, "step_labels")
 
 
-def label_backend(params: dict, model: str, cache: dict):
+def label_backend(params: Params, model: str, cache: dict):
     """A backend for `model`: "student" (models/base, local), "teacher" (the teacher block), else a dir or served name
     with llm.* overridden by label.llm; one per model (`cache`)."""
+    from unison.config import EngineConfig
     from unison.llm import make_backend, student_backend, teacher_backend
 
     if model not in cache:
@@ -69,50 +71,45 @@ def label_backend(params: dict, model: str, cache: dict):
         elif model == "teacher":
             cache[model] = teacher_backend(params)
         else:
-            cache[model] = make_backend(model, {**params["llm"], **(params["label"].get("llm") or {})}, seed=params["seed"])
+            cache[model] = make_backend(model, engine_with(EngineConfig(**params.llm.model_dump()), params.label.llm), seed=params.seed)
     return cache[model]
 
 
-def make_judge(params: dict, backends: dict):
+def make_judge(params: Params, backends: dict):
     """label.judge: rule | llm (label.judge_model at label.judge_temperature); `backends` caches backends by model."""
-    p = params["label"]
-    if p["judge"] == "rule":
+    p = params.label
+    if p.judge == "rule":
         return rule_judge(p)
-    if p["judge"] != "llm":
-        raise ValueError(f"params.yaml label.judge: unknown judge {p['judge']!r} (rule | llm)")
-    model = p["judge_model"]
-    return LLMJudge(label_backend(params, model, backends), model, float(p["judge_temperature"]), seed=params["seed"])
+    return LLMJudge(label_backend(params, p.judge_model, backends), p.judge_model, p.judge_temperature, seed=params.seed)
 
 
 def main() -> None:
     params = load_params()
-    p = stage_params("label", params)
-    kind = p["step_labels"]
-    if kind not in STEP_LABELS:
-        raise ValueError(f"params.yaml label.step_labels: unknown {kind!r} ({' | '.join(STEP_LABELS)})")
+    p = params.label
+    kind = p.step_labels
     backends: dict = {}
     judge = make_judge(params, backends)
     judged_by = {"judge_model": judge.model, "judge_prompt_sha256": PROMPT_SHA256, "judge_temperature": judge.temperature} \
-        if p["judge"] == "llm" else {}
-    with track.stage_run("label", {**p, **judged_by}) as run:
+        if p.judge == "llm" else {}
+    with track.stage_run("label", {"seed": params.seed, **p.model_dump(), **judged_by}) as run:
         rows = label_rows(read_table(IN, TRAJECTORY), p, judge)
         if kind == "agent":
             rows = with_steps(rows, agent_labels(rows, judge))
         elif kind == "montecarlo":
             from unison.agents.context import enabled_tools, make_toolbox, run_config
 
-            scaffold = (params["generate"]["scaffold"] or {}) if p["mc_scaffold"] else {}
-            backend = label_backend(params, p["mc_model"], backends)
-            rows = with_steps(rows, montecarlo_labels(rows, backend, make_toolbox(params), run_config(params, p["mc_temperature"]), judge,
-                                                      int(p["mc_rollouts"]), params["seed"], scaffold, enabled_tools(params)))
+            scaffold = params.generate.scaffold if p.mc_scaffold else {}
+            backend = label_backend(params, p.mc_model, backends)
+            rows = with_steps(rows, montecarlo_labels(rows, backend, make_toolbox(params), run_config(params, p.mc_temperature), judge,
+                                                      p.mc_rollouts, params.seed, scaffold, enabled_tools(params)))
         check_step_labels(rows, OUT)
         write_table(rows, OUT, LABELED)
         metrics = {**accuracy_metrics(rows), **step_metrics(rows)}
-        if p["judge"] == "llm":
+        if p.judge == "llm":
             metrics.update({"judge_llm_calls": judge.calls, "judge_unparsable": judge.unparsable})
-        write_json({**metrics, **judged_by, "judge": p["judge"], "step_labels": kind}, "reports/label.json")
+        write_json({**metrics, **judged_by, "judge": p.judge, "step_labels": kind}, "reports/label.json")
         run.log_metrics(metrics)
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("label", main)

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import time
 
+from tasks.label import label_rows
 from unison import track
 from unison.agents.context import enabled_tools, make_toolbox, run_config
 from unison.agents.methods import MethodContext, run_method
 from unison.agents.protocol import system_prompt
-from unison.data.pareto import (mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts,
-                                split_stages, write_rl_data)
+from unison.cli import stage_main
+from unison.config import LabelConfig, Params, ParetoConfig, load_params
+from unison.data.pareto import mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts, split_stages, write_rl_data
 from unison.data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
 from unison.llm import student_backend
-from unison.params import load_params, stage_params
-from tasks.label import label_rows
 
 STUDENT = "models/sft"
 OUT = "data/rl"
@@ -31,12 +31,12 @@ ROLLOUTS = "reports/pareto_rollouts.parquet"
 PLOT = "reports/pareto_front.png"  # not under reports/plots: that folder is the report stage's out
 
 
-def student_rollouts(questions: list[dict], k: int, backend, toolbox, params: dict, temperature: float, label_p: dict) -> list[dict]:
+def student_rollouts(questions: list[dict], k: int, backend, toolbox, params: Params, temperature: float, label: LabelConfig) -> list[dict]:
     """K labeled rollouts per question by the student: `single`, unscaffolded, seeded per (question, sample)."""
     tools = enabled_tools(params)
     ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=STUDENT, tools=tools,
-                        protocol=params["generate"]["method"])
-    return label_rows(run_method("single", questions, k, ctx, params["generate"]["episodes_in_flight"]), label_p)
+                        protocol=params.generate.method)
+    return label_rows(run_method("single", questions, k, ctx, params.generate.episodes_in_flight), label)
 
 
 def choose_groups(groups: list[dict], counts: int, min_groups: int, threshold: float) -> tuple[list[dict], int]:
@@ -50,14 +50,14 @@ def choose_groups(groups: list[dict], counts: int, min_groups: int, threshold: f
     return kept + fill, len(fill)
 
 
-def build_rl(rollouts: list[dict], questions: list[dict], p: dict, system: str, path: str = ROLLOUTS) -> tuple[list[dict], list[dict], dict]:
+def build_rl(rollouts: list[dict], questions: list[dict], p: ParetoConfig, system: str, path: str = ROLLOUTS) -> tuple[list[dict], list[dict], dict]:
     """(RL rows, all groups with their objectives and `chosen`, metrics) from labeled rollouts."""
     groups = rollout_groups(rollouts)
-    kept, filled = choose_groups(groups, p["counts"], p["min_groups"], p["qa_threshold"])
+    kept, filled = choose_groups(groups, p.counts, p.min_groups, p.qa_threshold)
     if not kept:
-        raise DataError(path, f"no question of {len(groups)} has mixed outcomes over its {p['k']} rollouts "
+        raise DataError(path, f"no question of {len(groups)} has mixed outcomes over its {p.k} rollouts "
                         "(all right or all wrong); raise pareto.k or pareto.temperature, or set pareto.min_groups > 0", field="score")
-    stages = split_stages(kept, p["stages"])
+    stages = split_stages(kept, p.stages)
     by_id = {q["id"]: q for q in questions}
     rows = rl_rows(kept, stages, by_id, system)
     chosen = {g["question_id"] for g in kept}
@@ -65,8 +65,8 @@ def build_rl(rollouts: list[dict], questions: list[dict], p: dict, system: str, 
         g["score_tool"], g["score_corr"] = objectives(g["tool_calls"], g["correctness"])
         g["chosen"] = g["question_id"] in chosen
     n = len(rollouts)
-    metrics = {"questions": len(groups), "rollouts": n, "k": p["k"],
-               "mixed_groups": sum(mixed_outcome(g["correctness"], g["task"], p["qa_threshold"]) for g in groups),
+    metrics = {"questions": len(groups), "rollouts": n, "k": p.k,
+               "mixed_groups": sum(mixed_outcome(g["correctness"], g["task"], p.qa_threshold) for g in groups),
                "kept_groups": len(kept), "fallback_groups": filled,
                **{f"kept_stage{s}": stages.count(s) for s in sorted(set(stages))},
                "student_pass1": sum(r["correct"] for r in rollouts) / n,
@@ -100,19 +100,18 @@ def plot_front(groups: list[dict], path: str = PLOT) -> None:
 
 def main() -> None:
     params = load_params()
-    p = stage_params("pareto", params)
-    label_p = stage_params("label", params)
+    p = params.pareto
     questions = read_table("data/raw/train.parquet", QUESTION)
-    if p["max_questions"]:
-        questions = questions[: p["max_questions"]]
-    with track.stage_run("pareto", {**p, "episodes_in_flight": params["generate"]["episodes_in_flight"]}) as run:
+    if p.max_questions:
+        questions = questions[: p.max_questions]
+    with track.stage_run("pareto", {"seed": params.seed, **p.model_dump(), "episodes_in_flight": params.generate.episodes_in_flight}) as run:
         backend = student_backend(STUDENT, params)
-        print(f"pareto: {p['k']} rollouts x {len(questions)} questions with {STUDENT} at temperature {p['temperature']}", flush=True)
+        print(f"pareto: {p.k} rollouts x {len(questions)} questions with {STUDENT} at temperature {p.temperature}", flush=True)
         t0 = time.perf_counter()
-        rollouts = student_rollouts(questions, p["k"], backend, make_toolbox(params), params, p["temperature"], label_p)
+        rollouts = student_rollouts(questions, p.k, backend, make_toolbox(params), params, p.temperature, params.label)
         wall = time.perf_counter() - t0
         write_table(rollouts, ROLLOUTS, LABELED)
-        rows, groups, metrics = build_rl(rollouts, questions, p, system_prompt(enabled_tools(params), params["generate"]["method"]))
+        rows, groups, metrics = build_rl(rollouts, questions, p, system_prompt(enabled_tools(params), params.generate.method))
         metrics["rollout_s"] = wall
         with atomic_dir(OUT) as tmp:
             write_rl_data(rows, tmp)
@@ -121,9 +120,9 @@ def main() -> None:
         run.log_metrics(metrics)
         run.log_artifact(PLOT)
         print(f"pareto: {metrics['kept_groups']} of {metrics['questions']} questions kept ({metrics['mixed_groups']} mixed, "
-              f"{metrics['fallback_groups']} fallback); student pass@1 {metrics['student_pass1']:.3f} pass@{p['k']} "
+              f"{metrics['fallback_groups']} fallback); student pass@1 {metrics['student_pass1']:.3f} pass@{p.k} "
               f"{metrics['student_passk']:.3f}; {wall:.0f} s of rollouts", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("pareto", main)

@@ -6,10 +6,11 @@ stays one graph; evaluate's reranking and rl's PRM rewards then refuse to run.
 from __future__ import annotations
 
 from unison import track
+from unison.cli import stage_main
+from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, atomic_dir, read_table, write_json
-from unison.params import load_params, stage_params
 from unison.train.loop import resolve_precision, write_records_csv
-from unison.train.prm import PRMConfig, evaluate_prm, split_by_question, train_prm
+from unison.train.prm import evaluate_prm, split_by_question, train_prm
 
 IN, OUT, LOSS_CSV = "data/labeled/train.parquet", "models/prm", "reports/prm_loss.csv"
 LOSS_FIELDS = ["step", "epoch", "loss", "lr", "grad_norm", "elapsed_s"]
@@ -27,10 +28,9 @@ def check_train(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    p = stage_params("prm", load_params())
-    cfg = PRMConfig(**{k: p[k] for k in PRMConfig.__dataclass_fields__ if k in p})
-    with track.stage_run("prm", p) as run:
-        if not p["enabled"]:
+    cfg = load_params().prm
+    with track.stage_run("prm", {"seed": cfg.seed, **cfg.model_dump()}) as run:
+        if not cfg.enabled:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False}, tmp / "prm.json")
             write_records_csv([], LOSS_CSV, LOSS_FIELDS)
@@ -55,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("prm", main)

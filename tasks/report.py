@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from unison import track  # noqa: E402
+from unison.cli import stage_main
 from unison.data.schemas import atomic_path  # noqa: E402
 
 PLOTS = Path("reports/plots")
@@ -309,4 +310,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("report", main)

@@ -9,10 +9,11 @@ from pathlib import Path
 from unison import track
 from unison.agents.context import enabled_tools, make_toolbox
 from unison.agents.runtime import RunConfig
+from unison.cli import stage_main
+from unison.config import load_params
 from unison.data.schemas import write_json
-from unison.params import load_params, stage_params
 from unison.train.loop import run_key, write_records_csv
-from unison.train.rl import RLConfig, load_rl_data, train_rl
+from unison.train.rl import load_rl_data, train_rl
 
 CURVE_CSV = Path("reports/rl_curve.csv")
 CHECKPOINTS = Path("data/.cache/rl-checkpoint")
@@ -20,11 +21,11 @@ CHECKPOINTS = Path("data/.cache/rl-checkpoint")
 
 def main() -> None:
     params = load_params()
-    p = stage_params("rl", params)
-    cfg = RLConfig(**{k: p[k] for k in RLConfig.__dataclass_fields__ if k in p})
-    if cfg.prm_weight > 0 and not params["prm"]["enabled"]:
+    cfg = params.rl
+    if cfg.prm_weight > 0 and not params.prm.enabled:
         raise ValueError("params.yaml rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
-    with track.stage_run("rl", {**p, "llm": params["llm"], "tools": params["tools"], "label": params["label"]}) as run:
+    settings = {"seed": params.seed, **cfg.model_dump(), **params.model_dump(include={"llm", "tools", "label"})}
+    with track.stage_run("rl", settings) as run:
         paths = sorted(Path("data/rl").glob("stage*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
         prm = None
@@ -34,13 +35,13 @@ def main() -> None:
             prm = load_prm("models/prm")
         tools = enabled_tools(params)
         run_config = RunConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
-                            max_tool_calls=cfg.max_tool_calls, max_model_len=params["llm"]["max_model_len"])
+                            max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
         model_dirs = ["models/sft"] + (["models/prm"] if prm is not None else [])
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
-        key = run_key({"rl": p, "llm": params["llm"], "tools": params["tools"], "label": params["label"]}, inputs)
+        key = run_key(settings, inputs)
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)
-        records = train_rl("models/sft", rows, cfg, make_toolbox(params), run_config, tools, params["label"], params["llm"], "models/rl",
+        records = train_rl("models/sft", rows, cfg, make_toolbox(params), run_config, tools, params.label, params.llm, "models/rl",
                            str(CHECKPOINTS / key), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]))
         write_records_csv(records, CURVE_CSV)
         first, last = records[0], records[-1]
@@ -53,4 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("rl", main)

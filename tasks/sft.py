@@ -6,28 +6,30 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from unison import track
+from unison.cli import stage_main
+from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
-from unison.params import load_params, stage_params
 from unison.train.loop import resolve_precision, run_key, write_records_csv
-from unison.train.sft import SFTConfig, build_examples, select_trajectories, train_sft
+from unison.train.sft import build_examples, select_trajectories, train_sft
 
 LOSS_CSV = "reports/sft_loss.csv"
 LOSS_FIELDS = ["step", "epoch", "loss", "lr", "grad_norm", "tokens", "row_tokens", "real_tokens", "elapsed_s"]
 
 
 def main() -> None:
-    p = stage_params("sft", load_params())
-    cfg = SFTConfig(**{k: p[k] for k in SFTConfig.__dataclass_fields__ if k in p})
-    with track.stage_run("sft", p) as run:
+    cfg = load_params().sft
+    settings = {"seed": cfg.seed, **cfg.model_dump()}
+    with track.stage_run("sft", settings) as run:
         rows = read_table("data/labeled/train.parquet", LABELED)
-        chosen = select_trajectories(rows, p["max_per_question"], p["dedupe"])
+        chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
         if not chosen:
             raise DataError("data/labeled/train.parquet", "no correct trajectories to train on", field="correct")
         tok = AutoTokenizer.from_pretrained("models/base")
         examples, stats = build_examples(tok, chosen, cfg.max_length)
         print(f"sft: {len(chosen)} of {len(rows)} trajectories selected; drift: {stats['drifted_examples']} examples, "
               f"{stats['drift_tokens']} tokens", flush=True)
-        checkpoint = f"data/.cache/sft-checkpoint/{run_key(p, [Path('data/labeled/train.parquet'), Path('models/base/model.safetensors')])}"
+        key = run_key(settings, [Path("data/labeled/train.parquet"), *sorted(Path("models/base").glob("*.safetensors"))])
+        checkpoint = f"data/.cache/sft-checkpoint/{key}"
         records = train_sft("models/base", examples, cfg, "models/sft", checkpoint_dir=checkpoint,
                             on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]))
         write_records_csv(records, LOSS_CSV, LOSS_FIELDS)
@@ -40,4 +42,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("sft", main)

@@ -9,35 +9,36 @@ from __future__ import annotations
 from pathlib import Path
 
 from unison import track
+from unison.cli import stage_main
+from unison.config import TeacherConfig, load_params
 from unison.data import models
-from unison.params import load_params
 
 OUT = Path("models/teacher")
 
 
-def teacher_info(t: dict) -> dict:
+def teacher_info(t: TeacherConfig) -> dict:
     """What models/teacher/unison_model.json says of this teacher block (a local teacher: its source)."""
-    if t.get("backend", "vllm") != "openai":
-        return {"source": t["model"]}
-    return {"source": t["model"], "base_url": t["base_url"], "served_name": t.get("served_name") or t["model"].partition(":")[2],
-            "tokenizer": t.get("tokenizer") or t["model"]}
+    if t.backend != "openai":
+        return {"source": t.model}
+    return {"source": t.model, "base_url": t.base_url, "served_name": t.served_name or t.model.partition(":")[2],
+            "tokenizer": t.tokenizer or t.model}
 
 
 def main() -> None:
-    t = load_params()["teacher"]
-    with track.stage_run("teacher", t) as run:
+    t = load_params().teacher
+    with track.stage_run("teacher", t.model_dump()) as run:
         want = teacher_info(t)
         info = models.read_info(OUT) or {}
         if {k: info.get(k) for k in want} == want:
-            print(f"teacher: {OUT} already holds {t['model']}", flush=True)
+            print(f"teacher: {OUT} already holds {t.model}", flush=True)
         elif "served_name" in want:
             print(f"teacher: {want['served_name']} at {want['base_url']}; keeping its tokenizer in {OUT}", flush=True)
             info = models.materialize_tokenizer(want["tokenizer"], OUT, want)
         else:
-            print(f"teacher: materialising {t['model']} -> {OUT} ...", flush=True)
-            info = models.materialize_model(t["model"], OUT)
+            print(f"teacher: materialising {t.model} -> {OUT} ...", flush=True)
+            info = models.materialize_model(t.model, OUT)
         run.log_metrics({"teacher_parameters": float(info["n_parameters"])})
 
 
 if __name__ == "__main__":
-    main()
+    stage_main("teacher", main)

@@ -5,8 +5,8 @@ import fcntl
 
 import pytest
 
+from unison.config import ROOT
 from unison.data.models import materialize_model, read_info
-from unison.params import ROOT
 
 BASE_MODEL_SPEC = "builtin:smollm2-135m-instruct"
 TEST_MODELS = ROOT / ".cache" / "test-models"

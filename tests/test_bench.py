@@ -6,6 +6,7 @@ import time
 
 from bench.bench_rollout import TimedBackend, TimedToolbox, format_table, measure_tool_concurrency, save_report
 from unison.agents.runtime import Toolbox
+from unison.config import LabelConfig
 
 
 def test_save_report_merges_under_its_key(tmp_path):
@@ -92,7 +93,6 @@ def test_format_table_names_every_measurement():
 def test_timed_backends_count_requests_in_flight():
     from bench.bench_rollout import TimedBackend, TimedStreamingBackend
     from unison.agents.runtime import LockStep
-
     from unison.llm import Completion
 
     class Echo:  # a backend boundary stand-in: completes each prompt with its length as the one token
@@ -118,7 +118,7 @@ def test_method_table_has_accuracy_ci_and_costs_per_question():
 
     rows = [{"correct": c, "n_llm_calls": 4, "n_tokens": 50, "n_tool_calls": 1, "tool_errors": e, "final_answer": a, "task": "qa",
              "answers": ["x"], "tool_stats": "{}"} for c, e, a in [(True, 0, "x"), (False, 1, ""), (True, 0, "y"), (False, 0, "z")]]
-    fig = system_metrics(rows, 8.0, {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}, n_boot=200, seed=0)
+    fig = system_metrics(rows, 8.0, LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5), n_boot=200, seed=0)
     assert fig["accuracy"] == 0.5 and fig["accuracy_lo"] <= 0.5 <= fig["accuracy_hi"]
     assert (fig["llm_calls_per_question"], fig["tokens_per_question"], fig["tool_errors_per_question"], fig["answered_rate"],
             fig["wall_s_per_question"]) == (4, 50, 0.25, 0.75, 2.0)

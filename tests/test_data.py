@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from unison.config import BuiltinWorldConfig
 from unison.data import adapters, models
 from unison.data.builtin import ORG_SUFFIXES, generate_world
 from unison.data.schemas import CORPUS, QUESTION, DataError, read_table, write_table
@@ -19,7 +20,7 @@ SMALL_WORLD = {
     "n_people": 40, "n_orgs": 10, "n_cities": 8, "n_countries": 3,
     "train_size": 60, "test_size": 30, "mix": {"hop1": 0.5, "hop2": 0.25, "math": 0.25},
 }
-DEFAULT_WORLD = yaml.safe_load((Path(__file__).parent.parent / "params.yaml").read_text())["download"]["builtin"]
+DEFAULT_WORLD = BuiltinWorldConfig()  # = params.yaml's download.builtin (tests/test_config.py)
 
 
 def meta(row):
@@ -36,20 +37,21 @@ def world():
 
 def test_same_seed_writes_byte_identical_files(tmp_path):
     for run in ("a", "b"):
-        corpus, train, test = generate_world(SMALL_WORLD, seed=7)
+        corpus, train, test = generate_world(BuiltinWorldConfig(**SMALL_WORLD), seed=7)
         write_table(corpus, tmp_path / run / "corpus.parquet", CORPUS)
         write_table(train, tmp_path / run / "train.parquet", QUESTION)
         write_table(test, tmp_path / run / "test.parquet", QUESTION)
     for name in ("corpus", "train", "test"):
         assert (tmp_path / "a" / f"{name}.parquet").read_bytes() == (tmp_path / "b" / f"{name}.parquet").read_bytes()
-    assert generate_world(SMALL_WORLD, seed=8)[1] != generate_world(SMALL_WORLD, seed=7)[1]
+    small = BuiltinWorldConfig(**SMALL_WORLD)
+    assert generate_world(small, seed=8)[1] != generate_world(small, seed=7)[1]
 
 
 def test_sizes_and_mix_follow_params(world):
     _, train, test = world
-    assert len(train) == DEFAULT_WORLD["train_size"] and len(test) == DEFAULT_WORLD["test_size"]
+    assert len(train) == DEFAULT_WORLD.train_size and len(test) == DEFAULT_WORLD.test_size
     hops = [meta(r)["hop"] for r in train]
-    n, mix = DEFAULT_WORLD["train_size"], DEFAULT_WORLD["mix"]
+    n, mix = DEFAULT_WORLD.train_size, DEFAULT_WORLD.mix
     assert {h: hops.count(h) for h in mix} == {h: round(n * share) for h, share in mix.items()}
     assert all((r["task"] == "math") == (meta(r)["hop"] == "math") for r in train + test)
     assert len({r["id"] for r in train + test}) == len(train) + len(test)
@@ -286,7 +288,8 @@ def test_download_stage_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     from tasks import download
 
     params = yaml.safe_load((Path(__file__).parent.parent / "params.yaml").read_text())
-    params["download"] |= {"builtin": SMALL_WORLD, "model": f"local:{tiny_model_dir}", "max_test": 20}
+    params["download"] |= {"builtin": SMALL_WORLD, "max_test": 20}
+    params["student"]["model"] = f"local:{tiny_model_dir}"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     monkeypatch.chdir(tmp_path)
     download.main()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from unison.params import ROOT
+from unison.config import ROOT
 
 from .test_recipes import copy_project
 

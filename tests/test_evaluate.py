@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.evaluate import judged_system, prm_rerank, scoring_params, system_metrics
+from unison.config import EvaluateConfig, LabelConfig, Params, ParamsError, validate_params
 from unison.judge.steps import student_steps
 from unison.train.prm import build_prm
 
@@ -67,7 +68,7 @@ class FakeJudge:
 
 
 def test_evaluate_uses_the_configured_judge_fake_judge():
-    label_p = {"qa_metric": "em", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
+    label_p = LabelConfig(qa_metric="em", f1_threshold=0.8, first_only=False, math_timeout_s=5)
     rows, extra = judged_system("sft", [row("q1", 0, "Olvin", False, 10), row("q2", 0, "Tarsk", True, 10)], label_p, FakeJudge())
     assert [(r["correct"], r["judge"]) for r in rows] == [(True, "fake"), (False, "fake")] and extra == {}
     metrics = system_metrics(rows, 2.0, label_p, n_boot=50, seed=0)
@@ -75,7 +76,7 @@ def test_evaluate_uses_the_configured_judge_fake_judge():
 
 
 def test_system_metrics_lead_with_em_and_count_cost_per_correct_answer():
-    label_p = {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
+    label_p = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
     answers = ["Tarsk", "the city of Tarsk", "Doc 1 (Title: Tarsk) Tarsk is a city of Velmora on the coast.", ""]
     rows = [{**row(f"q{k}", 0, a, a in answers[:2], 10 * (k + 1)), "n_tool_calls": k} for k, a in enumerate(answers)]
     m = system_metrics(rows, 4.0, label_p, n_boot=50, seed=0)
@@ -89,9 +90,9 @@ def test_system_metrics_lead_with_em_and_count_cost_per_correct_answer():
 
 
 def test_evaluate_first_only_defaults_to_the_label_rule_and_may_override_it():
-    params = {"label": {"first_only": False, "qa_metric": "em"}, "evaluate": {"first_only": None}}
-    assert scoring_params(params)["label"]["first_only"] is False
-    gap = {**params, "evaluate": {"first_only": True}}
-    assert scoring_params(gap)["label"] == {"first_only": True, "qa_metric": "em"} and params["label"]["first_only"] is False
-    with pytest.raises(TypeError, match="evaluate.first_only"):
-        scoring_params({**params, "evaluate": {"first_only": "yes"}})
+    params = Params(label=LabelConfig(first_only=False, qa_metric="em"))
+    assert params.evaluate.first_only is None and scoring_params(params).label.first_only is False
+    gap = params.model_copy(update={"evaluate": EvaluateConfig(first_only=True)})
+    assert scoring_params(gap).label == LabelConfig(first_only=True, qa_metric="em") and params.label.first_only is False
+    with pytest.raises(ParamsError, match="evaluate.first_only"):
+        validate_params({"teacher": {}, "student": {}, "evaluate": {"first_only": "sometimes"}}, "overlay.yaml")

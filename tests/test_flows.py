@@ -17,15 +17,15 @@ os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="unison-test-prefect-")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ["UNISON_PREFECT_PORT"] = "9"
 
-from flows.pipeline import DvcError, pipeline, rerun_on_data_change  # noqa: E402  (before prefect: settings)
-from flows.serve import deployments  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
 from prefect.logging.handlers import APILogHandler  # noqa: E402
 from prefect.server.api.server import SubprocessASGIServer  # noqa: E402
 
-from unison.params import ROOT  # noqa: E402
+from flows.pipeline import DvcError, pipeline, rerun_on_data_change  # noqa: E402  (before prefect: settings)
+from flows.serve import deployments  # noqa: E402
+from unison.config import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:_NoneStep.value:DeprecationWarning")  # inside DVC's graph code
 

@@ -5,13 +5,14 @@ from decimal import Decimal
 
 import pytest
 
+from unison.config import LabelConfig
 from unison.judge import score
 from unison.judge.answers import extract_answer, last_boxed, split_answers
 from unison.judge.math import math_score, to_number
 from unison.judge.qa import exact_match, normalize, qa_scores, substring_match, token_f1
 from unison.judge.stats import bootstrap_ci, paired_difference_ci, wilson_interval
 
-PARAMS = {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
+PARAMS = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
 # Gold answers copied from MATH-500 (tests/fixtures/data/math500_test.jsonl, rows 0-2).
 POLAR = r"\left( 3, \frac{\pi}{2} \right)"
 P_MINUS_Q = "p - q"
@@ -116,13 +117,13 @@ def test_multi_answer_rules():
 def test_score_qa_metric_decides_correct():
     text = "<answer>Barack Obama</answer>"
     golds = ["Barack Hussein Obama"]
-    assert score("qa", text, golds, {**PARAMS, "qa_metric": "em"}) == (False, 0.0, "qa:em")
-    assert score("qa", text, golds, {**PARAMS, "qa_metric": "f1"}) == (True, pytest.approx(0.8), "qa:f1")
-    assert score("qa", text, golds, {**PARAMS, "qa_metric": "f1", "f1_threshold": 0.9})[0] is False
+    assert score("qa", text, golds, PARAMS.model_copy(update={"qa_metric": "em"})) == (False, 0.0, "qa:em")
+    assert score("qa", text, golds, PARAMS.model_copy(update={"qa_metric": "f1"})) == (True, pytest.approx(0.8), "qa:f1")
+    assert score("qa", text, golds, PARAMS.model_copy(update={"qa_metric": "f1", "f1_threshold": 0.9}))[0] is False
     assert score("qa", "Barack Hussein Obama", golds, PARAMS) == (True, 1.0, "qa:subem")  # untagged = answer
     assert score("qa", "<answer></answer>", golds, PARAMS) == (False, 0.0, "no-answer")
     with pytest.raises(ValueError, match="qa_metric"):
-        score("qa", text, golds, {**PARAMS, "qa_metric": "bleu"})
+        LabelConfig(qa_metric="bleu")  # refused when params load, before anything is scored
     with pytest.raises(ValueError, match="no scorer"):
         score("code", text, golds, PARAMS)
 

@@ -14,6 +14,7 @@ from unison.agents.methods.dylan import consensus, parse_ranks
 from unison.agents.methods.mav import ASPECTS, aspects_for, best_solution, parse_verdict
 from unison.agents.protocol import SYSTEM_PROMPT
 from unison.agents.runtime import RunConfig, Toolbox
+from unison.config import GenerateConfig
 from unison.llm import Completion
 from unison.llm.hf_backend import HFBackend
 from unison.train.token_view import token_view
@@ -41,7 +42,8 @@ class Scripted:
 
 def run_method(smol, method: str, params: dict, roles: dict | None = None, samples: int = 1, temperature: float = 0.7) -> list[dict]:
     ctx = MethodContext(smol, Toolbox(CorpusRetriever()), RunConfig(temperature=temperature, max_tokens_per_turn=16), "smol",
-                        scaffold={"qa": ["search", "answer"]}, params=params, role_backends=roles or {})
+                        scaffold={"qa": ["search", "answer"]}, params=type(getattr(GenerateConfig(), method))(**params),
+                        role_backends=roles or {})
     rows = get_method(method)([Q], samples, ctx)
     for row in rows:
         assert row["method"] == method and row["question_id"] == "q1"

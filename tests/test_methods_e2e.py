@@ -11,8 +11,8 @@ from unison import track
 from unison.agents.methods import METHODS, MethodContext, get_method, run_method
 from unison.agents.runtime import RunConfig, Toolbox
 from unison.agents.trace import episode_from_row
+from unison.config import ROOT, load_params
 from unison.data.schemas import TRAJECTORY, read_table, write_table
-from unison.params import ROOT, load_params
 from unison.train.token_view import token_view
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -31,8 +31,8 @@ PASSAGES = [
 
 @pytest.fixture(scope="module")
 def ctx_factory(base_model_dir, tmp_path_factory):
-    from unison.llm.vllm_backend import VLLMBackend
     from unison.data.schemas import CORPUS
+    from unison.llm.vllm_backend import VLLMBackend
     from unison.tools.retrieval import Retriever, build_index
 
     root = tmp_path_factory.mktemp("methods")
@@ -43,10 +43,10 @@ def ctx_factory(base_model_dir, tmp_path_factory):
     toolbox = Toolbox(Retriever(root / "index", topk=1), python_params={"timeout_s": 5}, search_max_chars=200)
     cfg = RunConfig(temperature=0.7, max_turns=4, max_tokens_per_turn=32, max_tool_calls=3)
     scaffold = {"qa": ["search", "answer"], "math": ["python", "answer"]}
-    generate = load_params(ROOT / "params.yaml")["generate"]
+    generate = load_params(ROOT / "params.yaml").generate
 
     def make(method: str) -> MethodContext:
-        return MethodContext(backend, toolbox, cfg, "smollm2", scaffold=scaffold, params=generate.get(method, {}))
+        return MethodContext(backend, toolbox, cfg, "smollm2", scaffold=scaffold, params=getattr(generate, method, None))
 
     return make
 

@@ -11,6 +11,7 @@ from unison.agents.methods.chain_of_agents import double_check_score
 from unison.agents.methods.gap import parse_plan, plan_levels, query_of, topological_levels
 from unison.agents.protocol import SYSTEM_PROMPT, chat_prompt
 from unison.agents.runtime import RunConfig, Toolbox
+from unison.config import AgentFlowConfig, ChainOfAgentsConfig, GAPConfig, GenerateConfig, LLMConfig, Params
 from unison.llm.base import Completion
 from unison.llm.hf_backend import HFBackend
 from unison.train.token_view import token_view
@@ -123,7 +124,7 @@ def test_double_check_verifier_next_step_and_memory_parsing():
 
 def test_chain_of_agents_is_one_trajectory_that_replans_on_a_low_double_check(smol):
     scores = {"double_check": lambda prompt: "Score: 4</double_check>" if Q2["question"] in prompt else "Score: 1</double_check>"}
-    ctx = context(smol, {"max_cycles": 2, "accept_score": 3}, scripted={"reflection": "good</reflection>", **scores})
+    ctx = context(smol, ChainOfAgentsConfig(max_cycles=2, accept_score=3), scripted={"reflection": "good</reflection>", **scores})
     rows = get_method("chain_of_agents")([Q, Q2], 1, ctx)
     for row, cycles in zip(rows, (2, 1)):  # q1 scores 1: plans again; q2 scores 4: answers after one cycle
         names = {m["name"] for m in row["messages"] if m["role"] == "assistant"}
@@ -140,7 +141,7 @@ def test_chain_of_agents_is_one_trajectory_that_replans_on_a_low_double_check(sm
 
 
 def test_agentflow_roles_memory_and_student_rendering(smol):
-    ctx = context(smol, {"max_steps": 3}, scripted={"verifier": "The memory answers the query.\nConclusion: STOP"})
+    ctx = context(smol, AgentFlowConfig(max_steps=3), scripted={"verifier": "The memory answers the query.\nConclusion: STOP"})
     (row,) = get_method("agentflow")([Q], 1, ctx)
     assert {"planner", "executor", "verifier", "generator"} <= {m["name"] for m in row["messages"]}
     assert row["n_tool_calls"] == 1 and row["n_llm_calls"] == 5  # analysis, next step, command, verifier STOP, answer
@@ -153,7 +154,7 @@ def test_agentflow_roles_memory_and_student_rendering(smol):
 
 def test_gap_runs_each_plan_level_as_one_parallel_search_turn(smol):
     retriever = Recording()
-    ctx = context(smol, {"max_levels": 3, "max_parallel": 4}, scripted={"plan": PLAN}, retriever=retriever)
+    ctx = context(smol, GAPConfig(max_levels=3, max_parallel=4), scripted={"plan": PLAN}, retriever=retriever)
     (row,) = get_method("gap")([Q], 1, ctx)
     assert [len(c) for c in retriever.calls] == [2, 1]  # level 1: T1 and T2 together; level 2: T3 after their results
     student = row["student"]
@@ -166,7 +167,8 @@ def test_gap_runs_each_plan_level_as_one_parallel_search_turn(smol):
     check_student_system(student, "gap", "<plan>")
 
 
-@pytest.mark.parametrize("method,params", [("chain_of_agents", {"max_cycles": 1}), ("agentflow", {"max_steps": 2}), ("gap", {})])
+@pytest.mark.parametrize("method,params", [("chain_of_agents", ChainOfAgentsConfig(max_cycles=1)), ("agentflow", AgentFlowConfig(max_steps=2)),
+                                           ("gap", GAPConfig())])
 def test_unscaffolded_methods_survive_garbage(tiny_model_dir, method, params):
     """A random 2-layer model (SmolLM2's tokenizer) writes garbage: every role output falls back, every row ends."""
     tiny = HFBackend(str(tiny_model_dir), dtype="float32")
@@ -184,8 +186,8 @@ def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
     every other agentflow role on SmolLM2; each backend gets exactly its roles' calls."""
     from unison.agents.context import make_role_backends
 
-    roles = make_role_backends({"seed": 0, "llm": {"backend": "vllm", "dtype": "float32"}, "teacher": {"model": "builtin:smollm2-135m-instruct"},
-                                "generate": {"roles": {"verifier": {"model": str(tiny_model_dir), "backend": "transformers"}}}})
+    roles = make_role_backends(Params(llm=LLMConfig(dtype="float32"),
+                                      generate=GenerateConfig(roles={"verifier": {"model": str(tiny_model_dir), "backend": "transformers"}})))
     verifier = roles["verifier"]
     assert isinstance(verifier, HFBackend) and verifier.tokenizer is not smol.tokenizer
     calls = {"main": 0, "verifier": 0}
@@ -201,7 +203,7 @@ def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
     main = HFBackend(model=smol.model, tokenizer=smol.tokenizer)
     main.generate, verifier.generate = counted(main, "main"), counted(verifier, "verifier")
     ctx = MethodContext(main, Toolbox(CorpusRetriever()), RunConfig(temperature=0.0, max_tokens_per_turn=16), "smol",
-                        scaffold={"qa": ["search", "answer"]}, params={"max_steps": 2}, role_backends=roles)
+                        scaffold={"qa": ["search", "answer"]}, params=AgentFlowConfig(max_steps=2), role_backends=roles)
     (row,) = get_method("agentflow")([Q], 1, ctx)
     verdicts = sum(m["name"] == "verifier" for m in row["messages"])
     assert verdicts >= 1 and calls["verifier"] == verdicts  # a random model's verdict is garbage: CONTINUE, so 2 steps

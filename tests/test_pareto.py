@@ -3,8 +3,19 @@ from __future__ import annotations
 
 import math
 
-from unison.data.pareto import (crowding_distance, dominates, mixed_outcome, non_dominated_fronts, objectives,
-                                pareto_sample, rl_rows, rollout_groups, select_fronts, split_stages, write_rl_data)
+from unison.data.pareto import (
+    crowding_distance,
+    dominates,
+    mixed_outcome,
+    non_dominated_fronts,
+    objectives,
+    pareto_sample,
+    rl_rows,
+    rollout_groups,
+    select_fronts,
+    split_stages,
+    write_rl_data,
+)
 from unison.data.schemas import RL_ROW, read_table
 
 

@@ -1,14 +1,12 @@
 """Stage `pareto`: which groups of hand-built rollouts become RL prompts, the fallback, the verl files, and a real rollout."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
 from tasks.pareto import build_rl, student_rollouts
 from unison.agents.runtime import Toolbox
+from unison.config import GenerateConfig, Params, ParetoConfig
 from unison.data.pareto import write_rl_data
 from unison.data.schemas import LABELED, RL_ROW, DataError, atomic_dir, read_table, validate_rows
 
@@ -26,8 +24,8 @@ def rollouts(groups=GROUPS) -> list[dict]:
             for q, (tools, corr) in groups.items() for s, (t, c) in enumerate(zip(tools, corr))]
 
 
-def params(**over) -> dict:
-    return {"k": 4, "counts": 5, "qa_threshold": 0.75, "stages": 2, "min_groups": 0, **over}
+def params(**over) -> ParetoConfig:
+    return ParetoConfig(**{"k": 4, "counts": 5, "qa_threshold": 0.75, "stages": 2, "min_groups": 0, **over})
 
 
 def test_all_mixed_groups_kept_in_pareto_order_and_split_easiest_first(tmp_path):
@@ -82,12 +80,10 @@ class CorpusRetriever:
 def test_student_rollouts_on_a_real_model_are_k_labeled_seeded_samples(tiny_model_dir):
     from unison.llm.hf_backend import HFBackend
 
-    all_params = yaml.safe_load((Path(__file__).parent.parent / "params.yaml").read_text())
-    all_params["generate"] |= {"max_turns": 2, "max_tokens_per_turn": 12}
+    all_params = Params(generate=GenerateConfig(max_turns=2, max_tokens_per_turn=12))
     backend = HFBackend(str(tiny_model_dir), dtype="float32")
-    label_p = {"seed": 0, **all_params["label"]}
     questions = QUESTIONS[:2]
-    runs = [student_rollouts(questions, 3, backend, Toolbox(CorpusRetriever()), all_params, 1.0, label_p) for _ in range(2)]
+    runs = [student_rollouts(questions, 3, backend, Toolbox(CorpusRetriever()), all_params, 1.0, all_params.label) for _ in range(2)]
     rows = runs[0]
     assert [(r["question_id"], r["sample"]) for r in rows] == [(q, s) for q in ("q0", "q1") for s in range(3)]
     assert all(r["method"] == "single" and r["teacher"] == "models/sft" and r["judge"] for r in rows)

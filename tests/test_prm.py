@@ -8,8 +8,18 @@ import torch
 
 from tasks.prm import check_train
 from unison.data.schemas import DataError
-from unison.train.prm import (PRMConfig, auc, build_prm, load_prm, prm_loss, rerank_metrics, soft_ce, split_by_question,
-                              step_metrics, train_prm)
+from unison.train.prm import (
+    PRMConfig,
+    auc,
+    build_prm,
+    load_prm,
+    prm_loss,
+    rerank_metrics,
+    soft_ce,
+    split_by_question,
+    step_metrics,
+    train_prm,
+)
 
 
 def rows(n_questions: int = 6, samples: int = 2) -> list[dict]:

@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from unison.params import ROOT
+from unison.config import ROOT
 from unison.recipes import RecipeError, changes, default_params, load_recipe, main, merge, names, recipe_params
 
 STAGES = set(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])

@@ -15,10 +15,9 @@ import pytest
 import requests
 import uvicorn
 
+from unison.config import ToolsConfig
 from unison.data.schemas import DataError
-from unison.tools.retrieval import (
-    KINDS, RemoteRetriever, Retriever, build_index, format_passages, make_retriever, title_recall_at_1,
-)
+from unison.tools.retrieval import KINDS, RemoteRetriever, Retriever, build_index, format_passages, make_retriever, title_recall_at_1
 from unison.tools.search_server import create_app
 
 NAMES = ["Velmora", "Quillon", "Brastow", "Ishkar", "Tolvane", "Meridan", "Oskeby", "Praxil", "Caudrel", "Zennith"]
@@ -229,14 +228,14 @@ def test_bad_request_is_422_with_a_message(server, body):
 def test_remote_retriever_equals_in_process(server, index_dirs):
     queries = [p["title"] for p in PASSAGES[::5]] + ["who built the black stone foundry?"]
     local = Retriever(index_dirs["flat"], topk=3).search(queries)
-    remote = make_retriever("unused", {"search_url": server, "search_topk": 3, "search_max_chars": 300})
+    remote = make_retriever("unused", ToolsConfig(search_url=server, search_topk=3, search_max_chars=300))
     assert isinstance(remote, RemoteRetriever)
     got = remote.search(queries)
     assert [[h["id"] for h in hits] for hits in got] == [[h["id"] for h in hits] for hits in local]
     for remote_hits, local_hits in zip(got, local):
         for r, l in zip(remote_hits, local_hits):
             assert (r["title"], r["text"]) == (l["title"], l["text"]) and r["score"] == pytest.approx(l["score"], abs=1e-5)
-    assert isinstance(make_retriever(index_dirs["flat"], {"search_url": ""}), Retriever)
+    assert isinstance(make_retriever(index_dirs["flat"], ToolsConfig(search_url="")), Retriever)
 
 
 def test_remote_retriever_gives_up_on_a_dead_server():

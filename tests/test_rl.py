@@ -14,14 +14,14 @@ import torch
 
 from unison.agents.protocol import chat_prompt, question_messages
 from unison.agents.runtime import Episode, RunConfig, Segment, Toolbox
+from unison.config import LabelConfig, LLMConfig
 from unison.data.pareto import rl_rows
 from unison.data.schemas import RL_ROW, DataError, write_table
 from unison.train.policy_loss import token_logprobs
-from unison.train.rl import (RLConfig, batch_loss, build_samples, collate, load_rl_data, logprobs_of, score_episodes,
-                             step_prompts, train_rl)
+from unison.train.rl import RLConfig, batch_loss, build_samples, collate, load_rl_data, logprobs_of, score_episodes, step_prompts, train_rl
 from unison.train.rollout import episode_view
 
-LABEL = {"qa_metric": "subem", "f1_threshold": 0.8, "first_only": False, "math_timeout_s": 5}
+LABEL = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
 QUESTION = "What is the capital of France?"
 
 
@@ -67,7 +67,7 @@ def rl_config(**kw) -> RLConfig:
 def run(model_dir, cfg, tmp_path, name, rows=None, on_step=None):
     return train_rl(str(model_dir), rows or make_rows(), cfg, Toolbox(), RunConfig(temperature=cfg.temperature, top_p=1.0,
                     max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn, max_model_len=512), ("search", "python"),
-                    LABEL, {"max_model_len": 512}, str(tmp_path / name / "out"), str(tmp_path / name / "ckpt"), on_step=on_step)
+                    LABEL, LLMConfig(max_model_len=512), str(tmp_path / name / "out"), str(tmp_path / name / "ckpt"), on_step=on_step)
 
 
 def state(path):

@@ -9,12 +9,22 @@ import math
 import pytest
 import torch
 
-from unison.train.advantages import (dr_grpo, dynamic_sampling_keep, flow_grpo, grpo, leave_one_out_mean, rloo,
-                                     token_advantages)
+from unison.train.advantages import dr_grpo, dynamic_sampling_keep, flow_grpo, grpo, leave_one_out_mean, rloo, token_advantages
 from unison.train.policy_loss import aggregate, entropy_from_logits, kl_k3, policy_loss, token_logprobs
-from unison.train.rewards import (check_format, count_tool_calls, efficiency_rewards, format_reward, prm_step_rewards,
-                                  prmvr_token_rewards, returns_to_go, sigma_factor, soft_min, step_ends,
-                                  step_token_counts, verifiable_reward)
+from unison.train.rewards import (
+    check_format,
+    count_tool_calls,
+    efficiency_rewards,
+    format_reward,
+    prm_step_rewards,
+    prmvr_token_rewards,
+    returns_to_go,
+    sigma_factor,
+    soft_min,
+    step_ends,
+    step_token_counts,
+    verifiable_reward,
+)
 
 close = lambda a, b, tol=1e-4: torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol)
 

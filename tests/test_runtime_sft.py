@@ -9,6 +9,7 @@ from unison.agents.methods import MethodContext, get_method
 from unison.agents.methods.debate import majority
 from unison.agents.protocol import parse_tool_call, split_queries
 from unison.agents.runtime import RunConfig, Toolbox, _timed, run_episodes
+from unison.config import DebateConfig
 from unison.llm.hf_backend import HFBackend
 from unison.train.sft import SFTConfig, build_examples, select_trajectories, target_nll, train_sft
 from unison.train.token_view import retokenization_drift, token_view
@@ -71,7 +72,7 @@ def test_tool_failures_become_observations():
 
 def test_debate_transcript_and_student_rendering(smol):
     ctx = MethodContext(smol, Toolbox(CorpusRetriever()), RunConfig(temperature=0.7, max_tokens_per_turn=16), "smol",
-                        scaffold={"qa": ["search", "answer"]}, params={"agents": 3, "rounds": 2, "aggregator": "vote"})
+                        scaffold={"qa": ["search", "answer"]}, params=DebateConfig(agents=3, rounds=2, aggregator="vote"))
     q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}
     (row,) = get_method("debate")([q], 1, ctx)
     names = {m["name"] for m in row["messages"] if m["role"] == "assistant"}

@@ -6,8 +6,8 @@ import threading
 import pytest
 
 from unison.agents.episodes import start_episode
-from unison.agents.scheduler import run_flows
 from unison.agents.runtime import RunConfig, Toolbox, run_episodes
+from unison.agents.scheduler import run_flows
 from unison.llm.hf_backend import HFBackend
 
 CFG = RunConfig(temperature=0.0, max_tokens_per_turn=3, max_turns=4)

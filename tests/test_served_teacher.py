@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from unison.params import ROOT
+from unison.config import ROOT
 
 from .local_http import served_requests, vllm_openai_server
 from .test_e2e import merge, run

@@ -13,8 +13,8 @@ import yaml
 
 from tests.test_runtime_sft import CorpusRetriever
 from unison.agents.runtime import Toolbox
+from unison.config import ROOT
 from unison.data.schemas import QUESTION, write_table
-from unison.params import ROOT
 
 QUESTIONS = [{"id": f"q{i}", "source": "builtin", "task": "qa", "question": q, "answers": [a], "meta": "{}"}
              for i, (q, a) in enumerate([("In which city was Zorvan Kelt born?", "Tarsk"), ("In which country is Tarsk?", "Velmora")])]

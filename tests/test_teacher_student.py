@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from unison.params import ROOT, ParamsError, check_params, teacher_llm
+from unison.config import ROOT, ParamsError, load_params, teacher_engine, validate_params
 
 DEFAULTS = yaml.safe_load((ROOT / "params.yaml").read_text())
 # Another chat template: a different role header, the same eos closing each turn (what the runtime needs)
@@ -29,7 +29,7 @@ def with_(**blocks) -> dict:
 
 
 def test_default_params_are_valid_and_name_both_models():
-    check_params(DEFAULTS)
+    validate_params(DEFAULTS)
     assert DEFAULTS["student"]["model"] and DEFAULTS["teacher"]["model"]
 
 
@@ -37,18 +37,16 @@ def test_default_params_are_valid_and_name_both_models():
     ({"llm__backend": "openai"}, "llm.backend"),  # a student is never evaluated on a remote model
     ({"teacher__backend": "openai"}, "teacher.base_url"),
     ({"teacher__backend": "sglang"}, "teacher.backend"),
-    ({"teacher__modle": "hf:x"}, "teacher: unknown key"),
+    ({"teacher__modle": "hf:x"}, "teacher.modle: unknown key"),
     ({"student__model": "Qwen/Qwen2.5-7B"}, "student.model"),
     ({"teacher__llm": {"backend": "openai"}}, "teacher.llm.backend"),
 ])
 def test_bad_teacher_or_student_settings_fail_at_load_naming_the_key(blocks, key):
     with pytest.raises(ParamsError, match=key.replace(".", r"\.")):
-        check_params(with_(**blocks))
+        validate_params(with_(**blocks))
 
 
 def test_a_params_file_without_the_teacher_block_is_refused(tmp_path):
-    from unison.params import load_params
-
     params = copy.deepcopy(DEFAULTS)
     del params["teacher"]
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
@@ -57,11 +55,13 @@ def test_a_params_file_without_the_teacher_block_is_refused(tmp_path):
 
 
 def test_a_served_teacher_gets_its_server_name_and_key_variable_never_the_key():
-    llm = teacher_llm(with_(teacher={"model": "hf:Qwen/Qwen2.5-72B-Instruct", "backend": "openai", "base_url": "http://h:8000/v1",
-                                     "served_name": "qwen72", "api_key_env": "MY_KEY", "llm": {"max_concurrency": 64}}))
-    assert (llm["backend"], llm["api_model"], llm["base_url"], llm["api_key_env"]) == ("openai", "qwen72", "http://h:8000/v1", "MY_KEY")
-    assert llm["max_concurrency"] == 64 and llm["dtype"] == DEFAULTS["llm"]["dtype"]  # overrides on top of llm.*
-    assert teacher_llm(with_(teacher={"model": "hf:org/m", "backend": "openai", "base_url": "u"}))["api_model"] == "org/m"
+    engine = teacher_engine(validate_params(with_(teacher={"model": "hf:Qwen/Qwen2.5-72B-Instruct", "backend": "openai",
+                                                           "base_url": "http://h:8000/v1", "served_name": "qwen72", "api_key_env": "MY_KEY",
+                                                           "llm": {"max_concurrency": 64}})))
+    assert (engine.backend, engine.api_model, engine.base_url, engine.api_key_env) == ("openai", "qwen72", "http://h:8000/v1", "MY_KEY")
+    assert engine.max_concurrency == 64 and engine.dtype == DEFAULTS["llm"]["dtype"]  # overrides on top of llm.*
+    served = validate_params(with_(teacher={"model": "hf:org/m", "backend": "openai", "base_url": "u"}))
+    assert teacher_engine(served).api_model == "org/m"
 
 
 # ------------------------------------------------------------------ a teacher with another tokenizer and chat template

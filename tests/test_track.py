@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from unison import track
-from unison.params import ROOT
+from unison.config import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 
 from unison.agents.context import enabled_tools, make_toolbox, remote_counters
 from unison.agents.protocol import SYSTEM_PROMPT, system_prompt
+from unison.config import Params, ToolsConfig
 from unison.tools.web import Crawl, WebCache, WebSearch, html_to_text
 
 from .local_http import LocalServer
@@ -119,9 +120,9 @@ def test_crawl_strips_html_truncates_and_caches(server, cache):
     assert tool("file:///etc/passwd") == ("error: not an http(s) URL: 'file:///etc/passwd'", "error")
 
 
-def _params(server_url: str, **tools) -> dict:
-    return {"tools": {"search_url": "http://127.0.0.1:9", "search_topk": 2, "search_max_chars": 300, "python_timeout_s": 5,
-                      "python_memory_mb": 512, "python_max_output_chars": 512, **tools}}
+def _params(server_url: str, **tools) -> Params:
+    return Params(tools=ToolsConfig(search_url="http://127.0.0.1:9", search_topk=2, search_max_chars=300, python_timeout_s=5,
+                                    python_memory_mb=512, python_max_output_chars=512, **tools))
 
 
 def test_web_tools_are_off_by_default_and_opt_in(server, tmp_path):
@@ -168,7 +169,7 @@ def test_enabled_web_tools_reach_acting_agents_and_their_student_rendering(base_
     class Backend:
         tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
 
-    tools = enabled_tools({"tools": {"web_search_url": "http://127.0.0.1:9", "crawl": True}})
+    tools = enabled_tools(Params(tools=ToolsConfig(web_search_url="http://127.0.0.1:9", crawl=True)))
     ctx = MethodContext(Backend(), Toolbox(), RunConfig(), "t", scaffold={"qa": ["search", "answer"]}, tools=tools)
     e = ctx.solver_episode("q/0", "Who founded Orlen?", 1, "qa")
     assert e.tools == ("search", "python", "web_search", "crawl") and e.scaffold == ["search", "answer"]

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from unison.params import ROOT
 from tests.test_rl import answerer, rl_config, run, state  # noqa: F401  (answerer is a fixture)
+from unison.config import ROOT
 
 pytestmark = pytest.mark.slow
 

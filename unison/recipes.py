@@ -3,7 +3,8 @@
 A recipe holds `description`, `seed_system`, `stages` (stage -> what unison runs for that system), `params` (an overlay
 on params.yaml at paper scale) and `tiny` (an overlay on top of `params` that runs on a 2-core CPU in minutes).
 Overlays deep-merge; scalars and lists replace, and so do the free-form maps in FREE_FORM (their keys are the user's).
-Every other key an overlay names must exist in params.yaml, else RecipeError names the recipe file and the key path.
+Every other key an overlay names must exist in params.yaml, else RecipeError names the recipe file and the key path;
+the merged params are then validated by unison.config's models (ParamsError names the recipe file and the key).
 
   python -m unison.recipes --list
   python -m unison.recipes afm [--tiny] [--out params.yaml]   # prints what changes; --out writes the merged params
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from unison.config import ROOT, validate_params
 from unison.data.schemas import atomic_path
-from unison.params import ROOT, load_params
 
 RECIPES = ROOT / "configs" / "recipes"
 KEYS = ("description", "seed_system", "stages", "params", "tiny")
@@ -85,7 +86,9 @@ def default_params(path: Path = ROOT / "params.yaml") -> dict:
     if first.startswith(MARKER):
         raise RecipeError(f"{path} holds a recipe ({first[len(MARKER):].strip()}), not the defaults: restore them with "
                           f"`git checkout {path.name}` (or pass --base)")
-    return load_params(path)
+    raw = yaml.safe_load(path.read_text())
+    validate_params(raw, path)
+    return raw
 
 
 def recipe_params(name: str | Path, tiny: bool = False, base: dict | None = None) -> dict:
@@ -96,6 +99,7 @@ def recipe_params(name: str | Path, tiny: bool = False, base: dict | None = None
     for section in ("params", "tiny") if tiny else ("params",):
         check_overlay(base, recipe[section], f"{recipe['path']} `{section}`")
         out = merge(out, recipe[section])
+        validate_params(out, f"{recipe['path']} `{section}`")  # types and values, by the models params.yaml is checked by
     return out
 
 

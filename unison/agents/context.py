@@ -3,30 +3,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import Params, engine_with, teacher_engine
 from ..tools.web import CACHE_DIR, enabled_web_tools, make_web_tools
 from .protocol import DEFAULT_TOOLS
 from .runtime import RunConfig, Toolbox
 
 
-def make_toolbox(params: dict, index_dir: str = "data/index", web_cache_dir: str = CACHE_DIR) -> Toolbox:
+def make_toolbox(params: Params, index_dir: str = "data/index", web_cache_dir: str = CACHE_DIR) -> Toolbox:
     """search + python, and the web tools params.yaml enables (tools.web_search_url, tools.crawl)."""
     from ..tools.retrieval import make_retriever
 
-    t = params["tools"]
-    python = {"timeout_s": t["python_timeout_s"], "memory_mb": t["python_memory_mb"], "max_output_chars": t["python_max_output_chars"]}
-    return Toolbox(make_retriever(index_dir, t), python_params=python, search_max_chars=t["search_max_chars"],
+    t = params.tools
+    python = {"timeout_s": t.python_timeout_s, "memory_mb": t.python_memory_mb, "max_output_chars": t.python_max_output_chars}
+    return Toolbox(make_retriever(index_dir, t), python_params=python, search_max_chars=t.search_max_chars,
                    extra=make_web_tools(t, web_cache_dir))
 
 
-def enabled_tools(params: dict) -> tuple[str, ...]:
+def enabled_tools(params: Params) -> tuple[str, ...]:
     """The tools an acting episode may call: the defaults plus the enabled web tools (for start_episode's `tools`, and
     protocol.system_prompt(tools) for its `system`)."""
-    return DEFAULT_TOOLS + enabled_web_tools(params["tools"])
+    return DEFAULT_TOOLS + enabled_web_tools(params.tools)
 
 
-def demonstrations(params: dict) -> str:
+def demonstrations(params: Params) -> str:
     """The teacher's worked examples (the file generate.demonstrations names; "" = none)."""
-    path = params["generate"].get("demonstrations") or ""
+    path = params.generate.demonstrations
     if not path:
         return ""
     if not Path(path).is_file():
@@ -34,28 +35,28 @@ def demonstrations(params: dict) -> str:
     return Path(path).read_text().strip()
 
 
-def run_config(params: dict, temperature: float) -> RunConfig:
-    g = params["generate"]
-    return RunConfig(temperature=temperature, top_p=g["top_p"], max_turns=g["max_turns"], max_tokens_per_turn=g["max_tokens_per_turn"],
-                     max_tool_calls=g["max_tool_calls"], max_model_len=params["llm"]["max_model_len"])
+def run_config(params: Params, temperature: float) -> RunConfig:
+    g = params.generate
+    return RunConfig(temperature=temperature, top_p=g.top_p, max_turns=g.max_turns, max_tokens_per_turn=g.max_tokens_per_turn,
+                     max_tool_calls=g.max_tool_calls, max_model_len=params.llm.max_model_len)
 
 
-def make_role_backends(params: dict) -> dict:
+def make_role_backends(params: Params) -> dict:
     """generate.roles: {role: {model: <dir or served name>, backend: ..., <llm overrides>}} -> {role: backend}.
 
     Roles naming the same model and settings share one backend; a role without `model` runs the teacher's."""
     from ..llm import TEACHER_DIR, make_backend
-    from ..params import teacher_llm
 
     built, out = {}, {}
-    for role, spec in (params["generate"].get("roles") or {}).items():
+    for role, spec in params.generate.roles.items():
         spec = dict(spec)
         model = spec.pop("model", TEACHER_DIR)
         key = repr((model, sorted(spec.items())))
         if key not in built:
-            base = {**teacher_llm(params), "api_model": "", "tokenizer": ""} if "model" in params["generate"]["roles"][role] \
-                else teacher_llm(params)  # a role's own served model is named by its `model`
-            built[key] = make_backend(model, {**base, **spec}, seed=params["seed"])
+            base = teacher_engine(params)
+            if model != TEACHER_DIR:  # a role's own served model is named by its `model`
+                base = engine_with(base, {"api_model": "", "tokenizer": ""})
+            built[key] = make_backend(model, engine_with(base, spec), seed=params.seed)
         out[role] = built[key]
     return out
 

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
-from .runtime import Episode, EngineLoop, RunConfig, Toolbox, flow_thread
+from .runtime import EngineLoop, Episode, RunConfig, Toolbox, flow_thread
 
 T = TypeVar("T")
 

@@ -14,6 +14,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from ..config import BuiltinWorldConfig
+
 ONSETS = ["b", "d", "g", "k", "l", "m", "n", "r", "t", "v", "z", "br", "dr", "kr", "th", "vr", "zh", "sk", "tl", "kv"]
 VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "y", "ae", "ou"]
 CODAS = ["n", "r", "l", "k", "th", "x", "sk", "m", "rv", "lt"]
@@ -89,21 +91,21 @@ class _NameMaker:
         raise RuntimeError("ran out of invented names; lower the entity counts")
 
 
-def build_world(params: dict, rng: random.Random) -> tuple[list[Country], list[City], list[Org], list[Person]]:
+def build_world(world: BuiltinWorldConfig, rng: random.Random) -> tuple[list[Country], list[City], list[Org], list[Person]]:
     """Invent the entities and their facts."""
-    if params["n_cities"] < params["n_countries"]:
+    if world.n_cities < world.n_countries:
         raise ValueError("download.builtin: n_cities must be >= n_countries (every country has a city)")
     new_name = _NameMaker(rng)
-    countries = [Country(new_name(rng.choice(COUNTRY_ENDINGS))) for _ in range(params["n_countries"])]
+    countries = [Country(new_name(rng.choice(COUNTRY_ENDINGS))) for _ in range(world.n_countries)]
     cities = [
-        City(new_name(), countries[i % len(countries)], rng.choice(CITY_KINDS)) for i in range(params["n_cities"])
+        City(new_name(), countries[i % len(countries)], rng.choice(CITY_KINDS)) for i in range(world.n_cities)
     ]
     orgs = []
-    for _ in range(params["n_orgs"]):
+    for _ in range(world.n_orgs):
         name = f"{new_name()} {rng.choice(ORG_SUFFIXES)}"
         orgs.append(Org(name, rng.choice(list(FIELDS)), rng.randint(1780, 1990), rng.choice(cities)))
     people = []
-    for _ in range(params["n_people"]):
+    for _ in range(world.n_people):
         first, last = new_name(), new_name()
         people.append(Person(f"{first} {last}", last, rng.randint(1925, 1999), rng.choice(cities), rng.choice(orgs)))
     return countries, cities, orgs, people
@@ -290,10 +292,10 @@ def _needs_both_passages(q: dict, passage: dict[str, str]) -> bool:
     return q["answer"] not in passage[q["supporting"][0]] and q["answer"] in passage[q["supporting"][1]]
 
 
-def generate_world(params: dict, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
+def generate_world(world: BuiltinWorldConfig, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
     """(corpus rows {id,title,text}, train question rows, test question rows) for `download.builtin` params."""
     rng = random.Random(seed)
-    countries, cities, orgs, people = build_world(params, rng)
+    countries, cities, orgs, people = build_world(world, rng)
     passage = passages(countries, cities, orgs, people, rng)
     kinds = {**{p.name: "person" for p in people}, **{o.name: "org" for o in orgs}}
     kinds |= {c.name: "city" for c in cities} | {k.name: "country" for k in countries}
@@ -302,7 +304,7 @@ def generate_world(params: dict, seed: int) -> tuple[list[dict], list[dict], lis
     # Train and test ask about disjoint subjects (the entity a question names).
     subjects = [p.name for p in people] + [o.name for o in orgs] + [c.name for c in cities]
     rng.shuffle(subjects)
-    n_test_subjects = round(len(subjects) * params["test_size"] / (params["train_size"] + params["test_size"]))
+    n_test_subjects = round(len(subjects) * world.test_size / (world.train_size + world.test_size))
     split_subjects = {"test": set(subjects[:n_test_subjects]), "train": set(subjects[n_test_subjects:])}
 
     candidates = [
@@ -310,7 +312,7 @@ def generate_world(params: dict, seed: int) -> tuple[list[dict], list[dict], lis
     ]
     splits = {}
     for split in ("train", "test"):
-        counts = _split_counts(params[f"{split}_size"], params["mix"])
+        counts = _split_counts(getattr(world, f"{split}_size"), world.mix)
         mine = [q for q in candidates if q["subject"] in split_subjects[split]]
         rows = []
         for hop in ("hop1", "hop2"):

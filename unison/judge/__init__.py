@@ -1,41 +1,38 @@
 """Judging: one scorer per task type (like verl's reward_score/), behind one `score` call."""
 from __future__ import annotations
 
+from unison.config import LabelConfig
 from unison.judge.answers import judged_answer
 from unison.judge.math import math_score
 from unison.judge.qa import qa_scores
 
 
-def score_qa(answer: str, answers: list[str], params: dict) -> tuple[bool, float, str]:
-    """Score = the `qa_metric` chosen in params; correct = 1 (em, subem) or >= f1_threshold (f1)."""
-    metric = params["qa_metric"]
-    if metric not in ("em", "subem", "f1"):
-        raise ValueError(f"label.qa_metric must be em, subem or f1, not {metric!r}")
-    value = qa_scores(answer, answers, params["first_only"])[metric]
-    threshold = params["f1_threshold"] if metric == "f1" else 1.0
-    return value >= threshold, value, f"qa:{metric}"
+def score_qa(answer: str, answers: list[str], label: LabelConfig) -> tuple[bool, float, str]:
+    """Score = label.qa_metric; correct = 1 (em, subem) or >= label.f1_threshold (f1)."""
+    value = qa_scores(answer, answers, label.first_only)[label.qa_metric]
+    threshold = label.f1_threshold if label.qa_metric == "f1" else 1.0
+    return value >= threshold, value, f"qa:{label.qa_metric}"
 
 
-def score_math(answer: str, answers: list[str], params: dict) -> tuple[bool, float, str]:
-    return math_score(answer, answers, params["math_timeout_s"])
+def score_math(answer: str, answers: list[str], label: LabelConfig) -> tuple[bool, float, str]:
+    return math_score(answer, answers, label.math_timeout_s)
 
 
 SCORERS = {"qa": score_qa, "math": score_math}
 
 
 def score(
-    task: str, prediction: str | None, answers: list[str], params: dict
+    task: str, prediction: str | None, answers: list[str], label: LabelConfig
 ) -> tuple[bool, float, str]:
     """Judge one final answer: (correct, score, judge).
 
     `prediction` is a final answer as the runtime recorded it: `<answer>`/`\\boxed{}` wrappers are
     removed (extract_answer); text with no `<answer>` tag and nothing to extract is taken as the
     answer itself. To treat an untagged raw response as "no answer", call extract_answer on it first.
-    `params` is the `label:` section of params.yaml.
     """
     if task not in SCORERS:
         raise ValueError(f"no scorer for task {task!r}; known: {sorted(SCORERS)}")
     answer = judged_answer(prediction)
     if not answer:
         return False, 0.0, "no-answer"
-    return SCORERS[task](answer, list(answers), params)
+    return SCORERS[task](answer, list(answers), label)

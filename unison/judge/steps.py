@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import time
 
+from ..config import LabelConfig
 from . import score
 from .answers import extract_answer
 
 STEP_LABELS = ("outcome", "montecarlo", "agent")
 
 
-def rule_judge(params: dict):
-    """The rule-based judge (EM/F1, math equivalence) as a batch judge; `params` is the `label:` section."""
-    return lambda items: [score(task, pred, answers, params) for task, _, pred, answers in items]
+def rule_judge(label: LabelConfig):
+    """The rule-based judge (EM/F1, math equivalence) as a batch judge."""
+    return lambda items: [score(task, pred, answers, label) for task, _, pred, answers in items]
 
 
 def student_steps(student: list[dict]) -> list[str]:

@@ -1,65 +1,53 @@
 """LLM backends behind one interface (DESIGN §4): `generate(token prompts, sampling) -> completions`."""
+from ..config import EngineConfig, Params, teacher_engine
 from .base import Completion, Sampling
 
 
-def make_backend(model_dir: str, llm_params: dict, seed: int = 0):
-    """Build the backend named by `llm.backend` (vllm | transformers | openai).
+def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0):
+    """Build the backend `engine.backend` names (vllm | transformers | openai).
 
-    For `openai`, `model_dir` is the served model's name unless `llm.api_model` is set, and the tokenizer is loaded from
-    `llm.tokenizer` or else `model_dir`."""
-    backend = llm_params.get("backend", "vllm")
-    if backend == "vllm":
+    For `openai`, `model_dir` is the served model's name unless `engine.api_model` is set, and the tokenizer is loaded
+    from `engine.tokenizer` or else `model_dir`."""
+    if engine.backend == "vllm":
         from .vllm_backend import VLLMBackend
 
-        return VLLMBackend(model_dir, dtype=llm_params.get("dtype", "auto"), max_model_len=llm_params.get("max_model_len", 2048),
-                           enforce_eager=llm_params.get("enforce_eager", True), seed=seed,
-                           kv_cache_gb=llm_params.get("kv_cache_gb", 2), block_size=llm_params.get("block_size") or None)
-    if backend == "transformers":
+        return VLLMBackend(model_dir, dtype=engine.dtype, max_model_len=engine.max_model_len, enforce_eager=engine.enforce_eager,
+                           seed=seed, kv_cache_gb=engine.kv_cache_gb, block_size=engine.block_size or None)
+    if engine.backend == "transformers":
         from .hf_backend import HFBackend
 
-        return HFBackend(model_dir, dtype=llm_params.get("dtype", "auto"))
-    if backend == "openai":
-        from .openai_backend import OpenAIBackend
+        return HFBackend(model_dir, dtype=engine.dtype)
+    from .openai_backend import OpenAIBackend
 
-        if not llm_params.get("base_url"):
-            raise ValueError("params.yaml llm.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
-        return OpenAIBackend(llm_params["base_url"], llm_params.get("api_model") or str(model_dir),
-                             tokenizer=llm_params.get("tokenizer") or str(model_dir),
-                             max_concurrency=llm_params.get("max_concurrency", 8), timeout_s=llm_params.get("timeout_s", 120),
-                             max_retries=llm_params.get("max_retries", 3), api_key_env=llm_params.get("api_key_env", "OPENAI_API_KEY"),
-                             token_prompts=llm_params.get("token_prompts", True), vllm_extensions=llm_params.get("vllm_extensions", True))
-    raise ValueError(f"params.yaml llm.backend: unknown backend {backend!r} (vllm | transformers | openai)")
+    if not engine.base_url:
+        raise ValueError("params.yaml teacher.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
+    return OpenAIBackend(engine.base_url, engine.api_model or str(model_dir), tokenizer=engine.tokenizer or str(model_dir),
+                         max_concurrency=engine.max_concurrency, timeout_s=engine.timeout_s, max_retries=engine.max_retries,
+                         api_key_env=engine.api_key_env, token_prompts=engine.token_prompts, vllm_extensions=engine.vllm_extensions)
 
 
 TEACHER_DIR = "models/teacher"
 
 
-def teacher_backend(params: dict):
+def teacher_backend(params: Params):
     """The teacher of the `teacher` block: models/teacher on this machine, or its server (tokenizer from models/teacher)."""
-    from ..params import teacher_llm
-
-    return make_backend(TEACHER_DIR, teacher_llm(params), seed=params["seed"])
+    return make_backend(TEACHER_DIR, teacher_engine(params), seed=params.seed)
 
 
-def teacher_id(params: dict) -> str:
+def teacher_id(params: Params) -> str:
     """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote."""
-    from ..params import teacher_llm
-
-    llm = teacher_llm(params)
-    return f"{llm['api_model']}@{llm['base_url']}" if llm["backend"] == "openai" else params["teacher"]["model"]
+    engine = teacher_engine(params)
+    return f"{engine.api_model}@{engine.base_url}" if engine.backend == "openai" else params.teacher.model
 
 
-def student_backend(model_dir: str, params: dict):
-    """A student the pipeline trained (or its base), always loaded from `model_dir` on this machine."""
+def student_backend(model_dir: str, params: Params):
+    """A student the pipeline trained (or its base), always loaded from `model_dir` on this machine (llm.backend is
+    vllm | transformers by type: no setting makes a student run on a server)."""
     from pathlib import Path
 
-    from ..params import LOCAL_BACKENDS
-
-    if params["llm"]["backend"] not in LOCAL_BACKENDS:
-        raise ValueError(f"params.yaml llm.backend: students run locally ({' | '.join(LOCAL_BACKENDS)})")
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no trained student weights there (config.json missing)")
-    return make_backend(model_dir, params["llm"], seed=params["seed"])
+    return make_backend(model_dir, EngineConfig(**params.llm.model_dump()), seed=params.seed)
 
 
 __all__ = ["Completion", "Sampling", "make_backend", "student_backend", "teacher_backend", "teacher_id"]

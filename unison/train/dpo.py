@@ -12,32 +12,16 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..config import DPOConfig
 from .loop import Trainer, autocast, fit, resolve_precision
 from .sft import collate, save_model, target_logits, with_lora
 from .token_view import row_view
 
 LOSSES = ("sigmoid", "ipo")
-
-
-@dataclass
-class DPOConfig:
-    beta: float = 0.1
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo
-    lr: float = 5e-6
-    epochs: int = 2
-    batch_size: int = 4  # pairs per optimiser step
-    max_length: int = 768
-    max_pairs_per_question: int = 2
-    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp32
-    lora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    seed: int = 0
 
 
 def build_pairs(rows: list[dict], max_per_question: int) -> list[tuple[dict, dict]]:
@@ -134,5 +118,5 @@ def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, 
 
     records = fit(trainer, steps, loss_fn, math.ceil(len(views) / cfg.batch_size))
     save_model(trainer.unwrapped(), tok, out_dir, cfg.lora,
-               {"dpo.json": {"enabled": True, "start": str(model_dir), "pairs": len(views), "steps": len(records), **asdict(cfg)}})
+               {"dpo.json": {**cfg.model_dump(), "enabled": True, "start": str(model_dir), "pairs": len(views), "steps": len(records)}})
     return records

@@ -10,30 +10,17 @@ import json
 import math
 import random
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..config import PRMConfig
 from ..data.schemas import atomic_dir
 from ..judge.qa import normalize
 from .loop import Trainer, fit
 
 HEAD_FILE, CONFIG_FILE = "prm_head.safetensors", "prm_config.json"
-
-
-@dataclass
-class PRMConfig:
-    separator: str = "\n"
-    freeze_backbone: bool = False
-    epochs: int = 2
-    lr: float = 5e-5
-    batch_size: int = 8
-    max_length: int = 1024
-    eval_fraction: float = 0.2
-    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp32
-    seed: int = 0
 
 
 class PRM(nn.Module):
@@ -163,7 +150,7 @@ def train_prm(model_dir: str, rows: list[dict], cfg: PRMConfig, out_dir: str | N
     trainer = Trainer("prm", prm, total, cfg.lr, schedule=lambda s: max(0.0, 1 - s / total), precision=cfg.precision, on_step=on_step)
     records = fit(trainer, steps, lambda batch: (prm_loss(prm, batch), {}), max(1, total // cfg.epochs))
     if out_dir:
-        prm.save(out_dir, {"base": str(model_dir), **asdict(cfg)})
+        prm.save(out_dir, {**cfg.model_dump(), "base": str(model_dir)})
     return prm, records
 
 

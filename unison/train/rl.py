@@ -14,62 +14,19 @@ import math
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ..config import LabelConfig, LLMConfig, RLConfig
 from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS, score
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
+from .loop import Trainer, autocast, warmup_constant
 from .policy_loss import policy_loss, token_logprobs
 from .rewards import count_tool_calls, efficiency_rewards, format_reward, prmvr_token_rewards, returns_to_go, sigma_factor
 from .rollout import View, episode_view, make_rollout_backend, rollout, turn_views
-from .loop import Trainer, autocast, warmup_constant
 from .sft import save_model
-
-
-@dataclass
-class RLConfig:
-    estimator: str = "grpo"  # grpo | dr_grpo | rloo | flow_grpo (each assistant turn a sample, grouped by question)
-    group_size: int = 4
-    prompts_per_step: int = 4
-    steps: int = 8
-    lr: float = 1e-6
-    weight_decay: float = 0.1
-    warmup_steps: int = 3
-    max_grad_norm: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = 10.0
-    kl_coef: float = 0.0
-    loss_agg: str = "token_mean"
-    dynamic_sampling: bool = True
-    max_refills: int = 0  # DAPO: extra rollout batches per step while fewer than prompts_per_step groups are kept
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    micro_batch_size: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_turns: int = 4
-    max_tokens_per_turn: int = 96
-    max_tool_calls: int = 3
-    verifiable_weight: float = 1.0
-    format_weight: float = 1.0
-    efficiency_weight: float = 0.0
-    sigma_tool: float = 0.2
-    sigma_len: float = 0.5
-    sigma_decay: bool = True
-    prm_weight: float = 0.0
-    prm_temperature: float = 0.1
-    prm_baseline: str = "token"
-    rollout_backend: str = "vllm"
-    rollout_batch_size: int = 32
-    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp32
-    deepspeed_config: str = ""
-    checkpoint_every: int = 1
-    seed: int = 0
-
 
 # ------------------------------------------------------------------------------------------------------------ data
 
@@ -116,14 +73,14 @@ def episode_steps(e) -> list[str]:
     return steps
 
 
-def score_episodes(episodes, rows: list[dict], group_size: int, views: list[View], cfg: RLConfig, label_params: dict,
+def score_episodes(episodes, rows: list[dict], group_size: int, views: list[View], cfg: RLConfig, label: LabelConfig,
                    tools: tuple[str, ...], step: int, prm=None) -> dict:
     """Every reward component per episode and the scalar reward r = w_v*s + w_f*f_fmt + w_e*s*(f_tool*f_len - 1).
 
     The efficiency term makes w = 1 everywhere ET-Agent's r = s*f_tool*f_len + f_fmt; the PRM adds token rewards.
     """
     groups = [i // group_size for i in range(len(episodes))]
-    judged = [score(rows[g]["ability"], e.answer, list(rows[g]["reward_model"]["ground_truth"]), label_params)
+    judged = [score(rows[g]["ability"], e.answer, list(rows[g]["reward_model"]["ground_truth"]), label)
               for e, g in zip(episodes, groups)]
     s = [float(j[1]) for j in judged]
     fmt = [format_reward(e.text, tools) for e in episodes]
@@ -271,8 +228,8 @@ def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, 
 
 # ------------------------------------------------------------------------------------------------------------ loop
 
-def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_config, tools: tuple[str, ...], label_params: dict,
-             llm_params: dict, out_dir: str, checkpoint_dir: str, prm=None, on_step=None) -> list[dict]:
+def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_config, tools: tuple[str, ...], label: LabelConfig,
+             llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None) -> list[dict]:
     """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -290,13 +247,13 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_confi
     saved = trainer.load_checkpoint(checkpoint_dir)
     start, pos = (saved["rl_step"], saved["pos"]) if saved else (0, 0)  # pos: prompts of the curriculum drawn so far
     policy = trainer.unwrapped()
-    backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm_params, cfg.seed, cfg.rollout_batch_size)
+    backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm, cfg.seed, cfg.rollout_batch_size)
     if start and cfg.rollout_backend == "vllm":
         backend.sync(policy)
     for step in range(start, cfg.steps):
         trainer.model.eval()
         samples, rows_seen, episodes, rewards, kept, rounds, times = collect_step(step, pos, rows, backend, toolbox, run_config, tools,
-                                                                                 cfg, label_params, prm)
+                                                                                 cfg, label, prm)
         pos += rounds * cfg.prompts_per_step
         t2 = time.perf_counter()
         metrics = {}
@@ -313,13 +270,13 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_confi
         rec["rollout_rounds"] = rounds
         trainer.log(rec)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-            trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": asdict(cfg)})
+            trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": cfg.model_dump()})
     save_model(trainer.unwrapped(), tok, out_dir, lora=False)
     shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: only a killed run resumes
     return trainer.records
 
 
-def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_config, tools, cfg: RLConfig, label_params: dict, prm):
+def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_config, tools, cfg: RLConfig, label: LabelConfig, prm):
     """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills` more
     while fewer than prompts_per_step groups keep a reward spread. Returns the samples of the first prompts_per_step kept
     groups, the rows, episodes and rewards of every batch (groups numbered across batches), the share of groups with a
@@ -332,7 +289,7 @@ def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_co
         eps = rollout(batch_rows, cfg.group_size, backend, toolbox, run_config, tools, cfg.seed, pos // n + rounds)
         t1 = time.perf_counter()
         views = [episode_view(e) for e in eps]
-        rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label_params, tools, step + 1, prm)
+        rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label, tools, step + 1, prm)
         new, kept_frac = build_samples(views, rewards, cfg, max_groups=max(0, n - kept_groups))
         times["rollout_s"] += t1 - t0
         times["reward_s"] += time.perf_counter() - t1

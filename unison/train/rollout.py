@@ -13,17 +13,16 @@ from dataclasses import dataclass
 from ..agents.episodes import stable_seed
 from ..agents.protocol import chat_prompt
 from ..agents.runtime import Episode, RunConfig, Toolbox, run_episodes
+from ..config import EngineConfig, LLMConfig
 from ..llm import make_backend
 from ..llm.hf_backend import HFBackend
 
 
-def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm_params: dict, seed: int, batch_size: int = 32):
+def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMConfig, seed: int, batch_size: int = 32):
     """`transformers` on `model` itself, or `vllm` started from `model_dir`; both kept in step with `sync(model)`."""
     if kind == "transformers":
         return HFBackend(model=model, tokenizer=tokenizer, batch_size=batch_size)
-    if kind == "vllm":
-        return make_backend(model_dir, {**llm_params, "backend": "vllm"}, seed=seed)
-    raise ValueError(f"params.yaml rl.rollout_backend: unknown backend {kind!r} (transformers | vllm)")
+    return make_backend(model_dir, EngineConfig(**{**llm.model_dump(), "backend": "vllm"}), seed=seed)
 
 
 def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: RunConfig, tools: tuple[str, ...],

@@ -5,31 +5,13 @@ The batches and the loss; the loop (accelerate, so a DeepSpeed config works on G
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import torch
 
+from ..config import SFTConfig
 from ..data.schemas import atomic_dir
 from .loop import Trainer, fit, warmup_linear
 from .token_view import retokenization_drift, row_view
-
-
-@dataclass
-class SFTConfig:
-    epochs: int = 2
-    lr: float = 5e-5
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_length: int = 768
-    warmup_ratio: float = 0.05
-    lora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    packing: bool = False  # several examples per row of up to max_length; same steps and loss, fewer pad tokens
-    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp32
-    checkpoint_every: int = 0  # optimiser steps between checkpoints a killed run resumes from; 0 = none
-    deepspeed_config: str = ""  # a DeepSpeed json (e.g. configs/deepspeed/zero2.json): ZeRO through accelerate
-    seed: int = 0
 
 
 def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -> list[dict]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel
+
 from ...llm.base import tokenizer_fingerprint
 from ..episodes import start_episode
 from ..protocol import DEFAULT_TOOLS, SCAFFOLD, system_prompt
@@ -18,7 +20,7 @@ class MethodContext:
     cfg: RunConfig
     teacher: str  # model id recorded in each trajectory
     scaffold: dict[str, list[str]] = field(default_factory=dict)  # task -> forced tag per turn; {} = unscaffolded
-    params: dict = field(default_factory=dict)  # the method's own params (e.g. generate.debate)
+    params: BaseModel | None = None  # the method's own settings (e.g. generate.debate); None = its defaults
     role_backends: dict = field(default_factory=dict)  # role -> backend, for roles with their own model (generate.roles)
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools acting agents may call (the stages pass context.enabled_tools(params))
     protocol: str = ""  # the teacher method whose students this context prompts (generate.method): their role tags

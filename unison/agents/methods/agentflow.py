@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from ...config import AgentFlowConfig
 from ..episodes import agent_messages, stable_seed, start_episode, student_messages, trajectory_row
 from ..protocol import SCAFFOLD
 from ..runtime import Episode, Segment, run_episodes
@@ -102,7 +103,7 @@ def own_ids(segments: list[Segment], ctx, role: str) -> list[Segment]:
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
-    max_steps = int(ctx.params.get("max_steps", 3))
+    max_steps = (ctx.params or AgentFlowConfig()).max_steps
     tools, system = ctx.tools, ctx.system
     flows = [Flow(q, s, messages=[{"role": "user", "name": None, "content": q["question"]}]) for q in questions for s in range(samples)]
     for f, e in zip(flows, phase(flows, "planner", [f.prompt(ANALYSIS, tools=tools) for f in flows], "analysis", ctx)):

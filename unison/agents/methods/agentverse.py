@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from ...config import AgentVerseConfig
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
 from .debate import response, student_rendering
@@ -54,8 +55,8 @@ def parse_evaluation(text: str) -> tuple[bool, str]:
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
-    tok, p = ctx.backend.tokenizer, ctx.params
-    n_critics, turns, critic_rounds = max(1, int(p.get("agents", 2)) - 1), int(p.get("turns", 3)), int(p.get("critic_rounds", 3))
+    tok, p = ctx.backend.tokenizer, ctx.params or AgentVerseConfig()
+    n_critics, turns, critic_rounds = max(1, p.agents - 1), p.turns, p.critic_rounds
     critic, evaluator, follow = ctx.backend_for("critic"), ctx.backend_for("evaluator"), ["answer"] if ctx.scaffold else []
     groups = [(q, s) for q in questions for s in range(samples)]
     texts = [q["question"] for q, _ in groups]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from ...config import ChainOfAgentsConfig
 from ..episodes import agent_messages, merge_tool_stats, stable_seed, student_messages, trajectory_row
 from ..protocol import chat_prompt, question_messages, system_prompt
 from ..runtime import Episode, run_episodes
@@ -77,7 +78,8 @@ def double_check_score(text: str) -> int | None:
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     tok = ctx.backend.tokenizer
-    max_cycles, accept = int(ctx.params.get("max_cycles", 2)), int(ctx.params.get("accept_score", 3))
+    p = ctx.params or ChainOfAgentsConfig()
+    max_cycles, accept = p.max_cycles, p.accept_score
     room = 4 * ctx.cfg.max_tokens_per_turn  # a chain with less context left answers instead of starting a cycle
     groups = [(q, s) for q in questions for s in range(samples)]
     chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES.format(accept=accept)) for q, s in groups]

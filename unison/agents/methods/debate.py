@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ...config import DebateConfig
 from ...judge.qa import normalize as normalize_answer
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, student_messages, trajectory_row
 from ..runtime import Episode, Segment, run_episodes
@@ -53,8 +54,8 @@ def majority(answers: list[str | None]) -> str | None:
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     tok = ctx.backend.tokenizer
-    n_agents, n_rounds = int(ctx.params.get("agents", 3)), int(ctx.params.get("rounds", 2))
-    aggregator = ctx.params.get("aggregator", "vote")
+    p = ctx.params or DebateConfig()
+    n_agents, n_rounds, aggregator = p.agents, p.rounds, p.aggregator
     groups = [(q, s) for q in questions for s in range(samples)]
     rounds: list[list[list[Episode]]] = []  # rounds[r][group][agent]
     first = [[ctx.solver_episode(f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), q["task"])
@@ -71,8 +72,6 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     aggregators = [None] * len(groups)
     if aggregator == "llm":
         aggregators = aggregate(groups, [aggregate_prompt(q["question"], last) for (q, _), last in zip(groups, rounds[-1])], ctx, "debate aggregate")
-    elif aggregator != "vote":
-        raise ValueError(f"params.yaml generate.debate.aggregator: unknown {aggregator!r} (vote | llm)")
 
     rows = []
     for g, (q, s) in enumerate(groups):

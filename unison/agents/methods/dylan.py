@@ -13,6 +13,7 @@ import math
 import re
 from collections import Counter
 
+from ...config import DylanConfig
 from ...judge.qa import normalize as normalize_answer
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
@@ -46,9 +47,8 @@ def consensus(answers: list[str | None], threshold: float) -> bool:
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
-    tok, p = ctx.backend.tokenizer, ctx.params
-    n_agents, n_rounds = int(p.get("agents", 4)), int(p.get("rounds", 3))
-    top_k, threshold = int(p.get("top_k", 2)), float(p.get("consensus", 0.667))
+    tok, p = ctx.backend.tokenizer, ctx.params or DylanConfig()
+    n_agents, n_rounds, top_k, threshold = p.agents, p.rounds, p.top_k, p.consensus
     ranker, follow = ctx.backend_for("ranker"), ["answer"] if ctx.scaffold else []
     groups = [(q, s) for q in questions for s in range(samples)]
     layers = [[{a: ctx.solver_episode(f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), q["task"])

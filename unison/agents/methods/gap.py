@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+from ...config import GAPConfig
 from ..episodes import continue_episode, stable_seed, student_messages, trajectory_row
 from ..protocol import observation, system_prompt
 from ..runtime import Segment, _timed, run_episodes
@@ -96,7 +97,8 @@ def search_turn(chains, queries: dict[str, list[str]], ctx) -> None:
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     tok = ctx.backend.tokenizer
-    max_levels, max_parallel = int(ctx.params.get("max_levels", 3)), int(ctx.params.get("max_parallel", 4))
+    p = ctx.params or GAPConfig()
+    max_levels, max_parallel = p.max_levels, p.max_parallel
     room = 4 * ctx.cfg.max_tokens_per_turn  # a chain with less context left answers instead of searching again
     groups = [(q, s) for q in questions for s in range(samples)]
     chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES) for q, s in groups]

@@ -9,6 +9,7 @@ import random
 import re
 from dataclasses import replace
 
+from ...config import MAVConfig
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
 from .debate import response, student_rendering
@@ -49,9 +50,9 @@ def best_solution(scores: list[float], answers: list[str | None]) -> int:
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
-    p = ctx.params
-    n_solutions, n_verifiers = int(p.get("solutions", 2)), int(p.get("verifiers", 2))
-    verifier, vcfg = ctx.backend_for("verifier"), replace(ctx.cfg, temperature=float(p.get("verifier_temperature", 0.0)))
+    p = ctx.params or MAVConfig()
+    n_solutions, n_verifiers = p.solutions, p.verifiers
+    verifier, vcfg = ctx.backend_for("verifier"), replace(ctx.cfg, temperature=p.verifier_temperature)
     groups = [(q, s) for q in questions for s in range(samples)]
     sols = [[ctx.solver_episode(f"{q['id']}/{s}/sol{k}", f"{q['question']}\n\n{GENERATE}", stable_seed(q["id"], s, "sol", k), q["task"])
              for k in range(n_solutions)] for q, s in groups]

@@ -6,6 +6,7 @@ Student rendering: as debate's — an agreeing answer's tool turns, closed by th
 """
 from __future__ import annotations
 
+from ...config import SelfConsistencyConfig
 from ..episodes import agent_messages, stable_seed, trajectory_row
 from ..runtime import Episode, run_episodes
 from .debate import aggregate, majority, response, student_rendering
@@ -18,9 +19,8 @@ def aggregate_prompt(question: str, paths: list[Episode]) -> str:
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
-    n_paths, aggregator = int(ctx.params.get("samples", 5)), ctx.params.get("aggregator", "vote")
-    if aggregator not in ("vote", "llm"):
-        raise ValueError(f"params.yaml generate.self_consistency.aggregator: unknown {aggregator!r} (vote | llm)")
+    p = ctx.params or SelfConsistencyConfig()
+    n_paths, aggregator = p.samples, p.aggregator
     groups = [(q, s) for q in questions for s in range(samples)]
     paths = [[ctx.solver_episode(f"{q['id']}/{s}/p{k}", q["question"], stable_seed(q["id"], s, k), q["task"])
               for k in range(n_paths)] for q, s in groups]

@@ -1,0 +1,78 @@
+"""The typed settings (unison/config.py): params.yaml equals the models' defaults, recipes validate through the same
+models, and a bad setting fails at load naming the file and the key."""
+from __future__ import annotations
+
+import typing
+
+import pytest
+import yaml
+
+from unison.agents.methods import METHODS
+from unison.config import ROOT, GenerateConfig, Params, ParamsError, load_params, validate_params
+from unison.recipes import names, recipe_params
+
+
+def leaves(tree: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a nested mapping."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_params_yaml_is_exactly_the_models_defaults():
+    """One place for defaults: every key of params.yaml is a field, every field is in params.yaml, with the same value."""
+    in_file = leaves(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    defaults = leaves(Params().model_dump())
+    assert sorted(in_file) == sorted(defaults)
+    assert {k: v for k, v in in_file.items() if defaults[k] != v} == {}
+    assert load_params(ROOT / "params.yaml") == Params()
+
+
+@pytest.mark.parametrize("recipe", names())
+def test_every_recipe_and_its_tiny_overlay_validate(recipe):
+    for tiny in (False, True):
+        validate_params(recipe_params(recipe, tiny), f"{recipe} (tiny={tiny})")
+
+
+def test_the_method_names_are_the_methods():
+    assert typing.get_args(GenerateConfig.model_fields["method"].annotation) == METHODS
+
+
+def overlay(**sections) -> dict:
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for section, values in sections.items():
+        raw[section] = {**raw[section], **values}
+    return raw
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"sft": {"epochz": 3}}, r"params-bad.yaml sft.epochz: unknown key"),
+    ({"rl": {"estimator": "ppo"}}, r"params-bad.yaml rl.estimator: Input should be 'grpo', 'dr_grpo', 'rloo' or 'flow_grpo'"),
+    ({"sft": {"batch_size": "four"}}, r"params-bad.yaml sft.batch_size: Input should be a valid integer"),
+    ({"generate": {"roles": {"critic": {"temperture": 0.2}}}}, r"generate.roles.critic: unknown key\(s\) \['temperture'\]"),
+    ({"label": {"llm": {"dtyp": "bf16"}}}, r"label.llm: unknown key"),
+    ({"sft": {"seed": 3}}, r"sft.seed: set the top-level seed"),
+])
+def test_a_bad_setting_fails_at_load_naming_the_file_and_the_key(tmp_path, sections, message):
+    path = tmp_path / "params-bad.yaml"
+    path.write_text(yaml.safe_dump(overlay(**sections)))
+    with pytest.raises(ParamsError, match=message):
+        load_params(path)
+
+
+def test_yaml_exponents_without_a_dot_load_as_numbers(tmp_path):
+    """PyYAML reads `lr: 1e-5` as the string "1e-5"; the models make it the float it means."""
+    path = tmp_path / "params.yaml"
+    path.write_text((ROOT / "params.yaml").read_text().replace("lr: 1.0e-5 ", "lr: 1e-5 "))
+    assert yaml.safe_load(path.read_text())["rl"]["lr"] == "1e-5"
+    assert load_params(path).rl.lr == 1e-5
+
+
+def test_trainer_configs_take_the_global_seed():
+    params = validate_params({**yaml.safe_load((ROOT / "params.yaml").read_text()), "seed": 7})
+    assert params.sft.seed == params.dpo.seed == params.prm.seed == params.rl.seed == 7
+    assert "seed" not in params.sft.model_dump()  # params.yaml has one seed, at the top

@@ -1,0 +1,132 @@
+"""The `unison` command: what the pipeline's stages are, what each one's settings mean, and running them through DVC.
+
+    unison --help                 the stages, in DAG order, and the commands
+    unison sft --help             the settings `sft` reads (params.yaml sections), with their defaults and docs
+    unison run sft                `dvc repro sft`: the stage and whatever upstream of it changed
+    unison run sft --single       `dvc repro -s sft`: that stage alone (its inputs must exist)
+    unison demo                   the whole pipeline (`dvc repro`), each stage's time, then the results table
+    unison recipe afm [--tiny]    params.yaml <- a seed system's recipe (configs/recipes)
+
+Every stage is also `python -m tasks.<stage>`; with --help it prints the same settings and runs nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+from .config import ROOT, Params
+
+
+def stages() -> dict[str, dict]:
+    """dvc.yaml's stages in DAG order: {name: its dvc.yaml entry}."""
+    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def summary(stage: str) -> str:
+    """The first line of tasks/<stage>.py's docstring, without the `Stage <name>:` prefix."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse((ROOT / "tasks" / f"{stage}.py").read_text())) or ""
+    first = doc.split("\n", 1)[0]
+    return first.split(":", 1)[1].strip() if first.lower().startswith(("stage", stage)) and ":" in first else first
+
+
+def settings_help(keys: list[str]) -> str:
+    """Each params.yaml key a stage reads (a section, or section.field) with its fields' defaults and docs."""
+    defaults, lines = Params(), []
+    for key in keys:
+        section, _, field = key.partition(".")
+        value = getattr(defaults, section)
+        if field:
+            lines += describe(key, type(value).model_fields[field], getattr(value, field), "  ")
+        elif isinstance(value, BaseModel):
+            lines.append(f"  {section}:")
+            lines += [line for name, info in type(value).model_fields.items() if not info.exclude
+                      for line in describe(name, info, getattr(value, name), "    ")]
+        else:
+            lines += describe(section, Params.model_fields[section], value, "  ")
+    return "\n".join(lines)
+
+
+def describe(name: str, info, value, indent: str) -> list[str]:
+    """`name: default  # doc`, a nested section's fields below it."""
+    if isinstance(value, BaseModel):
+        head = f"{indent}{name}:" + (f"  # {info.description}" if info.description else "")
+        return [head] + [line for sub, sub_info in type(value).model_fields.items()
+                         for line in describe(sub, sub_info, getattr(value, sub), indent + "  ")]
+    shown = yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("\n...").strip()
+    return [f"{indent}{name}: {shown}" + (f"  # {info.description}" if info.description else "")]
+
+
+def stage_help(stage: str) -> str:
+    entry = stages()[stage]
+    return (f"unison {stage}: {summary(stage)}\n\nruns: {entry['cmd']}   (`unison run {stage}` = dvc repro {stage})\n"
+            f"reads: {', '.join(str(d) for d in entry.get('deps', []))}\nwrites: {', '.join(map(str, outs(entry)))}\n\n"
+            f"settings (params.yaml; defaults shown):\n{settings_help(entry.get('params', [])) or '  (none)'}")
+
+
+def outs(entry: dict) -> list[str]:
+    return [next(iter(o)) if isinstance(o, dict) else o for o in entry.get("outs", [])]
+
+
+def stage_main(stage: str, main) -> None:
+    """`python -m tasks.<stage>` [--help]: print the stage's settings and run nothing, or run it."""
+    args = sys.argv[1:]
+    if args and args[0] in ("-h", "--help"):
+        print(stage_help(stage))
+        return
+    if args:
+        sys.exit(f"python -m tasks.{stage}: takes no arguments (settings live in params.yaml; --help lists them), got {args}")
+    main()
+
+
+def overview() -> str:
+    width = max(map(len, stages()))
+    rows = "\n".join(f"  {name:<{width}}  {summary(name)}" for name in stages())
+    return f"{__doc__}\nstages (dvc.yaml, in order):\n{rows}\n"
+
+
+def run(command: list[str]) -> int:
+    print("$", " ".join(command), flush=True)
+    return subprocess.call(command, cwd=Path.cwd())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    names = list(stages())
+    if not argv or argv[0] in ("-h", "--help"):
+        print(overview())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command in names:
+        if rest and rest[0] not in ("-h", "--help"):
+            print(f"unison {command}: use `unison run {command}` to run it; `unison {command} --help` lists its settings", file=sys.stderr)
+            return 2
+        print(stage_help(command))
+        return 0
+    if command == "run":
+        ap = argparse.ArgumentParser(prog="unison run", description="Run a stage through DVC (its upstream too when changed).")
+        ap.add_argument("stage", choices=names)
+        ap.add_argument("--single", action="store_true", help="only this stage (dvc repro -s): its inputs must already exist")
+        ap.add_argument("--force", action="store_true", help="run even if DVC finds nothing changed (dvc repro -f)")
+        args = ap.parse_args(rest)
+        return run(["dvc", "repro", *(["-s"] if args.single else []), *(["-f"] if args.force else []), args.stage])
+    if command == "demo":
+        return run(["make", "demo"])
+    if command == "recipe":
+        from .recipes import main as recipes_main
+
+        recipes_main(rest if "--out" in rest or "--list" in rest or not rest else [*rest, "--out", "params.yaml"])
+        return 0
+    print(f"unison: unknown command {command!r}; stages: {', '.join(names)}; commands: run, demo, recipe (see unison --help)",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

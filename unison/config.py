@@ -1,0 +1,436 @@
+"""Typed settings: one pydantic model per params.yaml section, unknown keys refused, and the only place defaults live.
+
+params.yaml holds every setting that changes results (DVC tracks it) and equals these defaults (tests/test_config.py);
+recipes (configs/recipes) and test overlays are validated by the same models. `load_params` names the file and the key
+of anything that cannot work:
+
+    params = load_params()              # params.yaml in the working directory (DVC runs stages at the project root)
+    params.sft.lr, params.teacher.backend
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ROOT = Path(__file__).resolve().parent.parent
+Precision = Literal["auto", "bf16", "fp32"]
+MODEL_KINDS = ("builtin", "hf", "local")
+LOCAL_BACKENDS = ("vllm", "transformers")
+
+
+class ParamsError(ValueError):
+    """A setting that cannot work; the message names the file and the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def check_model_spec(spec: str, key: str) -> str:
+    kind, _, name = spec.partition(":")
+    if kind not in MODEL_KINDS or not name:
+        raise ValueError(f"{key}: {spec!r} is not a model spec (builtin:<name> | hf:<name> | local:<dir>)")
+    return spec
+
+
+class LLMConfig(Section):
+    backend: Literal["vllm", "transformers"] = Field("vllm", description="students always run locally (vllm | transformers); a server can only be the teacher (teacher.backend: openai)")
+    dtype: str = Field("auto", description="auto = bf16 where the CPU has avx512_bf16 else fp32")
+    max_model_len: int = Field(2048)
+    enforce_eager: bool = Field(True)
+    kv_cache_gb: float = Field(2, description="vLLM on CPU: RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE wins if set); 2 = 93k tokens of SmolLM2 in bf16")
+    block_size: int = Field(32, description="KV-cache block; the prefix cache reuses whole blocks only; 0 = engine default")
+    max_concurrency: int = Field(8, description="openai backend: requests in flight at once")
+    timeout_s: float = Field(120, description="openai backend: per request")
+    max_retries: int = Field(3, description="openai backend: on connection errors, timeouts, 429 and 5xx, with exponential backoff")
+    token_prompts: bool = Field(True, description="openai backend: prompt as token ids; false = decoded text (auto-fallback if the server rejects ids)")
+    vllm_extensions: bool = Field(True, description="openai backend: ask for token ids/stop reason (vLLM); false = plain OpenAI, completions re-tokenised here")
+
+
+class EngineConfig(LLMConfig):
+    """What builds one model's backend: the llm.* engine settings, plus, for a server, where it is and what it calls
+    the model. Not a params.yaml section: `teacher_engine`, `student_engine` and the role overrides make them."""
+    backend: Literal["vllm", "transformers", "openai"] = "vllm"
+    base_url: str = Field("", description="openai: the server's /v1 URL")
+    api_model: str = Field("", description="openai: the served model's name; \"\" = the model dir")
+    api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key, sent as a Bearer token; never logged")
+    tokenizer: str = Field("", description="openai: the tokenizer that renders prompts; \"\" = the model dir")
+
+
+def check_llm_overrides(overrides: dict, key: str, allow_backend: bool) -> dict:
+    """A mapping of llm.* overrides: known keys only (and, for the teacher, not its backend)."""
+    known = set(LLMConfig.model_fields) | (set(EngineConfig.model_fields) | {"model"} if allow_backend else set())
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"{key}: unknown key(s) {unknown} (llm.* keys: {', '.join(LLMConfig.model_fields)})")
+    if not allow_backend and "backend" in overrides:
+        raise ValueError(f"{key}.backend: set teacher.backend instead")
+    return overrides
+
+
+class BuiltinWorldConfig(Section):
+    n_people: int = Field(120)
+    n_orgs: int = Field(30)
+    n_cities: int = Field(24)
+    n_countries: int = Field(8)
+    train_size: int = Field(100)
+    test_size: int = Field(200, description='>= 200, so a 95% interval is narrow enough to tell systems apart')
+    mix: dict[str, float] = Field(default_factory=lambda: {'hop1': 0.5, 'hop2': 0.25, 'math': 0.25})
+
+
+class DownloadConfig(Section):
+    dataset: str = Field('builtin', description='builtin | hf:<name>[:<config>] | local:<path> (`{split}` in it -> split name)')
+    format: str = Field('', description='hf/local column format: gsm8k | math500 | hotpotqa | 2wikimultihopqa | musique | bamboogle | nq | qa | math; "" = detect from the dataset/file name')
+    fields: dict[str, str] = Field(default_factory=dict, description='hf/local: column renames on top of the format, e.g. {question: q, answers: gold}')
+    split_train: str = Field('train', description='hf/local: split names')
+    split_test: str = Field('test')
+    test_fraction: float = Field(0.2, description='local: when both splits are one file, the seeded share held out as test')
+    corpus: str = Field('', description='hf/local: {title,text} passages file (jsonl/json/parquet/csv); required for QA')
+    builtin: BuiltinWorldConfig = Field(default_factory=BuiltinWorldConfig)
+    max_train: int = Field(0, description='0 = all')
+    max_test: int = Field(0)
+
+
+class StudentConfig(Section):
+    model: str = Field('builtin:smollm2-135m-instruct', description='builtin:smollm2-135m-instruct | hf:<name> | local:<dir>')
+
+    @model_validator(mode="after")
+    def _spec(self):
+        check_model_spec(self.model, "student.model")
+        return self
+
+
+class TeacherConfig(Section):
+    model: str = Field('builtin:smollm2-135m-instruct', description='builtin:<name> | hf:<name> | local:<dir>; openai: only its tokenizer is kept')
+    backend: Literal['vllm', 'transformers', 'openai'] = Field('vllm', description='vllm | transformers (models/teacher on this machine) | openai (a server; nothing downloaded)')
+    base_url: str = Field('', description="openai: e.g. http://127.0.0.1:8000/v1 (`vllm serve`), or a hosted API's /v1 URL")
+    served_name: str = Field('', description='openai: the name the server knows the model by; "" = teacher.model without its prefix')
+    tokenizer: str = Field('', description='openai: spec of the tokenizer that renders prompts; "" = teacher.model\'s')
+    api_key_env: str = Field('OPENAI_API_KEY', description='openai: env var holding the API key, sent as a Bearer token when set; never logged')
+    llm: dict = Field(default_factory=dict, description='overrides of llm.* for the teacher only, e.g. {max_concurrency: 64, vllm_extensions: false}')
+
+    @model_validator(mode="after")
+    def _check(self):
+        check_model_spec(self.model, "teacher.model")
+        if self.tokenizer:
+            check_model_spec(self.tokenizer, "teacher.tokenizer")
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("teacher.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
+        check_llm_overrides(self.llm, "teacher.llm", allow_backend=False)
+        return self
+
+
+class IndexConfig(Section):
+    encoder: str = Field('builtin:all-minilm-l6-v2', description='or any sentence-transformers name / local dir')
+    kind: Literal['flat', 'ivf', 'hnsw'] = Field('flat', description='flat | ivf | hnsw')
+    nlist: int = Field(16, description='ivf')
+    nprobe: int = Field(4, description='ivf')
+    hnsw_m: int = Field(32, description='hnsw')
+    hnsw_ef_search: int = Field(64, description='hnsw: candidates kept while searching (recall vs speed)')
+    batch_size: int = Field(64)
+    query_prefix: str | None = Field(None, description='null = automatic ("query: " for e5 models, else none)')
+    passage_prefix: str | None = Field(None, description='null = automatic ("passage: " for e5 models, else none)')
+    recall_sample: int = Field(500, description='passages whose title is used as a self-retrieval query (reports/index.json)')
+
+
+class ToolsConfig(Section):
+    search_topk: int = Field(2)
+    search_max_chars: int = Field(300, description='per passage in an observation')
+    search_url: str = Field('', description='"" = in-process; else http://host:port of a /retrieve server')
+    search_timeout_s: int = Field(30, description='remote search: per-request timeout')
+    python_timeout_s: int = Field(5)
+    python_memory_mb: int = Field(512)
+    python_max_output_chars: int = Field(512)
+    web_search_url: str = Field('', description='"" = off; else a Serper-like POST endpoint: {q, num} -> {"organic": [{title, link, snippet}]}')
+    crawl: bool = Field(False, description='true = <crawl>url</crawl> fetches pages (HTML stripped to text)')
+    web_topk: int = Field(3, description='results per web query')
+    web_timeout_s: int = Field(15, description='per request (2 retries with backoff on connection errors, 429, 5xx)')
+    web_max_chars: int = Field(2000, description='crawled page text kept in an observation')
+    web_api_key_env: str = Field('', description='env var whose value is sent as X-API-KEY (Serper); "" = none')
+
+
+class SelfConsistencyConfig(Section):
+    samples: int = Field(5)
+    aggregator: Literal['vote', 'llm'] = Field('vote', description="vote (free-form majority) | llm (AgentArk's aggregator prompt)")
+
+
+class DebateConfig(Section):
+    agents: int = Field(3)
+    rounds: int = Field(2)
+    aggregator: Literal['vote', 'llm'] = Field('vote', description='vote | llm')
+
+
+class DylanConfig(Section):
+    agents: int = Field(4)
+    rounds: int = Field(3)
+    top_k: int = Field(2)
+    consensus: float = Field(0.667)
+
+
+class AgentVerseConfig(Section):
+    agents: int = Field(2)
+    turns: int = Field(3)
+    critic_rounds: int = Field(3)
+
+
+class MAVConfig(Section):
+    solutions: int = Field(2)
+    verifiers: int = Field(2)
+    verifier_temperature: float = Field(0.0)
+
+
+class ChainOfAgentsConfig(Section):
+    max_cycles: int = Field(2, description='re-plans after a double_check score <= 2')
+    accept_score: int = Field(3, description='double_check score (1-4) that lets the answer through')
+
+
+class AgentFlowConfig(Section):
+    max_steps: int = Field(3, description='AgentFlow train TOOL_STEPS (eval uses 10)')
+
+
+class GAPConfig(Section):
+    max_levels: int = Field(3)
+    max_parallel: int = Field(4)
+
+
+class GenerateConfig(Section):
+    method: Literal['single', 'self_consistency', 'debate', 'dylan', 'agentverse', 'mav', 'chain_of_agents', 'agentflow', 'gap'] = Field('self_consistency', description='single | self_consistency | debate | dylan | agentverse | mav | chain_of_agents | agentflow | gap  (defaults below from the seed systems, research/seeds.md)')
+    samples: int = Field(1)
+    temperature: float = Field(0.3, description='the demo teacher (5 paths + vote, with worked examples): 11% EM at 0.3 on 100 test questions; debate at 0.7 got 3% (README Results)')
+    top_p: float = Field(1.0, description='< 1 costs ~20% of decode time on CPU (vLLM sorts the vocabulary per request)')
+    max_turns: int = Field(4)
+    max_tokens_per_turn: int = Field(96)
+    max_tool_calls: int = Field(3)
+    scaffold: dict[str, list[str]] = Field(default_factory=lambda: {'qa': ['search', 'answer'], 'math': ['python', 'answer']})
+    demonstrations: str = Field('configs/demonstrations/builtin.txt', description='worked examples the teacher\'s acting agents see after the system prompt; students never see them, they learn to act alone (context distillation); "" = none')
+    shard_size: int = Field(64, description='questions per resumable shard (a killed run keeps its finished shards)')
+    episodes_in_flight: int = Field(256, description='episodes (agents x samples of all running questions) the engine works on at once; each question is a flow of its own and the next starts whenever fewer are live (generate, evaluate, pareto). vLLM runs up to max_num_seqs (256 on CPU, 1024 on an H100) at once')
+    roles: dict[str, dict] = Field(default_factory=dict, description='role -> its own model, e.g. {aggregator: {model: Qwen/Qwen2.5-7B-Instruct, backend: openai, base_url: "http://127.0.0.1:8000/v1"}}; other keys override the teacher\'s llm.*; {} = every role on the teacher')
+    self_consistency: SelfConsistencyConfig = Field(default_factory=SelfConsistencyConfig, description='AgentArk self_consistency: parallel_num 5, then an aggregator')
+    debate: DebateConfig = Field(default_factory=DebateConfig, description='AgentArk llm_debate')
+    dylan: DylanConfig = Field(default_factory=DylanConfig, description='AgentArk DyLAN: 4 agents, 3 rounds, listwise top-2 from round 3, 2/3 consensus exit')
+    agentverse: AgentVerseConfig = Field(default_factory=AgentVerseConfig, description='AgentArk AgentVerse: 2 agents (solver + critic), 3 turns, up to 3 critique rounds')
+    mav: MAVConfig = Field(default_factory=MAVConfig, description='AgentArk multi-agent verification: 2 solutions x 2 verifier aspects, verifiers greedy')
+    chain_of_agents: ChainOfAgentsConfig = Field(default_factory=ChainOfAgentsConfig, description='AFM: think/plan/tool/reflection/suggested_answer/double_check role agents')
+    agentflow: AgentFlowConfig = Field(default_factory=AgentFlowConfig, description='AgentFlow: planner, executor, verifier, generator with a memory of action steps')
+    gap: GAPConfig = Field(default_factory=GAPConfig, description="GAP: a plan of sub-tasks with dependencies; each level's queries in one parallel turn")
+
+
+class LabelConfig(Section):
+    qa_metric: Literal['em', 'subem', 'f1'] = Field('subem', description='em | subem | f1  (the one that decides `correct`)')
+    f1_threshold: float = Field(0.8)
+    first_only: bool = Field(False, description='`a | b` answers: false = every item must be right (GAP train), true = first item only (GAP eval)')
+    math_timeout_s: int = Field(5)
+    judge: Literal['rule', 'llm'] = Field('rule', description='rule (EM/F1, math equivalence) | llm (label.judge_model asked true/false, AgentArk label.py)')
+    judge_model: str = Field('models/base', description='llm judge: a model dir, or a served name with label.llm {backend: openai, base_url: ...}')
+    judge_temperature: float = Field(0.0)
+    step_labels: Literal['outcome', 'montecarlo', 'agent'] = Field('outcome', description="outcome (each step gets the episode's score) | montecarlo (Math-Shepherd) | agent (AgentArk: each agent's solution in the transcript is a step, judged on its own answer)")
+    mc_model: str = Field('student', description='montecarlo completer: student (models/base) | teacher (the teacher block) | a model dir / served name')
+    mc_rollouts: int = Field(8, description='completions per step prefix (Math-Shepherd N)')
+    mc_temperature: float = Field(0.7)
+    mc_scaffold: bool = Field(True, description='completions continue generate.scaffold from the next turn (false = unscaffolded)')
+    llm: dict = Field(default_factory=dict, description='llm.* overrides for the judge and completer models (e.g. {backend: openai, base_url: ...})')
+
+
+class PRMConfig(Section):
+    seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
+    enabled: bool = Field(True, description='false = models/prm holds a marker only (then evaluate.rerank_samples 1, rl.prm_weight 0)')
+    separator: str = Field('\n', description='TRL/AgentArk step separator')
+    freeze_backbone: bool = Field(False, description='AgentArk fix_llm: train only the head')
+    epochs: int = Field(1, description="the demo's 100 trajectories: ~13 steps x 10 s on 2 cores")
+    lr: float = Field(5e-05)
+    batch_size: int = Field(8)
+    max_length: int = Field(1024, description='training examples are cut here (steps past it lose their labels)')
+    eval_fraction: float = Field(0.2, description='held-out share of questions (split by question id) for reports/prm.json')
+    precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls (GPU; CPU with AVX512-BF16/AMX), else fp32 | bf16 | fp32')
+
+
+class SFTConfig(Section):
+    seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
+    max_per_question: int = Field(2)
+    dedupe: bool = Field(True)
+    lora: bool = Field(False)
+    lora_r: int = Field(16)
+    lora_alpha: int = Field(32)
+    epochs: int = Field(4, description="the demo's ~20 correct teacher trajectories: ~24 optimizer steps")
+    lr: float = Field(5e-05)
+    batch_size: int = Field(4)
+    grad_accum: int = Field(1)
+    max_length: int = Field(768)
+    warmup_ratio: float = Field(0.05)
+    packing: bool = Field(False, description='true = several examples per row of up to max_length (positions restart, attention never crosses examples; same token-mean loss), fewer pad tokens')
+    precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls, else fp32 | bf16 | fp32')
+    checkpoint_every: int = Field(0, description='optimiser steps between checkpoints (data/.cache/sft-checkpoint) a killed run resumes from; 0 = none')
+    deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate; its gradient accumulation = grad_accum)')
+
+
+class ParetoConfig(Section):
+    k: int = Field(4, description='rollouts per train question by models/sft (ET-Agent: 8)')
+    temperature: float = Field(0.7, description='ET-Agent: 1.0; the demo student at 1.0: pass@1 1%, 4 mixed groups of 100; at 0.7: 10%, 30')
+    counts: int = Field(64, description='groups taken by ParetoConfig front + crowding before the mixed-outcome filter (ET-Agent: 8000)')
+    qa_threshold: float = Field(0.75, description="a QA rollout counts as solved at this score (ET-Agent's post-filter)")
+    stages: int = Field(2, description='curriculum stages for rl, easiest (highest mean correctness) first')
+    min_groups: int = Field(8, description='fewer mixed groups -> top up with ParetoConfig-selected unmixed ones; 0 = none (then none mixed = error)')
+    max_questions: int = Field(0, description='0 = the whole train split')
+
+
+class DPOConfig(Section):
+    seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
+    enabled: bool = Field(False, description='the demo has ~1 sample per question, so pairs are rare; false = models/dpo holds a marker only')
+    loss: Literal['sigmoid', 'ipo'] = Field('sigmoid', description='sigmoid (DPO) | ipo')
+    beta: float = Field(0.1)
+    lr: float = Field(5e-06, description='AFM: 1e-6 at 32B')
+    epochs: int = Field(2, description='AFM: 4')
+    batch_size: int = Field(4, description='pairs per optimiser step')
+    max_length: int = Field(768)
+    max_pairs_per_question: int = Field(2)
+    precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls, else fp32 | bf16 | fp32')
+    lora: bool = Field(False)
+    lora_r: int = Field(16)
+    lora_alpha: int = Field(32)
+
+
+class EvaluateConfig(Section):
+    max_questions: int = Field(0, description='0 = whole test split')
+    temperature: float = Field(0.0)
+    bootstrap: int = Field(1000)
+    teacher: bool = Field(True)
+    rerank_samples: int = Field(4, description='prm_rerank: SFT-student samples per question, the PRM keeps one; <= 1 = skip that system')
+    rerank_temperature: float = Field(0.7)
+    first_only: bool | None = Field(None, description='`a | b` answers when scoring: null = label.first_only; true = the first item only (GAP eval)')
+
+
+class RLConfig(Section):
+    seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
+    estimator: Literal['grpo', 'dr_grpo', 'rloo', 'flow_grpo'] = Field('grpo', description='grpo | dr_grpo | rloo | flow_grpo (AgentFlow: every assistant turn a sample with the final reward)')
+    group_size: int = Field(4, description='rollouts per prompt (seeds: 8)')
+    prompts_per_step: int = Field(4, description='curriculum: data/rl stage 1 prompts first, then stage 2, ...')
+    steps: int = Field(4)
+    lr: float = Field(1e-05, description="the demo's 135M student over 4 steps; GAP/AgentFlow 1e-6, AgentArk 5e-7 at 3-7B")
+    weight_decay: float = Field(0.1)
+    warmup_steps: int = Field(3)
+    max_grad_norm: float = Field(1.0)
+    clip_low: float = Field(0.2, description='DAPO clip-higher: 0.2 / 0.28')
+    clip_high: float = Field(0.28)
+    dual_clip: float | None = Field(10.0, description='null = off')
+    kl_coef: float = Field(0.0, description='> 0: k3 KL to a frozen copy of the SFT model (AgentFlow 0.001; GAP none)')
+    loss_agg: Literal['token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum_norm'] = Field('token_mean', description='token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (Dr.GRPO)')
+    dynamic_sampling: bool = Field(True, description='DAPO: drop groups whose rewards are all equal')
+    max_refills: int = Field(2, description='DAPO: up to this many more rollout batches (next curriculum prompts) while fewer than prompts_per_step groups are kept (verl max_num_gen_batches - 1); 0 = train on what is kept')
+    ppo_epochs: int = Field(1)
+    mini_batches: int = Field(1, description='optimiser steps per epoch')
+    micro_batch_size: int = Field(4, description='sequences per forward/backward (memory)')
+    temperature: float = Field(1.0, description='rollouts; the loss scores tokens under the same temperature')
+    top_p: float = Field(1.0)
+    max_turns: int = Field(4)
+    max_tokens_per_turn: int = Field(96)
+    max_tool_calls: int = Field(3)
+    verifiable_weight: float = Field(1.0, description="s = the label judge's score (label.qa_metric, math-verify)")
+    format_weight: float = Field(1.0, description='f_fmt = -1 when the response breaks the protocol')
+    efficiency_weight: float = Field(0.0, description='ET-Agent tool/length efficiency')
+    sigma_tool: float = Field(0.2)
+    sigma_len: float = Field(0.5)
+    sigma_decay: bool = Field(True, description='sigmas x (T - step)/(T - 1)')
+    prm_weight: float = Field(0.0, description='> 0: AgentArk PRMVR step rewards from models/prm (soft-min, leave-one-out baseline)')
+    prm_temperature: float = Field(0.1)
+    prm_baseline: Literal['token', 'step'] = Field('token', description='token | step')
+    rollout_backend: Literal['vllm', 'transformers'] = Field('vllm', description='vllm (weights pushed into the engine after each update) | transformers (the live model)')
+    rollout_batch_size: int = Field(32, description='transformers: sequences per generate call')
+    precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls, else fp32 | bf16 | fp32')
+    deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate)')
+    checkpoint_every: int = Field(1, description='steps; to data/.cache/rl-checkpoint/<params+inputs hash>, resumed by a re-run')
+
+
+class FlywheelConfig(Section):
+    rounds: int = Field(1, description="round k's teacher: round k-1's last student under generate.method + scaffold; its correct train trajectories fine-tune a new student from models/base (sft.*); 0 = off")
+
+
+class Params(Section):
+    seed: int = Field(0)
+    download: DownloadConfig = Field(default_factory=DownloadConfig)
+    student: StudentConfig = Field(default_factory=StudentConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    llm: LLMConfig = Field(default_factory=LLMConfig, description='the local engine (students; a local teacher unless teacher.llm overrides it)')
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    label: LabelConfig = Field(default_factory=LabelConfig)
+    prm: PRMConfig = Field(default_factory=PRMConfig, description='AgentArk prm/finetune2.py: backbone + 2-class head on a separator token after each step')
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    pareto: ParetoConfig = Field(default_factory=ParetoConfig, description='ET-Agent direct rollout + group-wise ParetoConfig sampling (research/seeds.md §3.3-3.4)')
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description='AFM DPO (research/seeds.md §2.4): chosen = correct, rejected = wrong rendering of one question')
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    rl: RLConfig = Field(default_factory=RLConfig, description='GRPO family on live multi-turn tool rollouts of the SFT student (research/seeds.md §1.5, §3.5, §4.5, §5.2)')
+    flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="ET-Agent's data flywheel / STaR rounds after the pipeline (round 0 = teacher -> SFT -> RL)")
+
+    @model_validator(mode="after")
+    def _seeds(self):
+        for name in ("prm", "sft", "dpo", "rl"):
+            section = getattr(self, name)
+            if "seed" in section.model_fields_set:
+                raise ValueError(f"{name}.seed: set the top-level seed (one seed for every stage)")
+            object.__setattr__(section, "seed", self.seed)
+        check_llm_overrides(self.label.llm, "label.llm", allow_backend=True)
+        for role, spec in self.generate.roles.items():
+            check_llm_overrides(spec, f"generate.roles.{role}", allow_backend=True)
+        return self
+
+    def stage(self, name: str) -> BaseModel:
+        """One stage's section (e.g. params.stage("sft") is params.sft)."""
+        return getattr(self, name)
+
+
+def load_params(path: str | os.PathLike | None = None) -> Params:
+    """All settings from params.yaml (in the working directory unless `path`), validated."""
+    path = Path(path or "params.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: no such file (run from the project root)") from None
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML ({e})") from None
+    return validate_params(raw, path)
+
+
+def validate_params(raw: dict, where: str | os.PathLike = "params.yaml") -> Params:
+    """`raw` (a parsed params file or overlay) as Params; ParamsError naming `where` and the key otherwise."""
+    for block in ("teacher", "student"):
+        if not isinstance((raw or {}).get(block), dict):
+            raise ParamsError(f"{where}: missing the `{block}` block (teacher and student are separate, explicit settings)")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        raise ParamsError("\n".join(map(lambda err: describe_error(err, where), e.errors()))) from None
+
+
+def describe_error(err: dict, where) -> str:
+    """One validation error as `<file> <key>: <what is wrong>`; a refused value gets the field's own description."""
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "value_error":  # our validators name the key themselves
+        return f"{where} {err['msg'].removeprefix('Value error, ')}"
+    if err["type"] == "extra_forbidden":
+        return f"{where} {key}: unknown key"
+    model, field = Params, None
+    for part in err["loc"]:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            break
+        model = field.annotation
+    hint = f"; {field.description}" if field is not None and field.description else ""
+    return f"{where} {key}: {err['msg']} (got {err['input']!r}){hint}"
+
+
+def teacher_engine(params: Params) -> EngineConfig:
+    """The teacher's engine: the shared llm.* settings, the teacher's overrides, its backend and server."""
+    t = params.teacher
+    return EngineConfig(**{**params.llm.model_dump(), **t.llm, "backend": t.backend, "base_url": t.base_url,
+                           "api_model": t.served_name or t.model.partition(":")[2], "api_key_env": t.api_key_env})
+
+
+def engine_with(base: EngineConfig, overrides: dict) -> EngineConfig:
+    """`base` with llm.* overrides (a role's, the judge's), validated."""
+    return EngineConfig(**{**base.model_dump(), **overrides})
