@@ -38,12 +38,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from tasks.evaluate import system_metrics
-    from tasks.label import label_rows
     from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, run_config
     from unison.agents.methods import MethodContext, run_method
     from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table
+    from unison.labeling.judging import label_rows
+    from unison.labeling.metrics import system_metrics
     from unison.llm import teacher_backend, teacher_id
 
     params = load_params()

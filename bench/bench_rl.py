@@ -21,8 +21,8 @@ from bench.bench_rollout import REPORT, git_commit, save_report
 
 def rl_data(n: int) -> list[dict]:
     """data/rl stage files if the pareto stage ran, else the first `n` train questions as stage-1 RL rows."""
-    from unison.data.pareto import rl_rows
     from unison.data.schemas import QUESTION, read_table
+    from unison.train.pareto import rl_rows
     from unison.train.rl import load_rl_data
 
     paths = sorted(Path("data/rl").glob("stage*.parquet"))

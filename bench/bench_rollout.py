@@ -354,10 +354,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from unison.agents.context import enabled_tools, make_toolbox, run_config
     from unison.agents.methods import MethodContext
-    from unison.agents.protocol import chat_prompt, question_messages
     from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table
     from unison.llm import Sampling, teacher_backend
+    from unison.protocol import chat_prompt, question_messages
 
     for needed in ("data/raw/train.parquet", "data/index/meta.json", "models/teacher/config.json"):
         if not Path(needed).exists():

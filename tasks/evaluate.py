@@ -14,72 +14,21 @@ import gc
 import time
 from collections import Counter, defaultdict
 
-from tasks.label import label_rows, make_judge
 from unison import track
 from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, run_config
-from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, run_method
 from unison.cli import stage_main
-from unison.config import LabelConfig, Params, load_params
+from unison.config import LabelConfig, load_params
 from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
-from unison.judge import score
 from unison.judge.answers import judged_answer
-from unison.judge.qa import normalize
-from unison.judge.stats import bootstrap_ci, wilson_interval
-from unison.judge.steps import student_steps
+from unison.labeling.judging import label_rows, make_judge
+from unison.labeling.metrics import scoring_params, system_metrics
+from unison.labeling.steps import student_steps
 from unison.llm import TEACHER_DIR, student_backend, teacher_backend, teacher_id
+from unison.protocol import normalize_answer
 from unison.train.prm import auc, load_prm
 
 COST_FIELDS = ("n_llm_calls", "n_tokens", "n_tool_calls", "tool_errors")
-
-
-def with_interval(name: str, estimate: tuple[float, float, float]) -> dict:
-    """{name, name_lo, name_hi} from (value, lo, hi)."""
-    value, lo, hi = estimate
-    return {name: value, f"{name}_lo": lo, f"{name}_hi": hi}
-
-
-def rule_correct(rows: list[dict], label: LabelConfig, metric: str) -> int:
-    """How many rows the rule judge finds correct under qa_metric `metric` (math rows: math equivalence)."""
-    label = label.model_copy(update={"qa_metric": metric})
-    return sum(score(r["task"], r["final_answer"], r["answers"], label)[0] for r in rows)
-
-
-def answer_tokens(row: dict) -> int:
-    """Whitespace tokens of the final answer as the judges read it (0 when there is none)."""
-    return len((judged_answer(row["final_answer"]) or "").split())
-
-
-def per_correct(rows: list[dict]) -> dict:
-    """ET-Agent efficiency: totals over all questions per correct answer (None when none is correct).
-
-    A turn is one LLM call (n_llm_calls): for a student one assistant message, for the teacher every agent's and role's.
-    """
-    correct = sum(bool(r["correct"]) for r in rows)
-    totals = {"tool_calls": "n_tool_calls", "turns": "n_llm_calls", "tokens": "n_tokens"}
-    return {f"{key}_per_correct": sum(r[field] for r in rows) / correct if correct else None for key, field in totals.items()}
-
-
-def system_metrics(rows: list[dict], wall_s: float, label: LabelConfig, n_boot: int, seed: int) -> dict:
-    """One system's metrics: EM, SubEM, F1 and the judge's accuracy with 95% CIs, answer length, cost, efficiency."""
-    n = len(rows)
-    f1_label = label.model_copy(update={"qa_metric": "f1"})
-    f1 = [score(r["task"], r["final_answer"], r["answers"], f1_label)[1] for r in rows]
-    out = {**with_interval("em", wilson_interval(rule_correct(rows, label, "em"), n)),
-           **with_interval("subem", wilson_interval(rule_correct(rows, label, "subem"), n)),
-           **with_interval("f1", bootstrap_ci(f1, n=n_boot, seed=seed)),
-           **with_interval("accuracy", wilson_interval(sum(bool(r["correct"]) for r in rows), n)),
-           "answer_tokens": sum(map(answer_tokens, rows)) / n,
-           "questions": n, "wall_s_per_question": wall_s / n}
-    for field, key in (("n_llm_calls", "llm_calls"), ("n_tokens", "tokens"), ("n_tool_calls", "tool_calls"), ("tool_errors", "tool_errors")):
-        out[f"{key}_per_question"] = sum(r[field] for r in rows) / n
-    out.update(per_correct(rows))
-    for task in sorted({r["task"] for r in rows}):
-        sub = [r["correct"] for r in rows if r["task"] == task]
-        out[f"accuracy_{task}"] = sum(sub) / len(sub)
-    out["answered_rate"] = sum(bool(r["final_answer"]) for r in rows) / n
-    out.update({f"{k}_per_question": v / n for k, v in tool_totals(rows).items()})
-    return out
 
 
 def prm_pick(group: list[tuple[dict, float]]) -> dict:
@@ -98,9 +47,9 @@ def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
     for group in groups.values():
         pick = prm_pick(group)
         chosen.append({**pick, **{f: sum(r[f] for r, _ in group) for f in COST_FIELDS}})
-        votes = Counter(normalize(r["final_answer"]) for r, _ in group if r["final_answer"].strip())
+        votes = Counter(normalize_answer(r["final_answer"]) for r, _ in group if r["final_answer"].strip())
         top = votes.most_common(1)[0][0] if votes else None
-        vote.append(next((float(r["correct"]) for r, _ in group if normalize(r["final_answer"]) == top), 0.0))
+        vote.append(next((float(r["correct"]) for r, _ in group if normalize_answer(r["final_answer"]) == top), 0.0))
         mean.append(sum(r["correct"] for r, _ in group) / len(group))
         best.append(float(any(r["correct"] for r, _ in group)))
     pick_accuracy, mean_accuracy = sum(bool(c["correct"]) for c in chosen) / len(chosen), sum(mean) / len(mean)
@@ -110,14 +59,6 @@ def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
                     "prm_pick_answered_rate": sum(judged_answer(c["final_answer"]) is not None for c in chosen) / len(chosen),
                     "pass_at_n": sum(best) / len(best),
                     "prm_outcome_auc": auc([s for g in groups.values() for _, s in g], [r["correct"] for g in groups.values() for r, _ in g])}
-
-
-def scoring_params(params: Params) -> Params:
-    """`params` with label.first_only replaced by evaluate.first_only unless that is null (GAP: train on all, score the first)."""
-    first_only = params.evaluate.first_only
-    if first_only is None:
-        return params
-    return params.model_copy(update={"label": params.label.model_copy(update={"first_only": first_only})})
 
 
 def judged_system(name: str, episodes: list[dict], label: LabelConfig, judge) -> tuple[list[dict], dict]:

@@ -24,14 +24,14 @@ import shutil
 import time
 from pathlib import Path
 
-from tasks.evaluate import scoring_params, system_metrics
-from tasks.label import label_rows, make_judge
 from unison import track
 from unison.agents.context import demonstrations, enabled_tools, make_toolbox, run_config
 from unison.agents.methods import MethodContext, run_method
 from unison.cli import stage_main
 from unison.config import LabelConfig, Params, load_params
 from unison.data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
+from unison.labeling.judging import label_rows, make_judge
+from unison.labeling.metrics import scoring_params, system_metrics
 from unison.llm import student_backend, teacher_id
 from unison.train.sft import build_examples, select_trajectories, train_sft
 

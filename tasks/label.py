@@ -9,23 +9,13 @@ from collections import defaultdict
 
 from unison import track
 from unison.cli import stage_main
-from unison.config import LabelConfig, Params, engine_with, load_params
+from unison.config import load_params
 from unison.data.schemas import LABELED, TRAJECTORY, DataError, read_table, write_json, write_table
-from unison.judge.llm_judge import PROMPT_SHA256, LLMJudge
-from unison.judge.steps import agent_labels, montecarlo_labels, rule_judge, student_steps
+from unison.labeling.judging import label_backend, label_rows, make_judge
+from unison.labeling.llm_judge import PROMPT_SHA256
+from unison.labeling.steps import agent_labels, montecarlo_labels
 
 IN, OUT = "data/trajectories/train.parquet", "data/labeled/train.parquet"
-
-
-def label_rows(rows: list[dict], label: LabelConfig, judge=None) -> list[dict]:
-    """Judge each final answer (`judge`, default the rule judge) and give each student step the episode's score."""
-    judge = judge or rule_judge(label)
-    verdicts = judge([(r["task"], r["question"], r["final_answer"], r["answers"]) for r in rows])
-    out = []
-    for r, (correct, value, name) in zip(rows, verdicts):
-        steps = student_steps(r["student"])
-        out.append({**r, "correct": correct, "score": value, "judge": name, "steps": steps, "step_labels": [float(value)] * len(steps)})
-    return out
 
 
 def accuracy_metrics(rows: list[dict]) -> dict:
@@ -57,30 +47,6 @@ def check_step_labels(rows: list[dict], path: str) -> None:
             raise DataError(path, f"{len(r['step_labels'])} step labels for {len(r['steps'])} steps", i, "step_labels")
         if not all(0.0 <= y <= 1.0 for y in r["step_labels"]):
             raise DataError(path, f"step labels outside [0, 1]: {r['step_labels']}", i, "step_labels")
-
-
-def label_backend(params: Params, model: str, cache: dict):
-    """A backend for `model`: "student" (models/base, local), "teacher" (the teacher block), else a dir or served name
-    with llm.* overridden by label.llm; one per model (`cache`)."""
-    from unison.config import EngineConfig
-    from unison.llm import make_backend, student_backend, teacher_backend
-
-    if model not in cache:
-        if model == "student":
-            cache[model] = student_backend("models/base", params)
-        elif model == "teacher":
-            cache[model] = teacher_backend(params)
-        else:
-            cache[model] = make_backend(model, engine_with(EngineConfig(**params.llm.model_dump()), params.label.llm), seed=params.seed)
-    return cache[model]
-
-
-def make_judge(params: Params, backends: dict):
-    """label.judge: rule | llm (label.judge_model at label.judge_temperature); `backends` caches backends by model."""
-    p = params.label
-    if p.judge == "rule":
-        return rule_judge(p)
-    return LLMJudge(label_backend(params, p.judge_model, backends), p.judge_model, p.judge_temperature, seed=params.seed)
 
 
 def main() -> None:

@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import time
 
-from tasks.label import label_rows
 from unison import track
 from unison.agents.context import enabled_tools, make_toolbox, run_config
 from unison.agents.methods import MethodContext, run_method
-from unison.agents.protocol import system_prompt
 from unison.cli import stage_main
 from unison.config import LabelConfig, Params, ParetoConfig, load_params
-from unison.data.pareto import mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts, split_stages, write_rl_data
 from unison.data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
+from unison.labeling.judging import label_rows
 from unison.llm import student_backend
+from unison.protocol import system_prompt
+from unison.train.pareto import (
+    mixed_outcome,
+    objectives,
+    pareto_sample,
+    rl_rows,
+    rollout_groups,
+    select_fronts,
+    split_stages,
+    write_rl_data,
+)
 
 STUDENT = "models/sft"
 OUT = "data/rl"

@@ -114,7 +114,7 @@ def test_timed_backends_count_requests_in_flight():
 
 def test_method_table_has_accuracy_ci_and_costs_per_question():
     from bench.bench_methods import format_table
-    from tasks.evaluate import system_metrics
+    from unison.labeling.metrics import system_metrics
 
     rows = [{"correct": c, "n_llm_calls": 4, "n_tokens": 50, "n_tool_calls": 1, "tool_errors": e, "final_answer": a, "task": "qa",
              "answers": ["x"], "tool_stats": "{}"} for c, e, a in [(True, 0, "x"), (False, 1, ""), (True, 0, "y"), (False, 0, "z")]]

@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from unison.data.schemas import LABELED, DataError, write_table
+from unison.token_view import token_view
 from unison.train.dpo import DPOConfig, build_pairs, dpo_loss, pair_views, sequence_logps, train_dpo
-from unison.train.token_view import token_view
 
 
 def student(answer: str, observation: str = "Zorvan Kelt is a chemist born in Tarsk.") -> list[dict]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.evaluate import judged_system, prm_rerank, scoring_params, system_metrics
+from tasks.evaluate import judged_system, prm_rerank
 from unison.config import EvaluateConfig, LabelConfig, Params, ParamsError, validate_params
-from unison.judge.steps import student_steps
+from unison.labeling.metrics import scoring_params, system_metrics
+from unison.labeling.steps import student_steps
 from unison.train.prm import build_prm
 
 

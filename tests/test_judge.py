@@ -9,8 +9,9 @@ from unison.config import LabelConfig
 from unison.judge import score
 from unison.judge.answers import extract_answer, last_boxed, split_answers
 from unison.judge.math import math_score, to_number
-from unison.judge.qa import exact_match, normalize, qa_scores, substring_match, token_f1
+from unison.judge.qa import exact_match, qa_scores, substring_match, token_f1
 from unison.judge.stats import bootstrap_ci, paired_difference_ci, wilson_interval
+from unison.protocol import normalize_answer as normalize
 
 PARAMS = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
 # Gold answers copied from MATH-500 (tests/fixtures/data/math500_test.jsonl, rows 0-2).

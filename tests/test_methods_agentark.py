@@ -12,12 +12,12 @@ from unison.agents.methods.agentverse import agrees, parse_evaluation
 from unison.agents.methods.debate import AGGREGATOR_SYSTEM, majority
 from unison.agents.methods.dylan import consensus, parse_ranks
 from unison.agents.methods.mav import ASPECTS, aspects_for, best_solution, parse_verdict
-from unison.agents.protocol import SYSTEM_PROMPT
 from unison.agents.runtime import RunConfig, Toolbox
 from unison.config import GenerateConfig
 from unison.llm import Completion
 from unison.llm.hf_backend import HFBackend
-from unison.train.token_view import token_view
+from unison.protocol import SYSTEM_PROMPT
+from unison.token_view import token_view
 
 Q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}
 

@@ -13,7 +13,7 @@ from unison.agents.runtime import RunConfig, Toolbox
 from unison.agents.trace import episode_from_row
 from unison.config import ROOT, load_params
 from unison.data.schemas import TRAJECTORY, read_table, write_table
-from unison.train.token_view import token_view
+from unison.token_view import token_view
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

@@ -9,12 +9,12 @@ from unison.agents.methods import MethodContext, get_method
 from unison.agents.methods.agentflow import memory_text, parse_next_step, verdict
 from unison.agents.methods.chain_of_agents import double_check_score
 from unison.agents.methods.gap import parse_plan, plan_levels, query_of, topological_levels
-from unison.agents.protocol import SYSTEM_PROMPT, chat_prompt
 from unison.agents.runtime import RunConfig, Toolbox
 from unison.config import AgentFlowConfig, ChainOfAgentsConfig, GAPConfig, GenerateConfig, LLMConfig, Params
 from unison.llm.base import Completion
 from unison.llm.hf_backend import HFBackend
-from unison.train.token_view import token_view
+from unison.protocol import SYSTEM_PROMPT, chat_prompt
+from unison.token_view import token_view
 
 Q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}
 Q2 = {"id": "q2", "question": "Which country is Tarsk in?", "answers": ["Velmora"], "task": "qa"}

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from unison.data.pareto import (
+from unison.data.schemas import RL_ROW, read_table
+from unison.train.pareto import (
     crowding_distance,
     dominates,
     mixed_outcome,
@@ -16,7 +17,6 @@ from unison.data.pareto import (
     split_stages,
     write_rl_data,
 )
-from unison.data.schemas import RL_ROW, read_table
 
 
 def test_objectives_are_population_variances():

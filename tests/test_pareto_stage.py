@@ -7,8 +7,8 @@ import pytest
 from tasks.pareto import build_rl, student_rollouts
 from unison.agents.runtime import Toolbox
 from unison.config import GenerateConfig, Params, ParetoConfig
-from unison.data.pareto import write_rl_data
 from unison.data.schemas import LABELED, RL_ROW, DataError, atomic_dir, read_table, validate_rows
+from unison.train.pareto import write_rl_data
 
 # question -> (tool calls, correctness) of its K = 4 rollouts; objectives (Var tools, Var correctness):
 #   q0 (1.25, 0.25) mixed      q1 (0, 0.25) mixed      q2 (4, 0) all wrong      q3 (0, 0) all right      q4 (0.75, 0.1875) mixed

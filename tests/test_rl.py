@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from unison.agents.protocol import chat_prompt, question_messages
 from unison.agents.runtime import Episode, RunConfig, Segment, Toolbox
 from unison.config import LabelConfig, LLMConfig
-from unison.data.pareto import rl_rows
 from unison.data.schemas import RL_ROW, DataError, write_table
+from unison.protocol import chat_prompt, question_messages
+from unison.train.pareto import rl_rows
 from unison.train.policy_loss import token_logprobs
 from unison.train.rl import RLConfig, batch_loss, build_samples, collate, load_rl_data, logprobs_of, score_episodes, step_prompts, train_rl
 from unison.train.rollout import episode_view

@@ -7,12 +7,12 @@ import torch
 from unison.agents.episodes import continuation_ids, start_episode, student_messages
 from unison.agents.methods import MethodContext, get_method
 from unison.agents.methods.debate import majority
-from unison.agents.protocol import parse_tool_call, split_queries
 from unison.agents.runtime import RunConfig, Toolbox, _timed, run_episodes
 from unison.config import DebateConfig
 from unison.llm.hf_backend import HFBackend
+from unison.protocol import parse_tool_call, split_queries
+from unison.token_view import retokenization_drift, token_view
 from unison.train.sft import SFTConfig, build_examples, select_trajectories, target_nll, train_sft
-from unison.train.token_view import retokenization_drift, token_view
 
 
 class CorpusRetriever:

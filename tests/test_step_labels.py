@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.label import check_step_labels, label_rows
+from tasks.label import check_step_labels
 from tests.test_runtime_sft import CorpusRetriever
-from unison.agents.protocol import SYSTEM_PROMPT, observation
 from unison.agents.runtime import RunConfig, Toolbox
 from unison.config import LabelConfig
 from unison.data.schemas import DataError
-from unison.judge.llm_judge import PROMPT_SHA256, LLMJudge, parse_verdict
-from unison.judge.steps import agent_labels, agent_solutions, montecarlo_labels, rule_judge, step_prefixes, student_steps
+from unison.labeling.judging import label_rows
+from unison.labeling.llm_judge import PROMPT_SHA256, LLMJudge, parse_verdict
+from unison.labeling.steps import agent_labels, agent_solutions, montecarlo_labels, rule_judge, step_prefixes, student_steps
 from unison.llm.hf_backend import HFBackend
-from unison.train.token_view import token_view
+from unison.protocol import SYSTEM_PROMPT, observation
+from unison.token_view import token_view
 
 PARAMS = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
 QUESTION = "In which city was Zorvan Kelt born?"

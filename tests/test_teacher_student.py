@@ -115,10 +115,9 @@ def teacher_rows(base_model_dir, tmp_path_factory):
 def test_teacher_trajectories_are_re_rendered_under_the_student_template_with_exact_masks(teacher_rows, base_model_dir):
     from transformers import AutoTokenizer
 
-    from unison.agents.protocol import chat_prompt
-    from unison.llm.base import tokenizer_fingerprint
+    from unison.protocol import chat_prompt
+    from unison.token_view import generated_by, token_view, tokenizer_fingerprint
     from unison.train.sft import build_examples
-    from unison.train.token_view import generated_by, token_view
 
     rows, teacher_tok = teacher_rows
     student_tok = AutoTokenizer.from_pretrained(base_model_dir)
@@ -140,7 +139,7 @@ def test_teacher_trajectories_are_re_rendered_under_the_student_template_with_ex
 
 
 def test_same_tokenizer_keeps_the_ids_as_generated(teacher_rows):
-    from unison.train.token_view import row_view, token_view
+    from unison.token_view import row_view, token_view
 
     rows, teacher_tok = teacher_rows
     for r in rows:

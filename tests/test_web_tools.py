@@ -7,8 +7,8 @@ import time
 import pytest
 
 from unison.agents.context import enabled_tools, make_toolbox, remote_counters
-from unison.agents.protocol import SYSTEM_PROMPT, system_prompt
 from unison.config import Params, ToolsConfig
+from unison.protocol import SYSTEM_PROMPT, system_prompt
 from unison.tools.web import Crawl, WebCache, WebSearch, html_to_text
 
 from .local_http import LocalServer
@@ -163,8 +163,8 @@ def test_enabled_web_tools_reach_acting_agents_and_their_student_rendering(base_
 
     from unison.agents.episodes import student_messages
     from unison.agents.methods import MethodContext
-    from unison.agents.protocol import stops_for
     from unison.agents.runtime import RunConfig, Toolbox
+    from unison.protocol import stops_for
 
     class Backend:
         tokenizer = AutoTokenizer.from_pretrained(base_model_dir)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import Params, engine_with, teacher_engine
+from ..protocol import DEFAULT_TOOLS
 from ..tools.web import CACHE_DIR, enabled_web_tools, make_web_tools
-from .protocol import DEFAULT_TOOLS
 from .runtime import RunConfig, Toolbox
 
 

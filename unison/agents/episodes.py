@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from .protocol import DEFAULT_TOOLS, SYSTEM_PROMPT, chat_prompt, question_messages
+from ..protocol import DEFAULT_TOOLS, SYSTEM_PROMPT, chat_prompt, question_messages
 from .runtime import Episode, Segment
 
 PLACEHOLDER = "\x00unison-assistant\x00"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ..llm import Sampling
-from .protocol import DEFAULT_TOOLS, ROLE_TAGS, SCAFFOLD, observation, parse_tool_call, split_queries, stops_for
+from ..protocol import DEFAULT_TOOLS, ROLE_TAGS, SCAFFOLD, observation, parse_tool_call, split_queries, stops_for
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from .protocol import parse_tool_call
+from ..protocol import parse_tool_call
 
 
 def episode_from_row(row: dict) -> dict:

@@ -6,14 +6,11 @@ the first item counts (GAP's evaluation rule); without it all must match (GAP's 
 """
 from __future__ import annotations
 
-import re
-import string
 from collections import Counter
 
 from unison.judge.answers import split_answers
+from unison.protocol import normalize_answer
 
-ARTICLES = re.compile(r"\b(a|an|the)\b")
-PUNCTUATION = str.maketrans("", "", string.punctuation)
 # If either side is one of these, only an exact match counts (ET-Agent): "no" must not
 # partially match "no way", nor be found inside "i do not know".
 EXACT_ONLY = {"yes", "no", "noanswer"}
@@ -22,15 +19,8 @@ EXACT_ONLY = {"yes", "no", "noanswer"}
 SUBEM_MAX_LENGTH_RATIO = 5
 
 
-def normalize(text: str) -> str:
-    """Lowercase, drop punctuation, drop articles a/an/the, collapse whitespace (SQuAD)."""
-    text = text.lower().translate(PUNCTUATION)
-    text = ARTICLES.sub(" ", text)
-    return " ".join(text.split())
-
-
 def exact_match(prediction: str, gold: str) -> float:
-    pred, gold = normalize(prediction), normalize(gold)
+    pred, gold = normalize_answer(prediction), normalize_answer(gold)
     return float(bool(gold) and pred == gold)
 
 
@@ -40,7 +30,7 @@ def substring_match(prediction: str, gold: str) -> float:
     Word boundaries, not raw characters: gold "1" is not found in "1990", nor "art" in "martin". A prediction of more
     than SUBEM_MAX_LENGTH_RATIO times the gold's tokens scores 0 (a passage or a list of guesses is not an answer).
     """
-    pred, gold = normalize(prediction), normalize(gold)
+    pred, gold = normalize_answer(prediction), normalize_answer(gold)
     if not gold or ((pred in EXACT_ONLY or gold in EXACT_ONLY) and pred != gold):
         return 0.0
     if len(pred.split()) > SUBEM_MAX_LENGTH_RATIO * len(gold.split()):
@@ -50,7 +40,7 @@ def substring_match(prediction: str, gold: str) -> float:
 
 def token_f1(prediction: str, gold: str) -> float:
     """Harmonic mean of token precision and recall after normalisation."""
-    pred, gold = normalize(prediction), normalize(gold)
+    pred, gold = normalize_answer(prediction), normalize_answer(gold)
     if (pred in EXACT_ONLY or gold in EXACT_ONLY) and pred != gold:
         return 0.0
     pred_tokens, gold_tokens = pred.split(), gold.split()

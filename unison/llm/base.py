@@ -37,20 +37,6 @@ def truncate_at_stop(tokenizer, token_ids: list[int], stops: list[str]) -> tuple
     return token_ids, stop
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of what decides token ids and chat rendering: the vocabulary, special tokens and chat template."""
-    cached = getattr(tokenizer, "_unison_fingerprint", None)
-    if cached is None:
-        import hashlib
-        import json
-
-        key = json.dumps([sorted(tokenizer.get_vocab().items()), tokenizer.eos_token, tokenizer.bos_token,
-                          getattr(tokenizer, "chat_template", None)])
-        cached = hashlib.sha256(key.encode()).hexdigest()[:16]
-        tokenizer._unison_fingerprint = cached
-    return cached
-
-
 def cpu_dtype() -> str:
     """bf16 only where the CPU has native bf16 (AVX512-BF16/AMX); on AVX2 machines bf16 is ~4x slower than fp32."""
     try:

@@ -18,10 +18,10 @@ from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..agents.protocol import split_queries
 from ..config import ToolsConfig
 from ..data.schemas import atomic_path
 from ..http import HTTPFailure, request
+from ..protocol import split_queries
 
 CACHE_DIR = "data/.cache/web"
 

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from ..config import DPOConfig
+from ..token_view import row_view
 from .loop import Trainer, autocast, fit, resolve_precision
 from .sft import collate, save_model, target_logits, with_lora
-from .token_view import row_view
 
 LOSSES = ("sigmoid", "ipo")
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import PRMConfig
 from ..data.schemas import atomic_dir
-from ..judge.qa import normalize
+from ..protocol import normalize_answer
 from .loop import Trainer, fit
 
 HEAD_FILE, CONFIG_FILE = "prm_head.safetensors", "prm_config.json"
@@ -202,9 +202,9 @@ def rerank_metrics(rows: list[dict], scores: list[list[float]]) -> dict:
         for key, agg in (("bon_prm_min", min), ("bon_prm_last", lambda s: s[-1])):
             value = [agg(s) if s else -1.0 for _, s in g]
             picks[key].append(correct[value.index(max(value))])
-        votes = Counter(normalize(r["final_answer"]) for r, _ in g if r["final_answer"].strip())
+        votes = Counter(normalize_answer(r["final_answer"]) for r, _ in g if r["final_answer"].strip())
         top = max(votes.values()) if votes else 0
-        pick = next((k for k, (r, _) in enumerate(g) if votes and votes.get(normalize(r["final_answer"])) == top), 0)
+        pick = next((k for k, (r, _) in enumerate(g) if votes and votes.get(normalize_answer(r["final_answer"])) == top), 0)
         picks["bon_majority"].append(correct[pick])
         picks["bon_random"].append(sum(correct) / len(correct))
         picks["bon_oracle"].append(max(correct))

@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from ..agents.protocol import TOOL_TAGS, parse_tool_call, split_queries
+from ..protocol import TOOL_TAGS, parse_tool_call, split_queries
 from .advantages import group_indices, leave_one_out_mean
 
 # ---------------------------------------------------------------------------------------------- verifiable, format

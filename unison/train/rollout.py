@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..agents.episodes import stable_seed
-from ..agents.protocol import chat_prompt
 from ..agents.runtime import Episode, RunConfig, Toolbox, run_episodes
 from ..config import EngineConfig, LLMConfig
 from ..llm import make_backend
 from ..llm.hf_backend import HFBackend
+from ..protocol import chat_prompt
 
 
 def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMConfig, seed: int, batch_size: int = 32):

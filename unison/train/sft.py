@@ -10,8 +10,8 @@ import torch
 
 from ..config import SFTConfig
 from ..data.schemas import atomic_dir
+from ..token_view import retokenization_drift, row_view
 from .loop import Trainer, fit, warmup_linear
-from .token_view import retokenization_drift, row_view
 
 
 def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -> list[dict]:

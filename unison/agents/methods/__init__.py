@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from ...llm.base import tokenizer_fingerprint
+from ...protocol import DEFAULT_TOOLS, SCAFFOLD, system_prompt
+from ...token_view import tokenizer_fingerprint
 from ..episodes import start_episode
-from ..protocol import DEFAULT_TOOLS, SCAFFOLD, system_prompt
 from ..runtime import Episode, RunConfig, Toolbox
 from ..scheduler import run_flows
 

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ...config import AgentFlowConfig
+from ...protocol import SCAFFOLD
 from ..episodes import agent_messages, stable_seed, start_episode, student_messages, trajectory_row
-from ..protocol import SCAFFOLD
 from ..runtime import Episode, Segment, run_episodes
 
 RESULT_CHARS = 400  # of a tool result kept in the memory (AgentFlow truncates results too)

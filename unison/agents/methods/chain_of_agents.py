@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ...config import ChainOfAgentsConfig
+from ...protocol import chat_prompt, question_messages, system_prompt
 from ..episodes import agent_messages, merge_tool_stats, stable_seed, student_messages, trajectory_row
-from ..protocol import chat_prompt, question_messages, system_prompt
 from ..runtime import Episode, run_episodes
 
 RULES = (  # appended to the protocol's system prompt for the teacher (its students get protocol.STUDENT_RULES)

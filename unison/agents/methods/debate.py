@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ...config import DebateConfig
-from ...judge.qa import normalize as normalize_answer
+from ...protocol import normalize_answer
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, student_messages, trajectory_row
 from ..runtime import Episode, Segment, run_episodes
 

@@ -14,7 +14,7 @@ import re
 from collections import Counter
 
 from ...config import DylanConfig
-from ...judge.qa import normalize as normalize_answer
+from ...protocol import normalize_answer
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
 from .debate import majority, response, student_rendering, update_prompt

@@ -14,8 +14,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from ...config import GAPConfig
+from ...protocol import observation, system_prompt
 from ..episodes import continue_episode, stable_seed, student_messages, trajectory_row
-from ..protocol import observation, system_prompt
 from ..runtime import Segment, _timed, run_episodes
 from .chain_of_agents import absorb, extend, new_chain
 

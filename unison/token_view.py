@@ -7,8 +7,21 @@ for the prompt, each turn's text tokenised on its own, so the mask still covers 
 """
 from __future__ import annotations
 
-from ..agents.protocol import chat_prompt
-from ..llm.base import tokenizer_fingerprint
+from .protocol import chat_prompt
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of what decides token ids and chat rendering: the vocabulary, special tokens and chat template."""
+    cached = getattr(tokenizer, "_unison_fingerprint", None)
+    if cached is None:
+        import hashlib
+        import json
+
+        key = json.dumps([sorted(tokenizer.get_vocab().items()), tokenizer.eos_token, tokenizer.bos_token,
+                          getattr(tokenizer, "chat_template", None)])
+        cached = hashlib.sha256(key.encode()).hexdigest()[:16]
+        tokenizer._unison_fingerprint = cached
+    return cached
 
 
 def generated_by(tok, row: dict) -> bool:

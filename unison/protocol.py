@@ -7,6 +7,7 @@ observation block "\n<result>\n...\n</result>\n" that the runtime appends (maske
 from __future__ import annotations
 
 import re
+import string
 
 SYSTEM_PROMPT = (
     "You answer questions using tools. To look facts up write <search>query</search>, where the query is the name "
@@ -83,3 +84,15 @@ def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 def question_messages(question: str, system: str | None = SYSTEM_PROMPT) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lowercase, drop punctuation, drop articles a/an/the, collapse whitespace (SQuAD): how answers are compared,
+    by votes here and by the judges."""
+    text = text.lower().translate(_PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import hashlib
 
-from ..agents.protocol import chat_prompt
+from ..judge.answers import judged_answer
 from ..llm import Sampling
-from .answers import judged_answer
+from ..protocol import chat_prompt
 
 PROMPT = (
     "You are labeling whether an answer correctly answers a question.\n\n"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..agents.protocol import SYSTEM_PROMPT, question_messages
-from .schemas import RL_ROW, write_table
+from ..data.schemas import RL_ROW, write_table
+from ..protocol import SYSTEM_PROMPT, question_messages
 
 QA_THRESHOLD = 0.75  # a QA rollout counts as solved when its F1 reaches this (ET-Agent post-filter)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from ..config import LabelConfig
-from . import score
-from .answers import extract_answer
+from ..judge import score
+from ..judge.answers import extract_answer
 
 STEP_LABELS = ("outcome", "montecarlo", "agent")
 
@@ -57,7 +57,7 @@ def agent_labels(rows: list[dict], judge) -> list[tuple[list[str], list[float]]]
 def step_prefixes(tok, student: list[dict], as_generated: bool = True) -> list[list[int]]:
     """Token ids of the trajectory up to the end of each step (its tool observations included), as generated (re-rendered
     under `tok` when `as_generated` is False: the ids are another tokenizer's)."""
-    from ..train.token_view import token_view
+    from ..token_view import token_view
 
     starts = [j for j in range(2, len(student)) if student[j]["role"] == "assistant"]
     if not starts:
@@ -81,7 +81,7 @@ def montecarlo_labels(rows: list[dict], backend, toolbox, cfg, judge, rollouts: 
     prefixes of all rows run in one `run_episodes` call; completions continue the teacher's scaffold from step k+1."""
     from ..agents.episodes import stable_seed
     from ..agents.runtime import Episode, run_episodes
-    from ..train.token_view import generated_by
+    from ..token_view import generated_by
 
     tok = backend.tokenizer
     episodes, owners = [], []

@@ -1,0 +1,67 @@
+"""What a system scored and what it cost, on the test split: EM, SubEM and the judge's accuracy with Wilson 95%
+intervals, F1 with a bootstrap interval, answer length, cost per question and per correct answer (ET-Agent).
+"""
+from __future__ import annotations
+
+from ..agents.episodes import tool_totals
+from ..config import LabelConfig, Params
+from ..judge import score
+from ..judge.answers import judged_answer
+from ..judge.stats import bootstrap_ci, wilson_interval
+
+
+def with_interval(name: str, estimate: tuple[float, float, float]) -> dict:
+    """{name, name_lo, name_hi} from (value, lo, hi)."""
+    value, lo, hi = estimate
+    return {name: value, f"{name}_lo": lo, f"{name}_hi": hi}
+
+
+def rule_correct(rows: list[dict], label: LabelConfig, metric: str) -> int:
+    """How many rows the rule judge finds correct under qa_metric `metric` (math rows: math equivalence)."""
+    label = label.model_copy(update={"qa_metric": metric})
+    return sum(score(r["task"], r["final_answer"], r["answers"], label)[0] for r in rows)
+
+
+def answer_tokens(row: dict) -> int:
+    """Whitespace tokens of the final answer as the judges read it (0 when there is none)."""
+    return len((judged_answer(row["final_answer"]) or "").split())
+
+
+def per_correct(rows: list[dict]) -> dict:
+    """ET-Agent efficiency: totals over all questions per correct answer (None when none is correct).
+
+    A turn is one LLM call (n_llm_calls): for a student one assistant message, for the teacher every agent's and role's.
+    """
+    correct = sum(bool(r["correct"]) for r in rows)
+    totals = {"tool_calls": "n_tool_calls", "turns": "n_llm_calls", "tokens": "n_tokens"}
+    return {f"{key}_per_correct": sum(r[field] for r in rows) / correct if correct else None for key, field in totals.items()}
+
+
+def system_metrics(rows: list[dict], wall_s: float, label: LabelConfig, n_boot: int, seed: int) -> dict:
+    """One system's metrics: EM, SubEM, F1 and the judge's accuracy with 95% CIs, answer length, cost, efficiency."""
+    n = len(rows)
+    f1_label = label.model_copy(update={"qa_metric": "f1"})
+    f1 = [score(r["task"], r["final_answer"], r["answers"], f1_label)[1] for r in rows]
+    out = {**with_interval("em", wilson_interval(rule_correct(rows, label, "em"), n)),
+           **with_interval("subem", wilson_interval(rule_correct(rows, label, "subem"), n)),
+           **with_interval("f1", bootstrap_ci(f1, n=n_boot, seed=seed)),
+           **with_interval("accuracy", wilson_interval(sum(bool(r["correct"]) for r in rows), n)),
+           "answer_tokens": sum(map(answer_tokens, rows)) / n,
+           "questions": n, "wall_s_per_question": wall_s / n}
+    for field, key in (("n_llm_calls", "llm_calls"), ("n_tokens", "tokens"), ("n_tool_calls", "tool_calls"), ("tool_errors", "tool_errors")):
+        out[f"{key}_per_question"] = sum(r[field] for r in rows) / n
+    out.update(per_correct(rows))
+    for task in sorted({r["task"] for r in rows}):
+        sub = [r["correct"] for r in rows if r["task"] == task]
+        out[f"accuracy_{task}"] = sum(sub) / len(sub)
+    out["answered_rate"] = sum(bool(r["final_answer"]) for r in rows) / n
+    out.update({f"{k}_per_question": v / n for k, v in tool_totals(rows).items()})
+    return out
+
+
+def scoring_params(params: Params) -> Params:
+    """`params` with label.first_only replaced by evaluate.first_only unless that is null (GAP: train on all, score the first)."""
+    first_only = params.evaluate.first_only
+    if first_only is None:
+        return params
+    return params.model_copy(update={"label": params.label.model_copy(update={"first_only": first_only})})
