@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, run_config
     from unison.agents.methods import MethodContext, run_method
+    from unison.agents.wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox
     from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table
     from unison.labeling.judging import label_rows
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     toolbox = make_toolbox(params)
     figures = {}
     for name in args.methods.split(","):
-        ctx = MethodContext(backend, toolbox, run_config(params, g.temperature), teacher=teacher_id(params), scaffold=g.scaffold,
+        ctx = MethodContext(backend, toolbox, episode_settings(params, g.temperature), teacher=teacher_id(params), scaffold=g.scaffold,
                             params=getattr(g, name, None), role_backends=make_role_backends(params), tools=enabled_tools(params),
                             protocol=name, demonstrations=demonstrations(params))
         print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)

@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from unison.agents.context import enabled_tools, make_toolbox
-    from unison.agents.runtime import RunConfig
+    from unison.agents.runtime import EpisodeSettings
+    from unison.agents.wiring import enabled_tools, make_toolbox
     from unison.config import load_params
     from unison.train.rl import train_rl
 
@@ -99,12 +99,12 @@ def main(argv: list[str] | None = None) -> dict:
     for backend in args.backends.split(","):
         cfg = p.model_copy(update={"rollout_backend": backend, "steps": args.steps, "prompts_per_step": args.prompts,
                                    "group_size": args.group_size, "checkpoint_every": 0})
-        run_cfg = RunConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
+        episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
         print(f"bench_rl: {backend}: {args.steps} steps x {args.prompts} prompts x {args.group_size} rollouts", flush=True)
         with tempfile.TemporaryDirectory(dir=".cache" if Path(".cache").is_dir() else None) as tmp:
             t0 = time.perf_counter()
-            records = train_rl(model_dir, rows, cfg, toolbox, run_cfg, tools, params.label, params.llm, f"{tmp}/out", f"{tmp}/ckpt")
+            records = train_rl(model_dir, rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, f"{tmp}/out", f"{tmp}/ckpt")
             wall = time.perf_counter() - t0
         steps = records[1:] if len(records) > 1 else records  # the first step pays one-off warm-up costs
         mean = lambda k: sum(r[k] for r in steps) / len(steps)

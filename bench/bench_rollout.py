@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.omp_threads:  # before torch starts its OpenMP pool
         os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
 
-    from unison.agents.context import enabled_tools, make_toolbox, run_config
     from unison.agents.methods import MethodContext
+    from unison.agents.wiring import enabled_tools, episode_settings, make_toolbox
     from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table
     from unison.llm import Sampling, teacher_backend
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
     backend = TimedStreamingBackend(teacher_backend(params))
     engine_start_s = time.perf_counter() - t0
     toolbox = TimedToolbox(make_toolbox(params))
-    cfg = run_config(params, g.temperature)
+    cfg = episode_settings(params, g.temperature)
     method_params = getattr(g, args.method, None)
     scaffold = json.loads(args.scaffold) if args.scaffold else g.scaffold
     ctx = MethodContext(backend, toolbox, cfg, teacher="models/teacher", scaffold=scaffold, params=method_params,

@@ -15,8 +15,8 @@ import time
 from collections import Counter, defaultdict
 
 from unison import track
-from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, run_config
 from unison.agents.methods import MethodContext, run_method
+from unison.agents.wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox
 from unison.cli import stage_main
 from unison.config import LabelConfig, load_params
 from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
@@ -105,7 +105,7 @@ def main() -> None:
                 loaded = model_dir
             roles = make_role_backends(params) if name == "teacher" else {}
             model_id = teacher_id(params) if name == "teacher" else model_dir
-            ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=model_id, scaffold=scaffold, params=mparams,
+            ctx = MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=model_id, scaffold=scaffold, params=mparams,
                                 role_backends=roles, tools=enabled_tools(params), protocol=g.method,
                                 demonstrations=demonstrations(params) if name == "teacher" else "")
             print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)

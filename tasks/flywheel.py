@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from unison import track
-from unison.agents.context import demonstrations, enabled_tools, make_toolbox, run_config
 from unison.agents.methods import MethodContext, run_method
+from unison.agents.wiring import demonstrations, enabled_tools, episode_settings, make_toolbox
 from unison.cli import stage_main
 from unison.config import LabelConfig, Params, load_params
 from unison.data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
@@ -61,7 +61,7 @@ def run_system(model_dir: str, questions: list[dict], samples: int, temperature:
     g = params.generate
     method, scaffold, mparams = (g.method, g.scaffold, getattr(g, g.method, None)) if teacher else ("single", {}, None)
     t0 = time.perf_counter()
-    ctx = MethodContext(student_backend(model_dir, params), toolbox, run_config(params, temperature), teacher=model_dir,
+    ctx = MethodContext(student_backend(model_dir, params), toolbox, episode_settings(params, temperature), teacher=model_dir,
                         scaffold=scaffold, params=mparams, tools=enabled_tools(params), protocol=g.method,
                         demonstrations=demonstrations(params) if teacher else "")
     rows = label_rows(run_method(method, questions, samples, ctx, g.episodes_in_flight), label, judge)

@@ -16,10 +16,10 @@ from collections import Counter
 from pathlib import Path
 
 from unison import track
-from unison.agents.context import demonstrations, enabled_tools, make_role_backends, make_toolbox, remote_counters, run_config
 from unison.agents.episodes import tool_totals
 from unison.agents.methods import MethodContext, run_method
 from unison.agents.trace import sample_traces
+from unison.agents.wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox, remote_counters
 from unison.cli import stage_main
 from unison.config import Params, load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
@@ -83,7 +83,7 @@ def main() -> None:
         ctx, wall_s = None, 0.0
         if todo:  # start the engine only if some shard is left to do
             backend = teacher_backend(params)
-            ctx = MethodContext(backend, make_toolbox(params), run_config(params, g.temperature), teacher=teacher_id(params),
+            ctx = MethodContext(backend, make_toolbox(params), episode_settings(params, g.temperature), teacher=teacher_id(params),
                                 scaffold=g.scaffold, params=getattr(g, g.method, None), role_backends=make_role_backends(params),
                                 tools=enabled_tools(params), protocol=g.method, demonstrations=demonstrations(params))
             pending = [(k, q) for k in todo for q in chunks[k]]

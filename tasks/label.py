@@ -62,11 +62,11 @@ def main() -> None:
         if kind == "agent":
             rows = with_steps(rows, agent_labels(rows, judge))
         elif kind == "montecarlo":
-            from unison.agents.context import enabled_tools, make_toolbox, run_config
+            from unison.agents.wiring import enabled_tools, episode_settings, make_toolbox
 
             scaffold = params.generate.scaffold if p.mc_scaffold else {}
             backend = label_backend(params, p.mc_model, backends)
-            rows = with_steps(rows, montecarlo_labels(rows, backend, make_toolbox(params), run_config(params, p.mc_temperature), judge,
+            rows = with_steps(rows, montecarlo_labels(rows, backend, make_toolbox(params), episode_settings(params, p.mc_temperature), judge,
                                                       p.mc_rollouts, params.seed, scaffold, enabled_tools(params)))
         check_step_labels(rows, OUT)
         write_table(rows, OUT, LABELED)

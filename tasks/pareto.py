@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 
 from unison import track
-from unison.agents.context import enabled_tools, make_toolbox, run_config
 from unison.agents.methods import MethodContext, run_method
+from unison.agents.wiring import enabled_tools, episode_settings, make_toolbox
 from unison.cli import stage_main
 from unison.config import LabelConfig, Params, ParetoConfig, load_params
 from unison.data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
@@ -43,7 +43,7 @@ PLOT = "reports/pareto_front.png"  # not under reports/plots: that folder is the
 def student_rollouts(questions: list[dict], k: int, backend, toolbox, params: Params, temperature: float, label: LabelConfig) -> list[dict]:
     """K labeled rollouts per question by the student: `single`, unscaffolded, seeded per (question, sample)."""
     tools = enabled_tools(params)
-    ctx = MethodContext(backend, toolbox, run_config(params, temperature), teacher=STUDENT, tools=tools,
+    ctx = MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=STUDENT, tools=tools,
                         protocol=params.generate.method)
     return label_rows(run_method("single", questions, k, ctx, params.generate.episodes_in_flight), label)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from unison import track
-from unison.agents.context import enabled_tools, make_toolbox
-from unison.agents.runtime import RunConfig
+from unison.agents.runtime import EpisodeSettings
+from unison.agents.wiring import enabled_tools, make_toolbox
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
@@ -34,14 +34,14 @@ def main() -> None:
 
             prm = load_prm("models/prm")
         tools = enabled_tools(params)
-        run_config = RunConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
+        episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
         model_dirs = ["models/sft"] + (["models/prm"] if prm is not None else [])
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         key = run_key(settings, inputs)
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)
-        records = train_rl("models/sft", rows, cfg, make_toolbox(params), run_config, tools, params.label, params.llm, "models/rl",
+        records = train_rl("models/sft", rows, cfg, make_toolbox(params), episode_settings, tools, params.label, params.llm, "models/rl",
                            str(CHECKPOINTS / key), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]))
         write_records_csv(records, CURVE_CSV)
         first, last = records[0], records[-1]

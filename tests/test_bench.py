@@ -5,7 +5,7 @@ import json
 import time
 
 from bench.bench_rollout import TimedBackend, TimedToolbox, format_table, measure_tool_concurrency, save_report
-from unison.agents.runtime import Toolbox
+from unison.agents.toolbox import Toolbox
 from unison.config import LabelConfig
 
 

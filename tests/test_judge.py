@@ -8,7 +8,7 @@ import pytest
 from unison.config import LabelConfig
 from unison.judge import score
 from unison.judge.answers import extract_answer, last_boxed, split_answers
-from unison.judge.math import math_score, to_number
+from unison.judge.math_equivalence import math_score, to_number
 from unison.judge.qa import exact_match, qa_scores, substring_match, token_f1
 from unison.judge.stats import bootstrap_ci, paired_difference_ci, wilson_interval
 from unison.protocol import normalize_answer as normalize

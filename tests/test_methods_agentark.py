@@ -9,10 +9,11 @@ import pytest
 from tests.test_runtime_sft import CorpusRetriever
 from unison.agents.methods import MethodContext, get_method
 from unison.agents.methods.agentverse import agrees, parse_evaluation
-from unison.agents.methods.debate import AGGREGATOR_SYSTEM, majority
+from unison.agents.methods.common import AGGREGATOR_SYSTEM, majority
 from unison.agents.methods.dylan import consensus, parse_ranks
 from unison.agents.methods.mav import ASPECTS, aspects_for, best_solution, parse_verdict
-from unison.agents.runtime import RunConfig, Toolbox
+from unison.agents.runtime import EpisodeSettings
+from unison.agents.toolbox import Toolbox
 from unison.config import GenerateConfig
 from unison.llm import Completion
 from unison.llm.hf_backend import HFBackend
@@ -41,7 +42,7 @@ class Scripted:
 
 
 def run_method(smol, method: str, params: dict, roles: dict | None = None, samples: int = 1, temperature: float = 0.7) -> list[dict]:
-    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), RunConfig(temperature=temperature, max_tokens_per_turn=16), "smol",
+    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=temperature, max_tokens_per_turn=16), "smol",
                         scaffold={"qa": ["search", "answer"]}, params=type(getattr(GenerateConfig(), method))(**params),
                         role_backends=roles or {})
     rows = get_method(method)([Q], samples, ctx)

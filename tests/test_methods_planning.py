@@ -9,7 +9,8 @@ from unison.agents.methods import MethodContext, get_method
 from unison.agents.methods.agentflow import memory_text, parse_next_step, verdict
 from unison.agents.methods.chain_of_agents import double_check_score
 from unison.agents.methods.gap import parse_plan, plan_levels, query_of, topological_levels
-from unison.agents.runtime import RunConfig, Toolbox
+from unison.agents.runtime import EpisodeSettings
+from unison.agents.toolbox import Toolbox
 from unison.config import AgentFlowConfig, ChainOfAgentsConfig, GAPConfig, GenerateConfig, LLMConfig, Params
 from unison.llm.base import Completion
 from unison.llm.hf_backend import HFBackend
@@ -55,7 +56,7 @@ def smol(base_model_dir):
 
 def context(smol, params, scripted=None, retriever=None, scaffold=True, max_tokens=16):
     roles = {role: Scripted(smol.tokenizer, text) for role, text in (scripted or {}).items()}
-    return MethodContext(smol, Toolbox(retriever or CorpusRetriever()), RunConfig(temperature=0.0, max_tokens_per_turn=max_tokens), "smol",
+    return MethodContext(smol, Toolbox(retriever or CorpusRetriever()), EpisodeSettings(temperature=0.0, max_tokens_per_turn=max_tokens), "smol",
                          scaffold={"qa": ["search", "answer"]} if scaffold else {}, params=params, role_backends=roles)
 
 
@@ -83,8 +84,8 @@ def check_student_system(student: list[dict], method: str, tag: str) -> None:
     (evaluate, pareto and rl take it from a context with protocol=method); the teacher's own rules are not in it."""
     system = student[0]["content"]
     assert tag in system and system != SYSTEM_PROMPT and "chain of agents" not in system and "'T1: description'" not in system
-    assert system == MethodContext(None, Toolbox(), RunConfig(), "x", protocol=method).system
-    assert MethodContext(None, Toolbox(), RunConfig(), "x", protocol="debate").system == SYSTEM_PROMPT
+    assert system == MethodContext(None, Toolbox(), EpisodeSettings(), "x", protocol=method).system
+    assert MethodContext(None, Toolbox(), EpisodeSettings(), "x", protocol="debate").system == SYSTEM_PROMPT
 
 
 def test_plan_parsing_and_topological_levels():
@@ -184,7 +185,7 @@ def test_unscaffolded_methods_survive_garbage(tiny_model_dir, method, params):
 def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
     """generate.roles with two real models at once: the verifier on a second model (the tiny random one, transformers),
     every other agentflow role on SmolLM2; each backend gets exactly its roles' calls."""
-    from unison.agents.context import make_role_backends
+    from unison.agents.wiring import make_role_backends
 
     roles = make_role_backends(Params(llm=LLMConfig(dtype="float32"),
                                       generate=GenerateConfig(roles={"verifier": {"model": str(tiny_model_dir), "backend": "transformers"}})))
@@ -202,7 +203,7 @@ def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
 
     main = HFBackend(model=smol.model, tokenizer=smol.tokenizer)
     main.generate, verifier.generate = counted(main, "main"), counted(verifier, "verifier")
-    ctx = MethodContext(main, Toolbox(CorpusRetriever()), RunConfig(temperature=0.0, max_tokens_per_turn=16), "smol",
+    ctx = MethodContext(main, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.0, max_tokens_per_turn=16), "smol",
                         scaffold={"qa": ["search", "answer"]}, params=AgentFlowConfig(max_steps=2), role_backends=roles)
     (row,) = get_method("agentflow")([Q], 1, ctx)
     verdicts = sum(m["name"] == "verifier" for m in row["messages"])

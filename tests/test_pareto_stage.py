@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.pareto import build_rl, student_rollouts
-from unison.agents.runtime import Toolbox
+from unison.agents.toolbox import Toolbox
 from unison.config import GenerateConfig, Params, ParetoConfig
 from unison.data.schemas import LABELED, RL_ROW, DataError, atomic_dir, read_table, validate_rows
 from unison.train.pareto import write_rl_data

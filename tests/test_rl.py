@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from unison.agents.runtime import Episode, RunConfig, Segment, Toolbox
+from unison.agents.runtime import Episode, EpisodeSettings, Segment
+from unison.agents.toolbox import Toolbox
 from unison.config import LabelConfig, LLMConfig
 from unison.data.schemas import RL_ROW, DataError, write_table
 from unison.protocol import chat_prompt, question_messages
@@ -65,7 +66,7 @@ def rl_config(**kw) -> RLConfig:
 
 
 def run(model_dir, cfg, tmp_path, name, rows=None, on_step=None):
-    return train_rl(str(model_dir), rows or make_rows(), cfg, Toolbox(), RunConfig(temperature=cfg.temperature, top_p=1.0,
+    return train_rl(str(model_dir), rows or make_rows(), cfg, Toolbox(), EpisodeSettings(temperature=cfg.temperature, top_p=1.0,
                     max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn, max_model_len=512), ("search", "python"),
                     LABEL, LLMConfig(max_model_len=512), str(tmp_path / name / "out"), str(tmp_path / name / "ckpt"), on_step=on_step)
 
@@ -206,8 +207,8 @@ def test_dynamic_sampling_refills_until_enough_groups_keep_a_reward_spread(answe
 
     def collect(**kw):
         cfg = rl_config(dynamic_sampling=True, group_size=2, format_weight=0.0, **kw)
-        run_cfg = RunConfig(temperature=1.0, top_p=1.0, max_turns=2, max_tokens_per_turn=12, max_model_len=512)
-        return collect_step(0, 0, rows, backend, Toolbox(), run_cfg, ("search", "python"), cfg, LABEL, None)
+        episode_settings = EpisodeSettings(temperature=1.0, top_p=1.0, max_turns=2, max_tokens_per_turn=12, max_model_len=512)
+        return collect_step(0, 0, rows, backend, Toolbox(), episode_settings, ("search", "python"), cfg, LABEL, None)
 
     samples, seen, episodes, rewards, kept, rounds, _ = collect(max_refills=4)
     spread = [len({rewards["total"][i] for i in range(len(episodes)) if rewards["groups"][i] == g}) > 1 for g in range(2 * rounds)]

@@ -6,8 +6,9 @@ import torch
 
 from unison.agents.episodes import continuation_ids, start_episode, student_messages
 from unison.agents.methods import MethodContext, get_method
-from unison.agents.methods.debate import majority
-from unison.agents.runtime import RunConfig, Toolbox, _timed, run_episodes
+from unison.agents.methods.common import majority
+from unison.agents.runtime import EpisodeSettings, _timed, run_episodes
+from unison.agents.toolbox import Toolbox
 from unison.config import DebateConfig
 from unison.llm.hf_backend import HFBackend
 from unison.protocol import parse_tool_call, split_queries
@@ -46,7 +47,7 @@ def test_majority_vote_normalises_and_breaks_ties_by_first_agent():
 def test_scaffolded_episodes_are_token_in_token_out(smol):
     tok = smol.tokenizer
     eps = [start_episode(tok, f"q{i}", "In which city was Zorvan Kelt born?", seed=i, scaffold=["search", "answer"]) for i in range(3)]
-    run_episodes(eps, smol, Toolbox(CorpusRetriever()), RunConfig(temperature=0.0, max_tokens_per_turn=24, max_turns=4))
+    run_episodes(eps, smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.0, max_tokens_per_turn=24, max_turns=4))
     for e in eps:
         assert e.finish_reason in ("answer", "length", "max_turns")
         assert e.segments[0].text.startswith("<search>") and e.segments[0].n_prefill > 0
@@ -71,7 +72,7 @@ def test_tool_failures_become_observations():
 
 
 def test_debate_transcript_and_student_rendering(smol):
-    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), RunConfig(temperature=0.7, max_tokens_per_turn=16), "smol",
+    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.7, max_tokens_per_turn=16), "smol",
                         scaffold={"qa": ["search", "answer"]}, params=DebateConfig(agents=3, rounds=2, aggregator="vote"))
     q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}
     (row,) = get_method("debate")([q], 1, ctx)
@@ -154,7 +155,7 @@ def test_hf_backend_logprobs_only_when_asked_and_one_stop_criteria_per_stop_set(
 def test_an_episode_without_room_for_a_turn_ends_with_context_and_is_never_sent(tiny_model_dir):
     backend = HFBackend(str(tiny_model_dir), dtype="float32")
     tok = backend.tokenizer
-    cfg = RunConfig(temperature=0.0, max_tokens_per_turn=4, max_turns=2, max_model_len=300)
+    cfg = EpisodeSettings(temperature=0.0, max_tokens_per_turn=4, max_turns=2, max_model_len=300)
     long_question = " ".join(["word"] * 400)  # its prompt alone exceeds max_model_len
     short, long = (start_episode(tok, k, q, seed=0, scaffold=["answer"]) for k, q in (("s", "Hi?"), ("l", long_question)))
     assert len(long.prompt_ids) > cfg.max_model_len
@@ -169,7 +170,7 @@ def test_a_scaffolded_thought_is_followed_by_the_next_tag_react(tiny_model_dir):
     question = "In which city was Zorvan Kelt born?"
     react = start_episode(tok, "r", question, seed=0, scaffold=["think", "search", "think", "answer"])
     thought_only = start_episode(tok, "t", question, seed=1, scaffold=["think"])  # a one-turn role (Chain-of-Agents)
-    run_episodes([react, thought_only], backend, Toolbox(CorpusRetriever()), RunConfig(temperature=0.0, max_tokens_per_turn=6, max_turns=4))
+    run_episodes([react, thought_only], backend, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.0, max_tokens_per_turn=6, max_turns=4))
     kinds = [(s.kind, s.text[: s.text.find(">") + 1] if s.kind == "gen" else "") for s in react.segments]
     assert kinds == [("gen", "<think>"), ("gen", "<search>"), ("obs", ""), ("gen", "<think>"), ("gen", "<answer>")]
     assert all(s.text.endswith(f"</{tag[1:]}") for s, (_, tag) in zip(react.segments, kinds) if s.kind == "gen")
@@ -181,4 +182,4 @@ def test_a_scaffolded_thought_is_followed_by_the_next_tag_react(tiny_model_dir):
 
 def test_an_unknown_scaffold_tag_names_the_param(tiny_model_dir):
     with pytest.raises(ValueError, match=r"generate\.scaffold\.qa: unknown tag\(s\) \['thought'\]"):
-        MethodContext(backend=None, toolbox=Toolbox(), cfg=RunConfig(), teacher="t", scaffold={"qa": ["thought", "answer"]})
+        MethodContext(backend=None, toolbox=Toolbox(), settings=EpisodeSettings(), teacher="t", scaffold={"qa": ["thought", "answer"]})

@@ -6,11 +6,12 @@ import threading
 import pytest
 
 from unison.agents.episodes import start_episode
-from unison.agents.runtime import RunConfig, Toolbox, run_episodes
+from unison.agents.runtime import EpisodeSettings, run_episodes
 from unison.agents.scheduler import run_flows
+from unison.agents.toolbox import Toolbox
 from unison.llm.hf_backend import HFBackend
 
-CFG = RunConfig(temperature=0.0, max_tokens_per_turn=3, max_turns=4)
+CFG = EpisodeSettings(temperature=0.0, max_tokens_per_turn=3, max_turns=4)
 
 
 class RecordingBackend:

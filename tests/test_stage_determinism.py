@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.test_runtime_sft import CorpusRetriever
-from unison.agents.runtime import Toolbox
+from unison.agents.toolbox import Toolbox
 from unison.config import ROOT
 from unison.data.schemas import QUESTION, write_table
 
@@ -40,7 +40,7 @@ def project(tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.chdir(tmp_path)
     write_table(QUESTIONS, "data/raw/train.parquet", QUESTION)
     monkeypatch.setattr("tasks.generate.make_toolbox", lambda params: Toolbox(CorpusRetriever()))
-    monkeypatch.setattr("unison.agents.context.make_toolbox", lambda params: Toolbox(CorpusRetriever()))
+    monkeypatch.setattr("unison.agents.wiring.make_toolbox", lambda params: Toolbox(CorpusRetriever()))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
     return tmp_path

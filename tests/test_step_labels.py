@@ -5,7 +5,8 @@ import pytest
 
 from tasks.label import check_step_labels
 from tests.test_runtime_sft import CorpusRetriever
-from unison.agents.runtime import RunConfig, Toolbox
+from unison.agents.runtime import EpisodeSettings
+from unison.agents.toolbox import Toolbox
 from unison.config import LabelConfig
 from unison.data.schemas import DataError
 from unison.labeling.judging import label_rows
@@ -93,7 +94,7 @@ def test_step_prefixes_follow_the_token_view(tiny):
 def test_montecarlo_labels_through_the_runtime(tiny):
     tok = tiny.tokenizer
     rows = label_rows([row(tok, "q1/0", "Tarsk"), row(tok, "q2/0", "Velmora")], PARAMS)
-    cfg = RunConfig(temperature=1.0, top_p=1.0, max_turns=2, max_tokens_per_turn=8)
+    cfg = EpisodeSettings(temperature=1.0, top_p=1.0, max_turns=2, max_tokens_per_turn=8)
 
     def run():
         return montecarlo_labels(rows, tiny, Toolbox(CorpusRetriever()), cfg, rule_judge(PARAMS), rollouts=3, seed=0,
@@ -118,7 +119,7 @@ def test_montecarlo_completions_are_judged(tiny):
         judge_calls.extend(items)
         return [(bool(pred), float(bool(pred)), "has-answer") for _, _, pred, _ in items]
 
-    cfg = RunConfig(temperature=1.0, max_turns=1, max_tokens_per_turn=6)
+    cfg = EpisodeSettings(temperature=1.0, max_turns=1, max_tokens_per_turn=6)
     ((_, labels),) = montecarlo_labels([r], tiny, Toolbox(CorpusRetriever()), cfg, judge, rollouts=4, seed=0,
                                        scaffold={"qa": ["search", "answer"]}, tools=("search", "python"))
     assert len(judge_calls) == 4  # one prefix (step 0) x 4 rollouts; the last step needs none

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from unison.agents.context import enabled_tools, make_toolbox, remote_counters
+from unison.agents.wiring import enabled_tools, make_toolbox, remote_counters
 from unison.config import Params, ToolsConfig
 from unison.protocol import SYSTEM_PROMPT, system_prompt
 from unison.tools.web import Crawl, WebCache, WebSearch, html_to_text
@@ -142,7 +142,7 @@ def test_web_tools_are_off_by_default_and_opt_in(server, tmp_path):
 
 def test_episode_calls_web_search_through_the_toolbox(server, base_model_dir, tmp_path):
     from unison.agents.episodes import start_episode
-    from unison.agents.runtime import RunConfig, run_episodes
+    from unison.agents.runtime import EpisodeSettings, run_episodes
     from unison.llm.hf_backend import HFBackend
 
     params = _params(server.url, web_search_url=server.url + "/search", web_topk=2)
@@ -150,7 +150,7 @@ def test_episode_calls_web_search_through_the_toolbox(server, base_model_dir, tm
     smol = HFBackend(str(base_model_dir), dtype="float32")
     e = start_episode(smol.tokenizer, "q0", "In which country is Tarsk?", seed=0, scaffold=["web_search", "answer"],
                       system=system_prompt(tools), tools=tools)
-    run_episodes([e], smol, make_toolbox(params, web_cache_dir=tmp_path), RunConfig(temperature=0.0, max_tokens_per_turn=16))
+    run_episodes([e], smol, make_toolbox(params, web_cache_dir=tmp_path), EpisodeSettings(temperature=0.0, max_tokens_per_turn=16))
     assert e.segments[0].text.startswith("<web_search>") and e.segments[0].text.endswith("</web_search>")
     assert e.segments[1].kind == "obs" and "Doc 1 (Title: " in e.segments[1].text and "(https://example.org/1)" in e.segments[1].text
     assert e.tool_stats["web_search"]["calls"] == 1 and server.requests[0]["path"] == "/search"
@@ -163,17 +163,18 @@ def test_enabled_web_tools_reach_acting_agents_and_their_student_rendering(base_
 
     from unison.agents.episodes import student_messages
     from unison.agents.methods import MethodContext
-    from unison.agents.runtime import RunConfig, Toolbox
+    from unison.agents.runtime import EpisodeSettings
+    from unison.agents.toolbox import Toolbox
     from unison.protocol import stops_for
 
     class Backend:
         tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
 
     tools = enabled_tools(Params(tools=ToolsConfig(web_search_url="http://127.0.0.1:9", crawl=True)))
-    ctx = MethodContext(Backend(), Toolbox(), RunConfig(), "t", scaffold={"qa": ["search", "answer"]}, tools=tools)
+    ctx = MethodContext(Backend(), Toolbox(), EpisodeSettings(), "t", scaffold={"qa": ["search", "answer"]}, tools=tools)
     e = ctx.solver_episode("q/0", "Who founded Orlen?", 1, "qa")
     assert e.tools == ("search", "python", "web_search", "crawl") and e.scaffold == ["search", "answer"]
     assert stops_for(e.tools) == ["</search>", "</python>", "</web_search>", "</crawl>", "</answer>"]
     assert "<web_search>query</web_search>" in Backend.tokenizer.decode(e.prompt_ids)
     assert student_messages("Who founded Orlen?", [], ctx.system)[0]["content"] == system_prompt(tools) != SYSTEM_PROMPT
-    assert MethodContext(Backend(), Toolbox(), RunConfig(), "t").system == SYSTEM_PROMPT  # defaults: the plain protocol
+    assert MethodContext(Backend(), Toolbox(), EpisodeSettings(), "t").system == SYSTEM_PROMPT  # defaults: the plain protocol

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ..llm import Sampling
-from ..protocol import DEFAULT_TOOLS, ROLE_TAGS, SCAFFOLD, observation, parse_tool_call, split_queries, stops_for
+from ..protocol import DEFAULT_TOOLS, ROLE_TAGS, SCAFFOLD, observation, parse_tool_call, stops_for
+from .toolbox import Toolbox
 
 
 @dataclass
@@ -77,53 +78,13 @@ MIN_TURN_TOKENS = 16  # an episode needs room for a scaffold prefill and a few g
 
 
 @dataclass
-class RunConfig:
+class EpisodeSettings:
     temperature: float = 0.7
     top_p: float = 0.95
     max_turns: int = 4
     max_tokens_per_turn: int = 96
     max_tool_calls: int = 3
     max_model_len: int = 2048
-
-
-class Toolbox:
-    """The tools an episode may call; every call returns an observation string and its error kind (None if it worked).
-
-    Error kinds: timeout, error, empty_result, empty_query, empty_code, unavailable, unknown_tool (and the runtime's
-    unparsable, exception)."""
-
-    def __init__(self, retriever=None, python_params: dict | None = None, search_max_chars: int = 300, extra: dict | None = None):
-        self.retriever = retriever
-        self.python_params = python_params or {}
-        self.search_max_chars = search_max_chars
-        self.handlers = {"search": lambda arg: self.search(split_queries(arg)), "python": self.python, **(extra or {})}
-
-    def call(self, tool: str, arg: str) -> tuple[str, str | None]:
-        handler = self.handlers.get(tool)
-        return handler(arg) if handler else (f"error: unknown tool {tool}", "unknown_tool")
-
-    def search(self, queries: list[str]) -> tuple[str, str | None]:
-        if self.retriever is None:
-            return "error: search is not available", "unavailable"
-        if not queries:
-            return "error: empty search query", "empty_query"
-        hits = self.retriever.search(queries)
-        blocks = []
-        for q, docs in zip(queries, hits):
-            lines = [f"Doc {k + 1} (Title: {d['title']}) {d['text'][: self.search_max_chars]}" for k, d in enumerate(docs)]
-            blocks.append("\n".join(lines) if lines else f"no results for {q!r}")
-        return "\n---\n".join(blocks), None if any(hits) else "empty_result"
-
-    def python(self, code: str) -> tuple[str, str | None]:
-        from ..tools.python_sandbox import run_python
-
-        if not code.strip():
-            return "error: empty code", "empty_code"
-        res = run_python(code, **self.python_params)
-        if res.ok:
-            return res.output or "(no output)", None
-        kind = "timeout" if res.error == "timeout" else "unavailable" if res.error.startswith("sandbox unavailable") else "error"
-        return f"error: {res.error}\n{res.output}".strip(), kind
 
 
 def _finish(e: Episode, reason: str, eos_id: int | None = None) -> None:
@@ -166,7 +127,7 @@ class EngineLoop:
         self.waiting: list[tuple[Episode, tuple, object]] = []  # tool calls started during the previous step
         self.order: dict[int, int] = {}  # id(episode) -> arrival, to handle completions in a fixed order
         self.arrivals = itertools.count()
-        self.setup: dict[int, tuple[Toolbox, RunConfig, "Batch"]] = {}
+        self.setup: dict[int, tuple[Toolbox, EpisodeSettings, "Batch"]] = {}
         self.pool = ThreadPoolExecutor(max_workers=8)
         self.bar = tqdm(total=0, desc=desc, unit="ep", mininterval=5, disable=not progress)
 
@@ -179,7 +140,7 @@ class EngineLoop:
         """Episodes added and not finished."""
         return len(self.setup)
 
-    def add(self, episodes: list[Episode], toolbox: Toolbox, cfg: RunConfig) -> "Batch":
+    def add(self, episodes: list[Episode], toolbox: Toolbox, cfg: EpisodeSettings) -> "Batch":
         """Queue a batch of episodes; the returned batch counts down as they finish."""
         live = [e for e in episodes if e.finish_reason is None]
         batch = Batch(len(live))
@@ -264,7 +225,7 @@ class Batch:
 flow_thread = threading.local()  # .driver, .flow: in a flow thread of `scheduler.run_flows`, its driver and index
 
 
-def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunConfig, desc: str = "episodes") -> list[Episode]:
+def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: EpisodeSettings, desc: str = "episodes") -> list[Episode]:
     """Run all episodes to completion; returns them (mutated).
 
     Inside a flow of `scheduler.run_flows` on the same backend, the episodes join that run's engine with every other
@@ -282,7 +243,7 @@ def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: RunCon
     return episodes
 
 
-def _turn_request(e: Episode, tok, cfg: RunConfig) -> tuple[tuple[list[int], Sampling], tuple]:
+def _turn_request(e: Episode, tok, cfg: EpisodeSettings) -> tuple[tuple[list[int], Sampling], tuple]:
     """The next turn's (prompt, sampling), with the scaffold's prefill for this turn, and the scaffold."""
     tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
     prefill, close, end = SCAFFOLD[tag] if tag else ("", None, None)
@@ -293,7 +254,7 @@ def _turn_request(e: Episode, tok, cfg: RunConfig) -> tuple[tuple[list[int], Sam
     return (e.ids + prefill_ids, sampling), (prefill, prefill_ids, close)
 
 
-def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: RunConfig, step_s: float) -> tuple[str, str] | None:
+def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, step_s: float) -> tuple[str, str] | None:
     """Append the generated segment and decide what happens next: the tool call to run and/or the episode's end."""
     prefill, prefill_ids, close = scaffold
     seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids))

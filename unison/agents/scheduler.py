@@ -12,7 +12,8 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
-from .runtime import EngineLoop, Episode, RunConfig, Toolbox, flow_thread
+from .runtime import EngineLoop, Episode, EpisodeSettings, flow_thread
+from .toolbox import Toolbox
 
 T = TypeVar("T")
 
@@ -80,7 +81,7 @@ class _FlowDriver:
                     self._switch_to(k)  # its wait raises _Aborted and the flow ends
         return self.results
 
-    def wait_for(self, episodes: list[Episode], toolbox: Toolbox, cfg: RunConfig) -> list[Episode]:
+    def wait_for(self, episodes: list[Episode], toolbox: Toolbox, cfg: EpisodeSettings) -> list[Episode]:
         """In a flow thread: queue the episodes, give control back, and continue once they are all done."""
         k = flow_thread.flow
         batch = self.loop.add(episodes, toolbox, cfg)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from unison.config import LabelConfig
 from unison.judge.answers import judged_answer
-from unison.judge.math import math_score
+from unison.judge.math_equivalence import math_score
 from unison.judge.qa import qa_scores
 
 

@@ -228,7 +228,7 @@ def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, 
 
 # ------------------------------------------------------------------------------------------------------------ loop
 
-def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_config, tools: tuple[str, ...], label: LabelConfig,
+def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_settings, tools: tuple[str, ...], label: LabelConfig,
              llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None) -> list[dict]:
     """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -252,7 +252,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_confi
         backend.sync(policy)
     for step in range(start, cfg.steps):
         trainer.model.eval()
-        samples, rows_seen, episodes, rewards, kept, rounds, times = collect_step(step, pos, rows, backend, toolbox, run_config, tools,
+        samples, rows_seen, episodes, rewards, kept, rounds, times = collect_step(step, pos, rows, backend, toolbox, episode_settings, tools,
                                                                                  cfg, label, prm)
         pos += rounds * cfg.prompts_per_step
         t2 = time.perf_counter()
@@ -276,7 +276,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, run_confi
     return trainer.records
 
 
-def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_config, tools, cfg: RLConfig, label: LabelConfig, prm):
+def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, episode_settings, tools, cfg: RLConfig, label: LabelConfig, prm):
     """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills` more
     while fewer than prompts_per_step groups keep a reward spread. Returns the samples of the first prompts_per_step kept
     groups, the rows, episodes and rewards of every batch (groups numbered across batches), the share of groups with a
@@ -286,7 +286,7 @@ def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, run_co
     while rounds == 0 or (cfg.dynamic_sampling and kept_groups < n and rounds <= cfg.max_refills):
         t0 = time.perf_counter()
         batch_rows = step_prompts(rows, pos + rounds * n, n, cfg.seed)
-        eps = rollout(batch_rows, cfg.group_size, backend, toolbox, run_config, tools, cfg.seed, pos // n + rounds)
+        eps = rollout(batch_rows, cfg.group_size, backend, toolbox, episode_settings, tools, cfg.seed, pos // n + rounds)
         t1 = time.perf_counter()
         views = [episode_view(e) for e in eps]
         rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label, tools, step + 1, prm)

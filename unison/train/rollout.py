@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..agents.episodes import stable_seed
-from ..agents.runtime import Episode, RunConfig, Toolbox, run_episodes
+from ..agents.runtime import Episode, EpisodeSettings, run_episodes
+from ..agents.toolbox import Toolbox
 from ..config import EngineConfig, LLMConfig
 from ..llm import make_backend
 from ..llm.hf_backend import HFBackend
@@ -25,7 +26,7 @@ def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMCo
     return make_backend(model_dir, EngineConfig(**{**llm.model_dump(), "backend": "vllm"}), seed=seed)
 
 
-def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: RunConfig, tools: tuple[str, ...],
+def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: EpisodeSettings, tools: tuple[str, ...],
             seed: int, step: int) -> list[Episode]:
     """`group_size` unscaffolded episodes per RL row (its `prompt` messages through the chat template), run together."""
     tok = backend.tokenizer

@@ -9,15 +9,16 @@ from pydantic import BaseModel
 from ...protocol import DEFAULT_TOOLS, SCAFFOLD, system_prompt
 from ...token_view import tokenizer_fingerprint
 from ..episodes import start_episode
-from ..runtime import Episode, RunConfig, Toolbox
+from ..runtime import Episode, EpisodeSettings
 from ..scheduler import run_flows
+from ..toolbox import Toolbox
 
 
 @dataclass
 class MethodContext:
     backend: object
     toolbox: Toolbox
-    cfg: RunConfig
+    settings: EpisodeSettings  # sampling and per-episode budgets (turns, tokens, tool calls)
     teacher: str  # model id recorded in each trajectory
     scaffold: dict[str, list[str]] = field(default_factory=dict)  # task -> forced tag per turn; {} = unscaffolded
     params: BaseModel | None = None  # the method's own settings (e.g. generate.debate); None = its defaults

@@ -89,7 +89,7 @@ def phase(flows: list[Flow], role: str, prompts: list[str], step: str, ctx, syst
     eps = [start_episode(tok, f"{f.q['id']}/{f.sample}/{step}", p, stable_seed(f.q["id"], f.sample, step),
                          scaffolds[i] if scaffolds else [], system=systems[i], tools=tools[i] if tools else ())
            for i, (f, p) in enumerate(zip(flows, prompts))]
-    run_episodes(eps, ctx.backend_for(role), ctx.toolbox, replace(ctx.cfg, max_turns=1), desc=f"agentflow {step}")
+    run_episodes(eps, ctx.backend_for(role), ctx.toolbox, replace(ctx.settings, max_turns=1), desc=f"agentflow {step}")
     for f, e in zip(flows, eps):
         f.episodes.append(e)
         f.messages += agent_messages(e, role)

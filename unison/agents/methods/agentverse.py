@@ -14,7 +14,7 @@ import re
 from ...config import AgentVerseConfig
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
-from .debate import response, student_rendering
+from .common import response, student_rendering
 
 CRITICS = ("You are a meticulous fact checker who reviews solutions for factual errors.",
            "You are a rigorous logician who reviews solutions for reasoning and calculation errors.",
@@ -68,7 +68,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         """Run every listed (group, agent name, prompt shown in the transcript, episode) in one batch."""
         if not items:
             return
-        run_episodes([e for *_, e in items], backend, ctx.toolbox, ctx.cfg, desc=desc)
+        run_episodes([e for *_, e in items], backend, ctx.toolbox, ctx.settings, desc=desc)
         for g, name, prompt, e in items:
             if prompt:
                 messages[g].append({"role": "user", "name": "moderator" if name == "solver" else name, "content": prompt})

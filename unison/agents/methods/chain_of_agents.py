@@ -41,7 +41,7 @@ def new_chain(tok, key: str, question: str, system: str) -> Chain:
 def extend(chains: list[Chain], tags, ctx, role: str, step: str, tools: tuple[str, ...] = ()) -> list[str]:
     """One `role` turn continuing each live chain, opened by its tag (`tags`: one, or one per chain; None = free).
     The turn's segments, counts and messages join the chain. Returns each turn's text ("" where none ran)."""
-    cfg = replace(ctx.cfg, max_turns=1)
+    cfg = replace(ctx.settings, max_turns=1)
     tags = tags if isinstance(tags, list) else [tags] * len(chains)
     turns = {}
     for c, tag in zip(chains, tags):
@@ -80,15 +80,15 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     tok = ctx.backend.tokenizer
     p = ctx.params or ChainOfAgentsConfig()
     max_cycles, accept = p.max_cycles, p.accept_score
-    room = 4 * ctx.cfg.max_tokens_per_turn  # a chain with less context left answers instead of starting a cycle
+    room = 4 * ctx.settings.max_tokens_per_turn  # a chain with less context left answers instead of starting a cycle
     groups = [(q, s) for q in questions for s in range(samples)]
     chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES.format(accept=accept)) for q, s in groups]
     tool_tag = {c.key: next((t for t in ctx.scaffold_for(q["task"]) if t != "answer"), None) for c, (q, _) in zip(chains, groups)}
     live, answering = chains, []
     for cycle in range(max_cycles):
         last = cycle == max_cycles - 1
-        answering += [c for c in live if ctx.cfg.max_model_len - len(c.ids) < room]
-        live = [c for c in live if ctx.cfg.max_model_len - len(c.ids) >= room]
+        answering += [c for c in live if ctx.settings.max_model_len - len(c.ids) < room]
+        live = [c for c in live if ctx.settings.max_model_len - len(c.ids) >= room]
         for role in ("think", "plan"):
             extend(live, role, ctx, role, f"coa c{cycle} {role}")
         extend(live, [tool_tag[c.key] for c in live], ctx, "tool", f"coa c{cycle} tool", ctx.tools)

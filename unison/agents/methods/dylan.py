@@ -17,7 +17,7 @@ from ...config import DylanConfig
 from ...protocol import normalize_answer
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
-from .debate import majority, response, student_rendering, update_prompt
+from .common import majority, response, student_rendering, update_prompt
 
 RANKER_SYSTEM = "You are a fair judge who ranks solutions to a query by how correct and helpful they are."
 
@@ -53,7 +53,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     groups = [(q, s) for q in questions for s in range(samples)]
     layers = [[{a: ctx.solver_episode(f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), q["task"])
                 for a in range(n_agents)}] for q, s in groups]  # layers[group][round] = {agent: episode}
-    run_episodes([e for g in layers for e in g[0].values()], ctx.backend, ctx.toolbox, ctx.cfg, desc="dylan r1")
+    run_episodes([e for g in layers for e in g[0].values()], ctx.backend, ctx.toolbox, ctx.settings, desc="dylan r1")
     rankers: dict[tuple[int, int], Episode] = {}  # (group, round) -> the ranker that chose that round's agents
     live = [g for g in range(len(groups)) if not consensus([e.answer for e in layers[g][0].values()], threshold)]
     for r in range(1, n_rounds):
@@ -63,13 +63,13 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
                 (q, s), prev = groups[g], list(layers[g][-1].values())
                 rankers[g, r] = start_episode(ranker.tokenizer, f"{q['id']}/{s}/rank/r{r}", rank_prompt(q["question"], prev, top_k),
                                               stable_seed(q["id"], s, "rank", r), [], system=RANKER_SYSTEM, tools=())
-            run_episodes([rankers[g, r] for g in live], ranker, ctx.toolbox, ctx.cfg, desc=f"dylan rank r{r + 1}")
+            run_episodes([rankers[g, r] for g in live], ranker, ctx.toolbox, ctx.settings, desc=f"dylan rank r{r + 1}")
             keep = {g: [keep[g][i] for i in parse_ranks(rankers[g, r].text, len(keep[g]), top_k)] for g in live}
         for g in live:
             (q, s), prev = groups[g], layers[g][-1]
             layers[g].append({a: continue_episode(tok, prev[a], f"{q['id']}/{s}/a{a}/r{r}", update_prompt(q["question"], [prev[b] for b in keep[g] if b != a]),
                                                   stable_seed(q["id"], s, a, r), follow) for a in keep[g]})
-        run_episodes([e for g in live for e in layers[g][-1].values()], ctx.backend, ctx.toolbox, ctx.cfg, desc=f"dylan r{r + 1}")
+        run_episodes([e for g in live for e in layers[g][-1].values()], ctx.backend, ctx.toolbox, ctx.settings, desc=f"dylan r{r + 1}")
         live = [g for g in live if not consensus([e.answer for e in layers[g][-1].values()], threshold)]
 
     rows = []

@@ -99,19 +99,19 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     tok = ctx.backend.tokenizer
     p = ctx.params or GAPConfig()
     max_levels, max_parallel = p.max_levels, p.max_parallel
-    room = 4 * ctx.cfg.max_tokens_per_turn  # a chain with less context left answers instead of searching again
+    room = 4 * ctx.settings.max_tokens_per_turn  # a chain with less context left answers instead of searching again
     groups = [(q, s) for q in questions for s in range(samples)]
     chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES) for q, s in groups]
     plans = extend(chains, "plan", ctx, "plan", "gap plan")
     levels = {c.key: plan_levels(p, q["question"]) for c, p, (q, _) in zip(chains, plans, groups)}
     for k in range(max_levels):
-        live = [c for c in chains if c.finish_reason is None and k < len(levels[c.key]) and ctx.cfg.max_model_len - len(c.ids) >= room]
+        live = [c for c in chains if c.finish_reason is None and k < len(levels[c.key]) and ctx.settings.max_model_len - len(c.ids) >= room]
         if not live:
             break
         tasks = [(c, t, desc) for c in live for t, desc in levels[c.key][k][:max_parallel]]
         writers = [continue_episode(tok, c, f"{c.key}/L{k}/{t}", writer_prompt(t, desc), stable_seed(c.key, k, t),
                                     ["search"] if ctx.scaffold else [], tools=()) for c, t, desc in tasks]
-        run_episodes(writers, ctx.backend_for("query_writer"), ctx.toolbox, ctx.cfg, desc=f"gap level {k + 1} queries")
+        run_episodes(writers, ctx.backend_for("query_writer"), ctx.toolbox, ctx.settings, desc=f"gap level {k + 1} queries")
         queries: dict[str, list[str]] = {}
         for (c, t, desc), w in zip(tasks, writers):
             queries.setdefault(c.key, []).append(query_of(w.text, desc))

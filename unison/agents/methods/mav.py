@@ -12,7 +12,7 @@ from dataclasses import replace
 from ...config import MAVConfig
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
-from .debate import response, student_rendering
+from .common import response, student_rendering
 
 GENERATE = "Solve the problem concisely. Include only the final answer."
 VERIFIER_SYSTEM = "You are a verifier who checks one aspect of a proposed solution. {}"
@@ -52,11 +52,11 @@ def best_solution(scores: list[float], answers: list[str | None]) -> int:
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     p = ctx.params or MAVConfig()
     n_solutions, n_verifiers = p.solutions, p.verifiers
-    verifier, vcfg = ctx.backend_for("verifier"), replace(ctx.cfg, temperature=p.verifier_temperature)
+    verifier, vcfg = ctx.backend_for("verifier"), replace(ctx.settings, temperature=p.verifier_temperature)
     groups = [(q, s) for q in questions for s in range(samples)]
     sols = [[ctx.solver_episode(f"{q['id']}/{s}/sol{k}", f"{q['question']}\n\n{GENERATE}", stable_seed(q["id"], s, "sol", k), q["task"])
              for k in range(n_solutions)] for q, s in groups]
-    run_episodes([e for g in sols for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc="mav generate")
+    run_episodes([e for g in sols for e in g], ctx.backend, ctx.toolbox, ctx.settings, desc="mav generate")
     checks = [[(k, aspect, start_episode(verifier.tokenizer, f"{q['id']}/{s}/sol{k}/{aspect}", verify_prompt(q["question"], e),
                                          stable_seed(q["id"], s, k, aspect), [], system=VERIFIER_SYSTEM.format(ASPECTS[aspect]), tools=()))
                for k, e in enumerate(g) for aspect in aspects_for(q["id"], n_verifiers)] for (q, s), g in zip(groups, sols)]

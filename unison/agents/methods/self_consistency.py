@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...config import SelfConsistencyConfig
 from ..episodes import agent_messages, stable_seed, trajectory_row
 from ..runtime import Episode, run_episodes
-from .debate import aggregate, majority, response, student_rendering
+from .common import aggregate, majority, response, student_rendering
 
 
 def aggregate_prompt(question: str, paths: list[Episode]) -> str:
@@ -24,7 +24,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     groups = [(q, s) for q in questions for s in range(samples)]
     paths = [[ctx.solver_episode(f"{q['id']}/{s}/p{k}", q["question"], stable_seed(q["id"], s, k), q["task"])
               for k in range(n_paths)] for q, s in groups]
-    run_episodes([e for g in paths for e in g], ctx.backend, ctx.toolbox, ctx.cfg, desc="self_consistency")
+    run_episodes([e for g in paths for e in g], ctx.backend, ctx.toolbox, ctx.settings, desc="self_consistency")
     aggs: list[Episode | None] = [None] * len(groups)
     if aggregator == "llm":
         aggs = aggregate(groups, [aggregate_prompt(q["question"], g) for (q, _), g in zip(groups, paths)], ctx, "self_consistency aggregate")

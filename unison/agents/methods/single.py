@@ -8,7 +8,7 @@ from ..runtime import run_episodes
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     episodes = [ctx.solver_episode(f"{q['id']}/{s}", q["question"], stable_seed(q["id"], s), q["task"])
                 for q in questions for s in range(samples)]
-    run_episodes(episodes, ctx.backend, ctx.toolbox, ctx.cfg, desc="single")
+    run_episodes(episodes, ctx.backend, ctx.toolbox, ctx.settings, desc="single")
     rows = []
     for i, e in enumerate(episodes):
         q, s = questions[i // samples], i % samples

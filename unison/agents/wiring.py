@@ -6,7 +6,8 @@ from pathlib import Path
 from ..config import Params, engine_with, teacher_engine
 from ..protocol import DEFAULT_TOOLS
 from ..tools.web import CACHE_DIR, enabled_web_tools, make_web_tools
-from .runtime import RunConfig, Toolbox
+from .runtime import EpisodeSettings
+from .toolbox import Toolbox
 
 
 def make_toolbox(params: Params, index_dir: str = "data/index", web_cache_dir: str = CACHE_DIR) -> Toolbox:
@@ -35,9 +36,9 @@ def demonstrations(params: Params) -> str:
     return Path(path).read_text().strip()
 
 
-def run_config(params: Params, temperature: float) -> RunConfig:
+def episode_settings(params: Params, temperature: float) -> EpisodeSettings:
     g = params.generate
-    return RunConfig(temperature=temperature, top_p=g.top_p, max_turns=g.max_turns, max_tokens_per_turn=g.max_tokens_per_turn,
+    return EpisodeSettings(temperature=temperature, top_p=g.top_p, max_turns=g.max_turns, max_tokens_per_turn=g.max_tokens_per_turn,
                      max_tool_calls=g.max_tool_calls, max_model_len=params.llm.max_model_len)
 
 

@@ -80,7 +80,7 @@ class _Worker:
     def __init__(self):
         python_path = os.pathsep.join(filter(None, [PROJECT_ROOT, os.environ.get("PYTHONPATH")]))
         self.process = subprocess.Popen(
-            [sys.executable, "-c", "from unison.judge.math import serve; serve()"],
+            [sys.executable, "-c", "from unison.judge.math_equivalence import serve; serve()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
