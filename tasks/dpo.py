@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
-from unison.data.schemas import LABELED, DataError, atomic_dir, read_table, write_json
-from unison.train.dpo import build_pairs, pair_views, train_dpo
+from unison.data.schemas import atomic_dir, write_json
+from unison.train.dpo import load_pairs, pair_views, train_dpo
 from unison.train.loop import resolve_precision, write_records_csv
 
 LABELED_PATH = "data/labeled/train.parquet"
@@ -19,17 +19,6 @@ START = "models/sft"
 OUT = "models/dpo"
 LOSS_CSV = "reports/dpo_loss.csv"
 FIELDS = ["step", "epoch", "loss", "reward_chosen", "reward_rejected", "reward_margin", "accuracy", "grad_norm", "lr", "elapsed_s"]
-
-
-def load_pairs(path: str, max_per_question: int) -> list[tuple[dict, dict]]:
-    """(correct, wrong) pairs from a labeled file; DataError when no question has both."""
-    rows = read_table(path, LABELED)
-    pairs = build_pairs(rows, max_per_question)
-    if not pairs:
-        n_q = len({r["question_id"] for r in rows})
-        raise DataError(path, f"no question of {n_q} has both a correct and a wrong trajectory to pair "
-                        "(raise generate.samples, or set dpo.enabled: false)", field="correct")
-    return pairs
 
 
 def main() -> None:

@@ -1,139 +1,16 @@
-"""Stage `flywheel`: distillation rounds after the pipeline (ET-Agent's data flywheel; STaR's rejection-sampling rounds).
-
-Round 0 is the pipeline itself: the `teacher` block taught and models/rl came out. In round k >= 1 the teacher is round
-k-1's student run under the teacher's method and scaffold (generate.*): it answers every train question
-(generate.samples times), its answers are judged (label.*), and a new student is fine-tuned from models/base on its
-correct trajectories (sft.*; like STaR, every round restarts from the base model, so rounds differ only in their data).
-Each round's teacher and student are evaluated on the test split as evaluate does (teacher: method + scaffold at
-generate.temperature; student: `single`, unscaffolded, evaluate.temperature).
-
-The student that teaches the next round is the round's last-trained one (round 0: RL; later rounds: their SFT student),
-not the one with the best test score: choosing on the test split would leak it into the numbers reported here.
-
-Rounds are kept apart: data/flywheel/round-k.parquet (labeled trajectories), models/flywheel/round-k/ (the student) and
-a row per round in reports/flywheel.json, plotted in reports/flywheel.png. A killed run resumes from its finished rounds
-(data/.cache/flywheel/<params + inputs hash>/). MLflow: this stage's run is the parent, each round a child run.
-"""
+"""Stage `flywheel`: distillation rounds after the pipeline (ET-Agent's data flywheel; STaR's rejection-sampling rounds)."""
 from __future__ import annotations
 
-import gc
-import hashlib
-import json
-import os
 import shutil
-import time
 from pathlib import Path
 
 from unison import track
-from unison.agents.methods import MethodContext, run_method
-from unison.agents.wiring import demonstrations, enabled_tools, episode_settings, make_toolbox
 from unison.cli import stage_main
-from unison.config import LabelConfig, Params, load_params
-from unison.data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
-from unison.labeling.judging import label_rows, make_judge
-from unison.labeling.metrics import scoring_params, system_metrics
-from unison.llm import student_backend, teacher_id
-from unison.train.sft import build_examples, select_trajectories, train_sft
+from unison.config import load_params
+from unison.data.schemas import write_json
+from unison.train.flywheel import cache_dir, plot, publish_rounds, round_zero, run_rounds
 
-FIRST_STUDENT = "models/rl"
-DATA, MODELS = Path("data/flywheel"), Path("models/flywheel")
 REPORT, PLOT = Path("reports/flywheel.json"), Path("reports/flywheel.png")
-KEPT = ("em", "em_lo", "em_hi", "subem", "tokens_per_question")  # per system in a round's row of reports/flywheel.json
-
-
-def cache_dir(params: Params) -> Path:
-    """Finished rounds are valid only for the same settings and the same first student, base model and questions."""
-    h = hashlib.sha256(json.dumps(params.model_dump(include={"seed", "flywheel", "generate", "label", "sft", "evaluate", "llm", "tools"}),
-                                  sort_keys=True).encode())
-    files = ["data/raw/train.parquet", "data/raw/test.parquet", *sorted(map(str, Path("models/base").glob("*.safetensors"))),
-             *sorted(map(str, Path(FIRST_STUDENT).glob("*.safetensors")))]
-    for path in files:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-    return Path("data/.cache/flywheel") / h.hexdigest()[:16]
-
-
-def run_system(model_dir: str, questions: list[dict], samples: int, temperature: float, params: Params, toolbox, teacher: bool,
-               judge, label: LabelConfig) -> tuple[list[dict], float]:
-    """A model run locally as the teacher (generate.method + scaffold) or as a student (`single`, unscaffolded) on the
-    questions, judged; (labeled rows, wall seconds)."""
-    g = params.generate
-    method, scaffold, mparams = (g.method, g.scaffold, getattr(g, g.method, None)) if teacher else ("single", {}, None)
-    t0 = time.perf_counter()
-    ctx = MethodContext(student_backend(model_dir, params), toolbox, episode_settings(params, temperature), teacher=model_dir,
-                        scaffold=scaffold, params=mparams, tools=enabled_tools(params), protocol=g.method,
-                        demonstrations=demonstrations(params) if teacher else "")
-    rows = label_rows(run_method(method, questions, samples, ctx, g.episodes_in_flight), label, judge)
-    del ctx
-    gc.collect()  # free the engine before the next one starts
-    return rows, time.perf_counter() - t0
-
-
-def flat(prefix: str, m: dict) -> dict:
-    return {f"{prefix}_{k}": m[k] for k in KEPT if k in m}
-
-
-def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Path) -> dict:
-    """Round k in `work` (trajectories, student, round.json written last as the round's completion mark); its report row."""
-    g, e, seed, cfg = params.generate, params.evaluate, params.seed, params.sft
-    train, test = read_table("data/raw/train.parquet", QUESTION), read_table("data/raw/test.parquet", QUESTION)
-    test = test[: e.max_questions or None]
-    label, eval_label = params.label, scoring_params(params).label
-    print(f"flywheel: round {k}: {teacher_dir} teaches ({g.method}, scaffolded) on {len(train)} train questions", flush=True)
-    rows, _ = run_system(teacher_dir, train, g.samples, g.temperature, params, toolbox, True, judge, label)
-    write_table(rows, work / "train.parquet", LABELED)
-    teacher_rows, teacher_s = run_system(teacher_dir, test, 1, g.temperature, params, toolbox, True, judge, eval_label)
-    chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
-    if not chosen:
-        raise DataError(work / "train.parquet", f"round {k}: the teacher got no train question right; nothing to distil", field="correct")
-    from transformers import AutoTokenizer
-
-    examples, _ = build_examples(AutoTokenizer.from_pretrained("models/base"), chosen, cfg.max_length)
-    records = train_sft("models/base", examples, cfg, str(work / "student"))
-    student_rows, student_s = run_system(str(work / "student"), test, 1, e.temperature, params, toolbox, False, judge, eval_label)
-    teacher_m = system_metrics(teacher_rows, teacher_s, eval_label, e.bootstrap, seed)
-    student_m = system_metrics(student_rows, student_s, eval_label, e.bootstrap, seed)
-    teacher_name = FIRST_STUDENT if k == 1 else str(MODELS / f"round-{k - 1}")
-    row = {"round": k, "teacher": teacher_name, "student": str(MODELS / f"round-{k}"), **flat("teacher", teacher_m), **flat("student", student_m),
-           "trajectories": len(rows), "correct_trajectories": sum(r["correct"] for r in rows), "sft_examples": len(chosen),
-           "sft_steps": len(records), "sft_first_loss": records[0]["loss"], "sft_final_loss": records[-1]["loss"]}
-    write_json(row, work / "round.json")
-    return row
-
-
-def round_zero(params: Params) -> tuple[dict, dict]:
-    """(the pipeline's own round from reports/metrics.json: its teacher (when evaluate.teacher ran it) and its RL student,
-    the base student's metrics)."""
-    metrics = json.loads(Path("reports/metrics.json").read_text())
-    return {"round": 0, "teacher": teacher_id(params), "student": FIRST_STUDENT, **flat("teacher", metrics.get("teacher", {})),
-            **flat("student", metrics["rl"])}, flat("base", metrics["base"])
-
-
-def plot(rounds: list[dict], base: dict, path: Path) -> None:
-    """EM per round with 95% Wilson intervals: the teacher, the student it produced, and the base student for reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for who, style in (("teacher", "s-"), ("student", "o-")):
-        rs = [r for r in rounds if f"{who}_em" in r]  # round 0 has no teacher row when evaluate.teacher is off
-        ys = [r[f"{who}_em"] for r in rs]
-        err = [[y - r[f"{who}_em_lo"] for y, r in zip(ys, rs)], [r[f"{who}_em_hi"] - y for y, r in zip(ys, rs)]]
-        ax.errorbar([r["round"] for r in rs], ys, yerr=err, fmt=style, capsize=4, label=f"{who} (round k)")
-    ax.axhline(base["base_em"], color="grey", ls="--", label="base student")
-    ax.set_xticks([r["round"] for r in rounds])
-    ax.set_xlabel("flywheel round (0 = the pipeline: teacher block -> SFT -> RL)")
-    ax.set_ylabel("test EM (95% Wilson CI)")
-    ax.set_title("teacher and student per flywheel round")
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
 
 
 def main() -> None:
@@ -142,28 +19,14 @@ def main() -> None:
     with track.stage_run("flywheel", {**params.flywheel.model_dump(), "teacher_method": params.generate.method}) as run:
         first, base = round_zero(params)
         rounds, work = [first], cache_dir(params) if n else None  # hashing the models costs seconds: only when rounds run
-        toolbox, judge = make_toolbox(params), make_judge(params, {})
-        for k in range(1, n + 1):
-            done = work / f"round-{k}" / "round.json"
-            if done.exists():
-                print(f"flywheel: round {k} already done, reusing", flush=True)
-                row = json.loads(done.read_text())
-            else:
-                (work / f"round-{k}").mkdir(parents=True, exist_ok=True)
-                teacher_dir = FIRST_STUDENT if k == 1 else str(work / f"round-{k - 1}" / "student")
-                row = run_round(k, teacher_dir, params, toolbox, judge, work / f"round-{k}")
+        for k, row in enumerate(run_rounds(params, work), start=1):
             rounds.append(row)
             with track.child_run(run, f"flywheel round {k}", {"round": k, "teacher": row["teacher"]}) as child:
                 child.log_metrics({key: v for key, v in row.items() if isinstance(v, (int, float))})
             print(f"flywheel: round {k}: teacher EM {row['teacher_em']:.3f}, student EM {row['student_em']:.3f}", flush=True)
         if n == 0:
             print("flywheel: flywheel.rounds is 0; reports/flywheel.json holds the pipeline's own round", flush=True)
-        with atomic_dir(DATA) as data, atomic_dir(MODELS) as models:
-            (data / "README").write_text(f"flywheel.rounds: {n}; round-k.parquet = round k's labeled teacher trajectories\n")
-            (models / "README").write_text(f"flywheel.rounds: {n}; round-k/ = round k's student\n")
-            for k in range(1, n + 1):
-                shutil.copy2(work / f"round-{k}" / "train.parquet", data / f"round-{k}.parquet")
-                shutil.copytree(work / f"round-{k}" / "student", models / f"round-{k}", copy_function=os.link)  # the cache keeps its copy
+        publish_rounds(work, n)
         write_json({"base": base, "rounds": rounds}, REPORT)
         plot(rounds, base, PLOT)
         run.log_metrics({f"round{r['round']}.{key}": v for r in rounds for key, v in r.items() if isinstance(v, (int, float))})

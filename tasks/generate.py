@@ -1,67 +1,17 @@
-"""Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each).
-
-The teacher is the `teacher` block (models/teacher, or its server): never the student.
-Every question is a flow of its own on one engine (a new one starts whenever fewer than `generate.episodes_in_flight`
-episodes are live; no barrier between questions or shards). Each shard of questions is written atomically under
-data/.cache/generate/<params hash>/ as soon as all its questions are done, so a killed run resumes from completed
-shards without duplicates. The output is written once, atomically, at the end.
-"""
+"""Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each)."""
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
-import time
-from collections import Counter
 from pathlib import Path
 
 from unison import track
-from unison.agents.episodes import tool_totals
-from unison.agents.methods import MethodContext, run_method
+from unison.agents.generation import generate_trajectories, shard_dir
 from unison.agents.trace import sample_traces
-from unison.agents.wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox, remote_counters
 from unison.cli import stage_main
-from unison.config import Params, load_params
+from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
-from unison.llm import TEACHER_DIR, teacher_backend, teacher_id
 
 OUT = Path("data/trajectories/train.parquet")
-
-
-def shard_dir(params: Params, questions: list[dict]) -> Path:
-    """Shards are valid only for the same settings, model and questions."""
-    key = json.dumps([params.model_dump(include={"generate", "llm", "teacher", "tools", "seed"}), [q["id"] for q in questions]],
-                     sort_keys=True)
-    meta = Path(TEACHER_DIR) / "unison_model.json"
-    key += meta.read_text() if meta.exists() else ""
-    return Path("data/.cache/generate") / hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-class ShardWriter:
-    """Collects each question's rows as it finishes and writes a shard (atomically) once all its questions are in;
-    shards fill out of order when questions finish out of order. `pending`: (shard, question) in shard order."""
-
-    def __init__(self, pending: list[tuple[int, dict]], paths: list[Path]):
-        self.shard_of, self.paths = [k for k, _ in pending], paths
-        self.left = Counter(self.shard_of)
-        self.rows: dict[int, dict[int, list[dict]]] = {k: {} for k in self.left}
-
-    def __call__(self, i: int, rows: list[dict]) -> None:
-        k = self.shard_of[i]
-        self.rows[k][i] = rows
-        self.left[k] -= 1
-        if not self.left[k]:
-            write_table([r for j in sorted(self.rows[k]) for r in self.rows[k].pop(j)], self.paths[k], TRAJECTORY)
-            print(f"generate: shard {k + 1}/{len(self.paths)} written", flush=True)
-
-
-def summarize(rows: list[dict]) -> dict:
-    n = len(rows)
-    return {"trajectories": n, "questions": len({r["question_id"] for r in rows}),
-            "llm_calls_per_traj": sum(r["n_llm_calls"] for r in rows) / n, "tokens_per_traj": sum(r["n_tokens"] for r in rows) / n,
-            "tool_calls_per_traj": sum(r["n_tool_calls"] for r in rows) / n, "tool_errors": sum(r["tool_errors"] for r in rows),
-            "answered_rate": sum(bool(r["final_answer"]) for r in rows) / n,
-            **{f"finish_{k}": v / n for k, v in Counter(r["finish_reason"] for r in rows).items()}, **tool_totals(rows)}
 
 
 def main() -> None:
@@ -70,37 +20,11 @@ def main() -> None:
     questions = read_table("data/raw/train.parquet", QUESTION)
     with track.stage_run("generate", {**g.model_dump(), **params.model_dump(include={"seed", "llm", "teacher", "tools"})}) as run:
         shards = shard_dir(params, questions)
-        shards.mkdir(parents=True, exist_ok=True)
-        size = g.shard_size
-        chunks = [questions[i : i + size] for i in range(0, len(questions), size)]
-        paths = [shards / f"shard-{k:05d}.parquet" for k in range(len(chunks))]
-        todo = []
-        for k, path in enumerate(paths):
-            if path.exists():
-                print(f"generate: shard {k + 1}/{len(chunks)} already done, reusing", flush=True)
-            else:
-                todo.append(k)
-        ctx, wall_s = None, 0.0
-        if todo:  # start the engine only if some shard is left to do
-            backend = teacher_backend(params)
-            ctx = MethodContext(backend, make_toolbox(params), episode_settings(params, g.temperature), teacher=teacher_id(params),
-                                scaffold=g.scaffold, params=getattr(g, g.method, None), role_backends=make_role_backends(params),
-                                tools=enabled_tools(params), protocol=g.method, demonstrations=demonstrations(params))
-            pending = [(k, q) for k in todo for q in chunks[k]]
-            print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples, {g.method}, "
-                  f"up to {g.episodes_in_flight} episodes in flight", flush=True)
-            t0 = time.perf_counter()
-            run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight,
-                       on_question=ShardWriter(pending, paths))
-            wall_s = time.perf_counter() - t0
-        rows = [r for path in paths for r in read_table(path, TRAJECTORY)]
+        rows, metrics = generate_trajectories(params, questions, shards)
         write_table(rows, OUT, TRAJECTORY)
-        metrics = {**summarize(rows), "wall_s": wall_s}  # timings live in the report, never in the data
-        if ctx is not None:
-            metrics.update(remote_counters({"teacher": ctx.backend, **ctx.role_backends}, ctx.toolbox))
         write_json(metrics, "reports/generate.json")
         run.log_metrics(metrics)
-        for i, ep in enumerate(sample_traces(rows, n=3, seed=params.seed)):
+        for ep in sample_traces(rows, n=3, seed=params.seed):
             track.trace_episode(ep)
         run.log_dict(rows[:5], "samples/trajectories.json")
     shutil.rmtree(shards)

@@ -1,79 +1,28 @@
-"""Stage `label`: judge every trajectory's final answer (rules or an LLM) and label its steps (DESIGN §6).
-
-label.step_labels: outcome (each student step gets the episode's score), montecarlo (Math-Shepherd: completions from
-each step prefix through the runtime and the real tools), agent (AgentArk: each agent's solution is a step).
-"""
+"""Stage `label`: judge every trajectory's final answer (rules or an LLM) and label its steps (DESIGN §6)."""
 from __future__ import annotations
-
-from collections import defaultdict
 
 from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
-from unison.data.schemas import LABELED, TRAJECTORY, DataError, read_table, write_json, write_table
-from unison.labeling.judging import label_backend, label_rows, make_judge
-from unison.labeling.llm_judge import PROMPT_SHA256
-from unison.labeling.steps import agent_labels, montecarlo_labels
+from unison.data.schemas import LABELED, TRAJECTORY, read_table, write_json, write_table
+from unison.labeling.judging import make_judge
+from unison.labeling.labels import check_step_labels, judge_identity, label_metrics, label_trajectories
 
 IN, OUT = "data/trajectories/train.parquet", "data/labeled/train.parquet"
-
-
-def accuracy_metrics(rows: list[dict]) -> dict:
-    by_task = defaultdict(list)
-    for r in rows:
-        by_task[r["task"]].append(r["correct"])
-    per_q = defaultdict(list)
-    for r in rows:
-        per_q[r["question_id"]].append(r["correct"])
-    return {"accuracy": sum(r["correct"] for r in rows) / len(rows), "mean_score": sum(r["score"] for r in rows) / len(rows),
-            "questions_with_a_correct_sample": sum(any(v) for v in per_q.values()) / len(per_q),
-            **{f"accuracy_{t}": sum(v) / len(v) for t, v in by_task.items()}}
-
-
-def step_metrics(rows: list[dict]) -> dict:
-    labels = [y for r in rows for y in r["step_labels"]]
-    return {"steps": len(labels), "steps_per_trajectory": len(labels) / len(rows),
-            "step_label_mean": sum(labels) / max(1, len(labels)),
-            "step_label_positive": sum(y >= 0.5 for y in labels) / max(1, len(labels))}
-
-
-def with_steps(rows: list[dict], labeled: list[tuple[list[str], list[float]]]) -> list[dict]:
-    return [{**r, "steps": steps, "step_labels": labels} for r, (steps, labels) in zip(rows, labeled)]
-
-
-def check_step_labels(rows: list[dict], path: str) -> None:
-    for i, r in enumerate(rows):
-        if len(r["step_labels"]) != len(r["steps"]):
-            raise DataError(path, f"{len(r['step_labels'])} step labels for {len(r['steps'])} steps", i, "step_labels")
-        if not all(0.0 <= y <= 1.0 for y in r["step_labels"]):
-            raise DataError(path, f"step labels outside [0, 1]: {r['step_labels']}", i, "step_labels")
 
 
 def main() -> None:
     params = load_params()
     p = params.label
-    kind = p.step_labels
     backends: dict = {}
     judge = make_judge(params, backends)
-    judged_by = {"judge_model": judge.model, "judge_prompt_sha256": PROMPT_SHA256, "judge_temperature": judge.temperature} \
-        if p.judge == "llm" else {}
+    judged_by = judge_identity(p, judge)
     with track.stage_run("label", {"seed": params.seed, **p.model_dump(), **judged_by}) as run:
-        rows = label_rows(read_table(IN, TRAJECTORY), p, judge)
-        if kind == "agent":
-            rows = with_steps(rows, agent_labels(rows, judge))
-        elif kind == "montecarlo":
-            from unison.agents.wiring import enabled_tools, episode_settings, make_toolbox
-
-            scaffold = params.generate.scaffold if p.mc_scaffold else {}
-            backend = label_backend(params, p.mc_model, backends)
-            rows = with_steps(rows, montecarlo_labels(rows, backend, make_toolbox(params), episode_settings(params, p.mc_temperature), judge,
-                                                      p.mc_rollouts, params.seed, scaffold, enabled_tools(params)))
+        rows = label_trajectories(read_table(IN, TRAJECTORY), params, judge, backends)
         check_step_labels(rows, OUT)
         write_table(rows, OUT, LABELED)
-        metrics = {**accuracy_metrics(rows), **step_metrics(rows)}
-        if p.judge == "llm":
-            metrics.update({"judge_llm_calls": judge.calls, "judge_unparsable": judge.unparsable})
-        write_json({**metrics, **judged_by, "judge": p.judge, "step_labels": kind}, "reports/label.json")
+        metrics = label_metrics(rows, p, judge)
+        write_json({**metrics, **judged_by, "judge": p.judge, "step_labels": p.step_labels}, "reports/label.json")
         run.log_metrics(metrics)
 
 

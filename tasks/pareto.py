@@ -1,127 +1,22 @@
-"""Stage `pareto`: K rollouts per train question by the SFT student, then ET-Agent group-wise Pareto sampling of RL prompts.
-
-The student runs as in `evaluate` (method `single`, unscaffolded, real tools, the batched runtime) but samples at
-`pareto.temperature`. Its labeled rollouts become one group per question (unison/data/pareto.py); `pareto.counts` groups
-are taken by Pareto rank and crowding and those with mixed outcomes kept, easiest first split into `pareto.stages`
-curriculum stages, and written as verl parquet under data/rl/ (one DVC out, swapped in atomically).
-
-Fallback: a weak student can leave few groups with mixed outcomes. When fewer than `pareto.min_groups` are kept, the
-Pareto-selected groups without mixed outcomes are added in selection order until there are `min_groups`, so `rl` still
-has prompts (its own K samples may well disagree where these four did not); reports/pareto.json counts them as
-`fallback_groups`. `min_groups: 0` turns this off, and then no mixed group at all is a DataError.
-"""
+"""Stage `pareto`: K rollouts per train question by the SFT student, then ET-Agent group-wise Pareto sampling of RL prompts."""
 from __future__ import annotations
 
-import time
-
 from unison import track
-from unison.agents.methods import MethodContext, run_method
-from unison.agents.wiring import enabled_tools, episode_settings, make_toolbox
 from unison.cli import stage_main
-from unison.config import LabelConfig, Params, ParetoConfig, load_params
-from unison.data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
-from unison.labeling.judging import label_rows
-from unison.llm import student_backend
-from unison.protocol import system_prompt
-from unison.train.pareto import (
-    mixed_outcome,
-    objectives,
-    pareto_sample,
-    rl_rows,
-    rollout_groups,
-    select_fronts,
-    split_stages,
-    write_rl_data,
-)
+from unison.config import load_params
+from unison.data.schemas import QUESTION, atomic_dir, read_table, write_json
+from unison.train.curriculum import PLOT, plot_front, rl_curriculum
+from unison.train.pareto import write_rl_data
 
-STUDENT = "models/sft"
 OUT = "data/rl"
-ROLLOUTS = "reports/pareto_rollouts.parquet"
-PLOT = "reports/pareto_front.png"  # not under reports/plots: that folder is the report stage's out
-
-
-def student_rollouts(questions: list[dict], k: int, backend, toolbox, params: Params, temperature: float, label: LabelConfig) -> list[dict]:
-    """K labeled rollouts per question by the student: `single`, unscaffolded, seeded per (question, sample)."""
-    tools = enabled_tools(params)
-    ctx = MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=STUDENT, tools=tools,
-                        protocol=params.generate.method)
-    return label_rows(run_method("single", questions, k, ctx, params.generate.episodes_in_flight), label)
-
-
-def choose_groups(groups: list[dict], counts: int, min_groups: int, threshold: float) -> tuple[list[dict], int]:
-    """ET-Agent's Pareto sample, topped up to `min_groups` with selected groups lacking mixed outcomes; (kept, topped up)."""
-    kept = pareto_sample(groups, counts, threshold)
-    have = {g["question_id"] for g in kept}
-    points = [objectives(g["tool_calls"], g["correctness"]) for g in groups]
-    fill = [{**groups[i], "score_tool": points[i][0], "score_corr": points[i][1], "front": rank, "crowding": dist}
-            for i, rank, dist in select_fronts(points, counts) if groups[i]["question_id"] not in have]
-    fill = fill[: max(0, min_groups - len(kept))]
-    return kept + fill, len(fill)
-
-
-def build_rl(rollouts: list[dict], questions: list[dict], p: ParetoConfig, system: str, path: str = ROLLOUTS) -> tuple[list[dict], list[dict], dict]:
-    """(RL rows, all groups with their objectives and `chosen`, metrics) from labeled rollouts."""
-    groups = rollout_groups(rollouts)
-    kept, filled = choose_groups(groups, p.counts, p.min_groups, p.qa_threshold)
-    if not kept:
-        raise DataError(path, f"no question of {len(groups)} has mixed outcomes over its {p.k} rollouts "
-                        "(all right or all wrong); raise pareto.k or pareto.temperature, or set pareto.min_groups > 0", field="score")
-    stages = split_stages(kept, p.stages)
-    by_id = {q["id"]: q for q in questions}
-    rows = rl_rows(kept, stages, by_id, system)
-    chosen = {g["question_id"] for g in kept}
-    for g in groups:
-        g["score_tool"], g["score_corr"] = objectives(g["tool_calls"], g["correctness"])
-        g["chosen"] = g["question_id"] in chosen
-    n = len(rollouts)
-    metrics = {"questions": len(groups), "rollouts": n, "k": p.k,
-               "mixed_groups": sum(mixed_outcome(g["correctness"], g["task"], p.qa_threshold) for g in groups),
-               "kept_groups": len(kept), "fallback_groups": filled,
-               **{f"kept_stage{s}": stages.count(s) for s in sorted(set(stages))},
-               "student_pass1": sum(r["correct"] for r in rollouts) / n,
-               "student_passk": len({r["question_id"] for r in rollouts if r["correct"]}) / len(groups),
-               "tool_calls_per_rollout": sum(r["n_tool_calls"] for r in rollouts) / n,
-               "tokens_per_rollout": sum(r["n_tokens"] for r in rollouts) / n}
-    return rows, groups, metrics
-
-
-def plot_front(groups: list[dict], path: str = PLOT) -> None:
-    """score_tool vs score_corr per question, chosen groups highlighted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from unison.data.schemas import atomic_path
-
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for chosen, style in ((False, {"c": "0.7", "label": "not chosen"}), (True, {"c": "C3", "label": "chosen"})):
-        sub = [g for g in groups if g["chosen"] == chosen]
-        ax.scatter([g["score_tool"] for g in sub], [g["score_corr"] for g in sub], s=18, alpha=0.8, **style)
-    ax.set(xlabel="score_tool = Var[tool calls]", ylabel="score_corr = Var[correctness]", title="Pareto sampling of RL questions")
-    ax.legend()
-    fig.tight_layout()
-    tmp = atomic_path(path)
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
 
 
 def main() -> None:
     params = load_params()
     p = params.pareto
-    questions = read_table("data/raw/train.parquet", QUESTION)
-    if p.max_questions:
-        questions = questions[: p.max_questions]
+    questions = read_table("data/raw/train.parquet", QUESTION)[: p.max_questions or None]
     with track.stage_run("pareto", {"seed": params.seed, **p.model_dump(), "episodes_in_flight": params.generate.episodes_in_flight}) as run:
-        backend = student_backend(STUDENT, params)
-        print(f"pareto: {p.k} rollouts x {len(questions)} questions with {STUDENT} at temperature {p.temperature}", flush=True)
-        t0 = time.perf_counter()
-        rollouts = student_rollouts(questions, p.k, backend, make_toolbox(params), params, p.temperature, params.label)
-        wall = time.perf_counter() - t0
-        write_table(rollouts, ROLLOUTS, LABELED)
-        rows, groups, metrics = build_rl(rollouts, questions, p, system_prompt(enabled_tools(params), params.generate.method))
-        metrics["rollout_s"] = wall
+        rows, groups, metrics = rl_curriculum(params, questions)
         with atomic_dir(OUT) as tmp:
             write_rl_data(rows, tmp)
         plot_front(groups)
@@ -130,7 +25,7 @@ def main() -> None:
         run.log_artifact(PLOT)
         print(f"pareto: {metrics['kept_groups']} of {metrics['questions']} questions kept ({metrics['mixed_groups']} mixed, "
               f"{metrics['fallback_groups']} fallback); student pass@1 {metrics['student_pass1']:.3f} pass@{p.k} "
-              f"{metrics['student_passk']:.3f}; {wall:.0f} s of rollouts", flush=True)
+              f"{metrics['student_passk']:.3f}; {metrics['rollout_s']:.0f} s of rollouts", flush=True)
 
 
 if __name__ == "__main__":

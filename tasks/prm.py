@@ -8,23 +8,12 @@ from __future__ import annotations
 from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
-from unison.data.schemas import LABELED, DataError, atomic_dir, read_table, write_json
+from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
 from unison.train.loop import resolve_precision, write_records_csv
-from unison.train.prm import evaluate_prm, split_by_question, train_prm
+from unison.train.prm import check_train, evaluate_prm, split_by_question, train_prm
 
 IN, OUT, LOSS_CSV = "data/labeled/train.parquet", "models/prm", "reports/prm_loss.csv"
 LOSS_FIELDS = ["step", "epoch", "loss", "lr", "grad_norm", "elapsed_s"]
-
-
-def check_train(rows: list[dict]) -> None:
-    """Training needs labeled steps of both classes (label >= 0.5 and < 0.5)."""
-    labels = [y for r in rows for y in r["step_labels"]]
-    if not labels:
-        raise DataError(IN, "no step labels in the training questions (every trajectory has no steps)", field="step_labels")
-    good = sum(y >= 0.5 for y in labels)
-    if good in (0, len(labels)):
-        raise DataError(IN, f"all {len(labels)} training step labels are {'good (>= 0.5)' if good else 'bad (< 0.5)'}: a PRM needs "
-                            "both classes (more samples, label.step_labels: montecarlo, or a stronger teacher)", field="step_labels")
 
 
 def main() -> None:
@@ -39,7 +28,7 @@ def main() -> None:
             return
         rows = read_table(IN, LABELED)
         train, held = split_by_question(rows, cfg.eval_fraction, cfg.seed)
-        check_train(train)
+        check_train(train, IN)
         print(f"prm: {len(train)} train / {len(held)} held-out trajectories "
               f"({len({r['question_id'] for r in held})} held-out questions)", flush=True)
         prm, records = train_prm("models/base", train, cfg, OUT,

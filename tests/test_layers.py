@@ -15,7 +15,8 @@ FLOORS = [
     ("judges", ("unison.judge",)),
     ("labelling and evaluation", ("unison.labeling",)),
     ("training", ("unison.train",)),
-    ("stages, flows and bench", ("unison.track", "unison.stage_clock", "unison.recipes", "unison.cli", "tasks", "flows", "bench")),
+    ("stages, flows and bench", ("unison.track", "unison.stage_clock", "unison.recipes", "unison.cli", "unison.report", "tasks", "flows",
+                                 "bench")),
 ]
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.pareto import build_rl, student_rollouts
 from unison.agents.toolbox import Toolbox
 from unison.config import GenerateConfig, Params, ParetoConfig
 from unison.data.schemas import LABELED, RL_ROW, DataError, atomic_dir, read_table, validate_rows
+from unison.train.curriculum import build_rl, student_rollouts
 from unison.train.pareto import write_rl_data
 
 # question -> (tool calls, correctness) of its K = 4 rollouts; objectives (Var tools, Var correctness):

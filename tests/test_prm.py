@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from tasks.prm import check_train
 from unison.data.schemas import DataError
+from unison.judge.stats import auc
 from unison.train.prm import (
     PRMConfig,
-    auc,
     build_prm,
+    check_train,
     load_prm,
     prm_loss,
     rerank_metrics,
@@ -122,11 +122,11 @@ def test_split_by_question_and_training_data_checks():
     assert len({r["question_id"] for r in held}) == 2 and len(train) + len(held) == len(data)
     assert not {r["question_id"] for r in train} & {r["question_id"] for r in held}
     assert split_by_question(data, 0.2, seed=0) == (train, held)
-    check_train(train)
+    check_train(train, "x.parquet")
     with pytest.raises(DataError, match="field 'step_labels': no step labels"):
-        check_train([{**r, "steps": [], "step_labels": []} for r in train])
+        check_train([{**r, "steps": [], "step_labels": []} for r in train], "x.parquet")
     with pytest.raises(DataError, match="all 40 training step labels are good"):
-        check_train([{**r, "step_labels": [1.0, 0.5]} for r in data[:20]])
+        check_train([{**r, "step_labels": [1.0, 0.5]} for r in data[:20]], "x.parquet")
 
 
 def test_disabled_stage_writes_a_marker_and_the_stages_that_read_it_refuse(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """The report page: headline columns, the teacher-vs-student sentence, stage metrics as tables, PRM and flywheel rows."""
 from __future__ import annotations
 
-from tasks.report import flatten, flywheel_rows, format_value, headline_rows, key_value_rows, render_html, rerank_rows, story
+from unison.report.page import render_html
+from unison.report.tables import flatten, flywheel_rows, format_value, headline_rows, key_value_rows, rerank_rows, story
 
 
 def system(em: float, lo: float, hi: float, tokens: float) -> dict:

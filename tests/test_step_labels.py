@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.label import check_step_labels
 from tests.test_runtime_sft import CorpusRetriever
 from unison.agents.runtime import EpisodeSettings
 from unison.agents.toolbox import Toolbox
 from unison.config import LabelConfig
 from unison.data.schemas import DataError
 from unison.labeling.judging import label_rows
+from unison.labeling.labels import check_step_labels
 from unison.labeling.llm_judge import PROMPT_SHA256, LLMJudge, parse_verdict
 from unison.labeling.steps import agent_labels, agent_solutions, montecarlo_labels, rule_judge, step_prefixes, student_steps
 from unison.llm.hf_backend import HFBackend

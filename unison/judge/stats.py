@@ -1,5 +1,5 @@
 """Confidence intervals for per-question scores: Wilson score intervals for 0/1 outcomes, percentile bootstrap (seeded)
-for the rest."""
+for the rest; ROC AUC of scores against 0/1 outcomes."""
 from __future__ import annotations
 
 import math
@@ -52,3 +52,23 @@ def paired_difference_ci(
     if a.shape != b.shape:
         raise ValueError(f"paired scores need the same questions: {a.shape} vs {b.shape}")
     return bootstrap_ci(a - b, n=n, seed=seed, alpha=alpha)
+
+
+def auc(scores: list[float], labels: list[bool]) -> float | None:
+    """ROC AUC by ranks (Mann-Whitney U, ties averaged); None when one class is missing."""
+    n_pos = sum(labels)
+    n_neg = len(labels) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return None
+    order = sorted(range(len(scores)), key=lambda k: scores[k])
+    ranks = [0.0] * len(scores)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for k in order[i : j + 1]:
+            ranks[k] = (i + j) / 2 + 1
+        i = j + 1
+    rank_sum = sum(r for r, y in zip(ranks, labels) if y)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import DPOConfig
+from ..data.schemas import LABELED, DataError, read_table
 from ..token_view import row_view
 from .loop import Trainer, autocast, fit, resolve_precision
 from .sft import collate, save_model, target_logits, with_lora
@@ -39,6 +40,17 @@ def build_pairs(rows: list[dict], max_per_question: int) -> list[tuple[dict, dic
     for q in sorted(by_q):
         correct, wrong = by_q[q]
         pairs += list(itertools.islice(itertools.product(correct, wrong), max_per_question))
+    return pairs
+
+
+def load_pairs(path: str, max_per_question: int) -> list[tuple[dict, dict]]:
+    """(correct, wrong) pairs from a labeled file; DataError when no question has both."""
+    rows = read_table(path, LABELED)
+    pairs = build_pairs(rows, max_per_question)
+    if not pairs:
+        n_q = len({r["question_id"] for r in rows})
+        raise DataError(path, f"no question of {n_q} has both a correct and a wrong trajectory to pair "
+                        "(raise generate.samples, or set dpo.enabled: false)", field="correct")
     return pairs
 
 

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..config import PRMConfig
-from ..data.schemas import atomic_dir
+from ..data.schemas import DataError, atomic_dir
+from ..judge.stats import auc
 from ..protocol import normalize_answer
 from .loop import Trainer, fit
 
@@ -121,6 +122,17 @@ def split_by_question(rows: list[dict], eval_fraction: float, seed: int) -> tupl
     return [r for r in rows if r["question_id"] not in held], [r for r in rows if r["question_id"] in held]
 
 
+def check_train(rows: list[dict], path: str) -> None:
+    """Training needs labeled steps of both classes (label >= 0.5 and < 0.5); DataError naming `path` otherwise."""
+    labels = [y for r in rows for y in r["step_labels"]]
+    if not labels:
+        raise DataError(path, "no step labels in the training questions (every trajectory has no steps)", field="step_labels")
+    good = sum(y >= 0.5 for y in labels)
+    if good in (0, len(labels)):
+        raise DataError(path, f"all {len(labels)} training step labels are {'good (>= 0.5)' if good else 'bad (< 0.5)'}: a PRM needs "
+                              "both classes (more samples, label.step_labels: montecarlo, or a stronger teacher)", field="step_labels")
+
+
 def build_examples(prm: PRM, rows: list[dict], max_length: int) -> tuple[list[tuple[list[int], list[int], list[float]]], int]:
     """(ids, positions, labels) per row with steps, cut at max_length (steps past it dropped); and how many were cut."""
     examples, cut = [], 0
@@ -155,26 +167,6 @@ def train_prm(model_dir: str, rows: list[dict], cfg: PRMConfig, out_dir: str | N
 
 
 # --- metrics on held-out questions ------------------------------------------------------------------
-
-
-def auc(scores: list[float], labels: list[bool]) -> float | None:
-    """ROC AUC by ranks (Mann-Whitney U, ties averaged); None when one class is missing."""
-    n_pos = sum(labels)
-    n_neg = len(labels) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return None
-    order = sorted(range(len(scores)), key=lambda k: scores[k])
-    ranks = [0.0] * len(scores)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
-            j += 1
-        for k in order[i : j + 1]:
-            ranks[k] = (i + j) / 2 + 1
-        i = j + 1
-    rank_sum = sum(r for r, y in zip(ranks, labels) if y)
-    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
 def step_metrics(scores: list[list[float]], labels: list[list[float]]) -> dict:

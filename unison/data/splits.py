@@ -1,0 +1,67 @@
+"""The dataset's splits: questions (train, test) and the retrieval corpus for `download.dataset`, written to data/raw/.
+
+Datasets: `builtin` (generated world with its own corpus), `hf:<name>`, `local:<path>` (adapters.py). For hf/local
+datasets the corpus comes from `download.corpus` (a {title,text} file); QA questions require one (search needs something
+to search), math-only datasets get an empty corpus.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..config import DownloadConfig
+from . import adapters, builtin
+from .schemas import CORPUS, QUESTION, atomic_path, write_table
+
+
+def load_splits(p: DownloadConfig, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """(corpus, train, test) for the configured dataset."""
+    spec = p.dataset
+    if spec == "builtin":
+        return builtin.generate_world(p.builtin, seed)
+    kwargs = dict(fields=p.fields, format_name=p.format)
+    if adapters.same_source(spec, p.split_train, p.split_test):  # one file: hold out part of it as test
+        rows = adapters.load_questions(spec, p.split_test, **kwargs)
+        train, test = adapters.holdout(rows, p.test_fraction, seed)
+    else:
+        train = adapters.load_questions(spec, p.split_train, **kwargs)
+        test = adapters.load_questions(spec, p.split_test, **kwargs)
+    corpus = adapters.load_corpus(p.corpus) if p.corpus else []
+    if not corpus and any(r["task"] == "qa" for r in train + test):
+        raise ValueError(f"{spec} has QA questions but download.corpus is empty: give a {{title,text}} passages file")
+    return corpus, train, test
+
+
+def write_corpus(rows: list[dict], path: Path) -> None:
+    if rows:
+        write_table(rows, path, CORPUS)
+        return
+    tmp = atomic_path(path)  # write_table refuses empty tables; an empty corpus is legitimate for math-only data
+    try:
+        pq.write_table(pa.Table.from_pylist([], schema=CORPUS), tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def split_counts(rows: list[dict]) -> dict:
+    """{n, task: {qa: .., math: ..}, hop: {hop1: .., hop2: .., math: ..}} (hop only for builtin rows)."""
+    hops = Counter(json.loads(r["meta"]).get("hop") for r in rows)
+    hops.pop(None, None)
+    return {"n": len(rows), "task": dict(Counter(r["task"] for r in rows)), "hop": dict(hops)}
+
+
+def write_splits(p: DownloadConfig, seed: int, raw: Path) -> dict:
+    """raw/{train,test,corpus}.parquet for the configured dataset (train and test cut to download.max_*); their counts."""
+    corpus, train, test = load_splits(p, seed)
+    train = train[: p.max_train or None]
+    test = test[: p.max_test or None]
+    write_table(train, raw / "train.parquet", QUESTION)
+    write_table(test, raw / "test.parquet", QUESTION)
+    write_corpus(corpus, raw / "corpus.parquet")
+    print(f"download: {len(train)} train, {len(test)} test questions, {len(corpus)} passages -> {raw}/", flush=True)
+    return {"train": split_counts(train), "test": split_counts(test), "corpus": {"n": len(corpus)}}

@@ -1,0 +1,117 @@
+"""Evaluation: the students (base, SFT, DPO when enabled, RL, PRM-reranked SFT) and the teacher system on the test split,
+with the same tools.
+
+Students run the plain protocol (`single`, unscaffolded); the teacher runs its configured method with its scaffold.
+`prm_rerank` samples `evaluate.rerank_samples` answers per question from the SFT student and keeps the one models/prm
+scores best (lowest step score highest); its cost counts every sample. Each system's labeled rows go to
+reports/eval/<system>.parquet; metrics to reports/metrics.json: EM, SubEM and the judge's accuracy with Wilson 95% CIs,
+F1 with a bootstrap CI, answer length, cost per question and per correct answer. Answers are judged by label.judge, with
+evaluate.first_only (null = label.first_only) deciding whether only the first `|` item counts.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+
+from ..agents.methods import MethodContext, run_method
+from ..agents.wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox
+from ..config import LabelConfig, Params
+from ..judge.answers import judged_answer
+from ..judge.stats import auc
+from ..llm import TEACHER_DIR, student_backend, teacher_backend, teacher_id
+from ..protocol import normalize_answer
+from .judging import label_rows, make_judge
+from .metrics import scoring_params, system_metrics
+from .steps import student_steps
+
+COST_FIELDS = ("n_llm_calls", "n_tokens", "n_tool_calls", "tool_errors")
+
+
+def prm_pick(group: list[tuple[dict, float]]) -> dict:
+    """The sample the PRM prefers: answered ones before unanswered, then the highest weakest-step score (first on ties)."""
+    return max(group, key=lambda rs: (judged_answer(rs[0]["final_answer"]) is not None, rs[1]))[0]
+
+
+def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
+    """Per question, the answered sample whose weakest step the PRM scores highest, carrying the cost of all its samples;
+    and the same samples' majority vote, mean correctness (a random pick), pass@N and the PRM's outcome AUC, to compare."""
+    scores = prm.step_scores([r["question"] for r in rows], [student_steps(r["student"]) for r in rows])
+    groups = defaultdict(list)
+    for r, s in zip(rows, scores):
+        groups[r["question_id"]].append((r, min(s) if s else -1.0))
+    chosen, vote, mean, best = [], [], [], []
+    for group in groups.values():
+        pick = prm_pick(group)
+        chosen.append({**pick, **{f: sum(r[f] for r, _ in group) for f in COST_FIELDS}})
+        votes = Counter(normalize_answer(r["final_answer"]) for r, _ in group if r["final_answer"].strip())
+        top = votes.most_common(1)[0][0] if votes else None
+        vote.append(next((float(r["correct"]) for r, _ in group if normalize_answer(r["final_answer"]) == top), 0.0))
+        mean.append(sum(r["correct"] for r, _ in group) / len(group))
+        best.append(float(any(r["correct"] for r, _ in group)))
+    pick_accuracy, mean_accuracy = sum(bool(c["correct"]) for c in chosen) / len(chosen), sum(mean) / len(mean)
+    return chosen, {"samples_per_question": len(rows) / len(groups), "vote_accuracy": sum(vote) / len(vote),
+                    "prm_pick_accuracy": pick_accuracy, "candidate_mean_accuracy": mean_accuracy, "random_pick_accuracy": mean_accuracy,
+                    "prm_beats_mean": pick_accuracy > mean_accuracy,
+                    "prm_pick_answered_rate": sum(judged_answer(c["final_answer"]) is not None for c in chosen) / len(chosen),
+                    "pass_at_n": sum(best) / len(best),
+                    "prm_outcome_auc": auc([s for g in groups.values() for _, s in g], [r["correct"] for g in groups.values() for r, _ in g])}
+
+
+def judged_system(name: str, episodes: list[dict], label: LabelConfig, judge,
+                  load_prm: Callable | None) -> tuple[list[dict], dict]:
+    """A system's episodes judged by `judge` (label.judge), PRM-reranked by `load_prm()` when `name` is prm_rerank;
+    (rows, extra metrics)."""
+    rows = label_rows(episodes, label, judge)
+    if name == "prm_rerank":
+        return prm_rerank(rows, load_prm())
+    return rows, {}
+
+
+def systems_to_evaluate(params: Params) -> list[tuple]:
+    """(system, model dir, method, scaffold, temperature, method params) in evaluation order; systems sharing a model share
+    one engine. Only the teacher runs on the teacher block (models/teacher or its server); every student is loaded from
+    its trained weights."""
+    p, g = params.evaluate, params.generate
+    if p.rerank_samples > 1 and not params.prm.enabled:
+        raise ValueError("params.yaml evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
+    systems = [("base", "models/base", "single", {}, p.temperature, None)]
+    if p.teacher:
+        systems.append(("teacher", TEACHER_DIR, g.method, g.scaffold, g.temperature, getattr(g, g.method, None)))
+    systems.append(("sft", "models/sft", "single", {}, p.temperature, None))
+    if p.rerank_samples > 1:
+        systems.append(("prm_rerank", "models/sft", "single", {}, p.rerank_temperature, None))
+    if params.dpo.enabled:
+        systems.append(("dpo", "models/dpo", "single", {}, p.temperature, None))
+    systems.append(("rl", "models/rl", "single", {}, p.temperature, None))
+    return systems
+
+
+def evaluate_systems(params: Params, systems: list[tuple], questions: list[dict],
+                     load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
+    """Each system run on `questions` and judged, one engine at a time: (system, labeled rows, metrics) as each finishes.
+    `load_prm()` gives the PRM that prm_rerank scores with (loaded only when that system's turn comes)."""
+    p, g = params.evaluate, params.generate
+    scored = scoring_params(params)
+    label = scored.label
+    toolbox = make_toolbox(params)
+    judge = make_judge(scored, {})
+    backend, loaded = None, None
+    for name, model_dir, method, scaffold, temperature, mparams in systems:
+        if loaded != model_dir:
+            backend = ctx = None  # ctx holds the engine too: free it before the next one starts
+            gc.collect()
+            backend = teacher_backend(params) if name == "teacher" else student_backend(model_dir, params)
+            loaded = model_dir
+        roles = make_role_backends(params) if name == "teacher" else {}
+        model_id = teacher_id(params) if name == "teacher" else model_dir
+        ctx = MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=model_id, scaffold=scaffold, params=mparams,
+                            role_backends=roles, tools=enabled_tools(params), protocol=g.method,
+                            demonstrations=demonstrations(params) if name == "teacher" else "")
+        print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)
+        t0 = time.perf_counter()
+        n = p.rerank_samples if name == "prm_rerank" else 1
+        rows, extra = judged_system(name, run_method(method, questions, n, ctx, g.episodes_in_flight), label, judge, load_prm)
+        wall = time.perf_counter() - t0
+        yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, params.seed), **extra}

@@ -1,0 +1,114 @@
+"""The report's PNG plots (reports/plots/), sized to be read at page width."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+from .tables import LABELS, teacher_first
+
+PLOTS = Path("reports/plots")
+LOSS_CURVES = {"sft_loss.csv": "SFT loss (masked CE)", "prm_loss.csv": "PRM loss (step CE)", "dpo_loss.csv": "DPO loss"}
+RL_PANELS = {"reward and accuracy": ("reward_total", "accuracy"),
+             "reward terms": ("reward_verifiable", "reward_format", "reward_efficiency", "reward_prm"),
+             "behaviour": ("tool_call_rate", "tool_calls_per_episode", "turns_per_episode"),
+             "policy": ("clip_frac", "approx_kl", "kl_ref", "entropy", "kept_groups")}
+DPI = 110
+RL_SYMLOG_PANELS = ("policy",)  # terms from ~1e-3 (KL) to ~10 (kept groups) share these axes
+
+
+def save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_accuracy_vs_tokens(metrics: dict, path: Path) -> None:
+    """EM (Wilson 95% CI) against generated tokens per question, one point per system; log x when costs span 20x."""
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for name, m in teacher_first(metrics).items():
+        err = [[m["em"] - m.get("em_lo", m["em"])], [m.get("em_hi", m["em"]) - m["em"]]]
+        ax.errorbar(m["tokens_per_question"], m["em"], yerr=err, fmt="o", capsize=4, label=LABELS.get(name, name))
+    tokens = [m["tokens_per_question"] for m in metrics.values() if m["tokens_per_question"] > 0]
+    if tokens and max(tokens) > 20 * min(tokens):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("generated tokens per question")
+    ax.set_ylabel("EM (95% Wilson CI)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=9)
+    ax.set_title("EM vs cost")
+    save(fig, path)
+
+
+def plot_per_task(metrics: dict, path: Path) -> None:
+    tasks = sorted({k[len("accuracy_"):] for m in metrics.values() for k in m if k.startswith("accuracy_") and k[-3:] not in ("_lo", "_hi")})
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    width = 0.8 / max(1, len(metrics))
+    for i, (name, m) in enumerate(teacher_first(metrics).items()):
+        xs = [t + i * width for t in range(len(tasks))]
+        ax.bar(xs, [m.get(f"accuracy_{t}", 0) for t in tasks], width, label=LABELS.get(name, name))
+    ax.set_xticks([t + width * (len(metrics) - 1) / 2 for t in range(len(tasks))], tasks)
+    ax.set_ylabel("accuracy (label judge)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=9, ncol=2)
+    ax.set_title("accuracy per task")
+    save(fig, path)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def plot_loss(loss_csv: Path, path: Path, title: str) -> None:
+    recs = read_csv(loss_csv)
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    ax.plot([int(r["step"]) for r in recs], [float(r["loss"]) for r in recs], marker="." if len(recs) < 30 else None)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    save(fig, path)
+
+
+def plot_rl_curves(curve_csv: Path, path: Path) -> None:
+    """RL over training, 2x2 panels: reward and accuracy, reward terms, tool use and turns (does tool use collapse?), and
+    policy-update terms."""
+    recs = read_csv(curve_csv)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    steps = [int(r["step"]) for r in recs]
+    for ax, (title, keys) in zip(axes.flat, RL_PANELS.items()):
+        for k in keys:
+            if recs and k in recs[0]:
+                ax.plot(steps, [float(r[k] or 0) for r in recs], marker=".", label=k)
+        ax.set_xlabel("RL step")
+        ax.set_title(title)
+        if title in RL_SYMLOG_PANELS:
+            ax.set_yscale("symlog", linthresh=1e-3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=9)
+    save(fig, path)
+
+
+def make_plots(metrics: dict) -> list[str]:
+    """Draw the report's plots into reports/plots; every plot to show, as a path relative to reports/ (other stages' too)."""
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    plot_accuracy_vs_tokens(metrics, PLOTS / "accuracy_vs_tokens.png")
+    plot_per_task(metrics, PLOTS / "accuracy_per_task.png")
+    plots = ["plots/accuracy_vs_tokens.png", "plots/accuracy_per_task.png"]
+    for name, title in LOSS_CURVES.items():
+        if Path(f"reports/{name}").exists() and read_csv(Path(f"reports/{name}")):
+            plot_loss(Path(f"reports/{name}"), PLOTS / name.replace(".csv", ".png"), title)
+            plots.append(f"plots/{name.replace('.csv', '.png')}")
+    if Path("reports/rl_curve.csv").exists() and read_csv(Path("reports/rl_curve.csv")):
+        plot_rl_curves(Path("reports/rl_curve.csv"), PLOTS / "rl_curves.png")
+        plots.append("plots/rl_curves.png")
+    return plots + [p for p in ("pareto_front.png", "flywheel.png") if Path(f"reports/{p}").exists()]
+
