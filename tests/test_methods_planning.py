@@ -210,3 +210,23 @@ def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
     assert verdicts >= 1 and calls["verifier"] == verdicts  # a random model's verdict is garbage: CONTINUE, so 2 steps
     assert calls["main"] == row["n_llm_calls"] - verdicts
     check_student(smol.tokenizer, row["student"])
+
+
+@pytest.mark.parametrize("method,params", [("single", None), ("chain_of_agents", ChainOfAgentsConfig(max_cycles=1)), ("gap", GAPConfig())])
+def test_the_teachers_demonstrations_reach_its_acting_agents_never_the_student(tiny_model_dir, method, params):
+    """generate.demonstrations follow the acting agent's system prompt (context distillation); the student's rendering,
+    which SFT trains on, holds none of it."""
+    tiny = HFBackend(str(tiny_model_dir), dtype="float32")
+    prompts = []
+    generate = tiny.generate
+
+    def recorded(ids, samplings):
+        prompts.extend(tiny.tokenizer.decode(p) for p in ids)
+        return generate(ids, samplings)
+
+    tiny.generate = recorded
+    ctx = context(tiny, params, max_tokens=8)
+    ctx.demonstrations = "Worked examples: ZQX-DEMONSTRATION"
+    (row,) = get_method(method)([Q], 1, ctx)
+    assert "ZQX-DEMONSTRATION" in prompts[0]
+    assert not any("ZQX-DEMONSTRATION" in m["content"] for m in row["student"])

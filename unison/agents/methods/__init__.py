@@ -41,11 +41,16 @@ class MethodContext:
         """The student protocol's system prompt for this context's tools and teacher method."""
         return system_prompt(self.tools, self.protocol)
 
+    def with_demonstrations(self, system: str) -> str:
+        """An acting agent's system prompt followed by the teacher's demonstrations (the student learns to act without them:
+        context distillation)."""
+        return f"{system}\n\n{self.demonstrations}" if self.demonstrations else system
+
     def solver_episode(self, key: str, question: str, seed: int, task: str) -> Episode:
         """An agent acting on the student protocol: this context's tools, the scaffold for the question's task, and the
-        teacher's demonstrations after the system prompt (the student learns to act without them: context distillation)."""
-        system = f"{self.system}\n\n{self.demonstrations}" if self.demonstrations else self.system
-        return start_episode(self.backend.tokenizer, key, question, seed, self.scaffold_for(task), system=system, tools=self.tools)
+        teacher's demonstrations after the system prompt."""
+        return start_episode(self.backend.tokenizer, key, question, seed, self.scaffold_for(task),
+                             system=self.with_demonstrations(self.system), tools=self.tools)
 
     def backend_for(self, role: str):
         return self.role_backends.get(role, self.backend)

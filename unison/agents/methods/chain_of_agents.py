@@ -82,7 +82,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     max_cycles, accept = p.max_cycles, p.accept_score
     room = 4 * ctx.settings.max_tokens_per_turn  # a chain with less context left answers instead of starting a cycle
     groups = [(q, s) for q in questions for s in range(samples)]
-    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES.format(accept=accept)) for q, s in groups]
+    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], ctx.with_demonstrations(system_prompt(ctx.tools) + RULES.format(accept=accept))) for q, s in groups]
     tool_tag = {c.key: next((t for t in ctx.scaffold_for(q["task"]) if t != "answer"), None) for c, (q, _) in zip(chains, groups)}
     live, answering = chains, []
     for cycle in range(max_cycles):

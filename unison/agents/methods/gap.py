@@ -101,7 +101,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     max_levels, max_parallel = p.max_levels, p.max_parallel
     room = 4 * ctx.settings.max_tokens_per_turn  # a chain with less context left answers instead of searching again
     groups = [(q, s) for q in questions for s in range(samples)]
-    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], system_prompt(ctx.tools) + RULES) for q, s in groups]
+    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], ctx.with_demonstrations(system_prompt(ctx.tools) + RULES)) for q, s in groups]
     plans = extend(chains, "plan", ctx, "plan", "gap plan")
     levels = {c.key: plan_levels(p, q["question"]) for c, p, (q, _) in zip(chains, plans, groups)}
     for k in range(max_levels):
