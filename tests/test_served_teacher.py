@@ -3,8 +3,9 @@
 `dvc repro` of a tiny overlay whose `teacher` block points at the server (SmolLM2 served as "smol-teacher"); the student is
 the same model's local copy. The server's own request counter (/metrics) shows generate went to it, that label, sft, pareto
 and rl never did, and that evaluate sent it exactly the teacher row's calls and none of the students'. Runs with
-`vllm_extensions` on (token ids from the server), then off (plain OpenAI completions, re-tokenised here): changing the
-teacher re-runs the teacher stage, generate and what follows, never the student's download.
+`vllm_extensions` on (token ids from the server) through the whole DAG, then off (plain OpenAI completions, re-tokenised
+here) through generate: changing the teacher re-runs the teacher stage, generate and leaves everything after it stale, never
+the student's download (the stages after generate do not read the teacher, so the first pass covers them).
 """
 from __future__ import annotations
 
@@ -63,42 +64,41 @@ def ran(p: subprocess.CompletedProcess) -> list[str]:
     return [line.split("'")[1] for line in p.stdout.splitlines() if line.startswith("Running stage")]
 
 
-def check_pipeline_on_the_server(project, url: str, extensions: bool) -> list[str]:
-    """Run the DAG in three steps, counting the server's requests in each; returns the stages that ran."""
+def check_generate_on_the_server(project, url: str, extensions: bool) -> tuple[list[str], int]:
+    """`dvc repro generate`, counting the server's requests; (the stages that ran, the server's count after)."""
     before = served_requests(url)
     stages = ran(run(project, "dvc", "repro", "generate"))
-    after_generate = served_requests(url)
+    after = served_requests(url)
     traj = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
-    assert after_generate - before == sum(r["n_llm_calls"] for r in traj) > 0  # every teacher call went to the server
+    assert after - before == sum(r["n_llm_calls"] for r in traj) > 0  # every teacher call went to the server
     assert all(r["teacher"] == f"smol-teacher@{url}" for r in traj)
     stats = json.loads((project / "reports/generate.json").read_text())
-    assert stats["backend.teacher.requests"] == after_generate - before
+    assert stats["backend.teacher.requests"] == after - before
     assert (stats["backend.teacher.retokenized"] > 0) != extensions  # plain OpenAI: completions re-tokenised here
+    return stages, after
 
+
+@pytest.mark.timeout(2400)  # a tiny DAG and a second generate beside the server
+def test_a_served_teacher_with_vllm_extensions_then_without(served):
+    project, url = served
+    set_extensions(project, True)
+    stages, after_generate = check_generate_on_the_server(project, url, extensions=True)
     stages += ran(run(project, "dvc", "repro", "rl"))
     assert served_requests(url) == after_generate  # label, sft, pareto and rl: the students never reach the server
     assert (project / "models/rl/config.json").is_file()
-
     stages += ran(run(project, "dvc", "repro"))
     teacher_rows = pq.read_table(project / "reports/eval/teacher.parquet").to_pylist()
     assert served_requests(url) - after_generate == sum(r["n_llm_calls"] for r in teacher_rows) > 0  # the teacher row only
     metrics = json.loads((project / "reports/metrics.json").read_text())
     assert {"base", "teacher", "sft", "rl"} <= set(metrics)
-    return stages
-
-
-@pytest.mark.timeout(3000)  # two runs of a tiny DAG beside the server
-def test_a_served_teacher_with_vllm_extensions_then_without(served):
-    project, url = served
-    set_extensions(project, True)
-    first = check_pipeline_on_the_server(project, url, extensions=True)
-    assert {"download", "teacher", "generate", "label", "sft", "pareto", "rl", "evaluate", "report"} <= set(first)
+    assert {"download", "teacher", "generate", "label", "sft", "pareto", "rl", "evaluate", "report"} <= set(stages)
     info = json.loads((project / "models/teacher/unison_model.json").read_text())  # the local copy was replaced by the tokenizer
     assert info["served_name"] == "smol-teacher" and not list((project / "models/teacher").glob("*.safetensors"))
 
-    set_extensions(project, False)  # changing the teacher re-runs it and everything after, never the student's download
-    second = check_pipeline_on_the_server(project, url, extensions=False)
-    assert "download" not in second and "index" not in second
-    assert {"teacher", "generate", "label", "sft", "evaluate"} <= set(second)
+    set_extensions(project, False)  # changing the teacher re-runs it and generate, never the student's download
+    second, _ = check_generate_on_the_server(project, url, extensions=False)
+    assert second == ["teacher", "generate"], second
+    stale = run(project, "dvc", "status").stdout
+    assert "label:" in stale and "evaluate:" in stale and "download:" not in stale and "index:" not in stale, stale
     leaked = [str(f) for f in project.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
     assert not leaked  # params, dvc.lock, MLflow's database and artifacts, reports, data and models never hold the key
