@@ -52,6 +52,7 @@ def test_tiny_runs_on_builtin_data_and_model_with_the_teacher_scaffolded(name, d
     assert d["builtin"]["train_size"] <= 12 and d["builtin"]["test_size"] <= 4
     assert tiny["index"]["encoder"] == "builtin:all-minilm-l6-v2" and not tiny["tools"]["web_search_url"]
     assert tiny["generate"]["scaffold"] == {"qa": ["search", "answer"], "math": ["python", "answer"]}
+    assert (ROOT / tiny["generate"]["demonstrations"]).is_file()  # worked examples for the teacher, in its method's format
     assert tiny["label"]["judge"] == "rule" and tiny["prm"]["epochs"] == 1 and tiny["sft"]["epochs"] == 1
     for p in (paper, tiny):  # a recipe that reads models/prm trains one
         assert p["prm"]["enabled"] or (p["rl"]["prm_weight"] == 0 and p["evaluate"]["rerank_samples"] == 1), name
