@@ -69,6 +69,26 @@ def run(project: Path, *cmd: str, timeout: int = 1200, check: bool = True) -> su
     return p
 
 
+def kill_when(project: Path, stage: str, done, seconds: int) -> None:
+    """Run `python -m tasks.<stage>` and SIGKILL its process group as soon as `done()` holds. Its output goes to a file
+    (a pipe nobody reads would fill and stall it); the test fails with the output's tail if the stage ends or the time
+    runs out first."""
+    log = project.parent / f"{stage}-killed.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", f"tasks.{stage}"], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.time() + seconds
+    try:
+        while not done():
+            assert proc.poll() is None, f"{stage} ended before it could be killed:\n{log.read_text()[-3000:]}"
+            assert time.time() < deadline, f"{stage} did not get there in {seconds} s:\n{log.read_text()[-3000:]}"
+            time.sleep(1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.mark.timeout(2400)  # ~12 min on 2 quiet cores; more on a loaded machine
 def test_full_pipeline_runs_and_reports(project):
     run(project, "dvc", "repro")
@@ -127,15 +147,7 @@ def test_noop_repro_then_more_flywheel_rounds_rerun_only_downstream_and_resume_a
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["flywheel"]["rounds"] = 2
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.flywheel"], cwd=project, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.time() + 900
-    while time.time() < deadline and not list((project / "data/.cache/flywheel").glob("*/round-1/round.json")):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(1)
-    os.killpg(proc.pid, signal.SIGKILL)  # in round 2
-    proc.wait()
+    kill_when(project, "flywheel", lambda: list((project / "data/.cache/flywheel").glob("*/round-1/round.json")), 900)  # in round 2
     p = run(project, "dvc", "repro")
     ran = [line.split("'")[1] for line in p.stdout.splitlines() if line.startswith("Running stage")]
     assert ran == ["flywheel", "report"], p.stdout
@@ -174,14 +186,7 @@ def test_generate_is_reproducible_and_resumes_after_a_kill(project):
     params["generate"]["episodes_in_flight"] = 8  # 2 questions (2 agents x 2 samples) at a time: shards finish in order
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     out.unlink()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.generate"], cwd=project, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and not list((project / "data/.cache/generate").glob("*/shard-00000.parquet")):
-        time.sleep(1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when(project, "generate", lambda: list((project / "data/.cache/generate").glob("*/shard-00000.parquet")), 600)
     assert not out.exists()  # a killed stage leaves no output for DVC to cache
     done = sorted(p.name for p in (project / "data/.cache/generate").glob("*/*.parquet"))
     assert done and "shard-00003.parquet" not in done
