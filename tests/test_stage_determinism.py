@@ -59,3 +59,17 @@ def test_rerunning_generate_and_label_writes_identical_bytes(project):
     assert meta.num_rows == 4 and not {"latency_s", "wall_s"} & set(meta.schema.names)
     assert set(meta.metadata) == {b"ARROW:schema"} and meta.created_by.startswith("parquet-cpp-arrow version")  # no timestamps
     assert json.loads(Path("reports/generate.json").read_text())["wall_s"] > 0  # the timing went to the report
+
+
+def test_generate_shards_are_not_reused_after_the_teachers_examples_change(tmp_path, monkeypatch):
+    from unison.agents.generation import shard_dir
+    from unison.config import GenerateConfig, Params
+
+    monkeypatch.chdir(tmp_path)
+    examples = tmp_path / "examples.txt"
+    params = Params(generate=GenerateConfig(demonstrations=str(examples)))
+    examples.write_text("Question: a?\n<answer>b</answer>")
+    before = shard_dir(params, QUESTIONS)
+    assert shard_dir(params, QUESTIONS) == before
+    examples.write_text("Question: a?\n<answer>c</answer>")  # same file name, other text
+    assert shard_dir(params, QUESTIONS) != before

@@ -28,6 +28,7 @@ def shard_dir(params: Params, questions: list[dict]) -> Path:
                      sort_keys=True)
     meta = Path(TEACHER_DIR) / "unison_model.json"
     key += meta.read_text() if meta.exists() else ""
+    key += demonstrations(params)  # the teacher's worked examples: the file's text, not only its name
     return Path("data/.cache/generate") / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -43,6 +43,7 @@ def cache_dir(params: Params) -> Path:
     """Finished rounds are valid only for the same settings and the same first student, base model and questions."""
     h = hashlib.sha256(json.dumps(params.model_dump(include={"seed", "flywheel", "generate", "label", "sft", "evaluate", "llm", "tools"}),
                                   sort_keys=True).encode())
+    h.update(demonstrations(params).encode())  # the teacher's worked examples: the file's text, not only its name
     files = ["data/raw/train.parquet", "data/raw/test.parquet", *sorted(map(str, Path("models/base").glob("*.safetensors"))),
              *sorted(map(str, Path(FIRST_STUDENT).glob("*.safetensors")))]
     for path in files:
