@@ -70,5 +70,7 @@ def test_train_sft_packed_takes_the_same_steps(tiny_model_dir, tmp_path):
         cfg = SFTConfig(epochs=2, lr=1e-3, batch_size=3, max_length=64, warmup_ratio=0.0, packing=packing)
         recs = train_sft(str(tiny_model_dir), batch, cfg, str(tmp_path / f"sft-{packing}"))
         losses[packing], rows[packing] = [r["loss"] for r in recs], sum(r["row_tokens"] for r in recs)
-    assert losses[True] == pytest.approx(losses[False], abs=1e-4) and losses[True][-1] < losses[True][0]
+    # the same steps up to float32 reduction order (packed rows attend in other shapes): 2e-5 of the loss was seen on one
+    # CI machine; a wrong mask or position would move it by far more than 1e-4 of it
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4) and losses[True][-1] < losses[True][0]
     assert rows[True] < rows[False]  # fewer pad tokens run through the model
