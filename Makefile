@@ -42,7 +42,7 @@ pipeline: setup
 test: setup
 	$(PY) -m pytest -q --durations=25
 
-test-recipes: setup  # every seed system's tiny recipe through dvc repro (13-26 min on 2 cores; not part of `make test`; CI runs both)
+test-recipes: setup  # every seed system's tiny recipe through dvc repro (~19 min on 2 cores; not part of `make test`; CI runs both)
 	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 tests/test_recipes.py -k end_to_end
 
 test-fast: setup
