@@ -18,7 +18,7 @@ def main() -> None:
     metrics: dict[str, dict] = {}
     with track.stage_run("evaluate", {"seed": params.seed, **p.model_dump(), "teacher_method": g.method,
                                       "episodes_in_flight": g.episodes_in_flight, "teacher": params.teacher.model_dump()}) as run:
-        for name, rows, m in evaluate_systems(params, systems, questions, lambda: load_prm("models/prm")):
+        for name, rows, m in evaluate_systems(params, systems, questions, lambda: load_prm("models/prm", params.prm.precision)):
             write_table(rows, f"reports/eval/{name}.parquet", LABELED)
             metrics[name] = m
             run.log_metrics({f"{name}.{k}": v for k, v in m.items()})

@@ -32,7 +32,7 @@ def main() -> None:
         if cfg.prm_weight > 0:
             from unison.train.prm import load_prm  # only when asked: the stage runs without a PRM
 
-            prm = load_prm("models/prm")
+            prm = load_prm("models/prm", params.prm.precision)
         tools = enabled_tools(params)
         episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from unison.config import EvaluateConfig, LabelConfig, Params, ParamsError, validate_params
-from unison.labeling.evaluation import judged_system, prm_rerank
+from unison.labeling.evaluation import prm_rerank
+from unison.labeling.judging import label_rows
 from unison.labeling.metrics import scoring_params, system_metrics
 from unison.labeling.steps import student_steps
 from unison.train.prm import build_prm
@@ -71,8 +72,8 @@ class FakeJudge:
 def test_evaluate_uses_the_configured_judge_fake_judge():
     label_p = LabelConfig(qa_metric="em", f1_threshold=0.8, first_only=False, math_timeout_s=5)
     episodes = [row("q1", 0, "Olvin", False, 10), row("q2", 0, "Tarsk", True, 10)]
-    rows, extra = judged_system("sft", episodes, label_p, FakeJudge(), load_prm=None)
-    assert [(r["correct"], r["judge"]) for r in rows] == [(True, "fake"), (False, "fake")] and extra == {}
+    rows = label_rows(episodes, label_p, FakeJudge())
+    assert [(r["correct"], r["judge"]) for r in rows] == [(True, "fake"), (False, "fake")]
     metrics = system_metrics(rows, 2.0, label_p, n_boot=50, seed=0)
     assert metrics["accuracy"] == 0.5 and metrics["em"] == 0.5  # accuracy is the judge's; EM is the rule's (gold Tarsk)
 

@@ -59,59 +59,57 @@ def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
                     "prm_outcome_auc": auc([s for g in groups.values() for _, s in g], [r["correct"] for g in groups.values() for r, _ in g])}
 
 
-def judged_system(name: str, episodes: list[dict], label: LabelConfig, judge,
-                  load_prm: Callable | None) -> tuple[list[dict], dict]:
-    """A system's episodes judged by `judge` (label.judge), PRM-reranked by `load_prm()` when `name` is prm_rerank;
-    (rows, extra metrics)."""
-    rows = label_rows(episodes, label, judge)
-    if name == "prm_rerank":
-        return prm_rerank(rows, load_prm())
-    return rows, {}
-
-
-def systems_to_evaluate(params: Params) -> list[tuple]:
-    """(system, model dir, method, scaffold, temperature, method params) in evaluation order; systems sharing a model share
-    one engine. Only the teacher runs on the teacher block (models/teacher or its server); every student is loaded from
-    its trained weights."""
+def systems_to_evaluate(params: Params) -> list[tuple[str, str, float]]:
+    """(system, model dir, temperature) in evaluation order; systems sharing a model share one engine. Only the teacher
+    runs on the teacher block (models/teacher or its server); every student is loaded from its trained weights."""
     p, g = params.evaluate, params.generate
     if p.rerank_samples > 1 and not params.prm.enabled:
         raise ValueError("params.yaml evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
-    systems = [("base", "models/base", "single", {}, p.temperature, None)]
+    systems = [("base", "models/base", p.temperature)]
     if p.teacher:
-        systems.append(("teacher", TEACHER_DIR, g.method, g.scaffold, g.temperature, getattr(g, g.method, None)))
-    systems.append(("sft", "models/sft", "single", {}, p.temperature, None))
+        systems.append(("teacher", TEACHER_DIR, g.temperature))
+    systems.append(("sft", "models/sft", p.temperature))
     if p.rerank_samples > 1:
-        systems.append(("prm_rerank", "models/sft", "single", {}, p.rerank_temperature, None))
+        systems.append(("prm_rerank", "models/sft", p.rerank_temperature))
     if params.dpo.enabled:
-        systems.append(("dpo", "models/dpo", "single", {}, p.temperature, None))
-    systems.append(("rl", "models/rl", "single", {}, p.temperature, None))
+        systems.append(("dpo", "models/dpo", p.temperature))
+    systems.append(("rl", "models/rl", p.temperature))
     return systems
 
 
-def evaluate_systems(params: Params, systems: list[tuple], questions: list[dict],
+def run_judged(backend, model_id: str, questions: list[dict], samples: int, temperature: float, params: Params, toolbox,
+               teacher: bool, judge, label: LabelConfig, role_backends: dict | None = None) -> tuple[list[dict], float]:
+    """A system run on `questions` and judged: the teacher runs generate.method with its scaffold, method params and
+    worked examples; a student runs `single`, unscaffolded, without them. (labeled rows, wall seconds)."""
+    g = params.generate
+    method, scaffold, mparams = (g.method, g.scaffold, getattr(g, g.method, None)) if teacher else ("single", {}, None)
+    ctx = MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=model_id, scaffold=scaffold, params=mparams,
+                        role_backends=role_backends or {}, tools=enabled_tools(params), protocol=g.method,
+                        demonstrations=demonstrations(params) if teacher else "")
+    t0 = time.perf_counter()
+    rows = label_rows(run_method(method, questions, samples, ctx, g.episodes_in_flight), label, judge)
+    return rows, time.perf_counter() - t0
+
+
+def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict],
                      load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
     """Each system run on `questions` and judged, one engine at a time: (system, labeled rows, metrics) as each finishes.
     `load_prm()` gives the PRM that prm_rerank scores with (loaded only when that system's turn comes)."""
-    p, g = params.evaluate, params.generate
+    p = params.evaluate
     scored = scoring_params(params)
-    label = scored.label
-    toolbox = make_toolbox(params)
-    judge = make_judge(scored, {})
+    label, judge, toolbox = scored.label, make_judge(scored, {}), make_toolbox(params)
     backend, loaded = None, None
-    for name, model_dir, method, scaffold, temperature, mparams in systems:
+    for name, model_dir, temperature in systems:
+        teacher = name == "teacher"
         if loaded != model_dir:
-            backend = ctx = None  # ctx holds the engine too: free it before the next one starts
+            backend = None  # free the engine before the next one starts
             gc.collect()
-            backend = teacher_backend(params) if name == "teacher" else student_backend(model_dir, params)
+            backend = teacher_backend(params) if teacher else student_backend(model_dir, params)
             loaded = model_dir
-        roles = make_role_backends(params) if name == "teacher" else {}
-        model_id = teacher_id(params) if name == "teacher" else model_dir
-        ctx = MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=model_id, scaffold=scaffold, params=mparams,
-                            role_backends=roles, tools=enabled_tools(params), protocol=g.method,
-                            demonstrations=demonstrations(params) if name == "teacher" else "")
-        print(f"evaluate: {name} ({method}, {model_dir}) on {len(questions)} questions", flush=True)
+        print(f"evaluate: {name} ({params.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
         t0 = time.perf_counter()
         n = p.rerank_samples if name == "prm_rerank" else 1
-        rows, extra = judged_system(name, run_method(method, questions, n, ctx, g.episodes_in_flight), label, judge, load_prm)
-        wall = time.perf_counter() - t0
-        yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, params.seed), **extra}
+        rows, _ = run_judged(backend, teacher_id(params) if teacher else model_dir, questions, n, temperature, params, toolbox,
+                             teacher, judge, label, make_role_backends(params) if teacher else None)
+        rows, extra = prm_rerank(rows, load_prm()) if name == "prm_rerank" else (rows, {})
+        yield name, rows, {**system_metrics(rows, time.perf_counter() - t0, label, p.bootstrap, params.seed), **extra}

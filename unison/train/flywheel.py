@@ -21,15 +21,14 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..agents.methods import MethodContext, run_method
-from ..agents.wiring import demonstrations, enabled_tools, episode_settings, make_toolbox
-from ..config import LabelConfig, Params
+from ..agents.wiring import demonstrations, make_toolbox
+from ..config import Params
 from ..data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
-from ..labeling.judging import label_rows, make_judge
+from ..labeling.evaluation import run_judged
+from ..labeling.judging import make_judge
 from ..labeling.metrics import scoring_params, system_metrics
 from ..llm import student_backend, teacher_id
 from .sft import build_examples, select_trajectories, train_sft
@@ -53,22 +52,6 @@ def cache_dir(params: Params) -> Path:
     return Path("data/.cache/flywheel") / h.hexdigest()[:16]
 
 
-def run_system(model_dir: str, questions: list[dict], samples: int, temperature: float, params: Params, toolbox, teacher: bool,
-               judge, label: LabelConfig) -> tuple[list[dict], float]:
-    """A model run locally as the teacher (generate.method + scaffold) or as a student (`single`, unscaffolded) on the
-    questions, judged; (labeled rows, wall seconds)."""
-    g = params.generate
-    method, scaffold, mparams = (g.method, g.scaffold, getattr(g, g.method, None)) if teacher else ("single", {}, None)
-    t0 = time.perf_counter()
-    ctx = MethodContext(student_backend(model_dir, params), toolbox, episode_settings(params, temperature), teacher=model_dir,
-                        scaffold=scaffold, params=mparams, tools=enabled_tools(params), protocol=g.method,
-                        demonstrations=demonstrations(params) if teacher else "")
-    rows = label_rows(run_method(method, questions, samples, ctx, g.episodes_in_flight), label, judge)
-    del ctx
-    gc.collect()  # free the engine before the next one starts
-    return rows, time.perf_counter() - t0
-
-
 def flat(prefix: str, m: dict) -> dict:
     return {f"{prefix}_{k}": m[k] for k in KEPT if k in m}
 
@@ -80,9 +63,12 @@ def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Pa
     test = test[: e.max_questions or None]
     label, eval_label = params.label, scoring_params(params).label
     print(f"flywheel: round {k}: {teacher_dir} teaches ({g.method}, scaffolded) on {len(train)} train questions", flush=True)
-    rows, _ = run_system(teacher_dir, train, g.samples, g.temperature, params, toolbox, True, judge, label)
+    backend = student_backend(teacher_dir, params)  # one engine for the teacher's train answers and its test score
+    rows, _ = run_judged(backend, teacher_dir, train, g.samples, g.temperature, params, toolbox, True, judge, label)
     write_table(rows, work / "train.parquet", LABELED)
-    teacher_rows, teacher_s = run_system(teacher_dir, test, 1, g.temperature, params, toolbox, True, judge, eval_label)
+    teacher_rows, teacher_s = run_judged(backend, teacher_dir, test, 1, g.temperature, params, toolbox, True, judge, eval_label)
+    del backend
+    gc.collect()  # free the engine before training
     chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
     if not chosen:
         raise DataError(work / "train.parquet", f"round {k}: the teacher got no train question right; nothing to distil", field="correct")
@@ -90,7 +76,9 @@ def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Pa
 
     examples, _ = build_examples(AutoTokenizer.from_pretrained("models/base"), chosen, cfg.max_length)
     records = train_sft("models/base", examples, cfg, str(work / "student"))
-    student_rows, student_s = run_system(str(work / "student"), test, 1, e.temperature, params, toolbox, False, judge, eval_label)
+    student_rows, student_s = run_judged(student_backend(str(work / "student"), params), str(work / "student"), test, 1,
+                                         e.temperature, params, toolbox, False, judge, eval_label)
+    gc.collect()
     teacher_m = system_metrics(teacher_rows, teacher_s, eval_label, e.bootstrap, seed)
     student_m = system_metrics(student_rows, student_s, eval_label, e.bootstrap, seed)
     teacher_name = FIRST_STUDENT if k == 1 else str(MODELS / f"round-{k - 1}")

@@ -19,7 +19,7 @@ from ..config import PRMConfig
 from ..data.schemas import DataError, atomic_dir
 from ..judge.stats import auc
 from ..protocol import normalize_answer
-from .loop import Trainer, fit
+from .loop import Trainer, autocast, fit, resolve_precision
 
 HEAD_FILE, CONFIG_FILE = "prm_head.safetensors", "prm_config.json"
 
@@ -29,6 +29,7 @@ class PRM(nn.Module):
         super().__init__()
         self.backbone, self.tok, self.separator = backbone, tokenizer, separator
         self.head = nn.Linear(backbone.config.hidden_size, 2)
+        self.precision = "fp32"  # of step_scores: load_prm and train_prm set it from prm.precision
         self.sep_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
         if not self.sep_ids:
             raise ValueError(f"prm.separator {separator!r} tokenises to nothing")
@@ -59,15 +60,23 @@ class PRM(nn.Module):
 
     @torch.no_grad()
     def step_scores(self, questions: list[str], steps: list[list[str]], batch_size: int = 8) -> list[list[float]]:
-        """Probability that each step is good, per trajectory (batched, no grad)."""
+        """Probability that each step is good, per trajectory: each distinct (question, steps) scored once, in batches
+        of similar length (little padding), under `self.precision`'s autocast, no grad."""
         was_training = self.training
         self.eval()
-        examples = [self.encode(q, s) for q, s in zip(questions, steps)]
-        out: list[list[float]] = []
-        for i in range(0, len(examples), batch_size):
-            out += [torch.softmax(lg, -1)[:, 1].tolist() for lg in self.logits(examples[i : i + batch_size])]
+        keys = [(q, tuple(s)) for q, s in zip(questions, steps)]
+        distinct = list(dict.fromkeys(keys))
+        examples = [self.encode(q, list(s)) for q, s in distinct]
+        order = sorted(range(len(examples)), key=lambda k: len(examples[k][0]))
+        scores: list[list[float]] = [[] for _ in examples]
+        with autocast(self.precision, self.head.weight.device.type):
+            for i in range(0, len(order), batch_size):
+                batch = order[i : i + batch_size]
+                for k, lg in zip(batch, self.logits([examples[k] for k in batch])):
+                    scores[k] = torch.softmax(lg.float(), -1)[:, 1].tolist()
         self.train(was_training)
-        return out
+        by_key = dict(zip(distinct, scores))
+        return [by_key[k] for k in keys]
 
     def save(self, out_dir: str | Path, extra: dict | None = None) -> None:
         """Backbone, tokenizer, head and a json config (separator), atomically."""
@@ -88,8 +97,8 @@ def build_prm(model_dir: str | Path, separator: str, seed: int = 0) -> PRM:
     return PRM(AutoModel.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir), separator)
 
 
-def load_prm(path: str | Path) -> PRM:
-    """A PRM saved by `PRM.save` (models/prm)."""
+def load_prm(path: str | Path, precision: str = "fp32") -> PRM:
+    """A PRM saved by `PRM.save` (models/prm), scoring in `precision` (prm.precision: auto | bf16 | fp32)."""
     from safetensors.torch import load_file
     from transformers import AutoModel, AutoTokenizer
 
@@ -97,6 +106,7 @@ def load_prm(path: str | Path) -> PRM:
     cfg = json.loads((path / CONFIG_FILE).read_text())
     prm = PRM(AutoModel.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path), cfg["separator"])
     prm.head.load_state_dict(load_file(str(path / HEAD_FILE)))
+    prm.precision = resolve_precision(precision, "prm.precision")
     return prm.eval()
 
 
@@ -160,6 +170,7 @@ def train_prm(model_dir: str, rows: list[dict], cfg: PRMConfig, out_dir: str | N
         steps += [[[examples[k] for k in order[i : i + cfg.batch_size]]] for i in range(0, len(order), cfg.batch_size)]
     total = max(1, len(steps))
     trainer = Trainer("prm", prm, total, cfg.lr, schedule=lambda s: max(0.0, 1 - s / total), precision=cfg.precision, on_step=on_step)
+    prm.precision = trainer.precision
     records = fit(trainer, steps, lambda batch: (prm_loss(prm, batch), {}), max(1, total // cfg.epochs))
     if out_dir:
         prm.save(out_dir, {**cfg.model_dump(), "base": str(model_dir)})
