@@ -20,8 +20,8 @@ from unison.tools.python_sandbox import run_python, start_sandbox
 
 MEMFD_BOMB = """
 import os
-chunk = b"x" * (32 << 20)
-for _ in range(32):  # 1 GiB in memfd files: pages in no process's address space, so outside RLIMIT_AS
+chunk = b"x" * (8 << 20)  # a file holds at most 16 MiB (RLIMIT_FSIZE)
+for _ in range(128):  # 1 GiB in memfd files: pages in no process's address space, so outside RLIMIT_AS
     os.write(os.memfd_create("bomb"), chunk)
 print("escaped: held 1 GiB")
 """
@@ -341,20 +341,27 @@ def test_a_stage_refuses_to_start_without_bwrap(tmp_path, isolation):
     assert "CALL" not in proc.stdout
 
 
-@pytest.mark.parametrize("cgroup_root", ["missing", "plain directories"])
+@pytest.mark.parametrize("cgroup_root", ["missing", "plain directories", "v2 without controllers"])
 def test_a_stage_refuses_to_start_without_cgroups_unless_rlimits_is_accepted(tmp_path, cgroup_root):
     root = tmp_path / "cgroup"
     if cgroup_root == "plain directories":  # looks like a cgroup v1 mount, but the kernel makes none of its files
         for controller in ("memory", "pids", "cpu"):
             (root / controller).mkdir(parents=True)
             (root / controller / "cgroup.procs").touch()
+    if cgroup_root == "v2 without controllers":
+        root = Path("/sys/fs/cgroup/unified")  # a hybrid host's cgroup v2: its controllers are all in v1 hierarchies
+        controllers = (root / "cgroup.controllers").read_text().split() if (root / "cgroup.controllers").is_file() else None
+        if controllers is None or {"memory", "pids", "cpu"} & set(controllers):
+            pytest.skip("no cgroup v2 mount without the memory, pids and cpu controllers on this machine")
     refused = start_a_stage("strict", UNISON_CGROUP_ROOT=str(root))
     assert refused.returncode == 3, (refused.stdout, refused.stderr)
     why = {"missing": f"no cgroup v2 at {root} and no cgroup v1 hierarchy for memory, pids, cpu",
-           "plain directories": f"{root}/memory is not in a cgroup filesystem"}[cgroup_root]
+           "plain directories": f"{root}/memory is not in a cgroup filesystem",
+           "v2 without controllers": "cgroup v2 controllers cpu, memory, pids are not enabled in "}[cgroup_root]
     assert refused.stdout.startswith(f"REFUSED: python sandbox: {why}"), refused.stdout
     assert "set tools.sandbox_isolation: rlimits" in refused.stdout, refused.stdout
-    if cgroup_root == "plain directories":
+    assert not list(root.glob("unison-sandbox-*")) and not list(root.glob("*/unison-sandbox-*"))  # nothing left behind
+    if cgroup_root != "missing":
         return
     accepted = start_a_stage("rlimits", UNISON_CGROUP_ROOT=str(root))
     assert accepted.returncode == 0, (accepted.stdout, accepted.stderr)

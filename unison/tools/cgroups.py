@@ -55,6 +55,9 @@ def create_parent() -> Cgroup:
             d.mkdir()
             if not (d / "cgroup.procs").is_file():
                 raise CgroupUnavailable(f"{d.parent} is not in a cgroup filesystem (a new directory there is empty)")
+        hierarchy = parent.file("memory", "memory.use_hierarchy")  # v1 before Linux 5.10 could leave it off
+        if version == 1 and hierarchy.exists() and hierarchy.read_text().strip() == "0":
+            _write(hierarchy, "1")  # else the runs' memory would not count against the total
         if version == 2:
             missing = set(CONTROLLERS) - set(parent.file("memory", "cgroup.controllers").read_text().split())
             if missing:

@@ -79,8 +79,9 @@ def start_sandbox(isolation: str = "strict", memory_mb: int = 512, total_memory_
     global _isolation, _runs_cgroup
     missing = [tool for tool in ("bwrap", "prlimit", "setpriv", "sh") if shutil.which(tool) is None]
     if missing:
-        raise SandboxUnavailable(f"python sandbox: not found on PATH: {', '.join(missing)}. The python tool needs bubblewrap and "
-                                 "util-linux (`make setup` installs them); no setting runs model code without them")
+        raise SandboxUnavailable(f"python sandbox: not found on PATH: {', '.join(missing)}. The python tool needs bubblewrap "
+                                 "(`make setup` installs it) and util-linux's prlimit and setpriv; no setting runs "
+                                 "model code without them")
     with _start_lock:
         runs_cgroup = None
         if isolation == "strict":
