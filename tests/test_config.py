@@ -56,6 +56,8 @@ def overlay(**sections) -> dict:
     ({"generate": {"roles": {"critic": {"temperture": 0.2}}}}, r"generate.roles.critic: unknown key\(s\) \['temperture'\]"),
     ({"label": {"llm": {"dtyp": "bf16"}}}, r"label.llm: unknown key"),
     ({"sft": {"seed": 3}}, r"sft.seed: set the top-level seed"),
+    ({"tools": {"python_total_memory_mb": 256}}, r"tools.python_total_memory_mb \(256\) is below tools.python_memory_mb \(512\)"),
+    ({"tools": {"sandbox_isolation": "none"}}, r"tools.sandbox_isolation: Input should be 'strict' or 'rlimits'"),
 ])
 def test_a_bad_setting_fails_at_load_naming_the_file_and_the_key(tmp_path, sections, message):
     path = tmp_path / "params-bad.yaml"

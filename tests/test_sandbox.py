@@ -1,15 +1,66 @@
-"""The python sandbox for real: bubblewrap, rlimits and process kills, no mocks."""
+"""The python sandbox for real: bubblewrap, cgroups, rlimits and process kills, no mocks."""
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import textwrap
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from unison.tools.python_sandbox import PROJECT_ROOT, run_python, sandbox_problem
+from unison.config import ROOT as PROJECT_ROOT
+from unison.tools import python_sandbox
+from unison.tools.cgroups import CgroupUnavailable
+from unison.tools.python_sandbox import run_python, start_sandbox
+
+MEMFD_BOMB = """
+import os
+chunk = b"x" * (8 << 20)  # a file holds at most 16 MiB (RLIMIT_FSIZE)
+for _ in range(128):  # 1 GiB in memfd files: pages in no process's address space, so outside RLIMIT_AS
+    os.write(os.memfd_create("bomb"), chunk)
+print("escaped: held 1 GiB")
+"""
+SYSV_SHM_BOMB = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype, libc.shmat.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+libc.shmdt.argtypes = [ctypes.c_void_p]
+size = 32 << 20
+for _ in range(32):  # 1 GiB of segments, each detached once written: in no process's address space
+    segment = libc.shmget(0, size, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    address = libc.shmat(segment, None, 0) if segment >= 0 else None
+    if address in (None, 2**64 - 1):
+        raise OSError(ctypes.get_errno(), "shmget/shmat")
+    ctypes.memset(address, 1, size)
+    libc.shmdt(address)
+print("escaped: held 1 GiB")
+"""
+FORK_BOMB = """
+import os, time
+children = []
+for _ in range(5):  # 5 x 200 MiB, each process under its own RLIMIT_AS
+    pid = os.fork()
+    if pid == 0:
+        held = b"x" * (200 << 20)
+        time.sleep(1)
+        os._exit(0)
+    children.append(pid)
+statuses = [os.waitpid(pid, 0)[1] for pid in children]
+print("escaped: held 1000 MiB" if not any(statuses) else f"children killed: {statuses}")
+"""
+TMPFS_FILL = """
+chunk = b"x" * (1 << 20)
+for n in range(4):  # 4 files of 15 MiB (RLIMIT_FSIZE is 16 MiB) in /tmp, a tmpfs: RAM
+    with open(f"/tmp/fill{n}", "wb") as f:
+        for _ in range(15):
+            f.write(chunk)
+print("escaped: held 60 MiB")
+"""
 
 
 def processes_with(token: str) -> list[int]:
@@ -26,8 +77,34 @@ def processes_with(token: str) -> list[int]:
     return pids
 
 
-def test_sandbox_is_available():
-    assert sandbox_problem() is None
+@pytest.fixture(scope="module", autouse=True)
+def no_cgroups() -> str | None:
+    """Why this machine has no cgroups for the sandbox (then it runs with rlimits and the cgroup tests skip), or None."""
+    try:
+        python_sandbox._parent_cgroup()
+    except CgroupUnavailable as e:
+        print(start_sandbox("rlimits"))
+        return str(e)
+    print(start_sandbox("strict"))
+    return None
+
+
+@pytest.fixture
+def cgroup(no_cgroups):
+    """The cgroup all runs go in; skips where the machine has none (cgroup v1 or v2)."""
+    if no_cgroups:
+        pytest.skip(f"this machine has no usable cgroups: {no_cgroups}")
+    return python_sandbox._runs_cgroup
+
+
+def run_children(cgroup) -> list[str]:
+    return [p.name for p in cgroup.dirs[0].iterdir() if p.is_dir()]
+
+
+def test_the_sandbox_starts_and_says_what_bounds_it(no_cgroups):
+    line = start_sandbox("strict") if not no_cgroups else start_sandbox("rlimits")
+    expected = "python sandbox: bubblewrap + cgroup v" if not no_cgroups else "python sandbox: WARNING: tools.sandbox_isolation is rlimits"
+    assert line.startswith(expected), line
 
 
 def test_prints_result_as_unprivileged_user():
@@ -75,10 +152,62 @@ def test_writes_outside_the_private_tmp_fail_and_leave_nothing():
         assert not os.path.exists(path)
 
 
-def test_the_project_directory_is_hidden():
-    result = run_python(f"import os\nprint(sorted(os.listdir({str(PROJECT_ROOT)!r})))")
+def test_nothing_of_the_host_is_visible_but_the_interpreter():
+    """An allow-list: no project, sibling of it, /run, /srv, /opt, /var, /sys, ... and no host unix socket."""
+    token = uuid.uuid4().hex
+    sibling = PROJECT_ROOT.parent / f"unison-test-sibling-{token}"  # beside the project, like another checkout
+    sibling.mkdir()
+    (sibling / "secret.txt").write_text("secret")
+    path_server = socket.socket(socket.AF_UNIX)
+    path_server.bind(str(sibling / "service.sock"))
+    abstract_server = socket.socket(socket.AF_UNIX)
+    abstract_server.bind(f"\0unison-test-{token}")
+    for server in (path_server, abstract_server):
+        server.listen()
+        server.settimeout(0.2)
+    interpreter = [Path(p) for p in {sys.prefix, sys.base_prefix}]
+    candidates = ["/run", "/srv", "/opt", "/var", "/mnt", "/media", "/boot", "/home", "/root", "/work", "/sys", "/farm",
+                  "/etc/passwd", "/etc/shadow", "/etc/hosts", "/etc/resolv.conf", "/etc/hostname", "/etc/ssl",
+                  str(PROJECT_ROOT), str(PROJECT_ROOT / "params.yaml"), str(sibling), str(sibling / "secret.txt")]
+    on_host = [p for p in candidates if os.path.exists(p)]
+    assert len(on_host) >= 12, on_host
+    code = textwrap.dedent(f"""
+        import json, os, socket
+        seen = {{p: sorted(os.listdir(p)) if os.path.isdir(p) else os.path.exists(p) for p in {on_host!r}}}
+        for name, address in (("path", {str(sibling / "service.sock")!r}), ("abstract", "\\0unison-test-{token}")):
+            try:
+                socket.socket(socket.AF_UNIX).connect(address)
+                seen[name] = "connected"
+            except OSError as e:
+                seen[name] = type(e).__name__
+        print(json.dumps(seen))
+    """)
+    try:
+        result = run_python(code, max_output_chars=100_000)
+        for server in (path_server, abstract_server):
+            with pytest.raises(TimeoutError):
+                server.accept()
+    finally:
+        path_server.close()
+        abstract_server.close()
+        shutil.rmtree(sibling)
     assert result.ok, result
-    assert "params.yaml" not in result.output and "unison" not in result.output
+    seen = json.loads(result.output)
+    assert seen.pop("path") == "FileNotFoundError" and seen.pop("abstract") == "ConnectionRefusedError"
+    for path, inside in seen.items():
+        toward = {prefix.relative_to(path).parts[0] for prefix in interpreter if prefix.is_relative_to(path) and prefix != Path(path)}
+        if toward:  # an ancestor of the interpreter: only the way to it
+            assert set(inside) <= toward, (path, inside)
+        else:
+            assert inside is False, (path, inside)
+
+
+def test_only_what_the_interpreter_needs_of_etc():
+    result = run_python("import json, os\nprint(json.dumps([os.listdir('/etc'), os.listdir('/')]))")
+    assert result.ok, result
+    etc, top = json.loads(result.output)
+    assert set(etc) <= {"ld.so.cache", "localtime"}, etc
+    assert not set(top) & {"run", "srv", "opt", "var", "mnt", "sys", "home", "boot", "media"}, top
 
 
 def test_no_network_not_even_loopback():
@@ -178,7 +307,161 @@ def test_missing_bwrap_is_a_clear_error_not_an_unsandboxed_run():
     proc = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, env={"PATH": "/nonexistent"},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("False sandbox unavailable: not found on PATH: bwrap"), proc.stdout
+    assert proc.stdout.startswith("False sandbox unavailable: python sandbox: not found on PATH: bwrap"), proc.stdout
+
+
+STAGE_SCRIPT = """
+import sys
+from unison.agents.wiring import make_toolbox
+from unison.config import Params, ToolsConfig
+from unison.tools.python_sandbox import SandboxUnavailable
+
+try:
+    box = make_toolbox(Params(tools=ToolsConfig(search_url="http://127.0.0.1:9", sandbox_isolation=sys.argv[1])))
+except SandboxUnavailable as e:
+    print("REFUSED:", e)
+    sys.exit(3)
+print("CALL:", box.call("python", "print(6 * 7)"))
+"""
+
+
+def start_a_stage(isolation: str, **env) -> subprocess.CompletedProcess:
+    """make_toolbox, as every stage with tools calls it, in a fresh process."""
+    return subprocess.run([sys.executable, "-c", STAGE_SCRIPT, isolation], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=60, check=False, env={"PATH": os.environ["PATH"], **env})
+
+
+@pytest.mark.parametrize("isolation", ["strict", "rlimits"])
+def test_a_stage_refuses_to_start_without_bwrap(tmp_path, isolation):
+    for tool in ("prlimit", "setpriv", "sh"):  # a PATH with everything the sandbox uses but bwrap
+        (tmp_path / tool).symlink_to(shutil.which(tool))
+    proc = start_a_stage(isolation, PATH=str(tmp_path))
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert proc.stdout.startswith("REFUSED: python sandbox: not found on PATH: bwrap. The python tool needs bubblewrap"), proc.stdout
+    assert "CALL" not in proc.stdout
+
+
+@pytest.mark.parametrize("cgroup_root", ["missing", "plain directories", "v2 without controllers"])
+def test_a_stage_refuses_to_start_without_cgroups_unless_rlimits_is_accepted(tmp_path, cgroup_root):
+    root = tmp_path / "cgroup"
+    if cgroup_root == "plain directories":  # looks like a cgroup v1 mount, but the kernel makes none of its files
+        for controller in ("memory", "pids", "cpu"):
+            (root / controller).mkdir(parents=True)
+            (root / controller / "cgroup.procs").touch()
+    if cgroup_root == "v2 without controllers":
+        root = Path("/sys/fs/cgroup/unified")  # a hybrid host's cgroup v2: its controllers are all in v1 hierarchies
+        controllers = (root / "cgroup.controllers").read_text().split() if (root / "cgroup.controllers").is_file() else None
+        if controllers is None or {"memory", "pids", "cpu"} & set(controllers):
+            pytest.skip("no cgroup v2 mount without the memory, pids and cpu controllers on this machine")
+    refused = start_a_stage("strict", UNISON_CGROUP_ROOT=str(root))
+    assert refused.returncode == 3, (refused.stdout, refused.stderr)
+    why = {"missing": f"no cgroup v2 at {root} and no cgroup v1 hierarchy for memory, pids, cpu",
+           "plain directories": f"{root}/memory is not in a cgroup filesystem",
+           "v2 without controllers": "cgroup v2 controllers cpu, memory, pids are not enabled in "}[cgroup_root]
+    assert refused.stdout.startswith(f"REFUSED: python sandbox: {why}"), refused.stdout
+    assert "set tools.sandbox_isolation: rlimits" in refused.stdout, refused.stdout
+    assert not list(root.glob("unison-sandbox-*")) and not list(root.glob("*/unison-sandbox-*"))  # nothing left behind
+    if cgroup_root != "missing":
+        return
+    accepted = start_a_stage("rlimits", UNISON_CGROUP_ROOT=str(root))
+    assert accepted.returncode == 0, (accepted.stdout, accepted.stderr)
+    assert "python sandbox: WARNING: tools.sandbox_isolation is rlimits" in accepted.stdout
+    assert "CALL: ('42\\n', None)" in accepted.stdout, accepted.stdout
+
+
+def test_a_stage_starts_with_cgroups_and_says_so(cgroup):
+    proc = start_a_stage("strict")
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert f"python sandbox: bubblewrap + cgroup v{cgroup.version}" in proc.stdout
+    assert "all runs together at most 4096 MiB (tools.python_total_memory_mb)" in proc.stdout
+    assert "CALL: ('42\\n', None)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("code, memory_mb", [(MEMFD_BOMB, 256), (SYSV_SHM_BOMB, 256), (FORK_BOMB, 256), (TMPFS_FILL, 32)],
+                         ids=["memfd", "sysv_shm", "forks", "tmpfs"])
+def test_a_run_is_bounded_as_a_whole(cgroup, code, memory_mb):
+    result = run_python(code, memory_mb=memory_mb)
+    assert result.error == "memory" and "escaped" not in result.output, result
+    assert 0 < result.peak_memory_mb <= memory_mb, result
+    assert result.elapsed_s < 5
+    assert run_children(cgroup) == []  # each run's cgroup is gone with it
+
+
+def test_a_run_uses_at_most_its_cpu_share(cgroup):
+    if os.cpu_count() < 2:
+        pytest.skip("one CPU: a run's 1-CPU quota cannot show")
+    code = textwrap.dedent("""
+        import multiprocessing, resource, time
+        def spin():
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                pass
+        workers = [multiprocessing.Process(target=spin) for _ in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        print(usage.ru_utime + usage.ru_stime)
+    """)
+    result = run_python(code, timeout_s=10)
+    assert result.ok, result
+    assert float(result.output) < 1.5 * 1.3  # two spinning processes for 1.5 s got one CPU between them, not two
+
+
+KILLED_STAGE_SCRIPT = """
+import sys
+from unison.tools import python_sandbox
+
+python_sandbox.start_sandbox("strict")
+print(*python_sandbox._runs_cgroup.dirs, flush=True)
+python_sandbox.run_python("import time\\nprint('started', flush=True)\\ntime.sleep(60)", timeout_s=60)
+"""
+
+
+def test_cgroups_of_a_killed_stage_are_removed_by_the_next(cgroup):
+    stage = subprocess.Popen([sys.executable, "-c", KILLED_STAGE_SCRIPT], cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        left = [Path(d) for d in stage.stdout.readline().split()]
+        run = left[0] / "run-1"  # run-0 was the probe
+        deadline = time.monotonic() + 30
+        while not (run / "cgroup.procs").exists() or not (run / "cgroup.procs").read_text().strip():
+            assert time.monotonic() < deadline and stage.poll() is None, "the run never started"
+            time.sleep(0.05)
+    finally:
+        stage.kill()  # SIGKILL: no atexit, the cgroups stay
+        stage.wait()
+    assert all(d.is_dir() for d in left)
+    next_stage = subprocess.run([sys.executable, "-c", "from unison.tools.python_sandbox import start_sandbox; start_sandbox()"],
+                                cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert next_stage.returncode == 0, next_stage.stderr
+    assert not any(d.exists() for d in left), left
+
+
+CONCURRENT_SCRIPT = """
+import json
+from concurrent.futures import ThreadPoolExecutor
+from unison.tools import cgroups, python_sandbox
+
+python_sandbox.start_sandbox("strict", memory_mb=256, total_memory_mb=512)
+code = "import time\\nheld = b'x' * (200 << 20)\\ntime.sleep(1)\\nprint('held')"
+with ThreadPoolExecutor(4) as pool:
+    results = list(pool.map(lambda _: python_sandbox.run_python(code, memory_mb=256), range(4)))
+print(json.dumps({"runs": [[r.error, r.output, r.peak_memory_mb] for r in results],
+                  "total_peak_mb": cgroups.peak_bytes(python_sandbox._runs_cgroup) / 2**20}))
+"""
+
+
+def test_concurrent_runs_stay_under_the_total(cgroup):
+    """4 runs at once, each taking 200 of its 256 MiB, under a 512 MiB total (in a fresh process: a fresh total)."""
+    proc = subprocess.run([sys.executable, "-c", CONCURRENT_SCRIPT], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert 400 < report["total_peak_mb"] <= 512, report
+    assert all(peak <= 256 for _, _, peak in report["runs"]), report
+    assert "memory" in [error for error, _, _ in report["runs"]], report
+    assert sum(output == "held\n" for _, output, _ in report["runs"]) <= 2, report
 
 
 def test_editable_install_hooks_are_masked():

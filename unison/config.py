@@ -143,14 +143,23 @@ class ToolsConfig(Section):
     search_url: str = Field('', description='"" = in-process; else http://host:port of a /retrieve server')
     search_timeout_s: int = Field(30, description='remote search: per-request timeout')
     python_timeout_s: int = Field(5)
-    python_memory_mb: int = Field(512)
+    python_memory_mb: int = Field(512, description='per python run, in all: its processes, memfd, shared memory and /tmp')
+    python_total_memory_mb: int = Field(4096, description='all python runs at once together (the runtime runs up to 8 tool calls at a time)')
     python_max_output_chars: int = Field(512)
+    sandbox_isolation: Literal['strict', 'rlimits'] = Field('strict', description='strict = bubblewrap + a cgroup per run and one for all runs, else the stage refuses to start | rlimits = bubblewrap + per-process rlimits only (weaker; logged)')
     web_search_url: str = Field('', description='"" = off; else a Serper-like POST endpoint: {q, num} -> {"organic": [{title, link, snippet}]}')
     crawl: bool = Field(False, description='true = <crawl>url</crawl> fetches pages (HTML stripped to text)')
     web_topk: int = Field(3, description='results per web query')
     web_timeout_s: int = Field(15, description='per request (2 retries with backoff on connection errors, 429, 5xx)')
     web_max_chars: int = Field(2000, description='crawled page text kept in an observation')
     web_api_key_env: str = Field('', description='env var whose value is sent as X-API-KEY (Serper); "" = none')
+
+    @model_validator(mode="after")
+    def _python_memory(self):
+        if self.python_total_memory_mb < self.python_memory_mb:
+            raise ValueError(f"tools.python_total_memory_mb ({self.python_total_memory_mb}) is below tools.python_memory_mb "
+                             f"({self.python_memory_mb}): no run could get its memory")
+        return self
 
 
 class SelfConsistencyConfig(Section):

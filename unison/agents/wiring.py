@@ -11,10 +11,15 @@ from .toolbox import Toolbox
 
 
 def make_toolbox(params: Params, index_dir: str = "data/index", web_cache_dir: str = CACHE_DIR) -> Toolbox:
-    """search + python, and the web tools params.yaml enables (tools.web_search_url, tools.crawl)."""
+    """search + python, and the web tools params.yaml enables (tools.web_search_url, tools.crawl).
+
+    Raises SandboxUnavailable (naming what is missing and tools.sandbox_isolation) when python code cannot be sandboxed
+    as params.yaml asks: every stage with tools builds its toolbox here, so it refuses to start rather than run on."""
+    from ..tools.python_sandbox import start_sandbox
     from ..tools.retrieval import make_retriever
 
     t = params.tools
+    print(start_sandbox(t.sandbox_isolation, t.python_memory_mb, t.python_total_memory_mb), flush=True)
     python = {"timeout_s": t.python_timeout_s, "memory_mb": t.python_memory_mb, "max_output_chars": t.python_max_output_chars}
     return Toolbox(make_retriever(index_dir, t), python_params=python, search_max_chars=t.search_max_chars,
                    extra=make_web_tools(t, web_cache_dir))

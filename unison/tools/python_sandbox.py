@@ -1,20 +1,28 @@
 """The `python` tool: run model-written code in a sandbox and return what it printed.
 
 Isolation layers, outermost first:
-1. rlimits, set by `prlimit` on the whole sandbox: address space (memory_mb), CPU seconds (timeout + 1),
+1. A cgroup of its own per run (cgroups.py), inside one per stage process: the run's memory as a whole (all its
+   processes, memfd, SysV and POSIX shared memory, its /tmp) is capped at memory_mb with no swap, and all runs together
+   at total_memory_mb; its processes and threads at NPROC_LIMIT; its CPU at SANDBOX_CPUS. A run that runs out of memory
+   is OOM-killed. `tools.sandbox_isolation: rlimits` drops this layer (then memory is bounded per process only).
+2. rlimits, set by `prlimit` on the whole sandbox: address space (memory_mb), CPU seconds (timeout + 1),
    processes and threads (NPROC_LIMIT, counted per user), size of any one file (MAX_FILE_BYTES, which also
    bounds the captured output).
-2. bubblewrap: new mount, pid, network, ipc and uts namespaces. The host filesystem is read-only; /tmp is a
-   small private tmpfs that is the working directory and vanishes with the run; /root, /home and the project
-   directory are hidden behind empty read-only dirs (no gold answers, no secrets), with the interpreter and its
-   packages mounted back. Editable installs' `.pth` hooks (which point into hidden source trees, and cost ~10 ms
-   of startup per run) are masked. The network namespace is empty but for its own loopback: no route out, and
-   the host's 127.0.0.1 is out of reach.
-3. An unprivileged user. When the caller is root, the code runs as a uid of its own (one per concurrent run,
+3. bubblewrap: new mount, pid, network, ipc and uts namespaces. The filesystem is an allow-list on an empty read-only
+   root: the system's /usr and /lib*, /bin, /sbin (or their symlinks), the interpreter's prefixes (sys.prefix,
+   sys.base_prefix), ETC_FILES, a fresh /dev and /proc, and a small private tmpfs /tmp that is the working directory
+   and vanishes with the run. Nothing else of the host: no project, /home, /root, /run (no host unix socket), /srv,
+   /opt, /var, /mnt or /sys. Editable installs' `.pth` hooks (which point into source trees, and cost ~10 ms of
+   startup per run) are masked. The network namespace is empty but for its own loopback: no route out, and the
+   host's 127.0.0.1 is out of reach.
+4. An unprivileged user. When the caller is root, the code runs as a uid of its own (one per concurrent run,
    taken from UID_POOL under a lock file, so one run's processes never count against another's NPROC) with no
    capabilities and no_new_privs. A non-root caller's code runs as the caller inside a user namespace.
-4. A wall-clock timeout. Every process of a timed-out run is killed (by uid, else bwrap's process group), and
-   the pid namespace dies with its first process, so nothing the code forked outlives the call.
+5. A wall-clock timeout. Every process of a timed-out run is killed (by cgroup, and by uid, else bwrap's process
+   group), and the pid namespace dies with its first process, so nothing the code forked outlives the call.
+
+`start_sandbox` checks all this once (make_toolbox calls it, so a stage without the isolation it asks for refuses to
+start); `run_python` runs code in it.
 """
 from __future__ import annotations
 
@@ -26,23 +34,34 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-HIDDEN_DIRS = ("/root", "/home", str(PROJECT_ROOT))
+from . import cgroups
+
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # bound (or symlinked) as on the host
+ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")  # all of /etc the sandbox sees
 TMP_BYTES = 64 << 20  # the private /tmp
 MAX_FILE_BYTES = 16 << 20  # RLIMIT_FSIZE
-NPROC_LIMIT = 32
+NPROC_LIMIT = 32  # per run: the cgroup's pids.max (bwrap's own 2 processes included) and RLIMIT_NPROC
+SANDBOX_CPUS = 1  # per run: the cgroup's CPU quota
 UID_POOL = range(2_000_000_000, 2_000_000_064)  # used only when the caller is root
 LOCK_DIR = Path(tempfile.gettempdir()) / "unison-sandbox-uids"
 SANDBOX_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
     "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",  # threads count as processes
 }
+_start_lock = threading.RLock()
+_isolation: str | None = None  # what start_sandbox set up: "strict" | "rlimits" (None: not yet)
+_runs_cgroup: cgroups.Cgroup | None = None  # strict: the cgroup all runs go in
+
+
+class SandboxUnavailable(RuntimeError):
+    """Code cannot be sandboxed with the isolation params.yaml asks for; the message names what is missing."""
 
 
 @dataclass
@@ -51,35 +70,74 @@ class ToolResult:
     output: str  # stdout and stderr interleaved, truncated to max_output_chars
     error: str | None = None  # timeout, memory, output limit, exit N, signal NAME, sandbox unavailable: why
     elapsed_s: float = 0.0
+    peak_memory_mb: float | None = None  # the most the run held at once, by its cgroup (None under rlimits)
 
 
-def run_python(code: str, timeout_s: float = 5, memory_mb: int = 512, max_output_chars: int = 512) -> ToolResult:
-    """Run `code` with the sandbox's Python (the current interpreter, isolated mode) and capture its output."""
-    problem = sandbox_problem()
-    if problem:
-        return ToolResult(False, "", f"sandbox unavailable: {problem}")
-    return _run(code, timeout_s, memory_mb, max_output_chars)
+def start_sandbox(isolation: str = "strict", memory_mb: int = 512, total_memory_mb: int = 4096) -> str:
+    """Check that code can run with `isolation` (tools.sandbox_isolation) and cap all runs together at total_memory_mb;
+    return a line that says what is in force. Raises SandboxUnavailable naming what is missing, and the setting."""
+    global _isolation, _runs_cgroup
+    missing = [tool for tool in ("bwrap", "prlimit", "setpriv", "sh") if shutil.which(tool) is None]
+    if missing:
+        raise SandboxUnavailable(f"python sandbox: not found on PATH: {', '.join(missing)}. The python tool needs bubblewrap "
+                                 "(`make setup` installs it) and util-linux's prlimit and setpriv; no setting runs "
+                                 "model code without them")
+    with _start_lock:
+        runs_cgroup = None
+        if isolation == "strict":
+            try:
+                runs_cgroup = _parent_cgroup()
+                cgroups.set_memory(runs_cgroup, total_memory_mb)
+            except (cgroups.CgroupUnavailable, OSError) as e:
+                raise SandboxUnavailable(
+                    f"python sandbox: {e}. With tools.sandbox_isolation: strict (the default) each run is bounded as a whole by a "
+                    "cgroup (memory of all its processes, memfd, shared memory and /tmp; processes; CPU). Give this "
+                    "process a writable cgroup (root, or a delegated cgroup v2 subtree, e.g. under `systemd-run --user "
+                    "--scope -p Delegate=yes`), or set tools.sandbox_isolation: rlimits to accept per-process limits "
+                    "only (weaker: one run can then hold many times python_memory_mb)") from None
+        probe = _run("print('ok')", 30, memory_mb, 2000, runs_cgroup)
+        if not probe.ok or probe.output != "ok\n":
+            raise SandboxUnavailable(f"python sandbox: the probe run failed ({probe.error}): {probe.output.strip()}")
+        if runs_cgroup is not None and not probe.peak_memory_mb:
+            raise SandboxUnavailable(f"python sandbox: the probe run's cgroup under {runs_cgroup.dirs[0]} counted no memory")
+        _isolation, _runs_cgroup = isolation, runs_cgroup
+    if runs_cgroup is None:
+        return (f"python sandbox: WARNING: tools.sandbox_isolation is rlimits: bubblewrap + per-process rlimits only. "
+                f"A run is NOT bounded as a whole: each of its up to {NPROC_LIMIT} processes may map {memory_mb} MiB, "
+                "memfd, shared memory and /tmp are not counted, and nothing bounds all runs together")
+    return (f"python sandbox: bubblewrap + cgroup v{runs_cgroup.version} ({runs_cgroup.dirs[0]}): each run at most "
+            f"{memory_mb} MiB in all (its processes, memfd, shared memory, /tmp), {NPROC_LIMIT} processes and threads, "
+            f"{SANDBOX_CPUS} CPU; all runs together at most {total_memory_mb} MiB (tools.python_total_memory_mb)")
 
 
 @cache
-def sandbox_problem() -> str | None:
-    """Why code cannot be sandboxed here, or None; checked once per process, so nothing ever runs unsandboxed."""
-    missing = [tool for tool in ("bwrap", "prlimit", "setpriv") if shutil.which(tool) is None]
-    if missing:
-        return f"not found on PATH: {', '.join(missing)}"
-    probe = _run("print('ok')", timeout_s=30, memory_mb=512, max_output_chars=2000)
-    if not probe.ok or probe.output != "ok\n":
-        return f"probe failed ({probe.error}): {probe.output.strip()}"
-    return None
+def _parent_cgroup() -> cgroups.Cgroup:
+    return cgroups.create_parent()
 
 
-def _run(code: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> ToolResult:
-    with _sandbox_uid() as uid, tempfile.TemporaryFile() as source, tempfile.TemporaryFile() as output:
+def run_python(code: str, timeout_s: float = 5, memory_mb: int = 512, max_output_chars: int = 512) -> ToolResult:
+    """Run `code` with the sandbox's Python (the current interpreter, isolated mode) and capture its output, in the
+    sandbox start_sandbox set up (the strict default if none was; never in a weaker one)."""
+    with _start_lock:
+        try:
+            if _isolation is None:
+                start_sandbox(memory_mb=memory_mb)
+        except SandboxUnavailable as e:
+            return ToolResult(False, "", f"sandbox unavailable: {e}")
+    return _run(code, timeout_s, memory_mb, max_output_chars, _runs_cgroup)
+
+
+def _run(code: str, timeout_s: float, memory_mb: int, max_output_chars: int,
+         runs_cgroup: cgroups.Cgroup | None) -> ToolResult:
+    bounds = cgroups.run_cgroup(runs_cgroup, memory_mb, NPROC_LIMIT, SANDBOX_CPUS) if runs_cgroup else nullcontext()
+    with (_sandbox_uid() as uid, bounds as cgroup, tempfile.TemporaryFile() as source,
+          tempfile.TemporaryFile() as output):
         source.write(code.encode())
         source.seek(0)
+        command = (cgroups.join_command(cgroup) if cgroup else []) + _command(uid, timeout_s, memory_mb)
         start = time.monotonic()
-        proc = subprocess.Popen(_command(uid, timeout_s, memory_mb), stdin=source, stdout=output,
-                                stderr=subprocess.STDOUT, cwd="/", env=SANDBOX_ENV, start_new_session=True)
+        proc = subprocess.Popen(command, stdin=source, stdout=output, stderr=subprocess.STDOUT, cwd="/",
+                                env=SANDBOX_ENV, start_new_session=True)
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -88,19 +146,23 @@ def _run(code: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> 
             if proc.returncode is None:
                 _kill_sandbox(proc, uid)
         elapsed_s = time.monotonic() - start
+        oom_killed, peak_mb = False, None
+        if cgroup:
+            cgroups.kill_all(cgroup)
+            oom_killed = cgroups.oom_kills(cgroup) > 0
+            peak = cgroups.peak_bytes(cgroup)
+            peak_mb = None if peak is None else round(peak / (1 << 20), 1)
         output.seek(0)
         raw = output.read()
     text = raw.decode(errors="replace")
-    error = _error(returncode, text, output_full=len(raw) >= MAX_FILE_BYTES)
-    return ToolResult(error is None, _truncate(text, max_output_chars), error, round(elapsed_s, 3))
+    error = _error(returncode, text, output_full=len(raw) >= MAX_FILE_BYTES, oom_killed=oom_killed)
+    return ToolResult(error is None, _truncate(text, max_output_chars), error, round(elapsed_s, 3), peak_mb)
 
 
 def _command(uid: int | None, timeout_s: float, memory_mb: int) -> list[str]:
     nproc = NPROC_LIMIT if uid is not None else NPROC_LIMIT + _thread_count(os.getuid())  # NPROC counts per user
     limits = [shutil.which("prlimit"), f"--as={int(memory_mb) << 20}", f"--cpu={math.ceil(timeout_s) + 1}",
               f"--nproc={nproc}", f"--fsize={MAX_FILE_BYTES}", "--"]
-    filesystem = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-                  "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp", *_hiding_mounts()]
     if uid is None:  # not root: bwrap needs a user namespace, and the code runs as the (unprivileged) caller
         namespaces, become_user = ["--unshare-all"], []
     else:  # root: bwrap keeps only what setpriv needs to switch to the sandbox uid and drop everything
@@ -109,28 +171,28 @@ def _command(uid: int | None, timeout_s: float, memory_mb: int) -> list[str]:
                       "--cap-add", "CAP_SETPCAP"]
         become_user = [shutil.which("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                        "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-    return [*limits, shutil.which("bwrap"), *filesystem, *namespaces, "--die-with-parent", "--new-session",
+    return [*limits, shutil.which("bwrap"), *_filesystem(), *namespaces, "--die-with-parent", "--new-session",
             "--chdir", "/tmp", *become_user, sys.executable, "-I", "-u", "-"]
 
 
-def _hiding_mounts() -> list[str]:
-    """bwrap args: an empty read-only dir over each HIDDEN_DIR, with the interpreter's install dirs mounted back."""
-    hidden = sorted(d for d in HIDDEN_DIRS if os.path.isdir(d))  # parents before children
+def _filesystem() -> list[str]:
+    """bwrap args: an empty read-only root with only the interpreter and what it needs, and a fresh /dev, /proc, /tmp."""
     args = []
-    for d in hidden:
-        args += ["--size", "65536", "--tmpfs", d]
-    for prefix in sorted({sys.prefix, sys.base_prefix}):
-        inside = [Path(d) for d in hidden if Path(prefix).is_relative_to(d)]
-        if inside:
-            between = [p for p in reversed(Path(prefix).parents) if p.is_relative_to(inside[-1]) and p != inside[-1]]
-            for parent in between:
-                args += ["--perms", "0755", "--dir", str(parent)]
-            args += ["--ro-bind", prefix, prefix]
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    prefixes = [p for p in sorted({sys.prefix, sys.base_prefix}) if not any(Path(p).is_relative_to(d) for d in SYSTEM_DIRS)]
+    binds = [*prefixes, *(path for path in ETC_FILES if os.path.exists(path))]  # a venv, its Python, bits of /etc
+    for d in sorted({str(parent) for path in binds for parent in Path(path).parents} - {"/"}):
+        args += ["--perms", "0755", "--dir", d]  # bwrap would make them with the caller's umask
+    for path in binds:
+        args += ["--ro-bind", path, path]
     for pth in _editable_hooks():
         args += ["--ro-bind", "/dev/null", pth]  # unreadable in the sandbox (nodev): site skips it
-    for d in hidden:
-        args += ["--remount-ro", d]
-    return args
+    return [*args, "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+            "--remount-ro", "/"]
 
 
 @cache
@@ -210,8 +272,10 @@ def _thread_count(uid: int) -> int:
     return count
 
 
-def _error(returncode: int | None, output: str, output_full: bool) -> str | None:
+def _error(returncode: int | None, output: str, output_full: bool, oom_killed: bool) -> str | None:
     """None for success, else why the run failed (bwrap exits 128 + N when the code died of signal N)."""
+    if oom_killed:  # the cgroup ran out of memory and the kernel killed some of the run
+        return "memory"
     if returncode is None or returncode == 128 + signal.SIGXCPU:
         return "timeout"
     if returncode == 0:
