@@ -300,6 +300,8 @@ def test_crawl_follows_redirects_itself_and_checks_every_target(cache):
         text, kind = tool(f"{s.url}/loop")
         assert kind == "error" and "too many redirects" in text
         assert [r["path"] for r in s.requests].count("/loop") == 4  # the request and 3 redirects
+        text, kind = WebSearch(f"{s.url}/to-page", cache=cache)("Tarsk")  # the endpoint's redirect is not followed
+        assert kind == "error" and "at most 0 are followed" in text and s.requests[-1]["path"] == "/to-page"
 
 
 def test_crawl_refuses_a_content_type_that_is_not_text_and_a_long_retry_after(cache):
