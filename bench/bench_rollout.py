@@ -129,6 +129,7 @@ class TimedToolbox:
 
     def __init__(self, toolbox):
         self.toolbox, self.seconds, self.calls, self.log = toolbox, 0.0, 0, []
+        self.call_deadline_s = toolbox.call_deadline_s
         self._lock = threading.Lock()
 
     def call(self, tool: str, arg: str):

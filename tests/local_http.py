@@ -1,12 +1,12 @@
-"""A real HTTP server on 127.0.0.1, run in a thread by a test, answering with a test-supplied function.
-
-It records every request and the most requests it ever had in flight at once."""
+"""Real servers on 127.0.0.1, run in a thread by a test: an HTTP server answering with a test-supplied function (it
+records every request and the most requests it ever had in flight at once), and a raw TCP one for misbehaving servers."""
 from __future__ import annotations
 
 import json
 import os
 import signal
 import socket
+import socketserver
 import subprocess
 import sys
 import threading
@@ -73,6 +73,43 @@ class LocalServer:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class RawServer:
+    """A TCP server on 127.0.0.1 that answers every connection, once it has read the request's head, with the bytes
+    `answer()` yields (sleeping between them as it likes): for servers that misbehave below HTTP (drip-fed headers or
+    bodies, endless bodies). It counts the bytes it sent and stops when the client leaves."""
+
+    def __init__(self, answer):
+        self.sent = 0
+        server = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    data = self.request.recv(4096)
+                    if not data:
+                        return
+                    head += data
+                try:
+                    for chunk in answer():
+                        self.request.sendall(chunk)
+                        server.sent += len(chunk)
+                except OSError:  # the client left (a cut, a deadline)
+                    pass
+
+        self.tcp = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.tcp.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.tcp.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.tcp.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.tcp.shutdown()
+        self.tcp.server_close()
 
 
 def free_port() -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -122,3 +123,26 @@ def test_episodes_on_another_backend_run_inside_the_flow(tiny, tiny_model_dir):
 
     assert run_flows([flow, flow], main, max_episodes=2) == ["answer", "answer"]
     assert main.calls == [[1]] and other.calls == [[2], [2]]
+
+
+def test_a_tool_call_past_its_deadline_is_a_timeout_and_the_other_episodes_go_on(tiny):
+    """Nine stuck calls (more than the loop's 8 threads) and a quick one: each stuck call is given up on at its deadline,
+    the ninth still runs (the loop moves queued calls off threads held by late calls), and the quick episode finishes."""
+    tok, release = tiny.tokenizer, threading.Event()
+    box = Toolbox(call_deadline_s=0.5)
+    box.handlers["python"] = lambda code: (release.wait(120), ("too late", None))[1]  # stuck until the test ends
+    box.handlers["search"] = lambda query: ("Tarsk is a city in Velmora.", None)
+    stuck = [episode(tok, seed, ["python", "answer"]) for seed in range(1, 10)]
+    quick = episode(tok, 10, ["search", "search", "answer"])
+    t0 = time.perf_counter()
+    try:
+        run_episodes(stuck + [quick], tiny, box, CFG)
+    finally:
+        release.set()
+    elapsed = time.perf_counter() - t0
+    for e in stuck:
+        assert e.tool_stats["python"] == {"calls": 1, "errors": 1, "timeout": 1}
+        assert e.segments[1].text == "\n<result>\nerror: python gave no answer within 0.5 s (tools.call_deadline_s)\n</result>\n"
+        assert e.segments[2].text.startswith("<answer>")  # the episode went on after the timeout
+    assert quick.tool_stats["search"] == {"calls": 2, "errors": 0} and quick.segments[-1].text.startswith("<answer>")
+    assert elapsed < 60  # the loop never waited for the hanging calls (120 s); 1.6 s measured on a quiet machine

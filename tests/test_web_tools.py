@@ -1,5 +1,6 @@
-"""web_search and crawl against a real local HTTP server, with the real disk cache in tmp_path; and a real model episode
-that calls <web_search> through the Toolbox."""
+"""web_search and crawl against real local HTTP servers, with the real disk cache in tmp_path; and a real model episode
+that calls <web_search> through the Toolbox. Crawl refuses 127.0.0.1 by default, so tests that crawl the local server
+allow it explicitly (LOCAL)."""
 from __future__ import annotations
 
 import time
@@ -12,6 +13,8 @@ from unison.protocol import SYSTEM_PROMPT, system_prompt
 from unison.tools.web import Crawl, WebCache, WebSearch, html_to_text
 
 from .local_http import LocalServer
+
+LOCAL = ("127.0.0.1/32",)  # tools.web_allow_networks for tests that crawl their own server
 
 PAGE = """<html><head><title>Tarsk &amp; Velmora</title><style>body {color: red}</style>
 <script>var secret = "do not show";</script></head>
@@ -107,7 +110,7 @@ def test_html_to_text_drops_scripts_and_keeps_blocks():
 
 
 def test_crawl_strips_html_truncates_and_caches(server, cache):
-    tool = Crawl(max_chars=30, cache=cache)
+    tool = Crawl(max_chars=30, cache=cache, allow_networks=LOCAL)
     text, kind = tool(f"{server.url}/page | {server.url}/notes.txt")
     assert kind is None
     page, notes = text.split("\n---\n")
@@ -134,9 +137,11 @@ def test_web_tools_are_off_by_default_and_opt_in(server, tmp_path):
     assert "<web_search>" in system_prompt(enabled_tools(on)) and "<crawl>" in system_prompt(enabled_tools(on))
     box = make_toolbox(on, web_cache_dir=tmp_path)
     assert box.call("web_search", "Tarsk") == ("Doc 1 (Title: Tarsk 1) About Tarsk, part 1. (https://example.org/1)", None)
-    assert box.call("crawl", f"{server.url}/notes.txt")[0].endswith("plain notes")
+    assert box.call("crawl", f"{server.url}/notes.txt")[1] == "blocked"  # the default: public addresses only
     box.call("web_search", "Tarsk")  # answered from the shared cache
     assert remote_counters({}, box) == {"web_cache.hits": 1.0, "web_cache.misses": 2.0}
+    local = make_toolbox(_params(server.url, crawl=True, web_allow_networks=list(LOCAL)), web_cache_dir=tmp_path)
+    assert local.call("crawl", f"{server.url}/notes.txt")[0].endswith("plain notes")
     assert remote_counters({}, make_toolbox(off, web_cache_dir=tmp_path)) == {}
 
 
@@ -178,3 +183,196 @@ def test_enabled_web_tools_reach_acting_agents_and_their_student_rendering(base_
     assert "<web_search>query</web_search>" in Backend.tokenizer.decode(e.prompt_ids)
     assert student_messages("Who founded Orlen?", [], ctx.system)[0]["content"] == system_prompt(tools) != SYSTEM_PROMPT
     assert MethodContext(Backend(), Toolbox(), EpisodeSettings(), "t").system == SYSTEM_PROMPT  # defaults: the plain protocol
+
+
+# --- crawl's address guard, the total deadline and the body cap -------------------------------------------------------
+
+
+def fake_dns(monkeypatch, names: dict[str, str]) -> list[str]:
+    """Names resolve as `names` says (to real addresses; the connection itself is real); returns the names looked up."""
+    import socket
+
+    from unison.tools import web_fetch
+
+    looked_up = []
+
+    def lookup(host, port):
+        looked_up.append(host)
+        return socket.getaddrinfo(names.get(host, host), port, type=socket.SOCK_STREAM)
+
+    monkeypatch.setattr(web_fetch, "lookup", lookup)
+    return looked_up
+
+
+def test_crawl_refuses_internal_addresses_without_connecting(server, cache, monkeypatch):
+    fake_dns(monkeypatch, {"public.example": "127.0.0.1", "intranet.example": "10.1.2.3"})
+    port = server.url.rsplit(":", 1)[1]
+    refused = {f"http://127.0.0.1:{port}/page": "127.0.0.1 is a loopback address",
+               f"http://localhost:{port}/page": "localhost resolves to",
+               f"http://2130706433:{port}/page": "resolves to 127.0.0.1",  # 127.0.0.1 as one decimal number
+               f"http://[::1]:{port}/page": "::1 is a loopback address",
+               f"http://[::ffff:127.0.0.1]:{port}/page": "embeds 127.0.0.1, 127.0.0.1 is a loopback address",
+               f"http://public.example:{port}/page": "public.example resolves to 127.0.0.1: 127.0.0.1 is a loopback address",
+               "http://intranet.example/": "10.1.2.3 is a private address",
+               "http://10.0.0.1/": "private", "http://192.168.1.1/": "private",
+               "http://169.254.169.254/latest/meta-data/": "169.254.169.254 is a link-local address",
+               "http://100.64.0.1/": "CGNAT", "http://0.0.0.0/": "unspecified", "http://224.0.0.1/": "multicast",
+               "http://[fe80::1]/": "link-local", "http://[fd00::1]/": "private", "http://[2002:7f00:1::]/": "embeds 127.0.0.1"}
+    tool = Crawl(cache=cache, timeout_s=5)
+    t0 = time.perf_counter()
+    text, kind = tool(" | ".join(refused))
+    assert kind == "blocked" and time.perf_counter() - t0 < 1.0  # refused before any connection
+    for (url, why), obs in zip(refused.items(), text.split("\n---\n")):
+        assert obs.startswith(f"error: crawl {url!r}: blocked: ") and why in obs and "tools.web_allow_networks" in obs, obs
+    assert server.requests == []
+    assert Crawl(cache=cache, allow_networks=LOCAL)(f"http://127.0.0.1:{port}/notes.txt")[1] is None  # when allowed
+
+
+def test_crawl_resolves_once_and_keeps_the_hostname_for_host_sni_and_certificate(tmp_path, cache, monkeypatch):
+    """Connected to the checked address, the request still names the host: Host header, TLS SNI, certificate check."""
+    import ssl
+
+    from unison.tools import web_fetch
+
+    cert, key = self_signed_certificate(tmp_path, "public.example")
+    sni = []
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda sock, name, ctx: sni.append(name)
+    monkeypatch.setattr(web_fetch, "TLS", ssl.create_default_context(cafile=cert))  # trusts the test's certificate
+    looked_up = fake_dns(monkeypatch, {"public.example": "127.0.0.1", "other.example": "127.0.0.1"})
+    tls_server = LocalServer(web)
+    tls_server.httpd.socket = context.wrap_socket(tls_server.httpd.socket, server_side=True)
+    with tls_server as s:
+        port = s.url.rsplit(":", 1)[1]
+        text, kind = Crawl(cache=cache, allow_networks=LOCAL)(f"https://public.example:{port}/notes.txt")
+        assert (text, kind) == (f"Page https://public.example:{port}/notes.txt\nplain notes", None)
+        assert s.requests[0]["headers"]["Host"] == f"public.example:{port}" and sni == ["public.example"]
+        assert looked_up == ["public.example"]
+        text, kind = Crawl(cache=cache, allow_networks=LOCAL)(f"https://other.example:{port}/notes.txt")
+        assert kind == "error" and "certificate of other.example is not accepted" in text and len(s.requests) == 1
+
+
+def self_signed_certificate(tmp_path, name: str) -> tuple[str, str]:
+    """PEM files of a self-signed certificate for `name` and of its key."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    return str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+
+
+def redirects(req):
+    """/to-page redirects to /page; /to-metadata and /to-ipv6 to internal addresses; /loop to itself; /image is a PNG."""
+    targets = {"/to-page": "/page", "/to-metadata": "http://169.254.169.254/latest/meta-data/", "/loop": "/loop",
+               "/to-ipv6": "http://[::1]:9/page", "/to-file": "file:///etc/passwd"}
+    if req["path"] in targets:
+        return 302, "", {"Location": targets[req["path"]]}
+    if req["path"] == "/image":
+        return 200, "\x89PNG...", {"Content-Type": "image/png"}
+    if req["path"] == "/busy":
+        return 429, "slow down", {"Retry-After": "60"}
+    return web(req)
+
+
+def test_crawl_follows_redirects_itself_and_checks_every_target(cache):
+    with LocalServer(redirects) as s:
+        tool = Crawl(cache=cache, allow_networks=LOCAL, max_chars=20)
+        assert tool(f"{s.url}/to-page") == (f"Page {s.url}/to-page\nTarsk & Velmora\nTars", None)
+        for path, why in (("/to-metadata", "169.254.169.254 is a link-local address"), ("/to-ipv6", "::1 is a loopback address"),
+                          ("/to-file", "not an http(s) URL: 'file:///etc/passwd'")):
+            text, kind = tool(s.url + path)
+            assert kind == "blocked" and why in text, text
+        text, kind = tool(f"{s.url}/loop")
+        assert kind == "error" and "too many redirects" in text
+        assert [r["path"] for r in s.requests].count("/loop") == 4  # the request and 3 redirects
+        text, kind = WebSearch(f"{s.url}/to-page", cache=cache)("Tarsk")  # the endpoint's redirect is not followed
+        assert kind == "error" and "at most 0 are followed" in text and s.requests[-1]["path"] == "/to-page"
+
+
+def test_crawl_refuses_a_content_type_that_is_not_text_and_a_long_retry_after(cache):
+    with LocalServer(redirects) as s:
+        tool = Crawl(cache=cache, allow_networks=LOCAL, timeout_s=2)
+        text, kind = tool(f"{s.url}/image")
+        assert kind == "error" and "content type image/png is not one of text/html" in text
+        t0 = time.perf_counter()
+        text, kind = tool(f"{s.url}/busy")  # Retry-After: 60 s, past the call's 2 s deadline: no retry, no wait
+        assert kind == "error" and "HTTP 429" in text and "would pass the deadline" in text
+        assert time.perf_counter() - t0 < 1.0 and [r["path"] for r in s.requests].count("/busy") == 1
+
+
+def drip(head: bytes):
+    """An answer that sends `head`, then a few bytes every 0.5 s for 20 s."""
+    def answer():
+        yield head
+        for _ in range(40):
+            time.sleep(0.5)
+            yield b"<p>drip</p>\r\n" if head.endswith(b"\r\n\r\n") else b"X-Drip: 1\r\n"
+    return answer
+
+
+def test_a_drip_fed_answer_is_cut_at_the_total_deadline(cache):
+    from .local_http import RawServer
+
+    with RawServer(drip(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\n\r\n")) as body, \
+            RawServer(drip(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\n")) as headers:
+        t0 = time.perf_counter()
+        text, kind = Crawl(cache=cache, allow_networks=LOCAL, timeout_s=1)(f"{body.url}/ | {headers.url}/")
+        elapsed = time.perf_counter() - t0
+        assert kind == "timeout" and text.count("timed out") == 2, text
+        assert 0.9 < elapsed < 2.0  # one deadline for the whole call, though every read gets bytes within 0.5 s
+        t0 = time.perf_counter()
+        text, kind = WebSearch(body.url + "/search", cache=cache, timeout_s=1)("Tarsk")
+        assert kind == "timeout" and 0.9 < time.perf_counter() - t0 < 2.0
+
+
+def peak_rss_growth(fn) -> tuple[object, int]:
+    """fn()'s result and how far the process's peak resident memory rose above its level before (Linux: the peak is
+    reset through /proc/self/clear_refs, so no earlier peak hides this one)."""
+    def kib(field: str) -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = kib("VmRSS")
+    result = fn()
+    return result, (kib("VmHWM") - base) * 1024
+
+
+def test_a_huge_or_bomb_answer_is_cut_at_the_cap_without_growing_the_process(cache):
+    import zlib
+
+    from .local_http import RawServer
+
+    cap = 4_000_000
+    huge = lambda: iter([b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n"] + [b"x" * 2**20] * 1536)  # 1.5 GiB
+    gzip = zlib.compressobj(9, zlib.DEFLATED, 31)
+    bomb_body = b"".join(gzip.compress(b"a" * 2**20) for _ in range(64)) + gzip.flush()  # 64 MiB of text in ~65 KB
+
+    def bomb():
+        yield b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(bomb_body)
+        time.sleep(0.05)  # the body arrives after the head: its first read is a whole 64 KiB chunk, ~64 MiB decoded
+        yield bomb_body
+    with RawServer(huge) as h, RawServer(bomb) as b:
+        tool = Crawl(cache=cache, allow_networks=LOCAL, max_bytes=cap, max_chars=120)
+        for url in (h.url, b.url):
+            (text, kind), growth = peak_rss_growth(lambda: tool(url))
+            assert kind is None and growth < 6 * cap, growth  # the body, its text, the cache's JSON: 3.2-3.7x measured
+            assert text.startswith(f"Page {url}\n[only the first 4000000 bytes of the page were read (tools.web_max_bytes)]\n")
+        assert h.sent < 64 * 2**20  # the server stopped soon after the client left
+        text, kind = WebSearch(h.url + "/search", cache=cache, max_bytes=cap)("Tarsk")
+        assert kind == "error" and "longer than tools.web_max_bytes (4000000 bytes)" in text

@@ -9,6 +9,7 @@ of anything that cannot work:
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Literal
@@ -147,12 +148,24 @@ class ToolsConfig(Section):
     python_total_memory_mb: int = Field(4096, description='all python runs at once together (the runtime runs up to 8 tool calls at a time)')
     python_max_output_chars: int = Field(512)
     sandbox_isolation: Literal['strict', 'rlimits'] = Field('strict', description='strict = bubblewrap + a cgroup per run and one for all runs, else the stage refuses to start | rlimits = bubblewrap + per-process rlimits only (weaker; logged)')
+    call_deadline_s: float = Field(60.0, description='the runtime gives up on a tool call after this many seconds: a timeout observation')
     web_search_url: str = Field('', description='"" = off; else a Serper-like POST endpoint: {q, num} -> {"organic": [{title, link, snippet}]}')
     crawl: bool = Field(False, description='true = <crawl>url</crawl> fetches pages (HTML stripped to text)')
     web_topk: int = Field(3, description='results per web query')
-    web_timeout_s: int = Field(15, description='per request (2 retries with backoff on connection errors, 429, 5xx)')
+    web_timeout_s: int = Field(15, description='total deadline of one web tool call: every URL or query, redirects, body, 2 retries and backoff')
     web_max_chars: int = Field(2000, description='crawled page text kept in an observation')
+    web_max_bytes: int = Field(2000000, description='web answers are read up to this many decoded bytes (a longer page is cut, a longer search answer is an error)')
     web_api_key_env: str = Field('', description='env var whose value is sent as X-API-KEY (Serper); "" = none')
+    web_allow_networks: list[str] = Field(default_factory=list, description='tests/operators only: non-public address ranges crawl may fetch, e.g. ["127.0.0.1/32"]; [] = public addresses only')
+
+    @model_validator(mode="after")
+    def _networks(self):
+        for net in self.web_allow_networks:
+            try:
+                ipaddress.ip_network(net)
+            except ValueError:
+                raise ValueError(f"tools.web_allow_networks: {net!r} is not an address range (e.g. 127.0.0.1/32)") from None
+        return self
 
     @model_validator(mode="after")
     def _python_memory(self):

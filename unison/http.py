@@ -1,9 +1,12 @@
-"""HTTP with retries for the remote pieces (the `openai` LLM backend, the web tools): one place for backoff and errors."""
+"""HTTP with retries for the remote pieces (the `openai` LLM backend, the remote retriever, the web tools): one place for
+backoff, Retry-After and errors."""
 from __future__ import annotations
 
 import time
 
 import requests
+
+MAX_RETRY_AFTER_S = 60.0
 
 
 class HTTPFailure(RuntimeError):
@@ -14,36 +17,64 @@ class HTTPFailure(RuntimeError):
         self.url, self.kind, self.detail, self.attempts, self.status = url, kind, detail, attempts, status
 
 
-def _retry_after(response: requests.Response) -> float:
+class AttemptFailed(Exception):
+    """One failed attempt: a timeout or connection error (no status), or an HTTP error status with its Retry-After."""
+
+    def __init__(self, kind: str, detail: str, status: int | None = None, retry_after_s: float = 0.0):
+        super().__init__(detail)
+        self.kind, self.detail, self.status, self.retry_after_s = kind, detail, status, retry_after_s
+
+
+def retry_after_s(value: str | None) -> float:
+    """Seconds a Retry-After header asks for, capped at MAX_RETRY_AFTER_S; 0 when absent or an HTTP date."""
     try:
-        return min(float(response.headers.get("Retry-After", 0)), 60.0)
+        return min(float(value or 0), MAX_RETRY_AFTER_S)
     except ValueError:  # an HTTP date: not worth parsing
         return 0.0
 
 
+def with_retries(method: str, url: str, attempt, *, retries: int, backoff_s: float, deadline: float | None = None,
+                 on_retry=None):
+    """`attempt()`'s result, retrying each AttemptFailed that is a timeout, a connection error, a 429 or a 5xx, with
+    exponential backoff (`backoff_s × 2^n`, or the server's Retry-After when longer); other statuses fail at once.
+
+    With a `deadline` (a time.monotonic() value) no wait runs past it: a retry that could only start after it is not
+    made, so the deadline bounds the whole call, retries included. `on_retry()` is called before every retry."""
+    for n in range(retries + 1):
+        try:
+            return attempt()
+        except AttemptFailed as e:
+            failure = e
+        if failure.status is not None and failure.status != 429 and failure.status < 500:
+            raise HTTPFailure(method, url, failure.kind, failure.detail, n + 1, failure.status)
+        if n == retries:
+            break
+        wait = max(backoff_s * 2**n, failure.retry_after_s)
+        if deadline is not None and time.monotonic() + wait >= deadline:
+            failure.detail += f" (no retry: waiting {wait:g} s would pass the deadline)"
+            break
+        if on_retry:
+            on_retry()
+        time.sleep(wait)
+    raise HTTPFailure(method, url, failure.kind, failure.detail, n + 1, failure.status)
+
+
 def request(method: str, url: str, *, timeout: float, retries: int = 3, backoff_s: float = 0.5, session=None,
             on_retry=None, **kwargs) -> requests.Response:
-    """Send a request; retry connection errors, timeouts, 429 and 5xx with exponential backoff (honouring Retry-After).
-
-    Other 4xx answers raise at once (retrying cannot fix them); `on_retry()` is called before every retry."""
+    """Send a request with `requests` (`timeout` is per connect and per read, not a total deadline), retried by
+    `with_retries`."""
     http = session or requests
-    for attempt in range(retries + 1):
-        wait = backoff_s * 2**attempt
+
+    def attempt() -> requests.Response:
         try:
             response = http.request(method, url, timeout=timeout, **kwargs)
         except requests.Timeout:
-            kind, detail, status = "timeout", f"timed out after {timeout} s", None
+            raise AttemptFailed("timeout", f"timed out after {timeout} s") from None
         except requests.ConnectionError as e:
-            kind, detail, status = "error", f"connection failed: {e}", None
-        else:
-            if response.status_code < 400:
-                return response
-            kind, detail, status = "error", f"HTTP {response.status_code}: {response.text[:300]}", response.status_code
-            if status != 429 and status < 500:
-                raise HTTPFailure(method, url, kind, detail, attempt + 1, status)
-            wait = max(wait, _retry_after(response))
-        if attempt < retries:
-            if on_retry:
-                on_retry()
-            time.sleep(wait)
-    raise HTTPFailure(method, url, kind, detail, retries + 1, status)
+            raise AttemptFailed("error", f"connection failed: {e}") from None
+        if response.status_code >= 400:
+            raise AttemptFailed("error", f"HTTP {response.status_code}: {response.text[:300]}", response.status_code,
+                                retry_after_s(response.headers.get("Retry-After")))
+        return response
+
+    return with_retries(method, url, attempt, retries=retries, backoff_s=backoff_s, on_retry=on_retry)

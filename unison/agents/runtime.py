@@ -1,9 +1,9 @@
 """The batched agent runtime (DESIGN §5).
 
 `run_episodes` keeps every live episode — all questions, samples and agents — in one continuously batched engine run
-(lock-step batches for backends without streaming); tool calls run concurrently in a thread pool; finished episodes
-leave the batch. `scheduler.run_flows` runs many multi-round flows (a teacher method on one question each) on one
-engine, so no question waits for another's round to end. Every episode is token-in/token-out: its ids are the prompt
+(lock-step batches for backends without streaming); tool calls run concurrently in a thread pool, each with a deadline
+(the toolbox's `call_deadline_s`); finished episodes leave the batch. `scheduler.run_flows` runs many multi-round
+flows (a teacher method on one question each) on one engine, so no question waits for another's round to end. Every episode is token-in/token-out: its ids are the prompt
 plus each segment's ids exactly as generated or appended.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ import itertools
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -109,6 +110,26 @@ class LockStep:
 
 
 _request_ids = itertools.count()
+TOOL_THREADS = 8
+POLL_S = 0.05  # how often the loop, waiting for a tool call, checks the running calls' deadlines
+
+
+@dataclass(eq=False)  # calls are told apart by identity
+class ToolCall:
+    """An episode's tool call, queued or running in the loop's thread pool."""
+
+    episode: Episode
+    tool: str
+    arg: str
+    toolbox: Toolbox
+    future: Future | None = None
+    pool: ThreadPoolExecutor | None = None
+    started: float | None = None  # time.monotonic() when a pool thread took it
+    late: bool = False  # it ran past the toolbox's call_deadline_s: the loop gave up on it
+
+    def run(self) -> tuple[str, str | None, float]:
+        self.started = time.monotonic()
+        return _timed(self.toolbox, self.tool, self.arg)
 
 
 class EngineLoop:
@@ -118,17 +139,19 @@ class EngineLoop:
     A streaming engine (vLLM: `submit`/`step`) keeps every live episode in one continuously batched run: an episode's
     next turn joins as soon as its tools return, while the others decode. Tool calls run in a thread pool during the
     engine's next step and are collected after it (or at once when the engine has nothing else to do), so the batch
-    composition, and the outputs, depend only on the inputs and seeds. Other backends run in lock-step batches."""
+    composition, and the outputs, depend only on the inputs and seeds. A call still running `call_deadline_s` after it
+    started is collected as a `timeout` observation without waiting for it. Other backends run in lock-step batches."""
 
     def __init__(self, backend, desc: str, progress: bool = True):
         self.backend, self.tok = backend, backend.tokenizer
         self.engine = backend if getattr(backend, "streaming", False) else LockStep(backend)
         self.inflight: dict[str, tuple[Episode, tuple]] = {}
-        self.waiting: list[tuple[Episode, tuple, object]] = []  # tool calls started during the previous step
+        self.waiting: list[ToolCall] = []  # tool calls started during the previous step
+        self.calls: list[ToolCall] = []  # every tool call not collected yet
         self.order: dict[int, int] = {}  # id(episode) -> arrival, to handle completions in a fixed order
         self.arrivals = itertools.count()
         self.setup: dict[int, tuple[Toolbox, EpisodeSettings, "Batch"]] = {}
-        self.pool = ThreadPoolExecutor(max_workers=8)
+        self.pool = ThreadPoolExecutor(max_workers=TOOL_THREADS)
         self.bar = tqdm(total=0, desc=desc, unit="ep", mininterval=5, disable=not progress)
 
     @property
@@ -164,7 +187,8 @@ class EngineLoop:
             toolbox, cfg, _ = self.setup[id(e)]
             call = _apply_completion(e, c, scaffold, self.tok, cfg, step_s)
             if call:
-                started.append((e, call, self.pool.submit(_timed, toolbox, *call)))
+                self.calls.append(ToolCall(e, *call, toolbox))
+                started.append(self._run_tool(self.calls[-1]))
             elif e.finish_reason is None:
                 again.append(e)
             else:
@@ -172,11 +196,12 @@ class EngineLoop:
         waiting = self.waiting
         if not self.inflight and not again:  # the engine would idle: wait for this step's tools too
             waiting, started = waiting + started, []
-        for e, (tool, arg), future in waiting:
-            text, err, secs = future.result()
+        for call in waiting:
+            e = call.episode
+            text, err, secs = self._result(call)
             e.n_tool_calls += 1
-            e.count_tool(tool, err)
-            e.events.append({"type": "tool", "tool": tool, "input": arg, "output": text, "error": err, "latency_s": secs})
+            e.count_tool(call.tool, err)
+            e.events.append({"type": "tool", "tool": call.tool, "input": call.arg, "output": text, "error": err, "latency_s": secs})
             e.segments.append(_obs(self.tok, text))
             if e.finish_reason is None:
                 again.append(e)
@@ -187,8 +212,42 @@ class EngineLoop:
         return done
 
     def close(self) -> None:
-        self.pool.shutdown()
+        self.pool.shutdown(wait=not self.calls, cancel_futures=True)  # calls are left only when a step raised: no wait
         self.bar.close()
+
+    def _run_tool(self, call: ToolCall) -> ToolCall:
+        call.pool, call.future = self.pool, self.pool.submit(call.run)
+        return call
+
+    def _result(self, call: ToolCall) -> tuple[str, str | None, float]:
+        """The call's (observation, error kind, seconds), or a `timeout` observation once it has run past its deadline;
+        the late call's thread is not waited for (the tools' own limits end it)."""
+        try:
+            while not call.late:
+                try:
+                    return call.future.result(timeout=POLL_S)
+                except FutureTimeout:
+                    self._give_up_late_calls()
+            deadline_s = call.toolbox.call_deadline_s
+            return f"error: {call.tool} gave no answer within {deadline_s:g} s (tools.call_deadline_s)", "timeout", deadline_s
+        finally:
+            self.calls.remove(call)
+
+    def _give_up_late_calls(self) -> None:
+        """Mark the calls running past their deadline as late. A late call keeps its pool thread, so when one holds a
+        thread of the current pool, the calls that pool has not started move to a fresh pool: a stuck tool never holds
+        up the calls queued behind it."""
+        now = time.monotonic()
+        late = [c for c in self.calls if not c.late and c.started is not None and not c.future.done()
+                and now - c.started >= c.toolbox.call_deadline_s]
+        for c in late:
+            c.late = True
+        if any(c.pool is self.pool for c in late):
+            old, self.pool = self.pool, ThreadPoolExecutor(max_workers=TOOL_THREADS)
+            for c in self.calls:
+                if c.pool is old and c.future.cancel():
+                    self._run_tool(c)
+            old.shutdown(wait=False)
 
     def _submit(self, eps: list[Episode]) -> list["Batch"]:
         done: list[Batch] = []

@@ -7,11 +7,12 @@ from ..protocol import split_queries
 class Toolbox:
     """The tools an episode may call; every call returns an observation string and its error kind (None if it worked).
 
-    Error kinds: timeout, error, empty_result, empty_query, empty_code, unavailable, unknown_tool (and the runtime's
-    unparsable, exception)."""
+    Error kinds: timeout, error, blocked, empty_result, empty_query, empty_code, unavailable, unknown_tool (and the
+    runtime's unparsable, exception). The runtime gives up on a call after `call_deadline_s` (a `timeout` observation)."""
 
-    def __init__(self, retriever=None, python_params: dict | None = None, search_max_chars: int = 300, extra: dict | None = None):
-        self.retriever = retriever
+    def __init__(self, retriever=None, python_params: dict | None = None, search_max_chars: int = 300, extra: dict | None = None,
+                 call_deadline_s: float = 60.0):
+        self.retriever, self.call_deadline_s = retriever, call_deadline_s
         self.python_params = python_params or {}
         self.search_max_chars = search_max_chars
         self.handlers = {"search": lambda arg: self.search(split_queries(arg)), "python": self.python, **(extra or {})}

@@ -22,7 +22,7 @@ def make_toolbox(params: Params, index_dir: str = "data/index", web_cache_dir: s
     print(start_sandbox(t.sandbox_isolation, t.python_memory_mb, t.python_total_memory_mb), flush=True)
     python = {"timeout_s": t.python_timeout_s, "memory_mb": t.python_memory_mb, "max_output_chars": t.python_max_output_chars}
     return Toolbox(make_retriever(index_dir, t), python_params=python, search_max_chars=t.search_max_chars,
-                   extra=make_web_tools(t, web_cache_dir))
+                   extra=make_web_tools(t, web_cache_dir), call_deadline_s=t.call_deadline_s)
 
 
 def enabled_tools(params: Params) -> tuple[str, ...]:

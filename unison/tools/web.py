@@ -2,17 +2,21 @@
 
 `web_search` POSTs {"q": query, "num": k} to `tools.web_search_url` and reads Serper's {"organic": [{title, link,
 snippet}]} (the contract of AFM's caching Serper proxy, research/seeds.md §2.6); queries joined by `|` run in parallel.
-`crawl` GETs each URL (several joined by " | ") and strips HTML to text. Both follow the runtime's handler contract
-`fn(arg) -> (observation, error kind or None)`: failures are observations of kind timeout / error / empty_result /
-empty_query. Answers are cached under `data/.cache/web/` by a hash of (tool, endpoint, query); errors are not cached.
+`crawl` GETs each URL (several joined by " | ") and strips HTML to text; it fetches only public addresses
+(web_fetch.py). One call, all its items, redirects and retries included, ends by `tools.web_timeout_s`, and no answer
+is read past `tools.web_max_bytes`. Both follow the runtime's handler contract `fn(arg) -> (observation, error kind or
+None)`: failures are observations of kind timeout / error / blocked / empty_result / empty_query. Answers are cached
+under `data/.cache/web/` by a hash of (tool, endpoint, query); errors are not cached.
 """
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
@@ -20,10 +24,13 @@ from urllib.parse import urlparse
 
 from ..config import ToolsConfig
 from ..data.schemas import atomic_path
-from ..http import HTTPFailure, request
+from ..http import HTTPFailure, with_retries
 from ..protocol import split_queries
+from .web_fetch import ANY_ADDRESS, Answer, Blocked, fetch
 
 CACHE_DIR = "data/.cache/web"
+HTML_TYPES = ("text/html", "application/xhtml+xml")
+TEXT_TYPES = HTML_TYPES + ("text/plain", "text/markdown", "text/csv", "text/xml", "application/xml", "application/json")
 
 
 class WebCache:
@@ -67,34 +74,43 @@ class _WebTool:
 
     name = ""
 
-    def __init__(self, endpoint: str, max_chars: int, timeout_s: float, retries: int, cache: WebCache | None, backoff_s: float):
-        self.endpoint, self.max_chars = endpoint, max_chars
-        self.http = {"timeout": timeout_s, "retries": retries, "backoff_s": backoff_s}
+    def __init__(self, endpoint: str, max_chars: int, timeout_s: float, retries: int, cache: WebCache | None, backoff_s: float,
+                 max_bytes: int):
+        self.endpoint, self.max_chars, self.max_bytes = endpoint, max_chars, max_bytes
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.cache = cache or WebCache()
 
     def __call__(self, arg: str) -> tuple[str, str | None]:
         items = self.split(arg)
         if not items:
             return f"error: empty {self.name} input", "empty_query"
+        deadline = time.monotonic() + self.timeout_s  # one deadline for the whole call
         with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
-            results = list(pool.map(self._one_safely, items))
+            results = list(pool.map(lambda item: self._one_safely(item, deadline), items))
         kinds = [k for _, k in results]
         failed = [k for k in kinds if k not in (None, "empty_result")]
         kind = failed[0] if failed else None if None in kinds else "empty_result"
         return "\n---\n".join(text for text, _ in results), kind
 
-    def _one_safely(self, item: str) -> tuple[str, str | None]:
+    def _one_safely(self, item: str, deadline: float) -> tuple[str, str | None]:
         try:
-            return self.one(item)
+            return self.one(item, deadline)
+        except Blocked as e:
+            return f"error: {self.name} {item!r}: blocked: {e}", "blocked"
         except HTTPFailure as e:
             return f"error: {self.name} {item!r}: {e.detail}", e.kind
-        except ValueError as e:  # a malformed answer (bad JSON) or input
+        except ValueError as e:  # a malformed answer (bad JSON), a refused content type, too many redirects
             return f"error: {self.name} {item!r}: {e}", "error"
+
+    def fetch(self, method: str, url: str, deadline: float, **kwargs) -> Answer:
+        """web_fetch.fetch with this tool's retries and body cap, all within `deadline`."""
+        return with_retries(method, url, lambda: fetch(method, url, deadline=deadline, max_bytes=self.max_bytes, **kwargs),
+                            retries=self.retries, backoff_s=self.backoff_s, deadline=deadline)
 
     def split(self, arg: str) -> list[str]:
         raise NotImplementedError
 
-    def one(self, item: str) -> tuple[str, str | None]:
+    def one(self, item: str, deadline: float) -> tuple[str, str | None]:
         raise NotImplementedError
 
 
@@ -102,26 +118,35 @@ class WebSearch(_WebTool):
     name = "web_search"
 
     def __init__(self, url: str, topk: int = 3, max_chars: int = 300, timeout_s: float = 15.0, retries: int = 2,
-                 api_key_env: str = "", cache: WebCache | None = None, backoff_s: float = 0.5):
-        super().__init__(url, max_chars, timeout_s, retries, cache, backoff_s)
+                 api_key_env: str = "", cache: WebCache | None = None, backoff_s: float = 0.5, max_bytes: int = 2_000_000):
+        super().__init__(url, max_chars, timeout_s, retries, cache, backoff_s, max_bytes)
         self.topk = topk
         key = os.environ.get(api_key_env) if api_key_env else None
-        self.headers = {"X-API-KEY": key} if key else {}  # Serper's header
+        self.headers = {"Content-Type": "application/json", **({"X-API-KEY": key} if key else {})}  # Serper's key header
 
     def split(self, arg: str) -> list[str]:
         return split_queries(arg)
 
-    def results(self, query: str) -> list[dict]:
-        """Top-k organic results ({title, link, snippet}); a cached answer serves when it holds at least k (as AFM's)."""
+    def results(self, query: str, deadline: float) -> list[dict]:
+        """Top-k organic results ({title, link, snippet}); a cached answer serves when it holds at least k (as AFM's).
+
+        The endpoint is the operator's (often a caching proxy on loopback), so its address is not checked; it must not
+        redirect (a redirect would carry the API key elsewhere)."""
         cached = self.cache.get(self.name, self.endpoint, query, usable=lambda v: v.get("num", 0) >= self.topk)
         if cached is None:
-            response = request("POST", self.endpoint, json={"q": query, "num": self.topk}, headers=self.headers, **self.http)
-            cached = {"num": self.topk, "organic": response.json().get("organic") or []}
+            answer = self.fetch("POST", self.endpoint, deadline, allowed=ANY_ADDRESS, max_redirects=0, headers=self.headers,
+                                body=json.dumps({"q": query, "num": self.topk}).encode())
+            if answer.cut:
+                raise ValueError(f"the answer is longer than tools.web_max_bytes ({self.max_bytes} bytes)")
+            found = json.loads(answer.text)
+            if not isinstance(found, dict):
+                raise ValueError("the answer is not a JSON object")
+            cached = {"num": self.topk, "organic": found.get("organic") or []}
             self.cache.put(self.name, self.endpoint, query, cached)
         return cached["organic"][: self.topk]
 
-    def one(self, query: str) -> tuple[str, str | None]:
-        hits = self.results(query)
+    def one(self, query: str, deadline: float) -> tuple[str, str | None]:
+        hits = self.results(query, deadline)
         if not hits:
             return f"no results for {query!r}", "empty_result"
         return "\n".join(f"Doc {k} (Title: {h.get('title', '')}) {h.get('snippet', '')[: self.max_chars]} ({h.get('link', '')})"
@@ -132,32 +157,38 @@ class Crawl(_WebTool):
     name = "crawl"
 
     def __init__(self, max_chars: int = 2000, timeout_s: float = 15.0, retries: int = 2, cache: WebCache | None = None,
-                 backoff_s: float = 0.5):
-        super().__init__("GET", max_chars, timeout_s, retries, cache, backoff_s)
+                 backoff_s: float = 0.5, max_bytes: int = 2_000_000, allow_networks: tuple[str, ...] = ()):
+        super().__init__("GET", max_chars, timeout_s, retries, cache, backoff_s, max_bytes)
+        # tests and operators only: a model's URL may reach these non-public addresses (a local test server, say)
+        self.allowed = tuple(ipaddress.ip_network(n) for n in allow_networks)
 
     def split(self, arg: str) -> list[str]:
         return [u.strip() for u in arg.split(" | ") if u.strip()]
 
-    def page_text(self, url: str) -> str:
+    def page_text(self, url: str, deadline: float) -> str:
         """The page as plain text (HTML stripped), cached whole; the observation cuts it to `max_chars`."""
         cached = self.cache.get(self.name, self.endpoint, url)
         if cached is None:
-            response = request("GET", url, headers={"User-Agent": "unison-crawl/0.1"}, **self.http)
-            kind = response.headers.get("Content-Type", "")
-            if "html" in kind or (not kind and response.text.lstrip().startswith("<")):
-                cached = html_to_text(response.text)
-            elif kind.startswith("text/") or "json" in kind or not kind:
-                cached = response.text.strip()
-            else:
-                raise ValueError(f"unsupported content type {kind}")
+            cached = self.read_page(url, deadline)
             self.cache.put(self.name, self.endpoint, url, cached)
         return cached
 
-    def one(self, url: str) -> tuple[str, str | None]:
+    def read_page(self, url: str, deadline: float) -> str:
+        answer = self.fetch("GET", url, deadline, allowed=self.allowed, content_types=TEXT_TYPES,
+                            headers={"User-Agent": "unison-crawl/0.1", "Accept": ", ".join(TEXT_TYPES)})
+        if answer.content_type in HTML_TYPES or (not answer.content_type and answer.text.lstrip().startswith("<")):
+            text = html_to_text(answer.text)
+        else:
+            text = answer.text.strip()
+        if answer.cut and text:
+            return f"[only the first {self.max_bytes} bytes of the page were read (tools.web_max_bytes)]\n{text}"
+        return text
+
+    def one(self, url: str, deadline: float) -> tuple[str, str | None]:
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             return f"error: not an http(s) URL: {url!r}", "error"
-        text = self.page_text(url)
+        text = self.page_text(url, deadline)
         if not text:
             return f"no text at {url}", "empty_result"
         return f"Page {url}\n{text[: self.max_chars]}", None
@@ -209,11 +240,11 @@ def enabled_web_tools(tools: ToolsConfig) -> tuple[str, ...]:
 def make_web_tools(t: ToolsConfig, cache_dir: str | os.PathLike = CACHE_DIR) -> dict:
     """Toolbox handlers for the enabled web tools (name -> fn(arg)), sharing one cache."""
     cache = WebCache(cache_dir)
-    common = {"timeout_s": t.web_timeout_s, "cache": cache}
+    common = {"timeout_s": t.web_timeout_s, "max_bytes": t.web_max_bytes, "cache": cache}
     handlers = {}
     if "web_search" in enabled_web_tools(t):
         handlers["web_search"] = WebSearch(t.web_search_url, topk=t.web_topk, max_chars=t.search_max_chars,
                                            api_key_env=t.web_api_key_env, **common)
     if "crawl" in enabled_web_tools(t):
-        handlers["crawl"] = Crawl(max_chars=t.web_max_chars, **common)
+        handlers["crawl"] = Crawl(max_chars=t.web_max_chars, allow_networks=tuple(t.web_allow_networks), **common)
     return handlers
