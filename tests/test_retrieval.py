@@ -274,11 +274,11 @@ def test_remote_retriever_counts_a_search_server_going_down_mid_run_and_coming_b
     port = free_port()
     remote = RemoteRetriever(f"http://127.0.0.1:{port}", topk=1, timeout=2, retries=2, backoff_s=0.05)
     with serving(create_app(retriever), port):
-        assert remote.search(["Praxil"])[0][0]["title"] == "Praxil"
+        assert remote.search(["Praxil Theatre"])[0][0]["title"] == "Praxil Theatre"
     with pytest.raises(RuntimeError, match=rf"POST http://127.0.0.1:{port}/retrieve failed after 3 attempts: connection failed"):
-        remote.search(["Praxil"])  # the server is gone: retried, then reported
+        remote.search(["Praxil Theatre"])  # the server is gone: retried, then reported
     with serving(create_app(retriever), port):  # back on the same address: the next call works again
-        assert remote.search(["Oskeby"])[0][0]["title"] == "Oskeby"
+        assert remote.search(["Oskeby Lighthouse"])[0][0]["title"] == "Oskeby Lighthouse"
     assert remote.stats == {"requests": 3, "retries": 2, "failures": 1}
 
 
@@ -300,12 +300,12 @@ def bearer(token: str = TOKEN) -> dict:
 
 
 def test_the_token_is_required(guarded):
-    body = {"queries": ["Praxil"]}
+    body = {"queries": ["Praxil Theatre"]}
     assert requests.post(guarded + "/retrieve", json=body).status_code == 401
     assert requests.post(guarded + "/retrieve", json=body, headers=bearer(TOKEN[:-1])).status_code == 401
     assert requests.get(guarded + "/health", headers=bearer("x" + TOKEN)).status_code == 401
     assert requests.get(guarded + "/openapi.json", headers=bearer()).status_code == 404  # no schema or docs pages
-    assert requests.post(guarded + "/retrieve", json=body, headers=bearer()).json()["result"][0][0]["title"] == "Praxil"
+    assert requests.post(guarded + "/retrieve", json=body, headers=bearer()).json()["result"][0][0]["title"] == "Praxil Theatre"
 
 
 @pytest.mark.parametrize("body", [{"queries": ["x"], "topk": 6}, {"queries": ["q1", "q2", "q3", "q4", "q5"]},
@@ -352,7 +352,7 @@ def test_a_slow_client_does_not_block_others_and_is_dropped(guarded):
     with sock:
         for byte in head[10:]:
             t1 = time.perf_counter()
-            answer = requests.post(guarded + "/retrieve", json={"queries": ["Praxil"]}, headers=bearer(), timeout=5)
+            answer = requests.post(guarded + "/retrieve", json={"queries": ["Praxil Theatre"]}, headers=bearer(), timeout=5)
             assert answer.status_code == 200 and time.perf_counter() - t1 < 1.5  # others are served meanwhile
             try:
                 sock.sendall(byte.encode())
@@ -374,6 +374,6 @@ def test_remote_retriever_sends_the_token_from_the_named_variable(guarded, monke
     with pytest.raises(ValueError, match="tools.search_token_env: the environment variable UNISON_TEST_SEARCH_TOKEN is not set"):
         make_retriever("unused", tools)
     monkeypatch.setenv("UNISON_TEST_SEARCH_TOKEN", TOKEN)
-    assert make_retriever("unused", tools).search(["Praxil"])[0][0]["title"] == "Praxil"
+    assert make_retriever("unused", tools).search(["Praxil Theatre"])[0][0]["title"] == "Praxil Theatre"
     with pytest.raises(RuntimeError, match="HTTP 401"):  # a 4xx is not retried
-        RemoteRetriever(guarded).search(["Praxil"])
+        RemoteRetriever(guarded).search(["Praxil Theatre"])

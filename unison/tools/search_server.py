@@ -14,7 +14,7 @@ answered 413 as soon as that many bytes arrived (whatever Content-Length says), 
 description of what is wrong. A connection that has not sent a whole request head within `head_timeout_s` is closed,
 so slow clients hold no connection for long, and beyond `max_connections` requests are answered 503.
 """
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI must see the route's body type, a class made in create_app, as a class.
 
 import argparse
 import asyncio
