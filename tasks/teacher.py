@@ -2,7 +2,8 @@
 
 A local teacher (teacher.backend vllm | transformers) gets its weights and tokenizer there. A served teacher
 (teacher.backend openai) gets only the tokenizer that renders its prompts (teacher.tokenizer, else teacher.model's);
-its weights stay on the server. models/teacher/unison_model.json records what the teacher is (never an API key; the URL's credentials redacted).
+its weights stay on the server. models/teacher/unison_model.json records what the teacher is (never an API key; the
+URL's credentials redacted).
 """
 from __future__ import annotations
 

@@ -116,5 +116,6 @@ def evaluate_systems(params: Params, systems: list[tuple], questions: list[dict]
         before = fault_counters({}, toolbox)  # the toolbox serves every system: its counts are this system's difference
         rows, extra = judged_system(name, run_method(method, questions, n, ctx, g.episodes_in_flight), label, judge, load_prm)
         wall = time.perf_counter() - t0
-        faults = {k: v - before[k] for k, v in fault_counters({"teacher": backend, **roles} if name == "teacher" else {}, toolbox).items()}
+        after = fault_counters({"teacher": backend, **roles} if name == "teacher" else {}, toolbox)
+        faults = {k: v - before[k] for k, v in after.items()}
         yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, params.seed), **extra, **faults}
