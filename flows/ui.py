@@ -71,7 +71,7 @@ def ui_origins(port: int) -> str:
 def start(project: Path, prefect_port: int, mlflow_port: int, timeout_s: float = 180) -> dict[str, subprocess.Popen]:
     """Start whichever server is not already answering and wait until both answer; return what was started."""
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    if not {"PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS", "PREFECT_SERVER_CORS_ALLOWED_ORIGINS"} & env.keys():  # Prefect's: *
+    if not {"PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS", "PREFECT_SERVER_CORS_ALLOWED_ORIGINS"} & env.keys():  # Prefect: "*"
         env["PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS"] = ui_origins(prefect_port)
     logs = project / ".unison" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
