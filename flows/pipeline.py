@@ -179,6 +179,32 @@ def rerun_on_data_change(project_dir: str | None = None, retries: int = 0) -> li
     return pipeline(project_dir=str(project), retries=retries)
 
 
+SERVED_PROJECT = "UNISON_PROJECT_DIR"  # set by flows.serve: the one project its deployments run
+MAX_SERVED_RETRIES = 5
+
+
+def served_project(retries: int) -> str:
+    """The project flows.serve was started for, after checking a deployment caller's `retries`."""
+    if not 0 <= retries <= MAX_SERVED_RETRIES:
+        raise ValueError(f"retries must be 0 to {MAX_SERVED_RETRIES}, got {retries}")
+    if not os.environ.get(SERVED_PROJECT):
+        raise RuntimeError(f"{SERVED_PROJECT} is not set: the served flows run under `python -m flows.serve`")
+    return os.environ[SERVED_PROJECT]
+
+
+@flow(name="unison-served-pipeline")
+def served_pipeline(stages: list[str] | None = None, force: bool = False, retries: int = 0) -> list[str]:
+    """`pipeline` on the project flows.serve runs: whoever can reach the Prefect API chooses stages of its dvc.yaml, force
+    and retries, never a directory (a dvc.yaml elsewhere would run its own commands)."""
+    return pipeline.fn(served_project(retries), stages, force, retries)
+
+
+@flow(name="unison-served-data-change")
+def served_data_change(retries: int = 0) -> list[str]:
+    """`rerun_on_data_change` on the project flows.serve runs (no directory from the API)."""
+    return rerun_on_data_change.fn(served_project(retries), retries)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--project-dir", default=".")

@@ -2,6 +2,9 @@
 
 Serves two deployments until Ctrl-C: `unison-pipeline` (the whole pipeline on a cron schedule) and
 `unison-data-change` (re-runs it when a source stage's data or params changed, checked on an interval).
+Both run the project this process was started for (UNISON_PROJECT_DIR, which it sets): a flow run created from the
+Prefect API or UI may choose stages, force and retries, never a directory or a command (this process runs the flow
+code it imported, whatever the deployment's record on the server says).
 Schedules fire only while this process runs; start `python -m flows.ui` first to see and trigger them in the
 Prefect UI (without a server Prefect uses a temporary one that no UI shows).
 """
@@ -14,16 +17,14 @@ from pathlib import Path
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
-from flows.pipeline import pipeline, rerun_on_data_change  # first: it sets PREFECT_HOME before prefect loads
+from flows.pipeline import SERVED_PROJECT, served_data_change, served_pipeline  # first: it sets PREFECT_HOME before prefect loads
 
 
-def deployments(project_dir: Path, cron: str, data_check_every_s: int) -> list[RunnerDeployment]:
-    """The scheduled pipeline and the interval data-change check, both bound to project_dir."""
-    parameters = {"project_dir": str(Path(project_dir).resolve())}
+def deployments(cron: str, data_check_every_s: int) -> list[RunnerDeployment]:
+    """The scheduled pipeline and the interval data-change check; their parameters hold no path."""
     return [
-        pipeline.to_deployment(name="unison-pipeline", cron=cron, parameters=parameters),
-        rerun_on_data_change.to_deployment(name="unison-data-change", interval=data_check_every_s,
-                                           parameters=parameters),
+        served_pipeline.to_deployment(name="unison-pipeline", cron=cron),
+        served_data_change.to_deployment(name="unison-data-change", interval=data_check_every_s),
     ]
 
 
@@ -36,7 +37,8 @@ def main() -> None:
     if not os.environ.get("PREFECT_API_URL"):
         print("No Prefect server answers on the project's port: schedules run, but no UI shows them. "
               "Start `python -m flows.ui` first to watch them.")
-    serve(*deployments(Path(args.project_dir), args.cron, args.data_check_every))
+    os.environ[SERVED_PROJECT] = str(Path(args.project_dir).resolve())  # the flow runs' processes inherit it
+    serve(*deployments(args.cron, args.data_check_every))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ Prefect keeps its database in <project>/.prefect, MLflow reads <project>/mlflow.
 stores the pipeline writes. Ports: UNISON_PREFECT_PORT (4200) and UNISON_MLFLOW_PORT (5000). A server already
 answering on its port is reused, not started again. Server logs go to <project>/.unison/logs/. `--check` starts
 both, verifies that they answer, prints the URLs and stops them.
+
+Both bind 127.0.0.1 and accept cross-origin requests only from the UIs' own origins (Prefect:
+PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS, set here unless the environment sets it; MLflow: its localhost-only default),
+so a web page elsewhere cannot drive them through a browser. Neither asks for a login: with
+PREFECT_SERVER_API_AUTH_STRING=user:password in the environment the Prefect API wants HTTP basic auth (flows then need
+PREFECT_API_AUTH_STRING); put MLflow behind a reverse proxy with auth before exposing it (docs/security.md).
 """
 from __future__ import annotations
 
@@ -57,9 +63,16 @@ def server_commands(project: Path, prefect_port: int, mlflow_port: int) -> dict[
     }
 
 
+def ui_origins(port: int) -> str:
+    """The Prefect UI's own origins: the only ones its API accepts cross-origin requests from."""
+    return f"http://127.0.0.1:{port},http://localhost:{port}"
+
+
 def start(project: Path, prefect_port: int, mlflow_port: int, timeout_s: float = 180) -> dict[str, subprocess.Popen]:
     """Start whichever server is not already answering and wait until both answer; return what was started."""
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    if not {"PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS", "PREFECT_SERVER_CORS_ALLOWED_ORIGINS"} & env.keys():  # Prefect: "*"
+        env["PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS"] = ui_origins(prefect_port)
     logs = project / ".unison" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     commands = server_commands(project, prefect_port, mlflow_port)

@@ -20,7 +20,11 @@ def main() -> None:
     questions = read_table("data/raw/train.parquet", QUESTION)
     with track.stage_run("generate", {**g.model_dump(), **params.model_dump(include={"seed", "llm", "teacher", "tools"})}) as run:
         shards = shard_dir(params, questions)
-        rows, metrics = generate_trajectories(params, questions, shards)
+        try:
+            rows, metrics = generate_trajectories(params, questions, shards)
+        except Exception as error:  # a server gone for good: its retries and failures still reach MLflow
+            run.log_metrics(getattr(error, "counters", {}))
+            raise
         write_table(rows, OUT, TRAJECTORY)
         write_json(metrics, "reports/generate.json")
         run.log_metrics(metrics)

@@ -2,7 +2,8 @@
 
 A local teacher (teacher.backend vllm | transformers) gets its weights and tokenizer there. A served teacher
 (teacher.backend openai) gets only the tokenizer that renders its prompts (teacher.tokenizer, else teacher.model's);
-its weights stay on the server. models/teacher/unison_model.json records what the teacher is (never an API key).
+its weights stay on the server. models/teacher/unison_model.json records what the teacher is (never an API key; the
+URL's credentials redacted).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from unison import track
 from unison.cli import stage_main
 from unison.config import TeacherConfig, load_params
 from unison.data import models
+from unison.http import redact
 
 OUT = Path("models/teacher")
 
@@ -20,7 +22,7 @@ def teacher_info(t: TeacherConfig) -> dict:
     """What models/teacher/unison_model.json says of this teacher block (a local teacher: its source)."""
     if t.backend != "openai":
         return {"source": t.model}
-    return {"source": t.model, "base_url": t.base_url, "served_name": t.served_name or t.model.partition(":")[2],
+    return {"source": t.model, "base_url": redact(t.base_url), "served_name": t.served_name or t.model.partition(":")[2],
             "tokenizer": t.tokenizer or t.model}
 
 

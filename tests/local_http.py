@@ -18,9 +18,12 @@ from pathlib import Path
 import requests
 
 
+DROP = "drop"  # what `respond` returns to close the connection without answering (a server that died mid-request)
+
+
 class LocalServer:
-    """`respond(request) -> (status, body, headers)`; request = {"method", "path", "json", "headers"}; a dict/list body
-    is sent as JSON, a str as text/html unless headers say otherwise."""
+    """`respond(request) -> (status, body, headers)` or DROP; request = {"method", "path", "json", "headers"}; a dict/list
+    body is sent as JSON, a str as text/html unless headers say otherwise."""
 
     def __init__(self, respond):
         self.respond = respond
@@ -40,10 +43,14 @@ class LocalServer:
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:
-                    status, body, headers = server.respond(req)
+                    answer = server.respond(req)
                 finally:
                     with server._lock:
                         server.in_flight -= 1
+                if answer == DROP:
+                    self.close_connection = True
+                    return
+                status, body, headers = answer
                 data = json.dumps(body).encode() if isinstance(body, (dict, list)) else str(body).encode()
                 headers = {"Content-Type": "application/json" if isinstance(body, (dict, list)) else "text/html; charset=utf-8",
                            **(headers or {})}

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 
 import pytest
+import requests
 import yaml
 
 # Prefect reads its settings when imported: a private home, and its temporary server rather than any UI server
@@ -20,10 +22,11 @@ os.environ["UNISON_PREFECT_PORT"] = "9"
 from mlflow.tracking import MlflowClient  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
+from prefect.flow_engine import run_flow  # noqa: E402
 from prefect.logging.handlers import APILogHandler  # noqa: E402
 from prefect.server.api.server import SubprocessASGIServer  # noqa: E402
 
-from flows.pipeline import DvcError, pipeline, rerun_on_data_change  # noqa: E402  (before prefect: settings)
+from flows.pipeline import SERVED_PROJECT, DvcError, pipeline, rerun_on_data_change, served_pipeline  # noqa: E402
 from flows.serve import deployments  # noqa: E402
 from unison.config import ROOT  # noqa: E402
 
@@ -153,12 +156,34 @@ def test_data_change_flow_runs_the_pipeline_only_when_sources_change(toy):
     assert rerun_on_data_change(project_dir=str(toy)) == []
 
 
-def test_serve_builds_scheduled_deployments(toy):
-    pipeline_deployment, data_deployment = deployments(toy, "0 3 * * *", 600)
+def test_serve_builds_scheduled_deployments():
+    pipeline_deployment, data_deployment = deployments("0 3 * * *", 600)
     assert pipeline_deployment.name == "unison-pipeline"
     assert pipeline_deployment.schedules[0].schedule.cron == "0 3 * * *"
     assert data_deployment.schedules[0].schedule.interval.total_seconds() == 600
-    assert pipeline_deployment.parameters == {"project_dir": str(toy.resolve())}
+    assert pipeline_deployment.parameters == data_deployment.parameters == {}
+
+
+def test_served_deployments_take_no_directory(toy, tmp_path, monkeypatch):
+    pipeline_deployment, data_deployment = deployments("0 3 * * *", 600)
+    assert set(pipeline_deployment._parameter_openapi_schema.properties) == {"stages", "force", "retries"}
+    assert set(data_deployment._parameter_openapi_schema.properties) == {"retries"}
+    monkeypatch.delenv(SERVED_PROJECT, raising=False)
+    with pytest.raises(RuntimeError, match=f"{SERVED_PROJECT} is not set"):
+        served_pipeline.fn()
+    monkeypatch.setenv(SERVED_PROJECT, str(toy))  # as flows.serve sets it
+    elsewhere = shutil.copytree(toy, tmp_path / "elsewhere")
+    # a run created through the API with a directory (Prefect's schema check lets extra keys through) fails as the
+    # runner starts it: the flow has no such parameter, and neither project runs anything
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run_from_deployment(pipeline_deployment.apply(),
+                                                          parameters={"project_dir": str(elsewhere)})
+    state = run_flow(served_pipeline, flow_run=flow_run, parameters=flow_run.parameters, return_type="state")
+    assert state.is_failed() and "project_dir" in state.message, state
+    assert executed(elsewhere) == executed(toy) == []
+    with pytest.raises(ValueError, match="retries must be 0 to 5"):
+        served_pipeline.fn(retries=6)
+    assert served_pipeline(stages=["b"]) == ["a", "b"] and [stage for stage, _ in executed(toy)] == ["a", "b"]
 
 
 def free_port() -> int:
@@ -168,15 +193,35 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_ui_check_starts_answers_and_stops_both_servers(tmp_path):
+def test_ui_refuses_other_origins_and_wants_the_login_when_set(tmp_path):
+    """`python -m flows.ui` with a Prefect login set: both UIs answer, refuse a web page elsewhere, and stop on SIGTERM."""
     prefect_port, mlflow_port = free_port(), free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")}
-    result = subprocess.run([sys.executable, "-m", "flows.ui", "--check", "--project-dir", str(tmp_path),
-                             "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"http://127.0.0.1:{prefect_port}" in result.stdout
-    assert f"http://127.0.0.1:{mlflow_port}" in result.stdout
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect"), "PREFECT_SERVER_API_AUTH_STRING": "admin:pw-test"}
+    ui = subprocess.Popen([sys.executable, "-m", "flows.ui", "--project-dir", str(tmp_path), "--prefect-port", str(prefect_port),
+                           "--mlflow-port", str(mlflow_port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    try:
+        lines = []
+        for line in ui.stdout:  # until both answer (or it exits)
+            lines.append(line)
+            if line.startswith("Ctrl-C"):
+                break
+        output = "".join(lines)
+        assert f"http://127.0.0.1:{prefect_port}" in output and f"http://127.0.0.1:{mlflow_port}" in output, output
+        prefect, mlflow = f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}"
+        evil = {"Origin": "http://evil.example"}
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+        assert "access-control-allow-origin" not in requests.options(f"{prefect}/flows/filter", headers={**evil, **preflight}).headers
+        own = requests.options(f"{prefect}/flows/filter", headers={"Origin": f"http://localhost:{prefect_port}", **preflight})
+        assert own.headers["access-control-allow-origin"] == f"http://localhost:{prefect_port}"
+        assert requests.post(f"{prefect}/flows/filter", json={}).status_code == 401
+        assert requests.post(f"{prefect}/flows/filter", json={}, auth=("admin", "pw-test")).status_code == 200
+        search = f"{mlflow}/api/2.0/mlflow/experiments/search"
+        assert requests.post(search, json={"max_results": 1}, headers=evil).status_code == 403
+        assert requests.post(search, json={"max_results": 1}).status_code == 200
+    finally:
+        ui.send_signal(signal.SIGTERM)
+        assert ui.wait(60) == 0
     assert (tmp_path / ".prefect").is_dir() and (tmp_path / "mlflow.db").exists()
     for port in (prefect_port, mlflow_port):  # stopped again
         with socket.socket() as sock:

@@ -3,6 +3,7 @@ against a real `vllm.entrypoints.openai.api_server` serving SmolLM2 (slow)."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
@@ -10,7 +11,7 @@ from unison.config import EngineConfig
 from unison.llm import Sampling, make_backend
 from unison.llm.openai_backend import OpenAIBackend
 
-from .local_http import LocalServer, free_port, vllm_openai_server
+from .local_http import DROP, LocalServer, free_port, vllm_openai_server
 
 REPLY = "<search>Zorvan Kelt</search>"
 
@@ -126,6 +127,37 @@ def test_fake_server_timeout_is_retried_then_reported(tok):
             b.generate([[1]], [Sampling()])
         assert time.perf_counter() - t0 < 1.0
     assert len(server.requests) == 2
+    assert (b.stats["requests"], b.stats["retries"], b.stats["failures"]) == (1, 1, 1)
+
+
+def test_fake_openai_server_dropped_connections_and_slow_answers_are_retried_and_counted(tok):
+    faults = iter([DROP, "slow", DROP])  # the server dies mid-request twice and stalls once, then recovers
+    ok = vllm_like(tok)
+
+    def respond(req):
+        fault = next(faults, None)
+        if fault == "slow":
+            time.sleep(0.6)
+        return DROP if fault == DROP else ok(req)
+
+    with LocalServer(respond) as server:
+        b = backend(tok, server.url, timeout_s=0.3, max_retries=3)
+        (c,) = b.generate([[1, 2]], [Sampling(stop=["</search>"])])
+    assert c.text == REPLY and len(server.requests) == 4
+    assert (b.stats["requests"], b.stats["retries"], b.stats["failures"]) == (1, 3, 0)
+
+
+def test_fake_openai_server_failure_is_counted_and_named_without_the_urls_credentials(tok):
+    secret = f"pw-{uuid.uuid4().hex}"
+    with LocalServer(lambda req: (503, "down for maintenance", None)) as server:
+        port = server.url.rsplit(":", 1)[1]
+        b = OpenAIBackend(f"http://unison:{secret}@127.0.0.1:{port}/v1", "smol", tokenizer=tok, backoff_s=0.01, max_retries=1)
+        with pytest.raises(RuntimeError) as failure:
+            b.generate([[1]], [Sampling()])
+    message = str(failure.value)
+    assert f"POST http://***@127.0.0.1:{port}/v1/completions failed after 2 attempts: HTTP 503" in message
+    assert secret not in message and b.stats["failures"] == 1 and b.stats["retries"] == 1
+    assert server.requests[0]["headers"]["Authorization"].startswith("Basic ")  # the URL's credentials were used
 
 
 def test_fake_server_concurrency_limit_and_order(tok):

@@ -6,7 +6,9 @@ import json
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +20,7 @@ import uvicorn
 from unison.config import ToolsConfig
 from unison.data.schemas import DataError
 from unison.tools.retrieval import KINDS, RemoteRetriever, Retriever, build_index, format_passages, make_retriever, title_recall_at_1
-from unison.tools.search_server import create_app
+from unison.tools.search_server import create_app, server_config
 
 NAMES = ["Velmora", "Quillon", "Brastow", "Ishkar", "Tolvane", "Meridan", "Oskeby", "Praxil", "Caudrel", "Zennith"]
 PLACES = ["abbey", "bridge", "harbour", "observatory", "library", "vineyard", "lighthouse", "foundry", "theatre", "garden"]
@@ -133,6 +135,16 @@ def test_the_cache_keeps_only_the_most_recent_calls(index_dirs):
     assert not retriever._cache
 
 
+def test_the_cache_is_bounded_in_bytes_too(index_dirs):
+    retriever = Retriever(index_dirs["flat"], topk=2)
+    retriever.CACHE_BYTES = 2 * (len("abc") + 64 + 2 * 256)  # room for two one-query calls of two hits
+    for q in ("abc", "bcd", "cde"):
+        retriever.search([q])
+    assert [key[0] for key in retriever._cache] == [("bcd",), ("cde",)] and retriever._cache_bytes == retriever.CACHE_BYTES
+    retriever.search(["x" * retriever.CACHE_BYTES])  # larger than the whole cache: answered, not remembered
+    assert [key[0] for key in retriever._cache] == [("bcd",), ("cde",)]
+
+
 def test_topk_is_capped_and_empty_batch(index_dirs):
     retriever = Retriever(index_dirs["flat"], topk=2)
     assert retriever.search([]) == []
@@ -181,21 +193,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(index_dirs):
-    """The search server's app under uvicorn in a thread, on a free port (the CLI only adds argument parsing)."""
-    port = free_port()
-    app = create_app(Retriever(index_dirs["flat"], topk=2))
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+@contextmanager
+def serving(app, port: int | None = None, **config):
+    """The search server's app under uvicorn in a thread, with the CLI's settings (server_config), on a free port or
+    `port`; yields the uvicorn.Server and its URL, and stops it afterwards."""
+    port = port or free_port()
+    uv = uvicorn.Server(server_config(app, port=port, **config))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not uv.started:
         assert thread.is_alive() and time.time() < deadline, "search server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(10)
+    try:
+        yield uv, f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def retriever(index_dirs):
+    return Retriever(index_dirs["flat"], topk=2)
+
+
+@pytest.fixture(scope="module")
+def server(retriever):
+    with serving(create_app(retriever)) as (_, url):
+        yield url
 
 
 def test_health(server):
@@ -242,3 +267,113 @@ def test_remote_retriever_gives_up_on_a_dead_server():
     dead = RemoteRetriever(f"http://127.0.0.1:{free_port()}", timeout=1, retries=1)
     with pytest.raises(RuntimeError, match="failed after 2 attempts"):
         dead.search(["anything"])
+    assert dead.stats == {"requests": 1, "retries": 1, "failures": 1}
+
+
+def test_remote_retriever_counts_a_search_server_going_down_mid_run_and_coming_back(retriever):
+    port = free_port()
+    remote = RemoteRetriever(f"http://127.0.0.1:{port}", topk=1, timeout=2, retries=2, backoff_s=0.05)
+    with serving(create_app(retriever), port):
+        assert remote.search(["Praxil Theatre"])[0][0]["title"] == "Praxil Theatre"
+    with pytest.raises(RuntimeError, match=rf"POST http://127.0.0.1:{port}/retrieve failed after 3 attempts: connection failed"):
+        remote.search(["Praxil Theatre"])  # the server is gone: retried, then reported
+    with serving(create_app(retriever), port):  # back on the same address: the next call works again
+        assert remote.search(["Oskeby Lighthouse"])[0][0]["title"] == "Oskeby Lighthouse"
+    assert remote.stats == {"requests": 3, "retries": 2, "failures": 1}
+
+
+# ---------------------------------------------------------------- the server closed by default
+
+TOKEN = f"st-{uuid.uuid4().hex}"
+LIMITS = {"max_topk": 5, "max_queries": 4, "max_query_chars": 50, "max_body_bytes": 4096, "body_timeout_s": 0.5}
+
+
+@pytest.fixture(scope="module")
+def guarded(retriever):
+    """A search server that wants TOKEN, with small bounds and a 0.5 s deadline for a request head and body."""
+    with serving(create_app(retriever, TOKEN, **LIMITS), head_timeout_s=0.5) as (_, url):
+        yield url
+
+
+def bearer(token: str = TOKEN) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_the_token_is_required(guarded):
+    body = {"queries": ["Praxil Theatre"]}
+    assert requests.post(guarded + "/retrieve", json=body).status_code == 401
+    assert requests.post(guarded + "/retrieve", json=body, headers=bearer(TOKEN[:-1])).status_code == 401
+    assert requests.get(guarded + "/health", headers=bearer("x" + TOKEN)).status_code == 401
+    assert requests.get(guarded + "/openapi.json", headers=bearer()).status_code == 404  # no schema or docs pages
+    assert requests.post(guarded + "/retrieve", json=body, headers=bearer()).json()["result"][0][0]["title"] == "Praxil Theatre"
+
+
+@pytest.mark.parametrize("body", [{"queries": ["x"], "topk": 6}, {"queries": ["q1", "q2", "q3", "q4", "q5"]},
+                                  {"queries": ["ok", "x" * 51]}])
+def test_topk_queries_and_query_length_are_bounded(guarded, body):
+    response = requests.post(guarded + "/retrieve", json=body, headers=bearer())
+    assert response.status_code == 422 and response.json()["detail"][0]["msg"]
+
+
+def raw_request(url: str, head: str, body: bytes = b"") -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def status_of(sock: socket.socket) -> int:
+    with sock:
+        return int(sock.recv(65536).split(b" ", 2)[1])
+
+
+def test_a_large_body_is_413_before_it_is_read(guarded):
+    auth = f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+    # announced: refused on the header, before any of the gigabyte is sent
+    assert status_of(raw_request(guarded, f"POST /retrieve HTTP/1.1\r\nHost: t\r\n{auth}Content-Length: 1000000000\r\n\r\n")) == 413
+    # not announced (chunked): refused once 4097 bytes arrived, the end of the body never sent
+    chunk = b"1001\r\n" + b"x" * 0x1001 + b"\r\n"
+    assert status_of(raw_request(guarded, f"POST /retrieve HTTP/1.1\r\nHost: t\r\n{auth}Transfer-Encoding: chunked\r\n\r\n", chunk)) == 413
+
+
+def test_a_body_that_never_arrives_is_408(guarded):
+    t0 = time.perf_counter()
+    sock = raw_request(guarded, f"POST /retrieve HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 100\r\n\r\n",
+                       b'{"queries": ')
+    assert status_of(sock) == 408 and 0.4 < time.perf_counter() - t0 < 3
+
+
+def test_a_slow_client_does_not_block_others_and_is_dropped(guarded):
+    """A client trickling its request head a byte at a time (uvicorn's keep-alive timer restarts on every byte)."""
+    head = f"POST /retrieve HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {TOKEN}\r\n"
+    sock = raw_request(guarded, head[:10])
+    t0 = time.perf_counter()
+    dropped = None
+    with sock:
+        for byte in head[10:]:
+            t1 = time.perf_counter()
+            answer = requests.post(guarded + "/retrieve", json={"queries": ["Praxil Theatre"]}, headers=bearer(), timeout=5)
+            assert answer.status_code == 200 and time.perf_counter() - t1 < 1.5  # others are served meanwhile
+            try:
+                sock.sendall(byte.encode())
+                time.sleep(0.1)
+                sock.settimeout(0.01)
+                if sock.recv(1) == b"":
+                    dropped = time.perf_counter() - t0
+                    break
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                dropped = time.perf_counter() - t0
+                break
+    assert dropped is not None and 0.4 < dropped < 3, dropped  # closed at the 0.5 s head deadline, not kept alive
+
+
+def test_remote_retriever_sends_the_token_from_the_named_variable(guarded, monkeypatch):
+    tools = ToolsConfig(search_url=guarded, search_topk=1, search_token_env="UNISON_TEST_SEARCH_TOKEN")
+    with pytest.raises(ValueError, match="tools.search_token_env: the environment variable UNISON_TEST_SEARCH_TOKEN is not set"):
+        make_retriever("unused", tools)
+    monkeypatch.setenv("UNISON_TEST_SEARCH_TOKEN", TOKEN)
+    assert make_retriever("unused", tools).search(["Praxil Theatre"])[0][0]["title"] == "Praxil Theatre"
+    with pytest.raises(RuntimeError, match="HTTP 401"):  # a 4xx is not retried
+        RemoteRetriever(guarded).search(["Praxil Theatre"])

@@ -65,6 +65,17 @@ def test_stage_run_is_a_child_with_flat_params_metrics_and_artifacts(project):
     assert json.loads((project / ".unison" / "parent_run.json").read_text())["run_id"] == parent.info.run_id
 
 
+def test_params_and_tags_hold_urls_without_their_credentials(project):
+    params = {"teacher": {"base_url": "http://unison:pw-4f1c@gpu-box:8000/v1", "api_key_env": "OPENAI_API_KEY"},
+              "web": "https://search.test/q?api_key=k-77e2&num=3"}
+    with track.stage_run("generate", params) as run:
+        run.set_tags({"endpoint": "https://svc:pw-9a0b@x.test/"})
+    data = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run.run_id).data
+    assert data.params == {"generate.teacher.base_url": "http://***@gpu-box:8000/v1",
+                           "generate.teacher.api_key_env": "OPENAI_API_KEY", "generate.web": "https://search.test/q?api_key=***&num=3"}
+    assert data.tags["endpoint"] == "https://***@x.test/"
+
+
 def test_exception_marks_child_failed_and_leaves_parent_running(project):
     with pytest.raises(ValueError, match="bad row"):
         with track.stage_run("label", {}) as run:

@@ -143,6 +143,7 @@ class ToolsConfig(Section):
     search_max_chars: int = Field(300, description='per passage in an observation')
     search_url: str = Field('', description='"" = in-process; else http://host:port of a /retrieve server')
     search_timeout_s: int = Field(30, description='remote search: per-request timeout')
+    search_token_env: str = Field('', description='remote search: env var whose value is sent as a Bearer token (the server\'s --token-env); "" = none')
     python_timeout_s: int = Field(5)
     python_memory_mb: int = Field(512, description='per python run, in all: its processes, memfd, shared memory and /tmp')
     python_total_memory_mb: int = Field(4096, description='all python runs at once together (the runtime runs up to 8 tool calls at a time)')

@@ -2,17 +2,30 @@
 backoff, Retry-After and errors."""
 from __future__ import annotations
 
+import re
 import time
 
 import requests
 
 MAX_RETRY_AFTER_S = 60.0
 
+_USERINFO = re.compile(r"(\w[\w+.-]*://)[^/\s@]*@")
+_SECRET_QUERY = re.compile(r"([?&;][^=&;\s]*(?:key|token|secret|password|passwd|pwd|auth|sig|credential)[^=&;\s]*=)[^&;\s'\"#]*",
+                           re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with every URL's user:password@ and every secret-looking query value (key, token, secret, password, auth,
+    sig, credential in the name) replaced by ***; for anything logged, recorded or raised that may hold a URL."""
+    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
+
 
 class HTTPFailure(RuntimeError):
-    """A request that failed for good; `kind` is "timeout" or "error" (the tool error kinds), the message names the URL."""
+    """A request that failed for good; `kind` is "timeout" or "error" (the tool error kinds), the message names the URL
+    (credentials redacted)."""
 
     def __init__(self, method: str, url: str, kind: str, detail: str, attempts: int, status: int | None = None):
+        url, detail = redact(url), redact(detail)  # a connection error's text repeats the path and query
         super().__init__(f"{method} {url} failed after {attempts} attempt{'s' * (attempts != 1)}: {detail}")
         self.url, self.kind, self.detail, self.attempts, self.status = url, kind, detail, attempts, status
 

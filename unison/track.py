@@ -32,6 +32,8 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH  # noqa: E402
 
+from .http import redact  # noqa: E402
+
 PARENT_RECORD = Path(".unison") / "parent_run.json"
 PARENT_MAX_AGE_S = 6 * 3600
 METRIC_FLUSH_EVERY_S = 10.0  # buffered metrics are sent at least this often while a stage logs
@@ -60,14 +62,15 @@ def experiment_id(client: MlflowClient, project_dir: str | os.PathLike | None = 
 
 
 def flatten_params(params: dict, prefix: str = "") -> dict[str, str]:
-    """{"debate": {"agents": 3}} -> {"<prefix>.debate.agents": "3"}, keys made MLflow-safe, values truncated."""
+    """{"debate": {"agents": 3}} -> {"<prefix>.debate.agents": "3"}, keys made MLflow-safe, values redacted (a URL's
+    credentials and secret-looking query values) and truncated."""
     flat = {}
     for key, value in params.items():
         name = re.sub(r"[^\w./\- ]", "_", f"{prefix}.{key}" if prefix else str(key))
         if isinstance(value, dict) and value:
             flat.update(flatten_params(value, name))
         else:
-            flat[name] = str(value)[:MAX_PARAM_VAL_LENGTH]
+            flat[name] = redact(str(value))[:MAX_PARAM_VAL_LENGTH]
     return flat
 
 
@@ -135,7 +138,7 @@ def _recorded_parent(client: MlflowClient, record: Path) -> str | None:
     if not record.exists():
         return None
     saved = json.loads(record.read_text())
-    if saved.get("tracking_uri") != client.tracking_uri:
+    if saved.get("tracking_uri") != redact(client.tracking_uri):
         return None
     try:
         info = client.get_run(saved["run_id"]).info
@@ -154,7 +157,7 @@ def _parent_run_id(client: MlflowClient, project_dir: Path) -> str:
         run_id = _recorded_parent(client, record)
         if run_id is None:
             run_id = start_pipeline_run(project_dir)
-            record.write_text(json.dumps({"run_id": run_id, "tracking_uri": client.tracking_uri}))
+            record.write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(client.tracking_uri)}))
     return run_id
 
 
@@ -201,7 +204,7 @@ class StageRun:
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
+            self.client.set_tag(self.run_id, key, redact(str(value)))
 
 
 @contextmanager

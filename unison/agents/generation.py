@@ -4,7 +4,9 @@ The teacher is the `teacher` block (models/teacher, or its server): never the st
 Every question is a flow of its own on one engine (a new one starts whenever fewer than `generate.episodes_in_flight`
 episodes are live; no barrier between questions or shards). Each shard of questions is written atomically under
 data/.cache/generate/<params hash>/ as soon as all its questions are done, so a killed run resumes from completed
-shards without duplicates. The output is written once, atomically, at the end.
+shards without duplicates. The output is written once, atomically, at the end. A server that fails for good (the
+teacher after its retries) stops the run with an error naming it; the finished shards stay for the next run, and the
+error carries the retry and failure counters (`counters`, for the stage to log).
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from ..llm import TEACHER_DIR, teacher_backend, teacher_id
 from .episodes import tool_totals
 from .methods import MethodContext, run_method
 from .wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox, remote_counters
+
+
+FAULTS = ("teacher_", "search_")  # the counters an error's note repeats
 
 
 def shard_dir(params: Params, questions: list[dict]) -> Path:
@@ -83,8 +88,13 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
         print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples, {g.method}, "
               f"up to {g.episodes_in_flight} episodes in flight", flush=True)
         t0 = time.perf_counter()
-        run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight,
-                   on_question=ShardWriter(pending, paths))
+        try:
+            run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight,
+                       on_question=ShardWriter(pending, paths))
+        except Exception as error:  # a server gone for good: the finished shards stay; the stage logs the counters
+            error.counters = remote_counters({"teacher": ctx.backend, **ctx.role_backends}, ctx.toolbox)
+            error.add_note("generate: " + ", ".join(f"{k}={v:g}" for k, v in error.counters.items() if k.startswith(FAULTS)))
+            raise
         wall_s = time.perf_counter() - t0
     rows = [r for path in paths for r in read_table(path, TRAJECTORY)]
     metrics = {**summarize(rows), "wall_s": wall_s}  # timings live in the report, never in the data

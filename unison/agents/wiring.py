@@ -67,10 +67,21 @@ def make_role_backends(params: Params) -> dict:
     return out
 
 
+def fault_counters(backends: dict, toolbox: Toolbox) -> dict[str, float]:
+    """Retries and failures of the pieces behind a network: `teacher_retries` / `teacher_failures` summed over the
+    distinct backends (only the openai backend keeps them; 0 for local ones) and the remote retriever's `search_requests`
+    / `search_retries` / `search_failures` (0 in process)."""
+    distinct = {id(b): getattr(b, "stats", {}) for b in backends.values()}.values()
+    search = getattr(toolbox.retriever, "stats", {})
+    return {**{f"teacher_{k}": float(sum(stats.get(k, 0) for stats in distinct)) for k in ("retries", "failures")},
+            **{f"search_{k}": float(search.get(k, 0)) for k in ("requests", "retries", "failures")}}
+
+
 def remote_counters(backends: dict, toolbox: Toolbox) -> dict[str, float]:
-    """Counters of the pieces behind a network (for MLflow): each backend's `stats` (openai: requests, retries, ...) by
-    role, and the web cache's hits and misses."""
+    """Counters of the pieces behind a network (for MLflow): each backend's `stats` (openai: requests, retries, failures,
+    ...) by role, `fault_counters`, and the web cache's hits and misses."""
     out = {f"backend.{role}.{k}": float(v) for role, b in backends.items() for k, v in getattr(b, "stats", {}).items()}
+    out.update(fault_counters(backends, toolbox))
     caches = {id(h.cache): h.cache for h in toolbox.handlers.values() if getattr(h, "cache", None) is not None}
     for key in ("hits", "misses"):
         if caches:

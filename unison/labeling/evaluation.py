@@ -5,8 +5,9 @@ Students run the plain protocol (`single`, unscaffolded); the teacher runs its c
 `prm_rerank` samples `evaluate.rerank_samples` answers per question from the SFT student and keeps the one models/prm
 scores best (lowest step score highest); its cost counts every sample. Each system's labeled rows go to
 reports/eval/<system>.parquet; metrics to reports/metrics.json: EM, SubEM and the judge's accuracy with Wilson 95% CIs,
-F1 with a bootstrap CI, answer length, cost per question and per correct answer. Answers are judged by label.judge, with
-evaluate.first_only (null = label.first_only) deciding whether only the first `|` item counts.
+F1 with a bootstrap CI, answer length, cost per question and per correct answer, the served teacher's and the remote
+search's retries and failures. Answers are judged by label.judge, with evaluate.first_only (null = label.first_only)
+deciding whether only the first `|` item counts.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
 from ..agents.methods import MethodContext, run_method
-from ..agents.wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox
+from ..agents.wiring import demonstrations, enabled_tools, episode_settings, fault_counters, make_role_backends, make_toolbox
 from ..config import LabelConfig, Params
 from ..judge.answers import judged_answer
 from ..judge.stats import auc
@@ -109,7 +110,12 @@ def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], ques
         print(f"evaluate: {name} ({params.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
         t0 = time.perf_counter()
         n = p.rerank_samples if name == "prm_rerank" else 1
+        roles = make_role_backends(params) if teacher else {}
+        before = fault_counters({}, toolbox)  # the toolbox serves every system: its counts are this system's difference
         rows, _ = run_judged(backend, teacher_id(params) if teacher else model_dir, questions, n, temperature, params, toolbox,
-                             teacher, judge, label, make_role_backends(params) if teacher else None)
+                             teacher, judge, label, roles)
         rows, extra = prm_rerank(rows, load_prm()) if name == "prm_rerank" else (rows, {})
-        yield name, rows, {**system_metrics(rows, time.perf_counter() - t0, label, p.bootstrap, params.seed), **extra}
+        wall = time.perf_counter() - t0
+        after = fault_counters({"teacher": backend, **roles} if teacher else {}, toolbox)
+        faults = {k: v - before[k] for k, v in after.items()}
+        yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, params.seed), **extra, **faults}

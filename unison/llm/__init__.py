@@ -1,5 +1,6 @@
 """LLM backends behind one interface (DESIGN §4): `generate(token prompts, sampling) -> completions`."""
 from ..config import EngineConfig, Params, teacher_engine
+from ..http import redact
 from .base import Completion, Sampling
 
 
@@ -35,9 +36,10 @@ def teacher_backend(params: Params):
 
 
 def teacher_id(params: Params) -> str:
-    """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote."""
+    """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote (the URL's
+    credentials redacted)."""
     engine = teacher_engine(params)
-    return f"{engine.api_model}@{engine.base_url}" if engine.backend == "openai" else params.teacher.model
+    return f"{engine.api_model}@{redact(engine.base_url)}" if engine.backend == "openai" else params.teacher.model
 
 
 def student_backend(model_dir: str, params: Params):

@@ -5,6 +5,8 @@ Episodes stay token-in/token-out: the prompt goes as token ids and, with the vLL
 text prompt, stop strings applied here (the standard API drops the stop string and does not say which one hit), and
 the returned text tokenised locally (counted in `stats["retokenized"]`). Until a first request succeeds, a 400/422
 answer steps down once per call: first the extensions, then token prompts.
+`stats` counts requests, retries (each resend after a connection error, timeout, 429 or 5xx) and failures (requests
+that failed for good: the RuntimeError that ends the call names the URL, credentials redacted).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from ..http import HTTPFailure, request
+from ..http import HTTPFailure, redact, request
 from .base import Completion, Sampling, truncate_at_stop
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ class OpenAIBackend:
         self.token_prompts, self.vllm_extensions = token_prompts, vllm_extensions
         key = os.environ.get(api_key_env) if api_key_env else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.stats = {"requests": 0, "retries": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0}
+        self.stats = {"requests": 0, "retries": 0, "failures": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0}
         self._lock = threading.Lock()
         self._probed = False  # a request has succeeded: the server's capabilities are known, a 4xx is a real error
         self._local = threading.local()  # one requests.Session (connection pool) per worker thread
@@ -83,6 +85,7 @@ class OpenAIBackend:
             except HTTPFailure as e:
                 if e.status in (400, 422) and self._step_down(mode, e):
                     continue
+                self._count("failures")
                 raise RuntimeError(f"openai backend: {e}") from None
             self._probed = True
             return response.json()["choices"][0], mode[0]
@@ -102,7 +105,7 @@ class OpenAIBackend:
                 return False
             self.stats["downgrades"] += 1
         log.warning("openai backend: %s rejected the request (%s); now extensions=%s, token prompts=%s",
-                    self.url, failure.detail[:200], self.vllm_extensions, self.token_prompts)
+                    redact(self.url), failure.detail[:200], self.vllm_extensions, self.token_prompts)
         return True
 
     def _complete(self, prompt: list[int], s: Sampling) -> Completion:

@@ -219,21 +219,24 @@ class Retriever(SearchTool):
         self.encoder = load_encoder(self.meta["encoder"], self.meta["query_prefix"], self.meta["passage_prefix"])
         self.topk, self.max_chars = topk, max_chars
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, list[list[dict]]] = OrderedDict()  # (queries, k) -> hits, least recent first
+        self._cache: OrderedDict[tuple, tuple[list[list[dict]], int]] = OrderedDict()  # (queries, k) -> (hits, bytes)
+        self._cache_bytes = 0
 
     CACHE_SIZE = 4096  # calls remembered: agents repeat a search across samples, rounds and agents
+    CACHE_BYTES = 64 << 20  # and their approximate memory (the queries' text and the hits; passages are shared)
 
     def search(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
         """Top-k passages per query as dicts (id, title, text, score), best first.
 
         A call repeated with the same queries returns the remembered result of that call (the same batch, so the
-        same floats) without running the encoder again."""
+        same floats) without running the encoder again. The least recently used calls are forgotten beyond
+        CACHE_SIZE calls or CACHE_BYTES; a call larger than CACHE_BYTES on its own is not remembered."""
         if not queries:
             return []
         k = min(topk or self.topk, len(self.passages))
         key = (tuple(queries), k)
         with self._lock:
-            hits = self._cache.get(key)
+            hits = self._cache.get(key, (None,))[0]
             if hits is not None:
                 self._cache.move_to_end(key)
         if hits is None:
@@ -242,39 +245,69 @@ class Retriever(SearchTool):
                 scores, ids = self.index.search(vectors, k)
                 hits = [[{**self.passages[i], "score": float(s)} for s, i in zip(row_scores, row_ids) if i >= 0]
                         for row_scores, row_ids in zip(scores, ids)]
-                self._cache[key] = hits
-                if len(self._cache) > self.CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                self._remember(key, hits)
         return [[dict(h) for h in row] for row in hits]  # copies: a caller's edits never reach the cache
+
+    def _remember(self, key: tuple, hits: list[list[dict]]) -> None:
+        """Cache a call's hits (the lock held), evicting the least recently used calls beyond the bounds."""
+        size = sum(len(q) + 64 for q in key[0]) + 256 * sum(map(len, hits))  # ~bytes: str headers, hit dicts
+        if size > self.CACHE_BYTES or key in self._cache:
+            return
+        self._cache[key] = (hits, size)
+        self._cache_bytes += size
+        while len(self._cache) > self.CACHE_SIZE or self._cache_bytes > self.CACHE_BYTES:
+            self._cache_bytes -= self._cache.popitem(last=False)[1][1]
 
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._cache_bytes = 0
 
 
 class RemoteRetriever(SearchTool):
-    """The same `search` against a `search_server` (Search-R1's /retrieve contract), with retries."""
+    """The same `search` against a `search_server` (Search-R1's /retrieve contract), with retries.
 
-    def __init__(self, url: str, topk: int = 3, max_chars: int = 300, timeout: float = 30.0, retries: int = 3):
+    `token_env` names the environment variable whose value goes as `Authorization: Bearer` (the server's --token-env).
+    `stats` counts requests, retries and failures (calls that raised: the server down after the retries, or a malformed
+    answer); a failed call raises, and the runtime turns that into an `exception` observation naming the URL."""
+
+    def __init__(self, url: str, topk: int = 3, max_chars: int = 300, timeout: float = 30.0, retries: int = 3,
+                 token_env: str = "", backoff_s: float = 0.5):
         self.url = url.rstrip("/")
-        self.topk, self.max_chars, self.timeout, self.retries = topk, max_chars, timeout, retries
+        self.topk, self.max_chars, self.timeout, self.retries, self.backoff_s = topk, max_chars, timeout, retries, backoff_s
+        token = os.environ.get(token_env) if token_env else None
+        if token_env and not token:
+            raise ValueError(f"params.yaml tools.search_token_env: the environment variable {token_env} is not set")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.stats = {"requests": 0, "retries": 0, "failures": 0}
+        self._lock = threading.Lock()
 
     def search(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
         if not queries:
             return []
         body = {"queries": list(queries), "topk": topk or self.topk, "return_scores": True}
-        result = self._post("/retrieve", body)["result"]
-        return [
-            [{"id": hit["document"]["id"], "title": hit["document"]["title"],
-              "text": hit["document"]["contents"].split("\n", 1)[-1], "score": hit["score"]} for hit in hits]
-            for hits in result
-        ]
+        self._count("requests")
+        try:
+            result = self._post("/retrieve", body)["result"]
+            return [
+                [{"id": hit["document"]["id"], "title": hit["document"]["title"],
+                  "text": hit["document"]["contents"].split("\n", 1)[-1], "score": hit["score"]} for hit in hits]
+                for hits in result
+            ]
+        except Exception:
+            self._count("failures")
+            raise
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
 
     def _post(self, route: str, body: dict) -> dict:
         """POST with unison.http's retries (connection errors, timeouts, 429, 5xx); HTTPFailure names the URL."""
         from ..http import request
 
-        return request("POST", self.url + route, json=body, timeout=self.timeout, retries=self.retries).json()
+        return request("POST", self.url + route, json=body, headers=self.headers, timeout=self.timeout, retries=self.retries,
+                       backoff_s=self.backoff_s, on_retry=lambda: self._count("retries")).json()
 
 
 def title_recall_at_1(retriever: Retriever, sample: int = 500, seed: int = 0) -> float:
@@ -289,5 +322,5 @@ def make_retriever(index_dir: str | os.PathLike, tools: ToolsConfig) -> SearchTo
     """A remote retriever when `tools.search_url` is set, else an in-process one over `index_dir`."""
     topk, max_chars = tools.search_topk, tools.search_max_chars
     if tools.search_url:
-        return RemoteRetriever(tools.search_url, topk, max_chars, timeout=tools.search_timeout_s)
+        return RemoteRetriever(tools.search_url, topk, max_chars, timeout=tools.search_timeout_s, token_env=tools.search_token_env)
     return Retriever(index_dir, topk, max_chars)

@@ -1,0 +1,220 @@
+"""Faults and secrets through a real stage process (`python -m tasks.generate`) in a tiny project, against a stand-in
+OpenAI completions server (a boundary fake of a hosted API, hence the `fake_openai_server` test names) that drops
+connections, answers 500 and stalls, a real search server that goes down mid-run, and a stand-in Serper endpoint.
+Every credential is a made-up value, recognisable, set in the environment or in a URL of params.yaml; none may reach
+a file under the project, MLflow or the stage's output."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tasks.teacher import teacher_info
+from unison.config import ROOT, load_params
+from unison.data.schemas import QUESTION, write_table
+from unison.tools.retrieval import Retriever, build_index
+from unison.tools.search_server import create_app
+
+from .local_http import DROP, LocalServer
+from .test_e2e import merge
+from .test_retrieval import invented_passages, serving, write_corpus
+
+SECRETS = {name: f"{name}-{uuid.uuid4().hex}" for name in ("teacher_key", "search_token", "web_key", "url_password", "url_query")}
+ENV = {"UNISON_FAKE_TEACHER_KEY": SECRETS["teacher_key"], "UNISON_FAKE_SEARCH_TOKEN": SECRETS["search_token"],
+       "UNISON_FAKE_WEB_KEY": SECRETS["web_key"]}
+QUESTIONS = ["Where was Meridan Vineyard founded?", "Who built Caudrel Bridge?", "What is Oskeby known for?"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(base_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base_model_dir)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory, tokenizer):
+    """A project with 3 train questions, a faiss index and the teacher's tokenizer; params.yaml is written per test."""
+    project = tmp_path_factory.mktemp("faults-project")
+    corpus = write_corpus(project / "corpus.parquet", invented_passages(20))
+    build_index(corpus, project / "data/index")
+    rows = [{"id": f"q{i}", "source": "test", "task": "qa", "question": q, "answers": ["nowhere"], "meta": "{}"}
+            for i, q in enumerate(QUESTIONS)]
+    write_table(rows, project / "data/raw/train.parquet", QUESTION)
+    tokenizer.save_pretrained(project / "models/teacher")
+    MlflowClient(f"sqlite:///{project / 'mlflow.db'}").search_experiments()  # its tables, made once (~10 s), not per stage
+    return project
+
+
+def project_copy(template: Path, dst: Path, **sections) -> Path:
+    import shutil
+
+    shutil.copytree(template, dst)
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())
+    tiny = {"generate": {"method": "single", "samples": 1, "shard_size": 1, "episodes_in_flight": 1, "demonstrations": "",
+                         "max_tokens_per_turn": 48}}
+    params = merge(base, merge(tiny, sections))
+    params["generate"]["scaffold"] = {}  # the fake teacher writes its own tags (merge would keep the default's)
+    (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return dst
+
+
+def fake_openai_teacher(tokenizer, tools: list[str], fault=lambda n: None):
+    """respond() for /v1/completions like vLLM with its extensions: each turn calls the next of `tools` (by how many
+    results the prompt holds), then answers. `fault(n)` for the n-th request (from 0): DROP, "slow" (4 s), a status,
+    or None."""
+    count = iter(range(10**6))
+
+    def respond(req):
+        n = next(count)
+        fault_now = fault(n)
+        if fault_now == DROP:
+            return DROP
+        if fault_now == "slow":
+            time.sleep(4)
+        elif fault_now:
+            return fault_now, {"error": "injected"}, None
+        body = req["json"]
+        prompt = body["prompt"] if isinstance(body["prompt"], str) else tokenizer.decode(body["prompt"])
+        turn = prompt.count("<result>\n")
+        tag = tools[turn] if turn < len(tools) else "answer"
+        text = f"<{tag}>{'Paris' if tag == 'answer' else f'Meridan Vineyard {n}'}</{tag}>"  # no query repeats: no cache hit
+        choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None,
+                  "stop_reason": f"</{tag}>" if f"</{tag}>" in body.get("stop", []) else None}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return 200, {"choices": [choice]}, None
+
+    return respond
+
+
+def run_stage(project: Path, stage: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    for name in ("MLFLOW_TRACKING_URI", "UNISON_PARENT_RUN_ID", "UNISON_EXPERIMENT"):  # the project's own store
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", f"tasks.{stage}"], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def stage_runs(project: Path, stage: str) -> list:
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("unison")
+    return [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("stage") == stage]
+
+
+def listening(url: str) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", int(url.rsplit(":", 1)[1]))) == 0
+
+
+def leaks(project: Path, outputs: list[str]) -> list[str]:
+    """Where any secret's value shows up: files under the project (MLflow's database and artifacts included; not
+    params.yaml, where the operator wrote the URLs), the stages' output."""
+    found = []
+    for path in sorted(p for p in project.rglob("*") if p.is_file() and p != project / "params.yaml"):
+        data = path.read_bytes()
+        found += [f"{path.relative_to(project)}: {name}" for name, value in SECRETS.items() if value.encode() in data]
+    return found + [f"output: {name}" for text in outputs for name, value in SECRETS.items() if value in text]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_generate_survives_fake_openai_server_faults_and_a_search_server_going_down_and_leaks_no_secret(
+        template, tmp_path, tokenizer, base_model_dir):
+    searches, web_requests = [], []
+
+    class DiesAfterTwo(Retriever):
+        """The real retriever; its server stops listening during the second search (which it still answers)."""
+
+        def search(self, queries, topk=None):
+            searches.append(queries)
+            if len(searches) == 2:
+                uv.should_exit = True
+                deadline = time.time() + 10
+                while listening(search_url):
+                    assert time.time() < deadline, "the search server did not stop listening"
+                    time.sleep(0.05)
+            return super().search(queries, topk)
+
+    def serper(req):
+        web_requests.append(req)
+        return 200, {"organic": [{"title": "Meridan Vineyard", "link": "http://x.test", "snippet": "in Velmora"}]}, None
+
+    faults = {1: DROP, 3: 500, 5: "slow"}  # teacher requests 2, 4 and 6: each retried once and then answered
+    teacher = LocalServer(fake_openai_teacher(tokenizer, ["search", "web_search"], faults.get))
+    web = LocalServer(serper)
+    with teacher, web, serving(create_app(DiesAfterTwo(template / "data/index"), SECRETS["search_token"])) as (uv, search_url):
+        port = teacher.url.rsplit(":", 1)[1]
+        project = project_copy(template, tmp_path / "project", teacher={
+            "model": f"local:{base_model_dir}", "backend": "openai", "base_url": f"http://unison:{SECRETS['url_password']}@127.0.0.1:{port}/v1",
+            "served_name": "fake", "api_key_env": "UNISON_FAKE_TEACHER_KEY", "llm": {"timeout_s": 2, "max_retries": 2}},
+            tools={"search_url": search_url, "search_token_env": "UNISON_FAKE_SEARCH_TOKEN",
+                   "web_search_url": f"{web.url}/search?api_key={SECRETS['url_query']}", "web_api_key_env": "UNISON_FAKE_WEB_KEY"})
+        generate = run_stage(project, "generate")
+        assert generate.returncode == 0, generate.stdout[-3000:] + generate.stderr[-3000:]
+
+    # the run completed; the teacher's faults were retried, the search server's absence counted
+    report = json.loads((project / "reports/generate.json").read_text())
+    assert (report["teacher_retries"], report["teacher_failures"]) == (3, 0)
+    assert (report["search_requests"], report["search_retries"], report["search_failures"]) == (3, 3, 1)
+    assert report["tool_search_exception"] == 1 and report["trajectories"] == 3
+    (run,) = stage_runs(project, "generate")
+    assert run.info.status == "FINISHED"
+    assert {k: run.data.metrics[k] for k in ("teacher_retries", "search_failures")} == {"teacher_retries": 3, "search_failures": 1}
+    rows = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
+    failed = [m["content"] for r in rows for m in r["messages"] if m["role"] == "tool" and "failed after" in m["content"]]
+    assert len(failed) == 1 and f"POST {search_url}/retrieve failed after 4 attempts: connection failed" in failed[0]
+
+    # every credential was used ...
+    assert len(searches) == 2 and len(web_requests) == 3  # the search server wants the token: it was sent
+    assert {r["headers"]["X-API-KEY"] for r in web_requests} == {SECRETS["web_key"]}
+    assert all(r["path"].endswith(f"api_key={SECRETS['url_query']}") for r in web_requests)
+    assert all(r["headers"]["Authorization"].startswith("Basic ") for r in teacher.requests)  # the URL's user:password
+    # ... recorded only redacted ...
+    assert rows[0]["teacher"] == f"fake@http://***@127.0.0.1:{port}/v1"
+    params = run.data.params
+    assert params["generate.teacher.base_url"] == f"http://***@127.0.0.1:{port}/v1"
+    assert params["generate.tools.web_search_url"] == f"{web.url}/search?api_key=***"
+    assert params["generate.teacher.api_key_env"] == "UNISON_FAKE_TEACHER_KEY"
+    # ... and its value is nowhere: not in any file under the project, MLflow's store included, nor in the output
+    assert leaks(project, [generate.stdout + generate.stderr]) == []
+    assert teacher_info(load_params(project / "params.yaml").teacher)["base_url"] == f"http://***@127.0.0.1:{port}/v1"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_generate_stops_naming_a_fake_openai_server_gone_for_good_and_keeps_its_shards(template, tmp_path, tokenizer):
+    healthy = fake_openai_teacher(tokenizer, ["search"])
+    teacher = LocalServer(healthy)
+    with teacher:
+        port = teacher.url.rsplit(":", 1)[1]
+        project = project_copy(template, tmp_path / "project", teacher={
+            "model": "local:unused", "backend": "openai", "base_url": f"http://unison:{SECRETS['url_password']}@127.0.0.1:{port}/v1",
+            "served_name": "fake", "api_key_env": "UNISON_FAKE_TEACHER_KEY", "llm": {"timeout_s": 5, "max_retries": 2}})
+        teacher.respond = lambda req: ((500, "gone", None) if len(teacher.requests) > 2 else healthy(req))  # after question 1
+        failed = run_stage(project, "generate")
+        assert failed.returncode != 0, failed.stdout[-3000:]
+        assert f"POST http://***@127.0.0.1:{port}/v1/completions failed after 3 attempts: HTTP 500: gone" in failed.stderr
+        assert "generate: teacher_retries=2, teacher_failures=1" in failed.stderr
+        (shard,) = (project / "data/.cache/generate").glob("*/shard-*.parquet")  # question 1's shard is kept
+        assert shard.name == "shard-00000.parquet" and not (project / "data/trajectories/train.parquet").exists()
+        (run,) = stage_runs(project, "generate")
+        assert run.info.status == "FAILED" and run.data.metrics["teacher_failures"] == 1
+
+        teacher.respond = healthy  # the server is back: the re-run resumes from the kept shard
+        resumed = run_stage(project, "generate")
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "generate: shard 1/3 already done, reusing" in resumed.stdout
+    assert len(teacher.requests) == 2 + 3 + 2 * 2  # question 1 (search, answer); question 2's 3 attempts; then 2 and 3
+    assert json.loads((project / "reports/generate.json").read_text())["trajectories"] == 3
+    assert leaks(project, [failed.stdout + failed.stderr, resumed.stdout + resumed.stderr]) == []
