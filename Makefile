@@ -1,4 +1,5 @@
-# unison — `make demo` runs the whole default pipeline; `make test` runs the tests. Both set up what they need.
+# unison — `make demo` runs the whole default pipeline; `make test` runs the tests; `make security` the security suite.
+# Each sets up what it needs.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
-.PHONY: setup demo test test-recipes test-fast ui pipeline bench clean recipe
+.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe
 
 setup: $(STAMP)
 
@@ -41,6 +42,9 @@ pipeline: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=25
+
+security: setup  # ~65 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
+	$(PY) -m security
 
 test-recipes: setup  # every seed system's tiny recipe through dvc repro (~19 min on 2 cores; not part of `make test`; CI runs both)
 	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 tests/test_recipes.py -k end_to_end
