@@ -63,6 +63,24 @@ _runs_cgroup: cgroups.Cgroup | None = None  # strict: the cgroup all runs go in
 class SandboxUnavailable(RuntimeError):
     """Code cannot be sandboxed with the isolation params.yaml asks for; the message names what is missing."""
 
+# The interpreter's first act: join a new anonymous session keyring (keyctl KEYCTL_JOIN_SESSION_KEYRING, NULL), so the
+# code does not possess the caller's (bwrap and setpriv keep it, and a possessor reads its keys whatever its uid); then
+# the code, read from stdin, runs as __main__ in a fresh namespace.
+FRESH_KEYRING_THEN_STDIN = """\
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.syscall({"x86_64": 250, "aarch64": 219}[os.uname().machine], 1, None) < 0:
+    sys.exit(f"sandbox: could not join a fresh session keyring (errno {ctypes.get_errno()})")
+del ctypes, libc
+sys.argv = ["-"]
+try:
+    exec(compile(sys.stdin.read(), "<stdin>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+except Exception as e:  # the traceback as python would print it, without this bootstrap's frame
+    import traceback
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+    sys.exit(1)
+"""
+
 
 @dataclass
 class ToolResult:
@@ -172,7 +190,7 @@ def _command(uid: int | None, timeout_s: float, memory_mb: int) -> list[str]:
         become_user = [shutil.which("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                        "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
     return [*limits, shutil.which("bwrap"), *_filesystem(), *namespaces, "--die-with-parent", "--new-session",
-            "--chdir", "/tmp", *become_user, sys.executable, "-I", "-u", "-"]
+            "--chdir", "/tmp", *become_user, sys.executable, "-I", "-u", "-c", FRESH_KEYRING_THEN_STDIN]
 
 
 def _filesystem() -> list[str]:
