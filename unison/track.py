@@ -32,6 +32,8 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH  # noqa: E402
 
+from .data.schemas import atomic_path  # noqa: E402
+
 PARENT_RECORD = Path(".unison") / "parent_run.json"
 PARENT_MAX_AGE_S = 6 * 3600
 METRIC_FLUSH_EVERY_S = 10.0  # buffered metrics are sent at least this often while a stage logs
@@ -154,7 +156,9 @@ def _parent_run_id(client: MlflowClient, project_dir: Path) -> str:
         run_id = _recorded_parent(client, record)
         if run_id is None:
             run_id = start_pipeline_run(project_dir)
-            record.write_text(json.dumps({"run_id": run_id, "tracking_uri": client.tracking_uri}))
+            tmp = atomic_path(record)  # a stage killed mid-write must not leave a half record every later stage trips on
+            tmp.write_text(json.dumps({"run_id": run_id, "tracking_uri": client.tracking_uri}))
+            tmp.replace(record)
     return run_id
 
 
