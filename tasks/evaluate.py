@@ -5,9 +5,11 @@ from __future__ import annotations
 from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
-from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
+from unison.data.schemas import LABELED, QUESTION, atomic_dir, read_table, write_json, write_table
 from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
 from unison.train.prm import load_prm
+
+OUT = "reports/eval"
 
 
 def main() -> None:
@@ -18,12 +20,13 @@ def main() -> None:
     metrics: dict[str, dict] = {}
     with track.stage_run("evaluate", {"seed": params.seed, **p.model_dump(), "teacher_method": g.method,
                                       "episodes_in_flight": g.episodes_in_flight, "teacher": params.teacher.model_dump()}) as run:
-        for name, rows, m in evaluate_systems(params, systems, questions, lambda: load_prm("models/prm", params.prm.precision)):
-            write_table(rows, f"reports/eval/{name}.parquet", LABELED)
-            metrics[name] = m
-            run.log_metrics({f"{name}.{k}": v for k, v in m.items()})
-            print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy ({params.label.judge} judge) "
-                  f"{m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]", flush=True)
+        with atomic_dir(OUT) as out:  # reports/eval/ appears whole, with no system left over from an earlier run
+            for name, rows, m in evaluate_systems(params, systems, questions, lambda: load_prm("models/prm", params.prm.precision)):
+                write_table(rows, out / f"{name}.parquet", LABELED)
+                metrics[name] = m
+                run.log_metrics({f"{name}.{k}": v for k, v in m.items()})
+                print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy ({params.label.judge} judge) "
+                      f"{m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]", flush=True)
         write_json(metrics, "reports/metrics.json")
         run.log_artifact("reports/metrics.json")
 

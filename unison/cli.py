@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel
 
 from .config import ROOT, Params
+from .data.schemas import remove_stale_temps
 
 
 def stages() -> dict[str, dict]:
@@ -75,13 +76,16 @@ def outs(entry: dict) -> list[str]:
 
 
 def stage_main(stage: str, main) -> None:
-    """`python -m tasks.<stage>` [--help]: print the stage's settings and run nothing, or run it."""
+    """`python -m tasks.<stage>` [--help]: print the stage's settings and run nothing, or run it (after deleting the temps
+    that a killed run of any stage left under data/, models/ and reports/)."""
     args = sys.argv[1:]
     if args and args[0] in ("-h", "--help"):
         print(stage_help(stage))
         return
     if args:
         sys.exit(f"python -m tasks.{stage}: takes no arguments (settings live in params.yaml; --help lists them), got {args}")
+    for path in remove_stale_temps():
+        print(f"{stage}: removed {path}, left by a killed run", flush=True)
     main()
 
 

@@ -9,7 +9,8 @@ import json
 import re
 import sys
 import time
-from pathlib import Path
+
+from .data.schemas import atomic_path
 
 START = re.compile(r"^Running stage '([^']+)'")
 
@@ -34,8 +35,9 @@ def main() -> None:
         for stage, seconds in times.items():
             print(f"  {stage:<{width}}  {seconds:7.1f} s")
         print(f"  {'total':<{width}}  {time.perf_counter() - t0:7.1f} s")
-        Path("reports").mkdir(exist_ok=True)
-        Path("reports/stage_times.json").write_text(json.dumps({k: round(v, 1) for k, v in times.items()}, indent=1) + "\n")
+        tmp = atomic_path("reports/stage_times.json")
+        tmp.write_text(json.dumps({k: round(v, 1) for k, v in times.items()}, indent=1) + "\n")
+        tmp.replace("reports/stage_times.json")
 
 
 if __name__ == "__main__":

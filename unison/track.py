@@ -32,6 +32,7 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH  # noqa: E402
 
+from .data.schemas import atomic_path  # noqa: E402
 from .http import redact  # noqa: E402
 
 PARENT_RECORD = Path(".unison") / "parent_run.json"
@@ -157,6 +158,9 @@ def _parent_run_id(client: MlflowClient, project_dir: Path) -> str:
         run_id = _recorded_parent(client, record)
         if run_id is None:
             run_id = start_pipeline_run(project_dir)
+            tmp = atomic_path(record)  # a stage killed mid-write must not leave a half record every later stage trips on
+            tmp.write_text(json.dumps({"run_id": run_id, "tracking_uri": client.tracking_uri}))
+            tmp.replace(record)
             record.write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(client.tracking_uri)}))
     return run_id
 

@@ -3,8 +3,9 @@
 The teacher is the `teacher` block (models/teacher, or its server): never the student.
 Every question is a flow of its own on one engine (a new one starts whenever fewer than `generate.episodes_in_flight`
 episodes are live; no barrier between questions or shards). Each shard of questions is written atomically under
-data/.cache/generate/<params hash>/ as soon as all its questions are done, so a killed run resumes from completed
-shards without duplicates. The output is written once, atomically, at the end. A server that fails for good (the
+data/.cache/generate/<key>/ as soon as all its questions are done, so a killed run resumes from completed shards
+without duplicates; the key (`shard_dir`) covers the settings, the questions, the code, the index and the teacher.
+The output is written once, atomically, at the end. A server that fails for good (the
 teacher after its retries) stops the run with an error naming it; the finished shards stay for the next run, and the
 error carries the retry and failure counters (`counters`, for the stage to log).
 """
@@ -17,23 +18,31 @@ from collections import Counter
 from pathlib import Path
 
 from ..config import Params
+from ..data.digest import file_digests
 from ..data.schemas import TRAJECTORY, read_table, write_table
 from ..llm import TEACHER_DIR, teacher_backend, teacher_id
 from .episodes import tool_totals
 from .methods import MethodContext, run_method
-from .wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox, remote_counters
+from .wiring import INDEX_DIR, demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox, remote_counters
+
+PACKAGE = Path(__file__).resolve().parents[1]  # unison/: its sources are part of the shards' key
 
 
 FAULTS = ("teacher_", "search_")  # the counters an error's note repeats
 
 
 def shard_dir(params: Params, questions: list[dict]) -> Path:
-    """Shards are valid only for the same settings, model and questions."""
+    """Shards are valid only for the same settings, questions and worked examples, the same code (every .py file of the
+    unison package) and the same index and teacher (every file of data/index, models/teacher and generate.roles' local
+    model folders, by content): a shard made by other code or other weights is never reused."""
     key = json.dumps([params.model_dump(include={"generate", "llm", "teacher", "tools", "seed"}), [q["id"] for q in questions]],
                      sort_keys=True)
-    meta = Path(TEACHER_DIR) / "unison_model.json"
-    key += meta.read_text() if meta.exists() else ""
     key += demonstrations(params)  # the teacher's worked examples: the file's text, not only its name
+    code = sorted(PACKAGE.rglob("*.py"))
+    roles = [str(spec["model"]) for spec in params.generate.roles.values() if Path(str(spec.get("model", ""))).is_dir()]
+    data = [f for d in dict.fromkeys([INDEX_DIR, TEACHER_DIR, *roles]) for f in sorted(Path(d).rglob("*")) if f.is_file()]
+    names = [str(f.relative_to(PACKAGE.parent)) for f in code] + [str(f) for f in data]
+    key += json.dumps(dict(zip(names, file_digests(code + data))))
     return Path("data/.cache/generate") / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

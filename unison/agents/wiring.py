@@ -9,8 +9,9 @@ from ..tools.web import CACHE_DIR, enabled_web_tools, make_web_tools
 from .runtime import EpisodeSettings
 from .toolbox import Toolbox
 
+INDEX_DIR = "data/index"  # the `index` stage's output, searched in process unless tools.search_url is set
 
-def make_toolbox(params: Params, index_dir: str = "data/index", web_cache_dir: str = CACHE_DIR) -> Toolbox:
+def make_toolbox(params: Params, index_dir: str = INDEX_DIR, web_cache_dir: str = CACHE_DIR) -> Toolbox:
     """search + python, and the web tools params.yaml enables (tools.web_search_url, tools.crawl).
 
     Raises SandboxUnavailable (naming what is missing and tools.sandbox_isolation) when python code cannot be sandboxed

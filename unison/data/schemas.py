@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -143,11 +144,19 @@ def validate_rows(rows: list[dict], schema: pa.Schema, path: str | os.PathLike) 
                 raise DataError(path, f"meta is not JSON: {e}", i, "meta") from None
 
 
+TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[a-z0-9_]+\.(tmp|old)$")  # what atomic_path/atomic_dir leave beside a target
+
+
+def temp_prefix(path: Path) -> str:
+    """`.<name>.<pid>.`: temps beside `path` name the process writing them, so a later run can tell a dead writer's apart."""
+    return f".{path.name}.{os.getpid()}."
+
+
 def atomic_path(path: str | os.PathLike):
     """A temp file in the target's directory; rename it onto `path` when complete."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(fd)
     return Path(tmp)
 
@@ -157,17 +166,48 @@ def atomic_dir(path: str | os.PathLike):
     """Yield a temp dir beside `path`; when the block completes, swap it into place (a failed block leaves `path` as it was)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent))
     try:
         tmp.chmod(0o755)
         yield tmp
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        old = tmp.with_suffix(".old")
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(roots: Iterable[str | os.PathLike] = ("data", "models", "reports")) -> list[Path]:
+    """Delete the temp files and folders that atomic_path/atomic_dir writers killed mid-write left under `roots`; the ones
+    removed. A temp is stale when the process its name records is gone, or is this one (a pid reused after a restart: this
+    process has written nothing yet when a stage starts)."""
+    removed = []
+    for root in map(Path, roots):
+        for parent, dirs, files in os.walk(root):
+            for name in dirs + files:
+                m = TEMP.match(name)
+                pid = int(m["pid"]) if m else 0
+                if m and (pid == os.getpid() or not alive(pid)):
+                    path = Path(parent) / name
+                    if name in dirs:
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+                    removed.append(path)
+            dirs[:] = [d for d in dirs if not TEMP.match(d)]
+    return removed
 
 
 def write_table(rows: list[dict], path: str | os.PathLike, schema: pa.Schema) -> None:

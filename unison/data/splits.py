@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from ..config import DownloadConfig
 from . import adapters, builtin
-from .schemas import CORPUS, QUESTION, atomic_path, write_table
+from .schemas import CORPUS, QUESTION, atomic_dir, atomic_path, write_table
 
 
 def load_splits(p: DownloadConfig, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
@@ -56,12 +56,14 @@ def split_counts(rows: list[dict]) -> dict:
 
 
 def write_splits(p: DownloadConfig, seed: int, raw: Path) -> dict:
-    """raw/{train,test,corpus}.parquet for the configured dataset (train and test cut to download.max_*); their counts."""
+    """raw/{train,test,corpus}.parquet for the configured dataset (train and test cut to download.max_*), the folder swapped
+    in whole; their counts."""
     corpus, train, test = load_splits(p, seed)
     train = train[: p.max_train or None]
     test = test[: p.max_test or None]
-    write_table(train, raw / "train.parquet", QUESTION)
-    write_table(test, raw / "test.parquet", QUESTION)
-    write_corpus(corpus, raw / "corpus.parquet")
+    with atomic_dir(raw) as tmp:
+        write_table(train, tmp / "train.parquet", QUESTION)
+        write_table(test, tmp / "test.parquet", QUESTION)
+        write_corpus(corpus, tmp / "corpus.parquet")
     print(f"download: {len(train)} train, {len(test)} test questions, {len(corpus)} passages -> {raw}/", flush=True)
     return {"train": split_counts(train), "test": split_counts(test), "corpus": {"n": len(corpus)}}

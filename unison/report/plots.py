@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
+from ..data.schemas import atomic_dir
 from .tables import LABELS, teacher_first
 
 PLOTS = Path("reports/plots")
@@ -98,17 +99,18 @@ def plot_rl_curves(curve_csv: Path, path: Path) -> None:
 
 
 def make_plots(metrics: dict) -> list[str]:
-    """Draw the report's plots into reports/plots; every plot to show, as a path relative to reports/ (other stages' too)."""
-    PLOTS.mkdir(parents=True, exist_ok=True)
-    plot_accuracy_vs_tokens(metrics, PLOTS / "accuracy_vs_tokens.png")
-    plot_per_task(metrics, PLOTS / "accuracy_per_task.png")
-    plots = ["plots/accuracy_vs_tokens.png", "plots/accuracy_per_task.png"]
-    for name, title in LOSS_CURVES.items():
-        if Path(f"reports/{name}").exists() and read_csv(Path(f"reports/{name}")):
-            plot_loss(Path(f"reports/{name}"), PLOTS / name.replace(".csv", ".png"), title)
-            plots.append(f"plots/{name.replace('.csv', '.png')}")
-    if Path("reports/rl_curve.csv").exists() and read_csv(Path("reports/rl_curve.csv")):
-        plot_rl_curves(Path("reports/rl_curve.csv"), PLOTS / "rl_curves.png")
-        plots.append("plots/rl_curves.png")
+    """Draw the report's plots into reports/plots (the folder swapped in whole); every plot to show, as a path relative to
+    reports/ (other stages' too)."""
+    with atomic_dir(PLOTS) as out:
+        plot_accuracy_vs_tokens(metrics, out / "accuracy_vs_tokens.png")
+        plot_per_task(metrics, out / "accuracy_per_task.png")
+        plots = ["plots/accuracy_vs_tokens.png", "plots/accuracy_per_task.png"]
+        for name, title in LOSS_CURVES.items():
+            if Path(f"reports/{name}").exists() and read_csv(Path(f"reports/{name}")):
+                plot_loss(Path(f"reports/{name}"), out / name.replace(".csv", ".png"), title)
+                plots.append(f"plots/{name.replace('.csv', '.png')}")
+        if Path("reports/rl_curve.csv").exists() and read_csv(Path("reports/rl_curve.csv")):
+            plot_rl_curves(Path("reports/rl_curve.csv"), out / "rl_curves.png")
+            plots.append("plots/rl_curves.png")
     return plots + [p for p in ("pareto_front.png", "flywheel.png") if Path(f"reports/{p}").exists()]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..agents.wiring import demonstrations, make_toolbox
 from ..config import Params
-from ..data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_json, write_table
+from ..data.schemas import LABELED, QUESTION, DataError, atomic_dir, atomic_path, read_table, write_json, write_table
 from ..labeling.evaluation import run_judged
 from ..labeling.judging import make_judge
 from ..labeling.metrics import scoring_params, system_metrics
@@ -117,8 +117,8 @@ def plot(rounds: list[dict], base: dict, path: Path) -> None:
     ax.set_title("teacher and student per flywheel round")
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    tmp = atomic_path(path)
+    fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     tmp.replace(path)
 
