@@ -125,6 +125,8 @@ def plot(rounds: list[dict], base: dict, path: Path) -> None:
 
 def run_rounds(params: Params, work: Path | None) -> Iterator[dict]:
     """Rounds 1..flywheel.rounds in `work` (a finished round is reused), each one's report row as it finishes."""
+    if not params.flywheel.rounds:  # no toolbox: loading the search encoder costs seconds
+        return
     toolbox, judge = make_toolbox(params), make_judge(params, {})
     for k in range(1, params.flywheel.rounds + 1):
         done = work / f"round-{k}" / "round.json"
