@@ -122,6 +122,17 @@ def test_exception_is_reported_with_traceback():
     assert "ZeroDivisionError" in result.output
 
 
+def test_an_interpreter_under_tmp_is_bound_over_the_private_tmp(tmp_path):
+    """A venv under /tmp (a checkout under /tmp has one) stays visible: the private /tmp is mounted before it, not over it."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    code = (f"import sys; sys.path.insert(0, {str(PROJECT_ROOT)!r}); from unison.tools.python_sandbox import run_python, start_sandbox; "
+            "start_sandbox('rlimits'); r = run_python('import sys; print(sys.prefix)'); print(r.ok, r.output.strip(), r.error)")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120)
+    assert str(venv).startswith("/tmp/")
+    assert out.stdout.split() == ["True", str(venv), "None"], out.stdout + out.stderr
+
+
 def test_numpy_and_sympy_are_importable():
     result = run_python("import numpy, sympy\nprint(numpy.arange(5).sum(), sympy.factor('x**2 - 1'))", timeout_s=10)
     assert result.ok, result

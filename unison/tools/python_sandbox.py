@@ -201,16 +201,17 @@ def _filesystem() -> list[str]:
             args += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             args += ["--ro-bind", d, d]
+    # /tmp before the interpreter's prefixes, so that a venv or Python under /tmp is bound on top of the private tmpfs
+    args += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
     prefixes = [p for p in sorted({sys.prefix, sys.base_prefix}) if not any(Path(p).is_relative_to(d) for d in SYSTEM_DIRS)]
     binds = [*prefixes, *(path for path in ETC_FILES if os.path.exists(path))]  # a venv, its Python, bits of /etc
-    for d in sorted({str(parent) for path in binds for parent in Path(path).parents} - {"/"}):
+    for d in sorted({str(parent) for path in binds for parent in Path(path).parents} - {"/", "/tmp"}):
         args += ["--perms", "0755", "--dir", d]  # bwrap would make them with the caller's umask
     for path in binds:
         args += ["--ro-bind", path, path]
     for pth in _editable_hooks():
         args += ["--ro-bind", "/dev/null", pth]  # unreadable in the sandbox (nodev): site skips it
-    return [*args, "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
-            "--remount-ro", "/"]
+    return [*args, "--remount-ro", "/"]
 
 
 @cache
