@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -167,6 +168,10 @@ def run_stage(project: Path, stage: str, env: dict) -> tuple[Timing, str]:
     return timing, stdout
 
 
+def digitless(line: str) -> str:
+    return re.sub(r"\d+", "#", line)
+
+
 def killed_at(project: Path, stage: str, env: dict, timing: Timing, u: float) -> float | None:
     """Start the stage and SIGKILL its process group at fraction `u` of a span of the reference run: the one its resume state
     was on disk, counted from when this run's appears; else the one it worked in, counted from when this run prints the
@@ -178,7 +183,8 @@ def killed_at(project: Path, stage: str, env: dict, timing: Timing, u: float) ->
             time.sleep(0.05)
         delay = u * (timing.resume_to - timing.resume_from)
     elif timing.last > timing.first:
-        while timing.first_line not in (line for _, line in list(lines)) and proc.poll() is None:
+        first = digitless(timing.first_line)  # lines may carry a pid (the sandbox's cgroup): compare them without digits
+        while first not in (digitless(line) for _, line in list(lines)) and proc.poll() is None:
             time.sleep(0.05)
         delay = u * (timing.last - timing.first)
     else:
