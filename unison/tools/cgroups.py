@@ -14,6 +14,7 @@ import shlex
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,10 +141,15 @@ def kill_all(cgroup: Cgroup, patience_s: float = 5.0) -> None:
     kill = cgroup.file("memory", "cgroup.kill")  # v2, kernel 5.14+
     if cgroup.version == 2 and kill.exists():
         _write(kill, "1")
+    kill_until_gone(lambda: _pids(cgroup), f"sandbox cgroup {cgroup.dirs[0]}", patience_s)
+
+
+def kill_until_gone(pids_of: Callable[[], list[int]], what: str, patience_s: float = 5.0) -> None:
+    """SIGKILL the processes `pids_of()` lists until it lists none; RuntimeError naming `what` after `patience_s`."""
     give_up = time.monotonic() + patience_s
-    while pids := _pids(cgroup):
+    while pids := pids_of():
         if time.monotonic() > give_up:
-            raise RuntimeError(f"sandbox cgroup {cgroup.dirs[0]} still has processes {pids[:5]} after {patience_s}s")
+            raise RuntimeError(f"{what} still has processes {pids[:5]} after {patience_s}s")
         for pid in pids:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

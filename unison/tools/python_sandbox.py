@@ -260,14 +260,7 @@ def _kill_sandbox(proc: subprocess.Popen, uid: int | None) -> None:
 
 def _kill_user(uid: int, patience_s: float = 5.0) -> None:
     """SIGKILL every process of `uid` until none is left."""
-    give_up = time.monotonic() + patience_s
-    while pids := _pids_of(uid):
-        if time.monotonic() > give_up:
-            raise RuntimeError(f"sandbox uid {uid} still has processes {pids[:5]} after {patience_s}s")
-        for pid in pids:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
+    cgroups.kill_until_gone(lambda: _pids_of(uid), f"sandbox uid {uid}", patience_s)
 
 
 def _pids_of(uid: int) -> list[int]:
