@@ -23,7 +23,8 @@ from ..data.schemas import TRAJECTORY, read_table, write_table
 from ..llm import TEACHER_DIR, teacher_backend, teacher_id
 from .episodes import tool_totals
 from .methods import MethodContext, run_method
-from .wiring import INDEX_DIR, demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox, remote_counters
+from .wiring import (INDEX_DIR, demonstrations, enabled_tools, episode_settings, fault_counters, make_role_backends, make_toolbox,
+                     remote_counters)
 
 PACKAGE = Path(__file__).resolve().parents[1]  # unison/: its sources are part of the shards' key
 
@@ -107,6 +108,7 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
         wall_s = time.perf_counter() - t0
     rows = [r for path in paths for r in read_table(path, TRAJECTORY)]
     metrics = {**summarize(rows), "wall_s": wall_s}  # timings live in the report, never in the data
-    if ctx is not None:
-        metrics.update(remote_counters({"teacher": ctx.backend, **ctx.role_backends}, ctx.toolbox))
+    # the same keys whether this run generated or only reused shards (a resumed run's report equals an unkilled one's)
+    metrics.update(remote_counters({"teacher": ctx.backend, **ctx.role_backends}, ctx.toolbox) if ctx is not None
+                   else fault_counters({}, None))
     return rows, metrics

@@ -68,12 +68,12 @@ def make_role_backends(params: Params) -> dict:
     return out
 
 
-def fault_counters(backends: dict, toolbox: Toolbox) -> dict[str, float]:
+def fault_counters(backends: dict, toolbox: Toolbox | None) -> dict[str, float]:
     """Retries and failures of the pieces behind a network: `teacher_retries` / `teacher_failures` summed over the
     distinct backends (only the openai backend keeps them; 0 for local ones) and the remote retriever's `search_requests`
-    / `search_retries` / `search_failures` (0 in process)."""
+    / `search_retries` / `search_failures` (0 in process, and all 0 when nothing ran: no toolbox)."""
     distinct = {id(b): getattr(b, "stats", {}) for b in backends.values()}.values()
-    search = getattr(toolbox.retriever, "stats", {})
+    search = getattr(toolbox.retriever, "stats", {}) if toolbox is not None else {}
     return {**{f"teacher_{k}": float(sum(stats.get(k, 0) for stats in distinct)) for k in ("retries", "failures")},
             **{f"search_{k}": float(search.get(k, 0)) for k in ("requests", "retries", "failures")}}
 
