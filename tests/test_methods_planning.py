@@ -2,6 +2,9 @@
 SmolLM2 on the HF backend — a role a 135M model cannot be relied on to play (a plan, a score, a verdict) is scripted."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from tests.test_runtime_sft import CorpusRetriever
@@ -166,6 +169,24 @@ def test_gap_runs_each_plan_level_as_one_parallel_search_turn(smol):
     assert row["n_tool_calls"] == 2 and sum(m["name"] == "query_writer" for m in row["messages"]) == 3
     check_student(smol.tokenizer, student)
     check_student_system(student, "gap", "<plan>")
+
+
+def test_a_gap_search_turn_past_the_call_deadline_is_a_timeout_and_the_chain_goes_on(smol):
+    """GAP runs a level's searches in its own threads: a search stuck past `tools.call_deadline_s` becomes a timeout
+    observation at the deadline, and the chain still answers."""
+    release = threading.Event()
+    ctx = context(smol, GAPConfig(max_levels=1, max_parallel=4), scripted={"plan": PLAN})
+    ctx.toolbox = Toolbox(call_deadline_s=0.5)
+    ctx.toolbox.handlers["search"] = lambda arg: (release.wait(120), ("too late", None))[1]  # stuck until the test ends
+    t0 = time.perf_counter()
+    try:
+        (row,) = get_method("gap")([Q], 1, ctx)
+    finally:
+        release.set()
+    assert time.perf_counter() - t0 < 60  # never waited for the stuck search (120 s)
+    (obs,) = [m["content"] for m in row["student"] if m["role"] == "tool"]
+    assert "gave no answer within 0.5 s (tools.call_deadline_s)" in obs and "too late" not in obs
+    assert row["tool_errors"] == 1 and row["student"][-1]["content"].startswith("<answer>")
 
 
 @pytest.mark.parametrize("method,params", [("chain_of_agents", ChainOfAgentsConfig(max_cycles=1)), ("agentflow", AgentFlowConfig(max_steps=2)),

@@ -228,8 +228,7 @@ class EngineLoop:
                     return call.future.result(timeout=POLL_S)
                 except FutureTimeout:
                     self._give_up_late_calls()
-            deadline_s = call.toolbox.call_deadline_s
-            return f"error: {call.tool} gave no answer within {deadline_s:g} s (tools.call_deadline_s)", "timeout", deadline_s
+            return timed_out(call.toolbox, call.tool)
         finally:
             self.calls.remove(call)
 
@@ -358,6 +357,12 @@ def _timed(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, floa
     except Exception as ex:  # a tool failure is an observation the model sees, never a crash
         text, err = f"error: {type(ex).__name__}: {ex}", "exception"
     return text, err, time.perf_counter() - t0
+
+
+def timed_out(toolbox: Toolbox, tool: str) -> tuple[str, str, float]:
+    """The (observation, error kind, seconds) of a call given up at the toolbox's `call_deadline_s`."""
+    deadline_s = toolbox.call_deadline_s
+    return f"error: {tool} gave no answer within {deadline_s:g} s (tools.call_deadline_s)", "timeout", deadline_s
 
 
 def _obs(tok, text: str) -> Segment:

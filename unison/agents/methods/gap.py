@@ -11,12 +11,12 @@ Student rendering: the plan, each level's parallel search turn as issued (parall
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from ...config import GAPConfig
 from ...protocol import observation, system_prompt
 from ..episodes import continue_episode, stable_seed, student_messages, trajectory_row
-from ..runtime import Segment, _timed, run_episodes
+from ..runtime import Segment, _timed, run_episodes, timed_out
 from .chain_of_agents import absorb, extend, new_chain
 
 RULES = (  # appended to the protocol's system prompt for the teacher (its students get protocol.STUDENT_RULES)
@@ -80,11 +80,15 @@ def writer_prompt(task: str, desc: str) -> str:
 
 
 def search_turn(chains, queries: dict[str, list[str]], ctx) -> None:
-    """Each chain's level as ONE search turn (its queries joined by " | "), the chains' calls run concurrently."""
+    """Each chain's level as ONE search turn (its queries joined by " | "), the chains' calls run concurrently, each
+    within `tools.call_deadline_s`."""
     tok = ctx.backend.tokenizer
     args = [" | ".join(queries[c.key]) for c in chains]
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(lambda arg: _timed(ctx.toolbox, "search", arg), args))
+    pool = ThreadPoolExecutor(max_workers=8)
+    futures = [pool.submit(_timed, ctx.toolbox, "search", arg) for arg in args]
+    wait(futures, timeout=ctx.toolbox.call_deadline_s)  # a search still running then is a timeout observation
+    results = [f.result() if f.done() else timed_out(ctx.toolbox, "search") for f in futures]
+    pool.shutdown(wait=False, cancel_futures=True)  # a late search is not waited for (its own timeouts end it)
     for c, arg, (text, err, secs) in zip(chains, args, results):
         call, obs = f"<search>{arg}</search>", observation(text)
         c.segments += [Segment("gen", call, tok(call, add_special_tokens=False)["input_ids"]),
