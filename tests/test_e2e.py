@@ -34,7 +34,7 @@ TINY = {
     "pareto": {"k": 2, "min_groups": 2},
     "rl": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens_per_turn": 48},
     "evaluate": {"max_questions": 8, "bootstrap": 200, "rerank_samples": 2},
-    "flywheel": {"rounds": 0},  # its rounds run in test_noop_repro_then_more_flywheel_rounds_...
+    "flywheel": {"rounds": 0, "sft_epochs": 0},  # its rounds (1 epoch, as sft) run in test_noop_repro_then_more_flywheel_rounds_...
 }
 
 

@@ -11,7 +11,7 @@ from unison.config import EngineConfig
 from unison.llm import Sampling, make_backend
 from unison.llm.openai_backend import OpenAIBackend
 
-from .local_http import DROP, LocalServer, free_port, vllm_openai_server
+from .local_http import DROP, LocalServer, RawServer, free_port, vllm_openai_server
 
 REPLY = "<search>Zorvan Kelt</search>"
 
@@ -117,7 +117,7 @@ def test_unreachable_server_error_names_the_url(tok):
 
 def test_fake_server_timeout_is_retried_then_reported(tok):
     def slow(req):
-        time.sleep(1.0)
+        time.sleep(3.0)
         return vllm_like(tok)(req)
 
     with LocalServer(slow) as server:
@@ -125,7 +125,7 @@ def test_fake_server_timeout_is_retried_then_reported(tok):
         t0 = time.perf_counter()
         with pytest.raises(RuntimeError, match=rf"{server.url}/v1/completions failed after 2 attempts: timed out after 0.2 s"):
             b.generate([[1]], [Sampling()])
-        assert time.perf_counter() - t0 < 1.0
+        assert time.perf_counter() - t0 < 3.0  # 2 x 0.2 s and a backoff (0.5 s measured); waiting for the answer: 6 s
     assert len(server.requests) == 2
     assert (b.stats["requests"], b.stats["retries"], b.stats["failures"]) == (1, 1, 1)
 
@@ -240,3 +240,31 @@ def test_real_vllm_server_runs_single_method_episodes(vllm_server, base_model_di
     assert b.stats["retokenized"] == 0 and b.stats["text_mismatch"] == 0 and b.stats["downgrades"] == 0
     assert b.stats["requests"] == 1 + sum(r["n_llm_calls"] for r in rows)
     b.close()
+
+
+def endless(chunk: bytes, pause_s: float = 0.0):
+    """A RawServer answer: a 200 head, then `chunk` forever (every `pause_s`)."""
+
+    def answer():
+        yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+        while True:
+            yield chunk
+            time.sleep(pause_s)
+
+    return answer
+
+
+def test_fake_server_answer_over_64_mib_fails_at_once_and_a_dripping_one_is_a_timeout(tok):
+    """A server streaming an endless body is cut at 64 MiB, unretried; one dripping a byte every 50 ms is a timeout
+    once `timeout_s` has passed in all, though no single read ever waits that long."""
+    with RawServer(endless(b"x" * (1 << 20))) as server:
+        b = backend(tok, server.url, max_retries=2)
+        with pytest.raises(RuntimeError, match=r"failed after 1 attempt: the answer is over 67108864 bytes"):
+            b.generate([[1]], [Sampling()])
+        assert server.sent < 256 << 20 and b.stats["retries"] == 0  # the rest of the 91 MB measured sat in socket buffers
+    with RawServer(endless(b" ", 0.05)) as server:
+        b = backend(tok, server.url, timeout_s=0.5, max_retries=1)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"failed after 2 attempts: the answer took over 0.5 s to arrive"):
+            b.generate([[1]], [Sampling()])
+        assert time.perf_counter() - t0 < 10  # 2 x 0.5 s and a backoff; the server would drip forever

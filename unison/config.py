@@ -370,6 +370,7 @@ class RLConfig(Section):
 
 class FlywheelConfig(Section):
     rounds: int = Field(1, description="round k's teacher: round k-1's last student under generate.method + scaffold; its correct train trajectories fine-tune a new student from models/base (sft.*); 0 = off")
+    sft_epochs: int = Field(2, ge=0, description="epochs of a round's student over its round's trajectories (the other settings are sft.*); a round's teacher gets about twice round 0's right, so 2 keeps the optimiser steps near round 0's (sft.epochs 4); 0 = sft.epochs")
 
 
 class Params(Section):

@@ -2,12 +2,15 @@
 backoff, Retry-After and errors."""
 from __future__ import annotations
 
+import json
 import re
 import time
 
 import requests
+import urllib3
 
 MAX_RETRY_AFTER_S = 60.0
+MAX_BODY_BYTES = 64 << 20  # an LLM completion or a search answer; a server sending more is broken or hostile
 
 _USERINFO = re.compile(r"(\w[\w+.-]*://)[^/\s@]*@")
 _SECRET_QUERY = re.compile(r"([?&;][^=&;\s]*(?:key|token|secret|password|passwd|pwd|auth|sig|credential)[^=&;\s]*=)[^&;\s'\"#]*",
@@ -72,22 +75,46 @@ def with_retries(method: str, url: str, attempt, *, retries: int, backoff_s: flo
     raise HTTPFailure(method, url, failure.kind, failure.detail, n + 1, failure.status)
 
 
-def request(method: str, url: str, *, timeout: float, retries: int = 3, backoff_s: float = 0.5, session=None,
-            on_retry=None, **kwargs) -> requests.Response:
-    """Send a request with `requests` (`timeout` is per connect and per read, not a total deadline), retried by
-    `with_retries`."""
+def post_json(url: str, body: dict, *, timeout: float, retries: int = 3, backoff_s: float = 0.5, session=None,
+              on_retry=None, headers: dict | None = None, max_bytes: int = MAX_BODY_BYTES):
+    """POST `body` as JSON and return the decoded answer, retried by `with_retries`. Every attempt is bounded: `timeout`
+    per connect and per read, the body read within `timeout` in all (a server dripping bytes is a timeout), and at most
+    `max_bytes` of it (a longer answer fails at once, unretried, as does an answer that is not JSON)."""
     http = session or requests
 
-    def attempt() -> requests.Response:
+    def attempt():
         try:
-            response = http.request(method, url, timeout=timeout, **kwargs)
+            response = http.request("POST", url, json=body, headers=headers, timeout=timeout, stream=True)
         except requests.Timeout:
             raise AttemptFailed("timeout", f"timed out after {timeout} s") from None
         except requests.ConnectionError as e:
             raise AttemptFailed("error", f"connection failed: {e}") from None
+        with response:
+            content = read_body(response, url, timeout, max_bytes)
         if response.status_code >= 400:
-            raise AttemptFailed("error", f"HTTP {response.status_code}: {response.text[:300]}", response.status_code,
-                                retry_after_s(response.headers.get("Retry-After")))
-        return response
+            raise AttemptFailed("error", f"HTTP {response.status_code}: {content[:300].decode(errors='replace')}",
+                                response.status_code, retry_after_s(response.headers.get("Retry-After")))
+        try:
+            return json.loads(content)
+        except ValueError:
+            raise HTTPFailure("POST", url, "error", f"the answer is not JSON: {content[:100]!r}", 1, response.status_code) from None
 
-    return with_retries(method, url, attempt, retries=retries, backoff_s=backoff_s, on_retry=on_retry)
+    return with_retries("POST", url, attempt, retries=retries, backoff_s=backoff_s, on_retry=on_retry)
+
+
+def read_body(response: requests.Response, url: str, timeout: float, max_bytes: int) -> bytes:
+    """The response's body, read within `timeout` seconds in all and up to `max_bytes` (HTTPFailure beyond)."""
+    deadline, chunks, size = time.monotonic() + timeout, [], 0
+    try:
+        while chunk := response.raw.read1(65536, decode_content=True):  # what has arrived, never waiting to fill a buffer
+            size += len(chunk)
+            if size > max_bytes:
+                raise HTTPFailure("POST", url, "error", f"the answer is over {max_bytes} bytes (stopped reading)", 1,
+                                  response.status_code)
+            if time.monotonic() > deadline:
+                raise AttemptFailed("timeout", f"the answer took over {timeout} s to arrive")
+            chunks.append(chunk)
+    except (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError, OSError) as e:
+        kind = "timeout" if isinstance(e, (urllib3.exceptions.ReadTimeoutError, TimeoutError)) else "error"
+        raise AttemptFailed(kind, f"reading the answer failed: {e}") from None
+    return b"".join(chunks)

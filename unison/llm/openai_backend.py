@@ -15,7 +15,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from ..http import HTTPFailure, redact, request
+from ..http import HTTPFailure, post_json, redact
 from .base import Completion, Sampling, truncate_at_stop
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class OpenAIBackend:
             mode = (self.vllm_extensions, self.token_prompts)
             self._count("requests")
             try:
-                response = request("POST", self.url, json=self._body(prompt, s, *mode), headers=self.headers, session=session,
+                answer = post_json(self.url, self._body(prompt, s, *mode), headers=self.headers, session=session,
                                    timeout=self.timeout_s, retries=self.max_retries, backoff_s=self.backoff_s,
                                    on_retry=lambda: self._count("retries"))
             except HTTPFailure as e:
@@ -88,7 +88,7 @@ class OpenAIBackend:
                 self._count("failures")
                 raise RuntimeError(f"openai backend: {e}") from None
             self._probed = True
-            return response.json()["choices"][0], mode[0]
+            return answer["choices"][0], mode[0]
 
     def _step_down(self, mode: tuple[bool, bool], failure: HTTPFailure) -> bool:
         """After a 400/422 on an unprobed server: drop the vLLM extensions, then token prompts. False: nothing left to drop."""

@@ -304,10 +304,10 @@ class RemoteRetriever(SearchTool):
 
     def _post(self, route: str, body: dict) -> dict:
         """POST with unison.http's retries (connection errors, timeouts, 429, 5xx); HTTPFailure names the URL."""
-        from ..http import request
+        from ..http import post_json
 
-        return request("POST", self.url + route, json=body, headers=self.headers, timeout=self.timeout, retries=self.retries,
-                       backoff_s=self.backoff_s, on_retry=lambda: self._count("retries")).json()
+        return post_json(self.url + route, body, headers=self.headers, timeout=self.timeout, retries=self.retries,
+                         backoff_s=self.backoff_s, on_retry=lambda: self._count("retries"))
 
 
 def title_recall_at_1(retriever: Retriever, sample: int = 500, seed: int = 0) -> float:

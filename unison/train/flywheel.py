@@ -58,7 +58,8 @@ def flat(prefix: str, m: dict) -> dict:
 
 def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Path) -> dict:
     """Round k in `work` (trajectories, student, round.json written last as the round's completion mark); its report row."""
-    g, e, seed, cfg = params.generate, params.evaluate, params.seed, params.sft
+    g, e, seed = params.generate, params.evaluate, params.seed
+    cfg = params.sft.model_copy(update={"epochs": params.flywheel.sft_epochs or params.sft.epochs})
     train, test = read_table("data/raw/train.parquet", QUESTION), read_table("data/raw/test.parquet", QUESTION)
     test = test[: e.max_questions or None]
     label, eval_label = params.label, scoring_params(params).label
