@@ -38,7 +38,7 @@ demo: setup  # each stage's time is printed at the end (unison/stage_clock.py)
 	echo "demo finished in $$(( $$(date +%s) - start )) s; open reports/report.html"
 
 pull: setup  # DVC-tracked data (*.dvc files) and cached stage outputs from the project's DVC remote, when it has one
-	@if [ -n "$$(dvc remote list)" ]; then dvc pull --allow-missing; else echo "make pull: no DVC remote (dvc remote add -d ...); nothing pulled"; fi
+	@if [ -n "$$(dvc remote list)" ]; then dvc pull --allow-missing; else echo "make pull: no DVC remote configured; nothing pulled"; fi
 
 # `make diff BASE=origin/main`: params and metrics of this workspace against BASE, as Markdown (CI's job summary). BASE's
 # metrics are not in git (reports/ is ignored), so BASE is reproduced first in a temporary worktree that shares this

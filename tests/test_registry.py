@@ -92,7 +92,8 @@ def test_students_are_tagged_versions_and_the_best_em_is_champion_loaded_back_by
         tie = registry.register_student(run, "flywheel-round-1", "models/flywheel/round-1", scores(0.45))
         assert client.get_registered_model("unison-default").aliases == {"champion": second.version}
         best = registry.register_student(run, "flywheel-round-2", "models/flywheel/round-2", scores(0.52))
-    assert int(tie.version) == int(second.version) + 1 and client.get_registered_model("unison-default").aliases == {"champion": best.version}
+    assert int(tie.version) == int(second.version) + 1
+    assert client.get_registered_model("unison-default").aliases == {"champion": best.version}
 
     capsys.readouterr()
     registry.main([])  # what README's `vllm serve "$(python -m unison.registry)"` serves

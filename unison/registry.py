@@ -8,9 +8,9 @@ keeps the older one).
 
 A version's files are a plain transformers folder among the artifacts of the run that scored it (students/<student>/).
 On a local artifact store they are hard links to the model's files: those are DVC's cache files, which no stage
-writes in place (stages swap in a new folder), so a version costs no copy and no disk; the SmolLM2-135M student is
-517 MB, copied in ~1.2 s, and a pipeline run registers two or three. Another store (a tracking server, S3) gets an
-upload.
+writes in place (stages swap in a new folder), so a version costs no disk. MLflow's own logging would copy them: 517 MB
+per SmolLM2-135M student (1.2 s with the write to disk), two or three students per pipeline run plus one per flywheel
+round. Another store (a tracking server, S3) gets an upload.
 
     python -m unison.registry                       # the local folder of this recipe's champion (stdout), what it is (stderr)
     python -m unison.registry --model unison-afm-tiny --alias champion
