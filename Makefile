@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
-.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe
+.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe pull diff
 
 setup: $(STAMP)
 
@@ -36,6 +36,26 @@ demo: setup  # each stage's time is printed at the end (unison/stage_clock.py)
 	$(VENV)/bin/dvc repro 2>&1 | $(PY) -u -m unison.stage_clock && \
 	cat reports/summary.md && \
 	echo "demo finished in $$(( $$(date +%s) - start )) s; open reports/report.html"
+
+pull: setup  # DVC-tracked data (*.dvc files) and cached stage outputs from the project's DVC remote, when it has one
+	@if [ -n "$$(dvc remote list)" ]; then dvc pull --allow-missing; else echo "make pull: no DVC remote configured; nothing pulled"; fi
+
+# `make diff BASE=origin/main`: params and metrics of this workspace against BASE, as Markdown (CI's job summary). BASE's
+# metrics are not in git (reports/ is ignored), so BASE is reproduced first in a temporary worktree that shares this
+# DVC cache (a stage run here with the same inputs comes back from DVC's run cache) and logs to its own MLflow store,
+# its results on a throwaway commit.
+BASE ?= origin/main
+diff: setup
+	@set -euo pipefail; base=$$(mktemp -d); trap 'cd "$(CURDIR)" && git worktree remove --force "$$base"' EXIT; \
+	git worktree add -q --detach "$$base" "$(BASE)"; \
+	cd "$$base" && dvc config --local cache.dir "$(CURDIR)/.dvc/cache" && \
+	if [ -n "$$(dvc remote list)" ]; then dvc pull -q --allow-missing; else dvc checkout -q --allow-missing; fi >&2 && \
+	env -u MLFLOW_TRACKING_URI -u UNISON_PARENT_RUN_ID dvc repro >&2 && \
+	git add -f dvc.lock $$(ls reports/*.json 2>/dev/null) && \
+	git -c user.name=unison -c user.email=unison@localhost commit -q --no-verify --allow-empty -m "results of $(BASE)" && \
+	rev=$$(git rev-parse HEAD) && cd "$(CURDIR)" && \
+	echo "## Params: $(BASE) -> workspace" && dvc params diff --md "$$rev" | sed "s|$$rev|$(BASE)|" && \
+	echo "## Metrics: $(BASE) -> workspace" && dvc metrics diff --md "$$rev" | sed "s|$$rev|$(BASE)|"
 
 pipeline: setup
 	$(PY) -m flows.pipeline

@@ -1,12 +1,14 @@
 """Stage `evaluate`: the students (base, SFT, DPO when enabled, RL, PRM-reranked SFT) and the teacher system on the
-test split, with the same tools (unison/labeling/evaluation.py)."""
+test split, with the same tools (unison/labeling/evaluation.py). Each trained student is registered in MLflow's model
+registry with its metrics (unison/registry.py), and the headline goes to the pipeline's parent run."""
 from __future__ import annotations
 
-from unison import track
+from unison import registry, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, QUESTION, atomic_dir, read_table, write_json, write_table
 from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
+from unison.report.tables import headline_metrics
 from unison.train.prm import load_prm
 
 OUT = "reports/eval"
@@ -29,6 +31,10 @@ def main() -> None:
                       f"{m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]", flush=True)
         write_json(metrics, "reports/metrics.json")
         run.log_artifact("reports/metrics.json")
+        run.log_pipeline_metrics(headline_metrics(metrics))
+        for name, model_dir, _ in systems:
+            if name in registry.TRAINED:
+                registry.register_student(run, name, model_dir, metrics[name])
 
 
 if __name__ == "__main__":

@@ -135,6 +135,17 @@ def test_mlflow_has_one_parent_with_a_child_per_stage_and_traces(project):
     mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")
     traces = mlflow.search_traces(locations=[exp.experiment_id], run_id=gen.info.run_id, return_type="list")
     assert traces and any("agent" in s.name for s in traces[0].data.spans)
+    parent = client.get_run(parents.pop())  # what MLflow's compare view shows of a pipeline run
+    metrics = json.loads((project / "reports/metrics.json").read_text())
+    assert parent.data.params["generate.method"] == "debate" and len(parent.data.params["params_hash"]) == 12
+    assert parent.data.params["teacher"] == parent.data.params["student"] == "builtin:smollm2-135m-instruct"
+    assert parent.data.metrics["student_em"] == metrics["rl"]["em"] and parent.data.metrics["teacher_em"] == metrics["teacher"]["em"]
+    versions = client.search_model_versions("name = 'unison-default'")  # every trained student, registered by evaluate
+    assert sorted(v.tags["student"] for v in versions) == ["rl", "sft"]
+    assert all(v.tags["em"] == str(metrics[v.tags["student"]]["em"]) and v.tags["params_hash"] == parent.data.params["params_hash"]
+               for v in versions)
+    best = max(versions, key=lambda v: (float(v.tags["em"]), -int(v.version)))  # the first of the best
+    assert client.get_registered_model("unison-default").aliases == {"champion": best.version}
 
 
 @pytest.mark.timeout(1800)
@@ -168,6 +179,9 @@ def test_noop_repro_then_more_flywheel_rounds_rerun_only_downstream_and_resume_a
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == flywheel.info.run_id]
     assert sorted(r.info.run_name for r in children) == ["flywheel round 1", "flywheel round 2"]
     assert all("student_em" in r.data.metrics for r in children)
+    rounds_registered = client.search_model_versions("name = 'unison-default' and tags.student LIKE 'flywheel-round-%'")
+    assert sorted(v.tags["student"] for v in rounds_registered) == ["flywheel-round-1", "flywheel-round-2"]
+    assert {v.run_id for v in rounds_registered} == {r.info.run_id for r in children}
 
 
 @pytest.mark.timeout(1800)

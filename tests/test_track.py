@@ -1,4 +1,5 @@
-"""MLflow tracking (real SQLite store in tmp): parent/child runs, params, batched metrics, failures, traces."""
+"""MLflow tracking (real SQLite store in tmp): parent/child runs, params, batched metrics, failures, traces, and pipeline runs
+compared on their parent runs."""
 from __future__ import annotations
 
 import json
@@ -9,10 +10,12 @@ import time
 
 import mlflow
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from unison import track
 from unison.config import ROOT
+from unison.report.tables import headline_metrics
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +173,63 @@ def test_trace_episode_records_nested_spans(project):
     assert solver_children["search"].status.status_code == "OK"
     # the timeline: 0.4 s LLM, then the tools side by side (0.2 s), then 0.3 s aggregator
     assert (root.end_time_ns - root.start_time_ns) / 1e9 == pytest.approx(0.9, abs=1e-6)
+
+
+def write_params(project, **changes) -> dict:
+    """The project's params.yaml: the defaults with `changes` ({"generate.temperature": 0.7}) applied; returned parsed."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for key, value in changes.items():
+        *path, leaf = key.split(".")
+        node = params
+        for part in path:
+            node = node[part]
+        node[leaf] = value
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return params
+
+
+METRICS = {"base": {"em": 0.05, "tokens_per_question": 60.0}, "teacher": {"em": 0.115, "tokens_per_question": 800.0},
+           "sft": {"em": 0.40, "tokens_per_question": 250.0}, "rl": {"em": 0.49, "tokens_per_question": 232.0}}
+
+
+def test_pipeline_runs_compare_on_their_params_identities_and_headline(project):
+    """The parent runs alone tell two pipelines apart: what differs (params, hash, teacher) and what each did."""
+    secret, params = "pw-5e1d", []
+    for changes, metrics in (({}, METRICS), ({"generate.temperature": 0.7, "teacher.backend": "openai",
+                                              "teacher.base_url": f"http://unison:{secret}@gpu-box:8000/v1"},
+                                             {**METRICS, "rl": {"em": 0.52, "tokens_per_question": 200.0}})):
+        params.append(write_params(project, **changes))
+        with track.stage_run("evaluate", {}) as run:
+            run.log_pipeline_metrics(headline_metrics(metrics))
+        track.end_pipeline_run()
+    experiment = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run.run_id).info.experiment_id
+    runs = mlflow.search_runs([experiment], filter_string="tags.kind = 'pipeline'", order_by=["attributes.start_time"])
+    first, second = runs.to_dict("records")
+    differ = {key for key in runs.columns if key.startswith(("params.", "metrics.")) and first[key] != second[key]}
+    assert differ == {"params.generate.temperature", "params.teacher.backend", "params.teacher.base_url", "params.teacher",
+                      "params.params_hash", "metrics.student_em", "metrics.student_tokens_per_question",
+                      "metrics.student_to_teacher_tokens"}
+    assert first["params.teacher"] == "builtin:smollm2-135m-instruct"
+    assert second["params.teacher"] == "smollm2-135m-instruct@http://***@gpu-box:8000/v1"
+    assert second["params.teacher.base_url"] == "http://***@gpu-box:8000/v1" and secret not in str(runs.to_dict())
+    assert first["params.student"] == "builtin:smollm2-135m-instruct" and first["params.recipe"] == "default"
+    assert first["params.params_hash"] == first["tags.params_hash"] == track.params_hash(params[0])
+    assert sum(key.startswith("params.") for key in runs.columns) == len(track.flatten_params(params[0])) + 4
+    assert first["metrics.teacher_em"] == 0.115 and second["metrics.student_em"] == 0.52
+    assert second["metrics.student_to_teacher_tokens"] == pytest.approx(200 / 800)
+
+
+def test_a_recorded_parent_is_not_reused_once_params_change(project):
+    write_params(project)
+    with track.stage_run("download", {}) as first:
+        pass
+    write_params(project, seed=1)
+    with track.stage_run("index", {}) as second:
+        pass
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    old, new = first.pipeline_run_id, second.pipeline_run_id
+    assert old != new and client.get_run(old).info.status == "KILLED" and client.get_run(new).info.status == "RUNNING"
+    assert (client.get_run(old).data.params["seed"], client.get_run(new).data.params["seed"]) == ("0", "1")
+    with track.stage_run("report", {}) as third:
+        pass
+    assert third.pipeline_run_id == new

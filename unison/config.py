@@ -91,9 +91,23 @@ class DownloadConfig(Section):
     split_test: str = Field('test')
     test_fraction: float = Field(0.2, description='local: when both splits are one file, the seeded share held out as test')
     corpus: str = Field('', description='hf/local: {title,text} passages file (jsonl/json/parquet/csv); required for QA')
+    inputs: str = Field('corpora', min_length=1, description="the folder holding local: dataset and corpus files, a DVC dependency of "
+                        "download (editing a file in it re-runs download); local paths must lie in it")
     builtin: BuiltinWorldConfig = Field(default_factory=BuiltinWorldConfig)
     max_train: int = Field(0, description='0 = all')
     max_test: int = Field(0)
+
+    @model_validator(mode="after")
+    def _local_files_in_inputs(self):
+        """DVC sees download's local files only through download.inputs (dvc.yaml): a file elsewhere could change unseen."""
+        kind, _, dataset = self.dataset.partition(":")
+        local = ([("download.dataset", dataset)] if kind == "local" else []) + ([("download.corpus", self.corpus)] if self.corpus else [])
+        root = os.path.abspath(self.inputs)
+        for key, path in local:
+            if os.path.commonpath([root, os.path.abspath(path)]) != root:
+                raise ValueError(f"{key}: {path} is outside download.inputs ({self.inputs}), the folder DVC watches for download's "
+                                 f"files; move it there or set download.inputs to a folder holding it")
+        return self
 
 
 class StudentConfig(Section):

@@ -12,6 +12,7 @@ the merged params are then validated by unison.config's models (ParamsError name
 from __future__ import annotations
 
 import argparse
+import re
 import textwrap
 from pathlib import Path
 
@@ -28,6 +29,17 @@ MARKER = "# unison recipe:"  # first line of a params.yaml written by this modul
 
 class RecipeError(ValueError):
     """A recipe that is missing, malformed, or names a param params.yaml does not have."""
+
+
+def recipe_of(params_text: str) -> str:
+    """The recipe a params.yaml was written from (its first line, MARKER): "afm", "afm-tiny"; "default" otherwise."""
+    first = params_text.split("\n", 1)[0]
+    if not first.startswith(MARKER):
+        return "default"
+    label = first[len(MARKER):].split(" -- ", 1)[0].strip()
+    name, tiny = label.removesuffix(" (tiny)"), label.endswith(" (tiny)")
+    name = Path(name).stem if name.endswith((".yaml", ".yml")) else name  # a recipe given as a file
+    return re.sub(r"[^\w.-]+", "-", name) + ("-tiny" if tiny else "")
 
 
 def names() -> list[str]:

@@ -10,11 +10,16 @@ the experiment is UNISON_EXPERIMENT or "unison". A stage logs like this:
 
 The child run hangs under the parent named by UNISON_PARENT_RUN_ID (the Prefect flow sets it). Under plain
 `dvc repro` every stage is its own process, so the parent is recorded in `.unison/parent_run.json` and reused
-while it is RUNNING and younger than 6 h; the last stage (`report`) calls `end_pipeline_run()`.
+while it is RUNNING, younger than 6 h and of the same params; the last stage (`report`) calls `end_pipeline_run()`.
+
+The parent carries what pipeline runs are compared by (MLflow's compare view): params.yaml flattened, its hash, the
+recipe it came from, the teacher and the student as params; `evaluate` adds the headline metrics to it
+(`run.log_pipeline_metrics`).
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -32,8 +37,13 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH  # noqa: E402
 
+import yaml  # noqa: E402
+
+from .config import validate_params  # noqa: E402
 from .data.schemas import atomic_path  # noqa: E402
 from .http import redact  # noqa: E402
+from .llm import teacher_id  # noqa: E402
+from .recipes import recipe_of  # noqa: E402
 
 PARENT_RECORD = Path(".unison") / "parent_run.json"
 PARENT_MAX_AGE_S = 6 * 3600
@@ -99,12 +109,36 @@ def git_tags(project_dir: str | os.PathLike | None = None) -> dict[str, str]:
     return {"git_commit": commit, "mlflow.source.git.commit": commit, "git_dirty": str(dirty).lower()}
 
 
+def params_hash(raw: dict) -> str:
+    """12 hex digits naming a params.yaml's values (its comments and key order aside)."""
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def pipeline_params(project_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """What a pipeline run is compared by: the project's params.yaml flattened (redacted), `params_hash`, `recipe`
+    (unison.recipes wrote it, else "default") and, for a unison params file, `teacher` and `student`; {} without one."""
+    path = Path(project_dir or Path.cwd()) / "params.yaml"
+    if not path.exists():
+        return {}
+    text = path.read_text()
+    raw = yaml.safe_load(text) or {}
+    out = {**flatten_params(raw), "params_hash": params_hash(raw), "recipe": recipe_of(text)}
+    if "teacher" in raw and "student" in raw:
+        params = validate_params(raw, path)
+        out |= {"teacher": teacher_id(params), "student": redact(params.student.model)}
+    return out
+
+
 def start_pipeline_run(project_dir: str | os.PathLike | None = None) -> str:
-    """Create a RUNNING parent run named "pipeline <timestamp>"; return its id."""
+    """Create a RUNNING parent run named "pipeline <timestamp>" carrying `pipeline_params`; return its id."""
     client = MlflowClient(tracking_uri(project_dir))
     name = f"pipeline {datetime.now():%Y-%m-%d %H:%M:%S}"
-    tags = {"mlflow.runName": name, "kind": "pipeline", **git_tags(project_dir)}
-    return client.create_run(experiment_id(client, project_dir), run_name=name, tags=tags).info.run_id
+    params = pipeline_params(project_dir)
+    identity = {key: params[key] for key in ("params_hash", "recipe") if key in params}
+    tags = {"mlflow.runName": name, "kind": "pipeline", **identity, **git_tags(project_dir)}
+    run_id = client.create_run(experiment_id(client, project_dir), run_name=name, tags=tags).info.run_id
+    StageRun(client, run_id).log_params(params)
+    return run_id
 
 
 def end_pipeline_run(status: str = "FINISHED", run_id: str | None = None,
@@ -117,9 +151,10 @@ def end_pipeline_run(status: str = "FINISHED", run_id: str | None = None,
     if run_id is None:
         if os.environ.get("UNISON_PARENT_RUN_ID"):
             return
-        record = Path(project_dir or Path.cwd()) / PARENT_RECORD
+        project = Path(project_dir or Path.cwd())
+        record = project / PARENT_RECORD
         with _locked(record):
-            run_id = _recorded_parent(client, record)
+            run_id = _recorded_parent(client, record, pipeline_params(project).get("params_hash"))
             record.unlink(missing_ok=True)
         if run_id is None:
             return
@@ -134,19 +169,25 @@ def _locked(record: Path):
         yield
 
 
-def _recorded_parent(client: MlflowClient, record: Path) -> str | None:
-    """The recorded parent run if it is in this store, RUNNING and younger than PARENT_MAX_AGE_S."""
+def _recorded_parent(client: MlflowClient, record: Path, params_hash: str | None) -> str | None:
+    """The recorded parent run if it is in this store, RUNNING, younger than PARENT_MAX_AGE_S and of these params
+    (one that params.yaml changed under is ended KILLED: its params would no longer describe the stages after)."""
     if not record.exists():
         return None
     saved = json.loads(record.read_text())
     if saved.get("tracking_uri") != redact(client.tracking_uri):
         return None
     try:
-        info = client.get_run(saved["run_id"]).info
+        run = client.get_run(saved["run_id"])
     except MlflowException:
         return None
-    young = time.time() - info.start_time / 1000 < PARENT_MAX_AGE_S
-    return info.run_id if info.status == "RUNNING" and young else None
+    info = run.info
+    if info.status != "RUNNING" or time.time() - info.start_time / 1000 >= PARENT_MAX_AGE_S:
+        return None
+    if run.data.tags.get("params_hash") != params_hash:
+        client.set_terminated(info.run_id, "KILLED")
+        return None
+    return info.run_id
 
 
 def _parent_run_id(client: MlflowClient, project_dir: Path) -> str:
@@ -155,7 +196,7 @@ def _parent_run_id(client: MlflowClient, project_dir: Path) -> str:
         return os.environ["UNISON_PARENT_RUN_ID"]
     record = project_dir / PARENT_RECORD
     with _locked(record):
-        run_id = _recorded_parent(client, record)
+        run_id = _recorded_parent(client, record, pipeline_params(project_dir).get("params_hash"))
         if run_id is None:
             run_id = start_pipeline_run(project_dir)
             tmp = atomic_path(record)  # a stage killed mid-write must not leave a half record every later stage trips on
@@ -166,10 +207,11 @@ def _parent_run_id(client: MlflowClient, project_dir: Path) -> str:
 
 
 class StageRun:
-    """What `stage_run` yields: logging into one stage's child run. Metrics are buffered and sent in batches."""
+    """What `stage_run` yields: logging into one stage's child run (its parent: pipeline_run_id). Metrics are buffered
+    and sent in batches."""
 
-    def __init__(self, client: MlflowClient, run_id: str):
-        self.client, self.run_id = client, run_id
+    def __init__(self, client: MlflowClient, run_id: str, pipeline_run_id: str | None = None):
+        self.client, self.run_id, self.pipeline_run_id = client, run_id, pipeline_run_id
         self._metrics: list[Metric] = []
         self._last_flush = time.monotonic()
 
@@ -191,6 +233,13 @@ class StageRun:
             batch, self._metrics = self._metrics[:MAX_METRICS_PER_BATCH], self._metrics[MAX_METRICS_PER_BATCH:]
             self.client.log_batch(self.run_id, metrics=batch)
         self._last_flush = time.monotonic()
+
+    def log_pipeline_metrics(self, metrics: dict) -> None:
+        """Log numeric metrics (nested dicts as dotted keys) to the pipeline's parent run, where runs are compared."""
+        now_ms = int(time.time() * 1000)
+        batch = [Metric(key, float(value), now_ms, 0) for key, value in _flat_numbers(metrics).items()]
+        for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.pipeline_run_id, metrics=batch[start:start + MAX_METRICS_PER_BATCH])
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Log a file, or a directory's contents under artifact_path (default: the directory's name)."""
@@ -223,7 +272,7 @@ def stage_run(stage: str, params: dict | None = None):
     parent = _parent_run_id(client, project)
     tags = {"stage": stage, **git_tags(project)}
     with mlflow.start_run(experiment_id=experiment, run_name=stage, parent_run_id=parent, tags=tags) as active:
-        run = StageRun(client, active.info.run_id)
+        run = StageRun(client, active.info.run_id, parent)
         run.log_params(flatten_params(params or {}, prefix=stage))
         try:
             yield run
@@ -237,7 +286,7 @@ def child_run(parent: StageRun, name: str, params: dict | None = None):
     """A run nested under a stage's run (e.g. one flywheel round), finished when the block ends (FAILED on an exception)."""
     info = parent.client.get_run(parent.run_id).info
     created = parent.client.create_run(info.experiment_id, run_name=name, tags={"mlflow.parentRunId": parent.run_id})
-    run = StageRun(parent.client, created.info.run_id)
+    run = StageRun(parent.client, created.info.run_id, parent.pipeline_run_id)
     run.log_params(flatten_params(params or {}))
     status = "FAILED"
     try:

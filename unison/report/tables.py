@@ -48,14 +48,32 @@ def headline_rows(metrics: dict) -> list[dict]:
     return rows
 
 
+def final_student(metrics: dict) -> str | None:
+    """The system the pipeline ends with: the RL student (picking the best on the test split would flatter it), else the
+    last student evaluated."""
+    students = [n for n, m in metrics.items() if n != "teacher" and m.get("em") is not None]
+    return "rl" if "rl" in students else (students[-1] if students else None)
+
+
+def headline_metrics(metrics: dict) -> dict:
+    """What pipeline runs are compared by: the teacher's and the final student's EM and generated tokens per question,
+    and the student's tokens as a share of the teacher's."""
+    out = {}
+    for who, name in (("teacher", "teacher" if "teacher" in metrics else None), ("student", final_student(metrics))):
+        if name:
+            out |= {f"{who}_em": metrics[name]["em"], f"{who}_tokens_per_question": metrics[name]["tokens_per_question"]}
+    if out.get("teacher_tokens_per_question") and "student_em" in out:
+        out["student_to_teacher_tokens"] = out["student_tokens_per_question"] / out["teacher_tokens_per_question"]
+    return out
+
+
 def story(metrics: dict) -> str:
-    """One or two sentences: teacher EM vs the final student's (the RL one; picking the best on the test split would
-    flatter it), the share of the base-to-teacher gap closed, the token ratio."""
-    students = {n: m for n, m in metrics.items() if n != "teacher" and m.get("em") is not None}
-    if not students:
+    """One or two sentences: teacher EM vs the final student's, the share of the base-to-teacher gap closed, the token
+    ratio."""
+    best = final_student(metrics)
+    if best is None:
         return ""
-    best = "rl" if "rl" in students else list(students)[-1]
-    b, label = students[best], LABELS.get(best, best)
+    b, label = metrics[best], LABELS.get(best, best)
     if "teacher" not in metrics:
         return f"No teacher was evaluated; the final student, the {label}, reaches EM {with_ci(b, 'em')}."
     t = metrics["teacher"]

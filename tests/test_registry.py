@@ -1,0 +1,120 @@
+"""The model registry (real MLflow SQLite store, real transformers folders): students as versions of one registered model
+per recipe, tagged, `champion` on the best EM, loaded back by name and alias."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import mlflow
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from unison import registry, track
+from unison.config import ROOT
+from unison.data.schemas import atomic_dir
+from unison.recipes import MARKER, recipe_of
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory):
+    """One store for the module: a new SQLite store costs ~5 s of migrations."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch, tracking_uri, request):
+    """A git project with the default params.yaml as cwd, its own experiment; artifacts under it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    monkeypatch.setenv("UNISON_EXPERIMENT", request.node.name)
+    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
+    MlflowClient(tracking_uri).create_experiment(request.node.name, artifact_location=(tmp_path / "mlruns").as_uri())
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", "params.yaml"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "params"], cwd=tmp_path, check=True)
+    return tmp_path
+
+
+def train(path, seed: int):
+    """A 2-layer, 16-wide random Llama saved as a transformers folder, swapped in whole as the stages write models."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=64)
+    with atomic_dir(path) as tmp:
+        LlamaForCausalLM(config).save_pretrained(tmp)
+    return LlamaForCausalLM.from_pretrained(path).state_dict()
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def scores(em: float) -> dict:
+    return {"em": em, "em_lo": em - 0.1, "em_hi": em + 0.1, "subem": em, "f1": em, "accuracy": em, "tokens_per_question": 40.0,
+            "questions": 200, "answered_rate": 1.0}
+
+
+def test_students_are_tagged_versions_and_the_best_em_is_champion_loaded_back_by_alias(project, capsys):
+    sft, rl = train(project / "models/sft", 1), train(project / "models/rl", 2)
+    with track.stage_run("evaluate", {}) as run:
+        first = registry.register_student(run, "sft", "models/sft", scores(0.30))
+        second = registry.register_student(run, "rl", "models/rl", scores(0.45))
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    assert client.get_registered_model("unison-default").aliases == {"champion": second.version}
+    tags = client.get_model_version("unison-default", second.version).tags
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert tags["git_commit"] == commit and tags["git_dirty"] == "false"
+    assert tags["params_hash"] == track.pipeline_params()["params_hash"] and len(tags["params_hash"]) == 12
+    assert tags["student"] == "rl" and tags["recipe"] == "default" and tags["teacher"] == "builtin:smollm2-135m-instruct"
+    assert tags["pipeline_run_id"] == run.pipeline_run_id and client.get_model_version("unison-default", first.version).tags["em"] == "0.3"
+    assert {k: tags[k] for k in ("em", "em_hi", "tokens_per_question", "questions")} == {
+        "em": "0.45", "em_hi": "0.55", "tokens_per_question": "40.0", "questions": "200"}
+    assert "answered_rate" not in tags
+
+    # No copy: the version's files are the model's own (hard links); a stage swapping in a new folder leaves them alone.
+    stored = project / "mlruns" / run.run_id / "artifacts" / "students" / "rl" / "model.safetensors"
+    assert os.stat(stored).st_ino == os.stat(project / "models/rl/model.safetensors").st_ino
+    train(project / "models/rl", 3)
+    loaded = AutoModelForCausalLM.from_pretrained(registry.local_dir("unison-default", "champion")).state_dict()
+    assert same_weights(loaded, rl) and not same_weights(loaded, sft)
+    downloaded = mlflow.artifacts.download_artifacts("models:/unison-default@champion", dst_path=str(project / "served"),
+                                                     tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    assert same_weights(AutoModelForCausalLM.from_pretrained(downloaded).state_dict(), rl)
+
+    # A later student moves the alias only when it beats the champion's EM (a tie keeps the older one).
+    train(project / "models/flywheel/round-1", 4)
+    flywheel = train(project / "models/flywheel/round-2", 5)
+    with track.stage_run("flywheel", {}) as run:
+        tie = registry.register_student(run, "flywheel-round-1", "models/flywheel/round-1", scores(0.45))
+        assert client.get_registered_model("unison-default").aliases == {"champion": second.version}
+        best = registry.register_student(run, "flywheel-round-2", "models/flywheel/round-2", scores(0.52))
+    assert int(tie.version) == int(second.version) + 1
+    assert client.get_registered_model("unison-default").aliases == {"champion": best.version}
+
+    capsys.readouterr()
+    registry.main([])  # what README's `vllm serve "$(python -m unison.registry)"` serves
+    out = capsys.readouterr()
+    assert same_weights(AutoModelForCausalLM.from_pretrained(out.out.strip()).state_dict(), flywheel)
+    assert f"unison-default@champion: version {best.version}, flywheel-round-2 (EM 0.52), commit {commit[:10]}" in out.err
+
+
+def test_one_registered_model_per_recipe(project):
+    (project / "params.yaml").write_text(f"{MARKER} gap (tiny) -- written by `python -m unison.recipes`\n"
+                                         + (project / "params.yaml").read_text())
+    train(project / "models/sft", 1)
+    with track.stage_run("evaluate", {}) as run:
+        version = registry.register_student(run, "sft", "models/sft", scores(0.1))
+    assert version.name == "unison-gap-tiny"
+    assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_registered_model("unison-gap-tiny").aliases == {"champion": version.version}
+    assert [recipe_of(f"{MARKER} {label} -- x\nseed: 0") for label in ("afm", "afm (tiny)", "configs/recipes/gap.yaml")] == [
+        "afm", "afm-tiny", "gap"]
+    assert recipe_of("seed: 0\n") == "default"
+
+
+def test_no_champion_is_a_clear_error(project):
+    with pytest.raises(SystemExit, match="no unison-nothing@champion in sqlite:"):
+        registry.main(["--model", "unison-nothing"])
