@@ -64,6 +64,15 @@ def visible(paths: list[str]) -> tuple[list[str], list[str]]:
     return [p for p, inside in seen_inside(on_host).items() if beyond_the_interpreter(p, inside)], on_host
 
 
+def was_accepted(server: socket.socket) -> bool:
+    """Whether anything connected to the listening `server` within its timeout."""
+    try:
+        server.accept()
+        return True
+    except TimeoutError:
+        return False
+
+
 @attempt("sandbox: host files")
 def read_host_directories():
     """List /srv, /opt, /var, /run, /home, /root, /mnt, /media, /boot, /sys and /work. Contained: none of them shows
@@ -113,11 +122,7 @@ def read_a_sibling_of_the_project():
                 except OSError as e:
                     print(type(e).__name__)
             """)
-            try:
-                server.accept()
-                accepted = True
-            except TimeoutError:
-                accepted = False
+            accepted = was_accepted(server)
     finally:
         shutil.rmtree(sibling)
     seen = result.output.split()
@@ -502,11 +507,7 @@ def connect_to_a_host_abstract_unix_socket():
             except OSError as e:
                 print(type(e).__name__)
         """)
-        try:
-            server.accept()
-            accepted = True
-        except TimeoutError:
-            accepted = False
+        accepted = was_accepted(server)
     return result.output.strip() != "connected" and not accepted, f"{result.output.strip()}; accepted: {accepted}"
 
 

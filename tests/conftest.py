@@ -54,3 +54,19 @@ def tiny_model_dir(base_model_dir, tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory):
+    """One MLflow store per test module: a new SQLite store costs ~5 s of migrations."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def tracked_project(tmp_path, monkeypatch, tracking_uri, request):
+    """A project directory as cwd tracked in `tracking_uri`, its own experiment, no parent handed down by a flow."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    monkeypatch.setenv("UNISON_EXPERIMENT", request.node.name)
+    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
+    return tmp_path

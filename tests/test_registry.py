@@ -17,19 +17,10 @@ from unison.data.schemas import atomic_dir
 from unison.recipes import MARKER, recipe_of
 
 
-@pytest.fixture(scope="module")
-def tracking_uri(tmp_path_factory):
-    """One store for the module: a new SQLite store costs ~5 s of migrations."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
-
-
 @pytest.fixture
-def project(tmp_path, monkeypatch, tracking_uri, request):
+def project(tracked_project, tracking_uri, request):
     """A git project with the default params.yaml as cwd, its own experiment; artifacts under it."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
-    monkeypatch.setenv("UNISON_EXPERIMENT", request.node.name)
-    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
+    tmp_path = tracked_project
     MlflowClient(tracking_uri).create_experiment(request.node.name, artifact_location=(tmp_path / "mlruns").as_uri())
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]

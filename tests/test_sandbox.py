@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from security.runtime import start_a_stage
+from security.sandbox import two_spinning_processes_vs_cpu_quota
 from unison.config import ROOT as PROJECT_ROOT
 from unison.tools import python_sandbox
 from unison.tools.cgroups import CgroupUnavailable
@@ -321,27 +323,6 @@ def test_missing_bwrap_is_a_clear_error_not_an_unsandboxed_run():
     assert proc.stdout.startswith("False sandbox unavailable: python sandbox: not found on PATH: bwrap"), proc.stdout
 
 
-STAGE_SCRIPT = """
-import sys
-from unison.agents.wiring import make_toolbox
-from unison.config import Params, ToolsConfig
-from unison.tools.python_sandbox import SandboxUnavailable
-
-try:
-    box = make_toolbox(Params(tools=ToolsConfig(search_url="http://127.0.0.1:9", sandbox_isolation=sys.argv[1])))
-except SandboxUnavailable as e:
-    print("REFUSED:", e)
-    sys.exit(3)
-print("CALL:", box.call("python", "print(6 * 7)"))
-"""
-
-
-def start_a_stage(isolation: str, **env) -> subprocess.CompletedProcess:
-    """make_toolbox, as every stage with tools calls it, in a fresh process."""
-    return subprocess.run([sys.executable, "-c", STAGE_SCRIPT, isolation], cwd=PROJECT_ROOT, capture_output=True,
-                          text=True, timeout=60, check=False, env={"PATH": os.environ["PATH"], **env})
-
-
 @pytest.mark.parametrize("isolation", ["strict", "rlimits"])
 def test_a_stage_refuses_to_start_without_bwrap(tmp_path, isolation):
     for tool in ("prlimit", "setpriv", "sh"):  # a PATH with everything the sandbox uses but bwrap
@@ -399,25 +380,11 @@ def test_a_run_is_bounded_as_a_whole(cgroup, code, memory_mb):
 
 
 def test_a_run_uses_at_most_its_cpu_share(cgroup):
+    """Two processes spinning 1.5 s in one run get one CPU between them, not two (the security suite's attempt)."""
     if os.cpu_count() < 2:
         pytest.skip("one CPU: a run's 1-CPU quota cannot show")
-    code = textwrap.dedent("""
-        import multiprocessing, resource, time
-        def spin():
-            end = time.monotonic() + 1.5
-            while time.monotonic() < end:
-                pass
-        workers = [multiprocessing.Process(target=spin) for _ in range(2)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        print(usage.ru_utime + usage.ru_stime)
-    """)
-    result = run_python(code, timeout_s=10)
-    assert result.ok, result
-    assert float(result.output) < 1.5 * 1.3  # two spinning processes for 1.5 s got one CPU between them, not two
+    contained, detail = two_spinning_processes_vs_cpu_quota()
+    assert contained, detail
 
 
 KILLED_STAGE_SCRIPT = """

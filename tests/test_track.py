@@ -18,20 +18,9 @@ from unison.config import ROOT
 from unison.report.tables import headline_metrics
 
 
-@pytest.fixture(scope="module")
-def tracking_uri(tmp_path_factory):
-    """One store for the module: a new SQLite store costs ~5 s of migrations."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
-
-
 @pytest.fixture
-def project(tmp_path, monkeypatch, tracking_uri, request):
-    """A project directory as cwd, its own experiment, no parent handed down by a flow."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
-    monkeypatch.setenv("UNISON_EXPERIMENT", request.node.name)
-    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
-    return tmp_path
+def project(tracked_project):
+    return tracked_project
 
 
 def test_stage_run_is_a_child_with_flat_params_metrics_and_artifacts(project):

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from security.web import drip
 from unison.agents.wiring import enabled_tools, make_toolbox, remote_counters
 from unison.config import Params, ToolsConfig
 from unison.protocol import SYSTEM_PROMPT, system_prompt
@@ -314,16 +315,6 @@ def test_crawl_refuses_a_content_type_that_is_not_text_and_a_long_retry_after(ca
         text, kind = tool(f"{s.url}/busy")  # Retry-After: 60 s, past the call's 2 s deadline: no retry, no wait
         assert kind == "error" and "HTTP 429" in text and "would pass the deadline" in text
         assert time.perf_counter() - t0 < 1.0 and [r["path"] for r in s.requests].count("/busy") == 1
-
-
-def drip(head: bytes):
-    """An answer that sends `head`, then a few bytes every 0.5 s for 20 s."""
-    def answer():
-        yield head
-        for _ in range(40):
-            time.sleep(0.5)
-            yield b"<p>drip</p>\r\n" if head.endswith(b"\r\n\r\n") else b"X-Drip: 1\r\n"
-    return answer
 
 
 def test_a_drip_fed_answer_is_cut_at_the_total_deadline(cache):
