@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 Precision = Literal["auto", "bf16", "fp32"]
 MODEL_KINDS = ("builtin", "hf", "local")
 LOCAL_BACKENDS = ("vllm", "transformers")
+IMPORTS = "imports"  # the folder of files the pipeline imports (generate.source), a DVC dependency of generate
 
 
 class ParamsError(ValueError):
@@ -85,7 +86,7 @@ class BuiltinWorldConfig(Section):
 
 class DownloadConfig(Section):
     dataset: str = Field('builtin', description='builtin | hf:<name>[:<config>] | local:<path> (`{split}` in it -> split name)')
-    format: str = Field('', description='hf/local column format: gsm8k | math500 | hotpotqa | 2wikimultihopqa | musique | bamboogle | nq | qa | math; "" = detect from the dataset/file name')
+    format: str = Field('', description='hf/local format: gsm8k | math500 | hotpotqa | 2wikimultihopqa | musique | bamboogle | nq | qa | math, or a seed\'s row layout: verl (Search-R1/GAP/AFM/ET-Agent RL rows) | agentflow | agentflow_test | agentark; "" = detect from the rows\' columns, else the dataset/file name')
     fields: dict[str, str] = Field(default_factory=dict, description='hf/local: column renames on top of the format, e.g. {question: q, answers: gold}')
     split_train: str = Field('train', description='hf/local: split names')
     split_test: str = Field('test')
@@ -230,6 +231,7 @@ class GenerateConfig(Section):
     max_tool_calls: int = Field(3)
     scaffold: dict[str, list[str]] = Field(default_factory=lambda: {'qa': ['search', 'answer'], 'math': ['python', 'answer']})
     demonstrations: str = Field('configs/demonstrations/builtin.txt', description='worked examples the teacher\'s acting agents see after the system prompt; students never see them, they learn to act alone (context distillation); "" = none')
+    source: str = Field('', description='"" = the teacher runs generate.method | local:imports/<file>: import SFT trajectories from a jsonl/json/parquet file under imports/ (a DVC dependency of generate) instead: Alpaca with inline <observation>/<result>, ShareGPT with function_call/observation, OpenAI messages with tool_calls; each answers the train question with the same text')
     shard_size: int = Field(64, description='questions per resumable shard (a killed run keeps its finished shards)')
     episodes_in_flight: int = Field(256, description='episodes (agents x samples of all running questions) the engine works on at once; each question is a flow of its own and the next starts whenever fewer are live (generate, evaluate, pareto). vLLM runs up to max_num_seqs (256 on CPU, 1024 on an H100) at once')
     roles: dict[str, dict] = Field(default_factory=dict, description='role -> its own model, e.g. {aggregator: {model: Qwen/Qwen2.5-7B-Instruct, backend: openai, base_url: "http://127.0.0.1:8000/v1"}}; other keys override the teacher\'s llm.*; {} = every role on the teacher')
@@ -241,6 +243,16 @@ class GenerateConfig(Section):
     chain_of_agents: ChainOfAgentsConfig = Field(default_factory=ChainOfAgentsConfig, description='AFM: think/plan/tool/reflection/suggested_answer/double_check role agents')
     agentflow: AgentFlowConfig = Field(default_factory=AgentFlowConfig, description='AgentFlow: planner, executor, verifier, generator with a memory of action steps')
     gap: GAPConfig = Field(default_factory=GAPConfig, description="GAP: a plan of sub-tasks with dependencies; each level's queries in one parallel turn")
+
+
+    @model_validator(mode="after")
+    def _source(self):
+        kind, _, path = self.source.partition(":")
+        parts = Path(path).parts
+        if self.source and (kind != "local" or len(parts) < 2 or parts[0] != IMPORTS or ".." in parts):
+            raise ValueError(f"generate.source: {self.source!r} is not local:{IMPORTS}/<file>; the file must be under {IMPORTS}/, "
+                             "which DVC tracks as generate's dependency (editing it re-runs generate and what follows)")
+        return self
 
 
 class LabelConfig(Section):
