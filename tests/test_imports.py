@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from unison.agents.imports import import_trajectories
+from unison.agents.imports import import_trajectories, protocol_text
 from unison.config import ROOT, Params, ParamsError, validate_params
 from unison.data import adapters
 from unison.data.schemas import LABELED, QUESTION, TRAJECTORY, DataError, read_table, write_table
@@ -82,6 +82,12 @@ def test_et_agent_record_keeps_its_tags_and_takes_the_math_question(workdir):
     assert row["task"] == "math" and row["answers"] == ["204"] and row["final_answer"] == r"The final answer is \[ \boxed{204} \]"
     (call, result, answer) = turns(row)
     assert call[1].startswith("<think> Both walks") and call[1].endswith("</python>") and result == ("tool", observation("{s: 5/2, t: 24} 204"))
+
+
+def test_afm_tool_tags_become_the_protocols():
+    """AFM's web and code agents: crawl_page -> crawl, code -> python without the ```python fence the sandbox cannot run."""
+    afm = "<think>t</think>\n<crawl_page>https://a.org | https://b.org</crawl_page>\n<code>\n```python\nprint(6 * 7)\n```\n</code>"
+    assert protocol_text(afm) == "<think>t</think>\n<crawl>https://a.org | https://b.org</crawl>\n<python>\nprint(6 * 7)\n</python>"
 
 
 def test_sharegpt_and_openai_tool_calls_become_protocol_tags(workdir):

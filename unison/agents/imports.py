@@ -184,16 +184,15 @@ def openai(rec: dict, path, row: int) -> tuple[str, list[dict], list[list[str]]]
     for k, m in enumerate(msgs):
         field, role, text = f"messages[{k}]", m.get("role"), _content(m.get("content")).strip()
         calls = m.get("tool_calls") or []
-        source.append({"role": role, "content": "\n".join(t for t in (text, json.dumps([c.get("function") for c in calls])) if t)
-                       if calls else text})
+        functions = [c.get("function") if isinstance(c, dict) else None for c in calls]
+        if not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in functions):
+            raise DataError(path, f"expected tool_calls of {{function: {{name, arguments}}}}, got {calls!r:.80}", row, field)
+        source.append({"role": role, "content": "\n".join(t for t in (text, json.dumps(functions) if calls else "") if t)})
         if role == "user":
             if question is not None or turns:
                 raise DataError(path, "a second user message: an imported trajectory answers one question", row, field)
             question = question_after_marker(text)
         elif role == "assistant":
-            functions = [c.get("function") if isinstance(c, dict) else None for c in calls]
-            if not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in functions):
-                raise DataError(path, f"expected tool_calls of {{function: {{name, arguments}}}}, got {calls!r:.80}", row, field)
             call = render_calls([(f["name"], f.get("arguments", {})) for f in functions], path, row, field) if calls else ""
             turns.append(["assistant", "\n".join(t for t in (text, call) if t)])
         elif role == "tool":

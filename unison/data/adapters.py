@@ -33,6 +33,7 @@ QUESTION_COLUMNS = ("question", "problem", "query", "Question")
 ANSWER_COLUMNS = ("answers", "answer", "golden_answers", "Answer")
 ID_COLUMNS = ("id", "_id", "unique_id", "qid", "idx")
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
+SEED_COLUMNS = ("question", "query", "answer", "result", "gt")  # the seed layouts' question and answer columns (not meta)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def to_question(raw: dict, fmt_name: str, fields: dict, source: str, qid: str, p
     read = FORMATS[fmt_name].read
     if read:
         question, answers, task = read(raw, str(path), path, row)
-        used: tuple[str, ...] = ("question", "query", "answer", "result", "gt")
+        used: tuple[str, ...] = SEED_COLUMNS
     else:
         question, answers, task, used = from_columns(raw, fmt_name, fields, path, row)
     id_col = _column(raw, fields.get("id"), ID_COLUMNS)
