@@ -80,7 +80,7 @@ def test_afm_alpaca_records_become_student_protocol_turns(workdir):
 def test_et_agent_record_keeps_its_tags_and_takes_the_math_question(workdir):
     (row,), _ = imported("et_agent_sft.json")
     assert row["task"] == "math" and row["answers"] == ["204"] and row["final_answer"] == r"The final answer is \[ \boxed{204} \]"
-    (call, result, answer) = turns(row)
+    call, result, _ = turns(row)
     assert call[1].startswith("<think> Both walks") and call[1].endswith("</python>") and result == ("tool", observation("{s: 5/2, t: 24} 204"))
 
 
@@ -243,6 +243,7 @@ def test_editing_the_imported_file_reruns_generate_under_dvc(tmp_path):
         if (ROOT / f).is_file() and not f.startswith(("tests/", "docs/")):
             (project / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, project / f)
+    (project / "dvc.lock").unlink(missing_ok=True)  # the demo's lock: this project has run nothing yet
     subprocess.run(["git", "init", "-q"], cwd=project, check=True)
     shutil.copy(SEEDS / "afm_mhqa_sft.json", project / "imports" / "sft.json")
     params = yaml.safe_load((project / "params.yaml").read_text())

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 Precision = Literal["auto", "bf16", "fp32"]
 MODEL_KINDS = ("builtin", "hf", "local")
 LOCAL_BACKENDS = ("vllm", "transformers")
-IMPORTS = "imports"  # the folder of files the pipeline imports (generate.source), a DVC dependency of generate
+IMPORTS = "imports"  # the folder of files the pipeline imports (generate.source), a DVC dependency of download and generate
 
 
 class ParamsError(ValueError):
@@ -243,7 +243,6 @@ class GenerateConfig(Section):
     chain_of_agents: ChainOfAgentsConfig = Field(default_factory=ChainOfAgentsConfig, description='AFM: think/plan/tool/reflection/suggested_answer/double_check role agents')
     agentflow: AgentFlowConfig = Field(default_factory=AgentFlowConfig, description='AgentFlow: planner, executor, verifier, generator with a memory of action steps')
     gap: GAPConfig = Field(default_factory=GAPConfig, description="GAP: a plan of sub-tasks with dependencies; each level's queries in one parallel turn")
-
 
     @model_validator(mode="after")
     def _source(self):

@@ -26,8 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from unison.data.schemas import CORPUS, DataError, validate_rows
-from unison.data.seed_rows import (answer_list, gsm8k_final_answer, read_agentark, read_agentflow, read_agentflow_test,
-                                   read_verl)
+from unison.data.seed_rows import answer_list, gsm8k_final_answer, read_agentark, read_agentflow, read_agentflow_test, read_verl
 
 QUESTION_COLUMNS = ("question", "problem", "query", "Question")
 ANSWER_COLUMNS = ("answers", "answer", "golden_answers", "Answer")
