@@ -1,11 +1,14 @@
-"""Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each)."""
+"""Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each), or, with
+`generate.source` set, import SFT trajectories from that file instead (unison/agents/imports.py)."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 from unison import track
 from unison.agents.generation import generate_trajectories, shard_dir
+from unison.agents.imports import import_trajectories
 from unison.agents.trace import sample_traces
 from unison.cli import stage_main
 from unison.config import load_params
@@ -19,19 +22,26 @@ def main() -> None:
     g = params.generate
     questions = read_table("data/raw/train.parquet", QUESTION)
     with track.stage_run("generate", {**g.model_dump(), **params.model_dump(include={"seed", "llm", "teacher", "tools"})}) as run:
-        shards = shard_dir(params, questions)
-        try:
-            rows, metrics = generate_trajectories(params, questions, shards)
-        except Exception as error:  # a server gone for good: its retries and failures still reach MLflow
-            run.log_metrics(getattr(error, "counters", {}))
-            raise
+        shards = None
+        if g.source:
+            t0 = time.perf_counter()
+            rows, metrics = import_trajectories(params, questions)
+            metrics["wall_s"] = time.perf_counter() - t0
+        else:
+            shards = shard_dir(params, questions)
+            try:
+                rows, metrics = generate_trajectories(params, questions, shards)
+            except Exception as error:  # a server gone for good: its retries and failures still reach MLflow
+                run.log_metrics(getattr(error, "counters", {}))
+                raise
         write_table(rows, OUT, TRAJECTORY)
         write_json(metrics, "reports/generate.json")
         run.log_metrics(metrics)
         for ep in sample_traces(rows, n=3, seed=params.seed):
             track.trace_episode(ep)
         run.log_dict(rows[:5], "samples/trajectories.json")
-    shutil.rmtree(shards)
+    if shards is not None:
+        shutil.rmtree(shards)
 
 
 if __name__ == "__main__":

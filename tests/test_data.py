@@ -16,6 +16,7 @@ from unison.data.builtin import ORG_SUFFIXES, generate_world
 from unison.data.schemas import CORPUS, QUESTION, DataError, read_table, write_table
 
 SHARED = Path(__file__).parent / "fixtures" / "data"  # copies of the real GSM8K, Bamboogle and MATH-500 test sets
+SEEDS = Path(__file__).parent / "fixtures" / "seeds"  # rows of the seed systems' own files (README.md there)
 SMALL_WORLD = {
     "n_people": 40, "n_orgs": 10, "n_cities": 8, "n_countries": 3,
     "train_size": 60, "test_size": 30, "mix": {"hop1": 0.5, "hop2": 0.25, "math": 0.25},
@@ -182,6 +183,92 @@ def test_corpus_files_with_title_text_or_contents(tmp_path):
     path.write_text(json.dumps({"title": "A"}) + "\n")
     with pytest.raises(DataError, match=r"wiki.jsonl, row 0, field 'text'"):
         adapters.load_corpus(path)
+
+
+# ---- adapters: the seeds' own row layouts, detected from their columns --------------------------------------
+
+def test_gap_rl_parquet_is_detected_by_its_columns_not_its_name(tmp_path):
+    """GAP/AFM rows: the question in extra_info, ground_truth a JSON string {"target": [...], "question": q}. Shipped as
+    nq_full.parquet, a name that alone would select the `nq` column format."""
+    shutil.copy(SEEDS / "gap_nq_rl.parquet", tmp_path / "nq_full.parquet")
+    rows = adapters.load_questions(f"local:{tmp_path}/nq_full.parquet", "test")
+    assert [r["question"] for r in rows] == ["who got the first nobel prize in physics", "who wrote the first declaration of human rights",
+                                             "who is the owner of reading football club",
+                                             "swan lake the sleeping beauty and the nutcracker are three famous ballets by"]
+    assert rows[2]["answers"] == ["Xiu Li Dai", "Dai Xiuli", "Dai Yongge", "Yongge Dai"] and {r["task"] for r in rows} == {"qa"}
+    assert meta(rows[0]) == {"format": "verl", "data_source": "nq"} and rows[0]["source"] == "nq_full"
+
+
+def test_search_r1_and_afm_code_rows():
+    """Search-R1 (nq_search.py): ground_truth a {target} struct, the question column kept by its map. AFM's code/math rows:
+    ground_truth the answer as a plain string, the question after "Task:" in the prompt, ability "fact-reasoning"."""
+    sr1 = adapters.load_questions(f"local:{SEEDS}/searchr1_nq.parquet", "train")
+    assert sr1[0]["question"] == "which mode is used for short wave broadcast service?" and sr1[0]["answers"] == ["Olivia", "MFSK"]
+    assert sr1[0]["task"] == "qa" and meta(sr1[0])["orig_id"] == "test_0"
+    afm = adapters.load_questions(f"local:{SEEDS}/afm_math500_rl.parquet", "train")
+    math500 = adapters.load_questions(f"local:{SHARED}/math500_test.jsonl", "test")
+    assert [(r["question"], r["answers"], r["task"]) for r in afm] == [(r["question"], r["answers"], "math") for r in (math500[0], math500[2])]
+    assert meta(afm[0])["data_source"] == "MATH500"
+
+
+def test_et_agent_rl_rows_and_the_hf_loader(tmp_path):
+    """ET-Agent (ARPO/rl_datasets/valid.parquet): system + user prompt, ground_truth a list, ability qa/math; through `hf:`
+    (datasets on a local folder) the rows read the same."""
+    rows = adapters.load_questions(f"local:{SEEDS}/et_agent_valid.parquet", "train")
+    assert [r["task"] for r in rows] == ["qa", "qa", "math", "math"] and len(rows[0]["answers"]) == 4
+    assert rows[1]["question"] == "Which film was released more recently, Royal Treasure or When Love Begins?"
+    assert [r["answers"] for r in rows[1:]] == [["Royal Treasure"], ["540"], ["204"]]
+    folder = tmp_path / "et_agent"
+    folder.mkdir()
+    shutil.copy(SEEDS / "et_agent_valid.parquet", folder / "train.parquet")
+    hub = adapters.load_questions(f"hf:{folder}", "train")
+    assert [(r["question"], r["answers"], r["task"]) for r in hub] == [(r["question"], r["answers"], r["task"]) for r in rows]
+    assert meta(hub[0])["format"] == "verl" and hub[0]["id"] == "et_agent-train-00000"
+
+
+def test_agentflow_files():
+    """Train parquet (gold answers joined by "; "), val parquet (extra_info.original_problem) and the test data.json files
+    (the instruction AgentFlow appends is dropped; the benchmark folder decides the task)."""
+    train = adapters.load_questions(f"local:{SEEDS}/agentflow_train.parquet", "train")
+    assert train[0]["question"] == "which mode is used for short wave broadcast service?" and train[0]["answers"] == ["Olivia", "MFSK"]
+    assert train[1]["answers"] == ["Xiu Li Dai", "Dai Xiuli", "Dai Yongge", "Yongge Dai"] and meta(train[1])["source"] == "nq"
+    val = adapters.load_questions(f"local:{SEEDS}/agentflow_val_aime24.parquet", "test")
+    assert [r["answers"] for r in val] == [["33"], ["23"]] and {r["task"] for r in val} == {"math"}
+    assert val[0]["question"].endswith("Find $m+n$.") and "<answer>" not in val[0]["question"]
+    bamboogle = adapters.load_questions(f"local:{SEEDS}/agentflow/bamboogle/data/data.json", "test")
+    et_agent = adapters.load_questions(f"local:{SHARED}/bamboogle_test.jsonl", "test")  # the same 125 questions, as ET-Agent ships them
+    assert [(r["question"], r["answers"], r["task"]) for r in bamboogle] == [(r["question"], r["answers"], "qa") for r in et_agent[:2]]
+    wiki = adapters.load_questions(f"local:{SEEDS}/agentflow/2wiki/data/data.json", "test")
+    assert wiki[0]["answers"] == ["Let'S Make Money"] and meta(wiki[0])["format"] == "agentflow_test"
+    aime = adapters.load_questions(f"local:{SEEDS}/agentflow/aime24/data/data.json", "test")
+    assert [r["answers"] for r in aime] == [["33"], ["23"]] and aime[0]["task"] == "math" and aime[0]["question"] == val[0]["question"]
+
+
+def test_agentark_files():
+    gsm = adapters.load_questions(f"local:{SEEDS}/agentark/GSM8K.json", "test")
+    assert gsm[0]["answers"] == ["18"] and gsm[0]["task"] == "math" and gsm[0]["question"].startswith("Janet")
+    hotpot = adapters.load_questions(f"local:{SEEDS}/agentark/HotpotQA.json", "test")
+    assert hotpot[0]["answers"] == ["Prussian"] and hotpot[0]["task"] == "qa"
+    assert hotpot[0]["question"] == "What nationality was Oliver Reed's character in the film Royal Flash?"
+
+
+@pytest.mark.parametrize("rows, row, field, message", [
+    ([{"prompt": [{"role": "user", "content": "Question: a?"}], "reward_model": {"ground_truth": ["x"]}},
+      {"prompt": [{"role": "user", "content": "Question: b?"}], "reward_model": {"style": "rule"}}], 1, "reward_model.ground_truth", "missing value"),
+    ([{"prompt": [{"role": "user", "content": "Question: a?"}], "reward_model": {"ground_truth": '{"answer": ["x"]}'}}], 0,
+     "reward_model.ground_truth", "expected a 'target' key"),
+    ([{"prompt": [{"role": "user", "content": "Answer this: a?"}], "reward_model": {"ground_truth": ["x"]}}], 0, "prompt",
+     "cannot tell the question from its instructions"),
+    ([{"prompt": "a?", "reward_model": {"ground_truth": ["x"]}}], 0, "prompt", "expected a list of chat messages"),
+    ([{"id": 0, "question": "a?", "chain": "", "result": None, "source": "nq"}], 0, "result", "expected an answer string"),
+    ([{"query": "a?", "gt": "x"}, {"query": "", "gt": "y"}], 1, "query", "expected a non-empty string"),
+    ([{"pid": "0", "query": "a?", "answer": []}], 0, "answer", "no answer"),
+])
+def test_bad_seed_rows_name_file_row_and_field(tmp_path, rows, row, field, message):
+    spec = write_jsonl(tmp_path / "seed_rows.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        adapters.load_questions(spec, "train")
+    assert (e.value.row, e.value.field) == (row, field) and message in str(e.value) and "seed_rows.jsonl" in str(e.value)
 
 
 # ---- adapters: bad input names file, row and field ------------------------------------------------------

@@ -52,35 +52,35 @@ def test_editing_a_local_dataset_or_corpus_makes_dvc_report_download_changed(tmp
         (project / dep).parent.mkdir(parents=True, exist_ok=True)
         (project / dep).write_text("# stub\n")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["download"] |= {"dataset": "local:corpora/qa_{split}.jsonl", "corpus": "corpora/wiki.jsonl"}
+    params["download"] |= {"dataset": "local:imports/qa_{split}.jsonl", "corpus": "imports/wiki.jsonl"}
     (project / "params.yaml").write_text(yaml.safe_dump(params))
-    (project / "corpora").mkdir()
+    (project / "imports").mkdir()
     for name, line in (("qa_train.jsonl", {"question": "a?", "answer": "x"}), ("qa_test.jsonl", {"question": "b?", "answer": "y"}),
                        ("wiki.jsonl", {"title": "A", "text": "B"})):
-        (project / "corpora" / name).write_text(json.dumps(line) + "\n")
+        (project / "imports" / name).write_text(json.dumps(line) + "\n")
     monkeypatch.chdir(project)  # the settings resolve local paths from the project root, as stages do
-    assert validate_params(params).download.inputs == "corpora"
-    sh(project, sys.executable, "-m", "dvc", "add", "-q", "corpora/qa_train.jsonl")  # versioned by DVC: corpora/qa_train.jsonl.dvc
+    assert validate_params(params).download.inputs == "imports"
+    sh(project, sys.executable, "-m", "dvc", "add", "-q", "imports/qa_train.jsonl")  # versioned by DVC: imports/qa_train.jsonl.dvc
     sh(project, sys.executable, "-m", "dvc", "repro", "-q")
     assert changed(project) == {}
-    with open(project / "corpora" / "qa_train.jsonl", "a") as f:  # new data
+    with open(project / "imports" / "qa_train.jsonl", "a") as f:  # new data
         f.write(json.dumps({"question": "c?", "answer": "z"}) + "\n")
     status = changed(project)
-    assert status["download"] == [{"changed deps": {"corpora": "modified"}}]
-    assert status["corpora/qa_train.jsonl.dvc"] == [{"changed outs": {"corpora/qa_train.jsonl": "modified"}}]
+    assert status["download"] == [{"changed deps": {"imports": "modified"}}]
+    assert status["imports/qa_train.jsonl.dvc"] == [{"changed outs": {"imports/qa_train.jsonl": "modified"}}]
     sh(project, sys.executable, "-m", "dvc", "repro", "-q")
     assert changed(project) == {}
-    (project / "corpora" / "wiki.jsonl").write_text(json.dumps({"title": "A", "text": "C"}) + "\n")  # an edited corpus
-    assert changed(project) == {"download": [{"changed deps": {"corpora": "modified"}}]}
+    (project / "imports" / "wiki.jsonl").write_text(json.dumps({"title": "A", "text": "C"}) + "\n")  # an edited corpus
+    assert changed(project) == {"download": [{"changed deps": {"imports": "modified"}}]}
 
 
 @pytest.mark.parametrize("key, value", [("dataset", "local:elsewhere/qa.jsonl"), ("corpus", "/data/wiki.jsonl"),
-                                        ("corpus", "corpora/../wiki.jsonl")])
+                                        ("corpus", "imports/../wiki.jsonl")])
 def test_a_local_file_outside_download_inputs_is_refused(key, value):
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["download"][key] = value
     with pytest.raises(ParamsError, match=rf"params.yaml download.{key}: {re.escape(value.removeprefix('local:'))} is outside "
-                                          r"download.inputs \(corpora\), the folder DVC watches"):
+                                          r"download.inputs \(imports\), the folder DVC watches"):
         validate_params(raw, "params.yaml")
     raw["download"]["inputs"] = str(Path(value.removeprefix("local:")).parent)
     assert validate_params(raw).download.inputs == raw["download"]["inputs"]
@@ -130,7 +130,7 @@ def test_the_workflow_reruns_on_data_params_and_configs_and_runs_only_makefile_t
     workflow = yaml.safe_load(WORKFLOW.read_text())
     triggers = workflow[True]  # YAML 1.1 reads the key `on` as true
     for event in ("pull_request", "push"):
-        assert {"**.dvc", "params.yaml", "configs/**", "corpora/**"} <= set(triggers[event]["paths"])
+        assert {"**.dvc", "params.yaml", "configs/**", "imports/**"} <= set(triggers[event]["paths"])
     steps = [step for job in workflow["jobs"].values() for step in job["steps"]]
     commands = [line.strip() for step in steps if "run" in step for line in step["run"].splitlines() if line.strip()]
     targets = [command.split()[1] for command in commands]

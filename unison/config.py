@@ -85,29 +85,18 @@ class BuiltinWorldConfig(Section):
 
 class DownloadConfig(Section):
     dataset: str = Field('builtin', description='builtin | hf:<name>[:<config>] | local:<path> (`{split}` in it -> split name)')
-    format: str = Field('', description='hf/local column format: gsm8k | math500 | hotpotqa | 2wikimultihopqa | musique | bamboogle | nq | qa | math; "" = detect from the dataset/file name')
+    format: str = Field('', description='hf/local format: gsm8k | math500 | hotpotqa | 2wikimultihopqa | musique | bamboogle | nq | qa | math, or a seed\'s row layout: verl (Search-R1/GAP/AFM/ET-Agent RL rows) | agentflow | agentflow_test | agentark; "" = detect from the rows\' columns, else the dataset/file name')
     fields: dict[str, str] = Field(default_factory=dict, description='hf/local: column renames on top of the format, e.g. {question: q, answers: gold}')
     split_train: str = Field('train', description='hf/local: split names')
     split_test: str = Field('test')
     test_fraction: float = Field(0.2, description='local: when both splits are one file, the seeded share held out as test')
     corpus: str = Field('', description='hf/local: {title,text} passages file (jsonl/json/parquet/csv); required for QA')
-    inputs: str = Field('corpora', min_length=1, description="the folder holding local: dataset and corpus files, a DVC dependency of "
-                        "download (editing a file in it re-runs download); local paths must lie in it")
+    inputs: str = Field('imports', min_length=1, description="the folder of the files the pipeline takes in: local: datasets, "
+                        "corpora and generate.source; a DVC dependency of download and generate (editing a file in it re-runs "
+                        "them), so those paths must lie in it")
     builtin: BuiltinWorldConfig = Field(default_factory=BuiltinWorldConfig)
     max_train: int = Field(0, description='0 = all')
     max_test: int = Field(0)
-
-    @model_validator(mode="after")
-    def _local_files_in_inputs(self):
-        """DVC sees download's local files only through download.inputs (dvc.yaml): a file elsewhere could change unseen."""
-        kind, _, dataset = self.dataset.partition(":")
-        local = ([("download.dataset", dataset)] if kind == "local" else []) + ([("download.corpus", self.corpus)] if self.corpus else [])
-        root = os.path.abspath(self.inputs)
-        for key, path in local:
-            if os.path.commonpath([root, os.path.abspath(path)]) != root:
-                raise ValueError(f"{key}: {path} is outside download.inputs ({self.inputs}), the folder DVC watches for download's "
-                                 f"files; move it there or set download.inputs to a folder holding it")
-        return self
 
 
 class StudentConfig(Section):
@@ -244,6 +233,7 @@ class GenerateConfig(Section):
     max_tool_calls: int = Field(3)
     scaffold: dict[str, list[str]] = Field(default_factory=lambda: {'qa': ['search', 'answer'], 'math': ['python', 'answer']})
     demonstrations: str = Field('configs/demonstrations/builtin.txt', description='worked examples the teacher\'s acting agents see after the system prompt; students never see them, they learn to act alone (context distillation); "" = none')
+    source: str = Field('', description='"" = the teacher runs generate.method | local:<file>: import SFT trajectories from a jsonl/json/parquet file under download.inputs (a DVC dependency of generate) instead: Alpaca with inline <observation>/<result>, ShareGPT with function_call/observation, OpenAI messages with tool_calls; each answers the train question with the same text')
     shard_size: int = Field(64, description='questions per resumable shard (a killed run keeps its finished shards)')
     episodes_in_flight: int = Field(256, description='episodes (agents x samples of all running questions) the engine works on at once; each question is a flow of its own and the next starts whenever fewer are live (generate, evaluate, pareto). vLLM runs up to max_num_seqs (256 on CPU, 1024 on an H100) at once')
     roles: dict[str, dict] = Field(default_factory=dict, description='role -> its own model, e.g. {aggregator: {model: Qwen/Qwen2.5-7B-Instruct, backend: openai, base_url: "http://127.0.0.1:8000/v1"}}; other keys override the teacher\'s llm.*; {} = every role on the teacher')
@@ -415,6 +405,25 @@ class Params(Section):
         check_llm_overrides(self.label.llm, "label.llm", allow_backend=True)
         for role, spec in self.generate.roles.items():
             check_llm_overrides(spec, f"generate.roles.{role}", allow_backend=True)
+        return self
+
+    @model_validator(mode="after")
+    def _local_files_in_inputs(self):
+        """DVC sees the local files the pipeline takes in only through download.inputs (a dependency of download and
+        generate in dvc.yaml): a file elsewhere could change unseen."""
+        d, source = self.download, self.generate.source
+        kind, _, dataset = d.dataset.partition(":")
+        local = ([("download.dataset", dataset)] if kind == "local" else []) + ([("download.corpus", d.corpus)] if d.corpus else [])
+        if source:
+            kind, _, path = source.partition(":")
+            if kind != "local":
+                raise ValueError(f"generate.source: {source!r} is not local:<file> (a file under download.inputs, {d.inputs}/)")
+            local.append(("generate.source", path))
+        root = os.path.abspath(d.inputs)
+        for key, path in local:
+            if os.path.commonpath([root, os.path.abspath(path)]) != root:
+                raise ValueError(f"{key}: {path} is outside download.inputs ({d.inputs}), the folder DVC watches for the files the "
+                                 f"pipeline takes in; move it there or set download.inputs to a folder holding it")
         return self
 
     def stage(self, name: str) -> BaseModel:

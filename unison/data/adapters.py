@@ -6,9 +6,10 @@ Dataset specs (params `download.dataset`):
   local:<path>           a .jsonl/.json/.parquet/.csv file; `{split}` in the path is replaced by the split name,
                          and a folder is searched for `<split>.<ext>`.
 How columns map to the schema (the "format") comes from params `download.format` when set; otherwise it is
-detected from the dataset's name or file name (`.../gsm8k_test.jsonl` -> gsm8k). Formats `qa` and `math` are
-generic. `download.fields` names columns on top of the format: question, answers, id, and task (a column
-holding qa/math/code per row), e.g. {question: q, answers: gold}.
+detected from the rows' columns when they are a seed system's own layout (verl RL rows of Search-R1/GAP/AFM/ET-Agent,
+AgentFlow's files, AgentArk's: seed_rows.py), else from the dataset's name or file name (`.../gsm8k_test.jsonl` ->
+gsm8k). Formats `qa` and `math` are generic. `download.fields` names columns on top of a column format: question,
+answers, id, and task (a column holding qa/math/code per row), e.g. {question: q, answers: gold}.
 Anything unusable raises DataError naming the file, row and field.
 """
 from __future__ import annotations
@@ -25,18 +26,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from unison.data.schemas import CORPUS, DataError, validate_rows
+from unison.data.seed_rows import answer_list, gsm8k_final_answer, read_agentark, read_agentflow, read_agentflow_test, read_verl
 
 QUESTION_COLUMNS = ("question", "problem", "query", "Question")
 ANSWER_COLUMNS = ("answers", "answer", "golden_answers", "Answer")
 ID_COLUMNS = ("id", "_id", "unique_id", "qid", "idx")
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
-
-
-def gsm8k_final_answer(solution: str) -> str:
-    """GSM8K answers are a rationale ending '#### 1,450'; the gold answer is the number after '####'."""
-    if "####" not in solution:
-        raise ValueError("no '####' final-answer marker")
-    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+SEED_COLUMNS = ("question", "query", "answer", "result", "gt")  # the seed layouts' question and answer columns (not meta)
 
 
 @dataclass(frozen=True)
@@ -46,6 +42,8 @@ class Format:
     hf: tuple[str, str | None] | None = None  # (hub id, config) that `hf:<format name>` loads
     parse_answer: Callable[[str], str] | None = None
     alias_column: str | None = None  # extra acceptable answers
+    keys: tuple[str, ...] = ()  # columns that mark a seed system's row layout, whatever the file is called
+    read: Callable[[dict, str, object, int], tuple[str, list[str], str]] | None = None  # that layout -> question, answers, task
 
 
 FORMATS = {
@@ -58,6 +56,10 @@ FORMATS = {
     "nq": Format("qa", ("nq", "nqopen", "naturalquestions"), ("google-research-datasets/nq_open", None)),
     "qa": Format("qa"),
     "math": Format("math"),
+    "verl": Format("qa", keys=("prompt", "reward_model"), read=read_verl),
+    "agentflow": Format("qa", keys=("result", "chain"), read=read_agentflow),
+    "agentflow_test": Format("qa", keys=("pid", "query", "answer"), read=read_agentflow_test),
+    "agentark": Format("qa", keys=("query", "gt"), read=read_agentark),
 }
 
 
@@ -71,12 +73,22 @@ def detect_format(name: str) -> str | None:
     return None
 
 
-def choose_format(format_name: str, dataset_name: str, where: str) -> str:
+def detect_layout(row: dict) -> str | None:
+    """The seed layout (FORMATS entry with `keys`) whose marking columns `row` has."""
+    return next((key for key, fmt in FORMATS.items() if fmt.keys and all(k in row for k in fmt.keys)), None)
+
+
+def check_format(format_name: str, where) -> str:
+    if format_name not in FORMATS:
+        raise DataError(where, f"unknown format {format_name!r}; known: {sorted(FORMATS)}")
+    return format_name
+
+
+def choose_format(format_name: str, first_row: dict, dataset_name: str, where: str) -> str:
+    """download.format when set, else the seed layout of the first row, else the format the name carries."""
     if format_name:
-        if format_name not in FORMATS:
-            raise DataError(where, f"unknown format {format_name!r}; known: {sorted(FORMATS)}")
-        return format_name
-    detected = detect_format(dataset_name)
+        return check_format(format_name, where)
+    detected = detect_layout(first_row) or detect_format(dataset_name)
     if detected is None:
         raise DataError(
             where,
@@ -155,26 +167,8 @@ def _column(row: dict, wanted: str | None, candidates: tuple[str, ...]) -> str |
     return next((c for c in candidates if c in row), None)
 
 
-def _as_answers(value, path, row: int, column: str) -> list[str]:
-    if isinstance(value, str) and value.startswith("[") and value.endswith("]"):  # a list kept as text (csv)
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = str(value)
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(a, (str, int, float)) for a in value):
-        raise DataError(path, f"expected an answer string or list of strings, got {value!r:.80}", row, column)
-    answers = [str(a).strip() for a in value if str(a).strip()]
-    if not answers:
-        raise DataError(path, "no answer", row, column)
-    return answers
-
-
-def to_question(raw: dict, fmt_name: str, fields: dict, source: str, qid: str, path, row: int) -> dict:
-    """One raw record -> a Question row."""
+def from_columns(raw: dict, fmt_name: str, fields: dict, path, row: int) -> tuple[str, list[str], str, tuple[str, ...]]:
+    """(question, answers, task, the columns they came from) of a record in a column format."""
     fmt = FORMATS[fmt_name]
     q_col = _column(raw, fields.get("question"), QUESTION_COLUMNS)
     a_col = _column(raw, fields.get("answers"), ANSWER_COLUMNS)
@@ -186,26 +180,37 @@ def to_question(raw: dict, fmt_name: str, fields: dict, source: str, qid: str, p
     question = raw[q_col]
     if not isinstance(question, str) or not question.strip():
         raise DataError(path, f"expected a non-empty string, got {question!r:.80}", row, q_col)
-    answers = _as_answers(raw[a_col], path, row, a_col)
+    answers = answer_list(raw[a_col], path, row, a_col)
     if fmt.parse_answer:
         try:
             answers = [fmt.parse_answer(a) for a in answers]
         except ValueError as e:
             raise DataError(path, f"{fmt_name} answer: {e}", row, a_col) from None
     if fmt.alias_column and raw.get(fmt.alias_column):
-        answers += [a for a in _as_answers(raw[fmt.alias_column], path, row, fmt.alias_column) if a not in answers]
+        answers += [a for a in answer_list(raw[fmt.alias_column], path, row, fmt.alias_column) if a not in answers]
     task = raw.get(fields["task"]) if fields.get("task") else fmt.task
     if task not in ("qa", "math", "code"):
         raise DataError(path, f"task must be qa, math or code, got {task!r}", row, fields.get("task", "task"))
+    return question.strip(), answers, task, (q_col, a_col)
+
+
+def to_question(raw: dict, fmt_name: str, fields: dict, source: str, qid: str, path, row: int) -> dict:
+    """One raw record -> a Question row."""
+    read = FORMATS[fmt_name].read
+    if read:
+        question, answers, task = read(raw, str(path), path, row)
+        used: tuple[str, ...] = SEED_COLUMNS
+    else:
+        question, answers, task, used = from_columns(raw, fmt_name, fields, path, row)
     id_col = _column(raw, fields.get("id"), ID_COLUMNS)
     meta = {"format": fmt_name}
     if id_col is not None:
         meta["orig_id"] = str(raw[id_col])
-    for key, value in raw.items():  # keep small descriptive columns (level, subject, type ...)
-        if key not in (q_col, a_col, id_col) and isinstance(value, (int, float, bool, str)) and len(str(value)) <= 200:
+    for key, value in raw.items():  # keep small descriptive columns (level, subject, type, data_source ...)
+        if key not in (*used, id_col) and isinstance(value, (int, float, bool, str)) and len(str(value)) <= 200:
             meta[key] = value
     meta = json.dumps(meta, sort_keys=True)
-    return {"id": qid, "source": source, "task": task, "question": question.strip(), "answers": answers, "meta": meta}
+    return {"id": qid, "source": source, "task": task, "question": question, "answers": answers, "meta": meta}
 
 
 def load_questions(spec: str, split: str, fields: dict | None = None, format_name: str = "") -> list[dict]:
@@ -214,25 +219,26 @@ def load_questions(spec: str, split: str, fields: dict | None = None, format_nam
     kind, _, rest = spec.partition(":")
     if kind == "hf" and rest:
         name, _, config = rest.partition(":")
-        fmt_name = choose_format(format_name, f"{Path(name).name}:{config}", spec)
-        hub = FORMATS[fmt_name].hf
+        named = check_format(format_name, spec) if format_name else detect_format(f"{Path(name).name}:{config}")
+        hub = FORMATS[named].hf if named else None
         if hub and "/" not in name and not Path(name).exists():  # a short name: hf:gsm8k, hf:hotpot_qa
             name, config = hub[0], config or hub[1]
         elif hub and name == hub[0]:
             config = config or hub[1]
         where, raw_rows = spec, hf_rows(name, config or None, split)
-        source = fmt_name if hub else Path(name).name
+        if not raw_rows:
+            raise DataError(where, "no rows")
+        fmt_name = choose_format(format_name, raw_rows[0], f"{Path(name).name}:{config}", spec)
+        source = fmt_name if FORMATS[fmt_name].hf else Path(name).name
         id_prefix = f"{source}-{split}"
     elif kind == "local" and rest:
         where = local_path(rest, split)
         raw_rows = read_rows(where)
-        fmt_name = choose_format(format_name, where.name, str(where))
+        fmt_name = choose_format(format_name, raw_rows[0], where.name, str(where))
         source = fmt_name if FORMATS[fmt_name].names else where.stem
         id_prefix = where.stem
     else:
         raise DataError(spec, "unknown dataset spec; expected builtin, hf:<name>[:<config>] or local:<path>")
-    if not raw_rows:
-        raise DataError(where, "no rows")
     return [to_question(r, fmt_name, fields, source, f"{id_prefix}-{i:05d}", where, i) for i, r in enumerate(raw_rows)]
 
 
