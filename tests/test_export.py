@@ -177,11 +177,9 @@ def test_a_rendering_without_an_assistant_turn_or_with_a_stray_role_is_refused()
 
 
 def test_without_pairs_there_is_no_dpo_dataset_and_a_bad_name_fails_at_load(project):
-    from tasks import export
-
-    rows = read_table("data/labeled/train.parquet", LABELED)
-    write_table([r for r in rows if r["correct"] or r["question_id"] == "q2"], "data/labeled/train.parquet", LABELED)
-    export.main()
+    rows = [r for r in read_table("data/labeled/train.parquet", LABELED) if r["correct"] or r["question_id"] == "q2"]
+    counts = write_export("data/export", rows, read_rl_prompts("data/rl"), load_params(), DEFAULT_TOOLS)
+    assert (counts["sft_conversations"], counts["dpo_pairs"]) == (2, 0)
     assert not (project / "data/export/llamafactory/dpo.jsonl").exists()
     assert list(json.loads((project / "data/export/llamafactory/dataset_info.json").read_text())) == ["unison_sft"]
     params = yaml.safe_load(Path("params.yaml").read_text())
