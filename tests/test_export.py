@@ -28,11 +28,13 @@ BORN = observation("Doc 1 (Title: Zorvan Kelt)\nZorvan Kelt was born in Tarsk.")
 # (question, sample, correct, student turns after the question)
 TRAJECTORIES = [
     ("q0", 0, True, [("assistant", "<search>Zorvan Kelt</search>"), ("tool", BORN), ("assistant", "<answer>Tarsk</answer>")]),
-    ("q0", 1, False, [("assistant", "<search>Kelt</search>"), ("tool", observation("no results")), ("assistant", "<answer>Velmora</answer>")]),
+    ("q0", 1, False, [("assistant", "<search>Kelt</search>"), ("tool", observation("no results")),
+                      ("assistant", "<answer>Velmora</answer>")]),
     ("q0", 2, False, [("assistant", "<search>Zorvan</search>"), ("tool", BORN)]),  # out of turns: ends on an observation
     ("q1", 0, True, [("assistant", "<think>Tarsk is a city.</think>"), ("assistant", "<search>Tarsk</search>"),  # two segments, one turn
                      ("tool", observation("Tarsk is a city in Velmora.")), ("assistant", "<answer>Velmora</answer>")]),
-    ("q2", 0, False, [("assistant", "<python>\nprint(17 * 23)</python>"), ("tool", observation("390")), ("assistant", "<answer>390</answer>")]),
+    ("q2", 0, False, [("assistant", "<python>\nprint(17 * 23)</python>"), ("tool", observation("390")),
+                      ("assistant", "<answer>390</answer>")]),
 ]
 
 
@@ -112,7 +114,8 @@ def test_llamafactory_loads_both_datasets_and_they_follow_its_sharegpt_rules(exp
         assert set(roles[0::2]) <= {"human", "observation"} and set(roles[1::2]) <= {"gpt", "function_call"} and len(roles) % 2 == 0
         assert example["system"] == SYSTEM and roles[0] == "human"
         assert all("<result>" not in m["value"] for m in example["conversations"] if m["from"] == "gpt")  # tool output is observation only
-    assert sft[0]["conversations"] == [{"from": "human", "value": QUESTIONS["q0"][0]}, {"from": "gpt", "value": "<search>Zorvan Kelt</search>"},
+    assert sft[0]["conversations"] == [{"from": "human", "value": QUESTIONS["q0"][0]},
+                                       {"from": "gpt", "value": "<search>Zorvan Kelt</search>"},
                                        {"from": "observation", "value": BORN}, {"from": "gpt", "value": "<answer>Tarsk</answer>"}]
     assert sft[1]["conversations"][1] == {"from": "gpt", "value": "<think>Tarsk is a city.</think><search>Tarsk</search>"}
     for example in dpo:  # a ranking prompt has an odd count (ends on the human side); chosen and rejected are one gpt message each
@@ -140,7 +143,8 @@ def test_verl_reads_the_rl_parquet_as_its_dataset_and_tool_agent_loop_do(exporte
             assert {k: extra[k] for k in src["extra_info"]} == src["extra_info"] and extra.get("need_tools_kwargs") is True
             for tool in ("search", "python"):
                 assert extra.get("tools_kwargs", {}).get(tool, {}).get("create_kwargs", {}) == {
-                    "ground_truth": src["reward_model"]["ground_truth"], "question": src["extra_info"]["question"], "data_source": "builtin"}
+                    "ground_truth": src["reward_model"]["ground_truth"], "question": src["extra_info"]["question"],
+                    "data_source": "builtin"}
 
 
 def test_trl_sft_trainer_prepares_the_messages_with_tool_output_out_of_the_loss(exported, tiny_model_dir, tmp_path):

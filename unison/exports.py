@@ -88,7 +88,8 @@ def verl_schema(tools: tuple[str, ...]) -> pa.Schema:
     create = pa.struct([("ground_truth", pa.list_(pa.string())), ("question", pa.string()), ("data_source", pa.string())])
     tools_kwargs = pa.struct([(t, pa.struct([("create_kwargs", create)])) for t in tools])
     extra = pa.struct(list(RL_ROW.field("extra_info").type) + [("need_tools_kwargs", pa.bool_()), ("tools_kwargs", tools_kwargs)])
-    return pa.schema([pa.field("extra_info", extra) if f.name == "extra_info" else f for f in RL_ROW] + [pa.field("agent_name", pa.string())])
+    fields = [pa.field("extra_info", extra) if f.name == "extra_info" else f for f in RL_ROW]
+    return pa.schema(fields + [pa.field("agent_name", pa.string())])
 
 
 def verl_rows(rows: list[dict], tools: tuple[str, ...], agent: str) -> list[dict]:
