@@ -16,7 +16,7 @@ FLOORS = [
     ("labelling and evaluation", ("unison.labeling",)),
     ("training", ("unison.train",)),
     ("stages, flows, bench and the security suite", ("unison.track", "unison.stage_clock", "unison.recipes", "unison.cli", "unison.report",
-                                                     "unison.registry", "tasks", "flows", "bench", "security")),
+                                                     "unison.registry", "unison.exports", "tasks", "flows", "bench", "security")),
 ]
 
 

@@ -40,7 +40,7 @@ from unison.data.schemas import LABELED, TEMP, read_table, remove_stale_temps, w
 from .test_e2e import merge
 from .test_recipes import copy_project
 
-STAGES = ["download", "index", "generate", "label", "prm", "sft", "pareto", "dpo", "rl", "evaluate", "flywheel", "report"]
+STAGES = ["download", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl", "evaluate", "flywheel", "report"]
 # What differs between two runs on the same inputs: wall-clock measurements, in the reports only (never in data files)
 TIMING_FIELDS = {"wall_s", "embed_seconds", "build_seconds", "train_s", "rollout_s", "wall_s_per_question", "elapsed_s",
                  "reward_s", "step_s", "rollout_s_total", "reward_s_total", "train_s_total"}

@@ -377,6 +377,11 @@ class FlywheelConfig(Section):
     sft_epochs: int = Field(2, ge=0, description="epochs of a round's student over its round's trajectories (the other settings are sft.*); a round's teacher gets about twice round 0's right, so 2 keeps the optimiser steps near round 0's (sft.epochs 4); 0 = sft.epochs")
 
 
+class ExportConfig(Section):
+    name: str = Field('unison', pattern=r'^[A-Za-z0-9_.-]+$', description="LLaMA-Factory: dataset_info.json names the datasets <name>_sft and <name>_dpo")
+    verl_agent: str = Field('tool_agent', description="verl: each row's agent_name, the agent loop that rolls it out (tool_agent = verl's ToolAgentLoop)")
+
+
 class Params(Section):
     seed: int = Field(0)
     download: DownloadConfig = Field(default_factory=DownloadConfig)
@@ -394,6 +399,7 @@ class Params(Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     rl: RLConfig = Field(default_factory=RLConfig, description='GRPO family on live multi-turn tool rollouts of the SFT student (research/seeds.md §1.5, §3.5, §4.5, §5.2)')
     flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="ET-Agent's data flywheel / STaR rounds after the pipeline (round 0 = teacher -> SFT -> RL)")
+    export: ExportConfig = Field(default_factory=ExportConfig, description='the SFT conversations, DPO pairs and RL prompts in LLaMA-Factory, verl and TRL formats (data/export)')
 
     @model_validator(mode="after")
     def _seeds(self):

@@ -1,0 +1,33 @@
+"""Stage `export`: the SFT conversations, DPO pairs and RL prompts as LLaMA-Factory, verl and TRL datasets (data/export).
+
+No model is loaded; the same inputs and settings write the same bytes. What each file holds: unison/exports.py.
+"""
+from __future__ import annotations
+
+from unison import track
+from unison.agents.wiring import enabled_tools
+from unison.cli import stage_main
+from unison.config import load_params
+from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
+from unison.exports import read_rl_prompts, write_export
+
+LABELED_PATH, RL_DIR, OUT = "data/labeled/train.parquet", "data/rl", "data/export"
+
+
+def main() -> None:
+    params = load_params()
+    tools = enabled_tools(params)
+    settings = {**params.export.model_dump(), "sft.max_per_question": params.sft.max_per_question, "sft.dedupe": params.sft.dedupe,
+                "dpo.max_pairs_per_question": params.dpo.max_pairs_per_question, "tools": ",".join(tools)}
+    with track.stage_run("export", settings) as run:
+        labeled, rl = read_table(LABELED_PATH, LABELED), read_rl_prompts(RL_DIR)
+        with atomic_dir(OUT) as tmp:
+            counts = write_export(tmp, labeled, rl, params, tools, LABELED_PATH)
+        write_json(counts, "reports/export.json")
+        run.log_metrics(counts)
+        print(f"export: {counts['sft_conversations']} SFT conversations ({counts['sft_questions']} questions), "
+              f"{counts['dpo_pairs']} DPO pairs, {counts['rl_prompts']} RL prompts in {counts['rl_stages']} stages -> {OUT}/", flush=True)
+
+
+if __name__ == "__main__":
+    stage_main("export", main)

@@ -1,0 +1,132 @@
+"""Data out (design §3): what `sft`, `dpo` and `rl` train on, in the formats LLaMA-Factory, verl and TRL read.
+
+    data/export/llamafactory/dataset_info.json   <name>_sft (sharegpt) and <name>_dpo (sharegpt, ranking)
+    data/export/llamafactory/sft.jsonl           {system, conversations: [{from, value}]}: human, gpt, observation, gpt, ...
+    data/export/llamafactory/dpo.jsonl           {system, conversations: [human], chosen: {from: gpt, value}, rejected: ...}
+    data/export/trl/sft.jsonl                    {messages: [{role, content}]}: system, user, assistant, tool, assistant, ...
+    data/export/verl/stage<k>.parquet            data/rl's rows + agent_name and extra_info.{need_tools_kwargs, tools_kwargs}
+
+The conversations are the student renderings `sft` trains on (sft.select_trajectories, same settings), with the same
+system prompt and the same tool protocol: tool calls stay the tags the student writes (<search>q</search>), each
+observation is a turn of the consumer's tool role (LLaMA-Factory `observation`, TRL `tool`), which both leave out of the
+loss. Consecutive segments of one role are one turn (the runtime generated them as one token stream), and an
+observation nothing answers is dropped. No `tools` column: it would make LLaMA-Factory's template announce its own
+JSON tool-call format, which is not the protocol the student learns. The DPO pairs are dpo.build_pairs'; LLaMA-Factory's
+ranking format holds one message per side, so chosen and rejected are whole completions with their `<result>` blocks
+inline, which stock LLaMA-Factory scores (unison's own `dpo` masks them). The verl rows carry, per enabled tool,
+`tools_kwargs[tool].create_kwargs = {ground_truth, question, data_source}` (verl's Search-R1 preprocessing), which
+verl's RLHFDataset hands to its tool agent loop; `need_tools_kwargs` is true.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+
+from .config import Params
+from .data.schemas import RL_ROW, DataError, read_table, write_json, write_jsonl, write_table
+from .train.dpo import build_pairs
+from .train.sft import select_trajectories
+
+SHAREGPT_ROLES = {"user": "human", "assistant": "gpt", "tool": "observation"}
+
+
+def student_turns(row: dict, path: str | Path) -> list[dict]:
+    """A labeled row's student rendering after its system and user messages, as alternating assistant / tool turns
+    ({role, content}) that start and end with the assistant."""
+    student = row["student"]
+    if [m["role"] for m in student[:2]] != ["system", "user"]:
+        raise DataError(path, f"trajectory {row['id']}: the student rendering must open with system and user", field="student")
+    turns: list[dict] = []
+    for m in student[2:]:
+        if m["role"] not in ("assistant", "tool"):
+            raise DataError(path, f"trajectory {row['id']}: unexpected role {m['role']!r} after the question", field="student")
+        if turns and turns[-1]["role"] == m["role"]:
+            turns[-1]["content"] += m["content"]
+        else:
+            turns.append({"role": m["role"], "content": m["content"]})
+    if turns and turns[-1]["role"] == "tool":
+        turns.pop()
+    if not turns or turns[0]["role"] != "assistant":
+        raise DataError(path, f"trajectory {row['id']}: no assistant turn after the question", field="student")
+    return turns
+
+
+def chat(row: dict, path: str | Path) -> list[dict]:
+    """System, user, then the student's turns."""
+    head = [{"role": m["role"], "content": m["content"]} for m in row["student"][:2]]
+    return head + student_turns(row, path)
+
+
+def llamafactory_sft(rows: list[dict], path: str | Path) -> list[dict]:
+    return [{"system": r["student"][0]["content"],
+             "conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in chat(r, path)[1:]]}
+            for r in rows]
+
+
+def llamafactory_dpo(pairs: list[tuple[dict, dict]], path: str | Path) -> list[dict]:
+    def completion(row: dict) -> dict:
+        return {"from": "gpt", "value": "".join(m["content"] for m in student_turns(row, path))}
+
+    return [{"system": chosen["student"][0]["content"],
+             "conversations": [{"from": "human", "value": chosen["student"][1]["content"]}],
+             "chosen": completion(chosen), "rejected": completion(rejected)} for chosen, rejected in pairs]
+
+
+def dataset_info(name: str, with_pairs: bool) -> dict:
+    """LLaMA-Factory's dataset descriptions of sft.jsonl and (when there are pairs) dpo.jsonl."""
+    columns = {"messages": "conversations", "system": "system"}
+    info = {f"{name}_sft": {"file_name": "sft.jsonl", "formatting": "sharegpt", "columns": columns}}
+    if with_pairs:
+        info[f"{name}_dpo"] = {"file_name": "dpo.jsonl", "formatting": "sharegpt", "ranking": True,
+                               "columns": {**columns, "chosen": "chosen", "rejected": "rejected"}}
+    return info
+
+
+def verl_schema(tools: tuple[str, ...]) -> pa.Schema:
+    """RL_ROW with agent_name, and extra_info with need_tools_kwargs and tools_kwargs (a struct per tool)."""
+    create = pa.struct([("ground_truth", pa.list_(pa.string())), ("question", pa.string()), ("data_source", pa.string())])
+    tools_kwargs = pa.struct([(t, pa.struct([("create_kwargs", create)])) for t in tools])
+    extra = pa.struct(list(RL_ROW.field("extra_info").type) + [("need_tools_kwargs", pa.bool_()), ("tools_kwargs", tools_kwargs)])
+    fields = [pa.field("extra_info", extra) if f.name == "extra_info" else f for f in RL_ROW]
+    return pa.schema(fields + [pa.field("agent_name", pa.string())])
+
+
+def verl_rows(rows: list[dict], tools: tuple[str, ...], agent: str) -> list[dict]:
+    out = []
+    for r in rows:
+        create = {"ground_truth": list(r["reward_model"]["ground_truth"]), "question": r["extra_info"]["question"],
+                  "data_source": r["data_source"]}
+        extra = {**r["extra_info"], "need_tools_kwargs": True, "tools_kwargs": {t: {"create_kwargs": create} for t in tools}}
+        out.append({**r, "extra_info": extra, "agent_name": agent})
+    return out
+
+
+def read_rl_prompts(rl_dir: str | Path) -> list[dict]:
+    """Every row of `rl_dir`/stage*.parquet (schema RL_ROW)."""
+    paths = sorted(Path(rl_dir).glob("stage*.parquet"))
+    if not paths:
+        raise DataError(rl_dir, "no stage*.parquet files (run the pareto stage)")
+    return [r for p in paths for r in read_table(p, RL_ROW)]
+
+
+def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], params: Params, tools: tuple[str, ...],
+                 path: str | Path = "data/labeled/train.parquet") -> dict:
+    """Write every format under `out_dir` (module docstring); counts of what was written. `path` names `labeled` in errors."""
+    out = Path(out_dir)
+    chosen = select_trajectories(labeled, params.sft.max_per_question, params.sft.dedupe)
+    if not chosen:
+        raise DataError(path, "no correct trajectories to export", field="correct")
+    pairs = build_pairs(labeled, params.dpo.max_pairs_per_question)
+    write_jsonl(llamafactory_sft(chosen, path), out / "llamafactory/sft.jsonl")
+    if pairs:
+        write_jsonl(llamafactory_dpo(pairs, path), out / "llamafactory/dpo.jsonl")
+    write_json(dataset_info(params.export.name, bool(pairs)), out / "llamafactory/dataset_info.json")
+    write_jsonl([{"messages": chat(r, path)} for r in chosen], out / "trl/sft.jsonl")
+    stages = sorted({r["stage"] for r in rl})
+    for stage in stages:
+        write_table(verl_rows([r for r in rl if r["stage"] == stage], tools, params.export.verl_agent),
+                    out / f"verl/stage{stage}.parquet", verl_schema(tools))
+    return {"sft_conversations": len(chosen), "sft_questions": len({r["question_id"] for r in chosen}),
+            "dpo_pairs": len(pairs), "dpo_questions": len({c["question_id"] for c, _ in pairs}),
+            "rl_prompts": len(rl), "rl_stages": len(stages), "tools": list(tools)}
