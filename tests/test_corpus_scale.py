@@ -142,8 +142,10 @@ def test_ivf_trains_on_a_seeded_sample(corpus, tmp_path, monkeypatch):
     for name, seed, train_sample in (("a", 1, 300), ("again", 1, 300), ("other", 2, 300), ("default", 1, 0)):
         calls.clear()
         build_index(corpus, tmp_path / name, encoder="hash:64", kind="ivf", nlist=4, seed=seed, train_sample=train_sample)
-        samples[name] = calls[0]  # k-means' training set, embedded before the passages are added
-        assert [len(texts) for texts in calls[1:]] == [BATCH_ROWS, BATCH_ROWS, 3000 - 2 * BATCH_ROWS]
+        sampled = len(calls) - 3  # k-means' training set is embedded first, each corpus batch's share as it streams by
+        samples[name] = [text for texts in calls[:sampled] for text in texts]
+        assert [len(texts) for texts in calls[sampled:]] == [BATCH_ROWS, BATCH_ROWS, 3000 - 2 * BATCH_ROWS]
+        assert all(len(texts) <= BATCH_ROWS for texts in calls[:sampled])
     positions = [every.index(text) for text in samples["a"]]
     assert len(set(positions)) == 300 and positions == sorted(positions) and positions[-1] > 2500  # spread over the corpus
     assert samples["again"] == samples["a"] != samples["other"] and len(samples["default"]) == 256 * 4  # 256 x nlist

@@ -157,16 +157,18 @@ def passage_texts(table: pa.Table) -> list[str]:
     return [f"{title}\n{text}" for title, text in zip(table.column("title").to_pylist(), table.column("text").to_pylist())]
 
 
-def training_texts(path, count: int, size: int, seed: int) -> list[str]:
-    """The texts of `size` passages drawn with `seed` (all of them, in order, when the corpus has no more): what ivf's
-    k-means trains on."""
+def training_vectors(path, count: int, size: int, seed: int, encoder, batch_size: int) -> np.ndarray:
+    """The embeddings of `size` passages drawn with `seed` (all of them, in order, when the corpus has no more), each
+    batch's share embedded as the corpus streams by: what ivf's k-means trains on (size x dim floats in memory)."""
     rows = np.arange(count) if count <= size else np.sort(np.random.default_rng(seed).choice(count, size, replace=False))
-    texts = []
+    vectors = np.empty((len(rows), encoder.dim), dtype=np.float32)
+    done = 0
     for first, table in corpus_batches(path):
         inside = rows[(rows >= first) & (rows < first + len(table))] - first
         if len(inside):
-            texts += passage_texts(table.take(inside))
-    return texts
+            vectors[done:done + len(inside)] = encoder.encode(passage_texts(table.take(inside)), passages=True, batch_size=batch_size)
+            done += len(inside)
+    return vectors
 
 
 def new_index(kind: str, dim: int, nlist: int = 16, hnsw_m: int = 32):
@@ -235,12 +237,12 @@ def build_index(
         index = faiss.index_cpu_to_all_gpus(index)
     with atomic_dir(index_dir) as tmp:
         if kind == "ivf":
-            texts = training_texts(corpus_path, count, train_sample or 256 * nlist, seed)
-            print(f"index: training {nlist} ivf lists on {len(texts)} passages", flush=True)
             t0 = time.time()
-            index.train(enc.encode(texts, passages=True, batch_size=batch_size))
+            sample = training_vectors(corpus_path, count, train_sample or 256 * nlist, seed, enc, batch_size)
             embed_seconds += time.time() - t0
-            del texts
+            print(f"index: training {nlist} ivf lists on {len(sample)} passages", flush=True)
+            index.train(sample)
+            del sample
         with pq.ParquetWriter(tmp / "passages.parquet", CORPUS) as passages, \
                 tqdm(total=count, desc="index", unit=" passages", unit_scale=True, file=sys.stderr, mininterval=5) as bar:
             for _, table in corpus_batches(corpus_path):
