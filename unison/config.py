@@ -126,7 +126,7 @@ class TeacherConfig(Section):
 
 
 class IndexConfig(Section):
-    encoder: str = Field('builtin:all-minilm-l6-v2', description='or any sentence-transformers name / local dir')
+    encoder: str = Field('builtin:all-minilm-l6-v2', description='or any sentence-transformers name / local dir; hash:<dim> = trigram hashing, no model (benchmarks, tests)')
     kind: Literal['flat', 'ivf', 'hnsw'] = Field('flat', description='flat | ivf | hnsw')
     nlist: int = Field(16, description='ivf')
     nprobe: int = Field(4, description='ivf')
