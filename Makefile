@@ -79,6 +79,7 @@ bench: setup
 	$(PY) -m bench.bench_rollout
 	$(PY) -m bench.bench_methods
 	$(PY) -m bench.bench_train
+	$(PY) -m bench.bench_index
 
 clean:
 	rm -rf data models reports mlruns mlflow.db .prefect .unison .dvc/cache .dvc/tmp

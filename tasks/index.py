@@ -18,7 +18,7 @@ def main() -> None:
     with track.stage_run("index", {"seed": params.seed, **p.model_dump()}) as run:
         meta = build_index(CORPUS, INDEX_DIR, encoder=p.encoder, kind=p.kind, nlist=p.nlist, nprobe=p.nprobe, hnsw_m=p.hnsw_m,
                            hnsw_ef_search=p.hnsw_ef_search, batch_size=p.batch_size, query_prefix=p.query_prefix,
-                           passage_prefix=p.passage_prefix, seed=params.seed)
+                           passage_prefix=p.passage_prefix, seed=params.seed, train_sample=p.train_sample)
         recall = title_recall_at_1(Retriever(INDEX_DIR, topk=1), p.recall_sample, params.seed)
         metrics = {"count": meta["count"], "dim": meta["dim"], "embed_seconds": meta["embed_seconds"],
                    "build_seconds": meta["build_seconds"],

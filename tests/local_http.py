@@ -1,5 +1,6 @@
 """Real servers on 127.0.0.1, run in a thread by a test: an HTTP server answering with a test-supplied function (it
-records every request and the most requests it ever had in flight at once), and a raw TCP one for misbehaving servers."""
+records every request and the most requests it ever had in flight at once), a raw TCP one for misbehaving servers, and
+an ASGI app under uvicorn (FastAPI servers: ours, and the seed systems' retrieval servers)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import requests
+import uvicorn
 
 
 DROP = "drop"  # what `respond` returns to close the connection without answering (a server that died mid-request)
@@ -123,6 +125,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def uvicorn_serving(config: uvicorn.Config):
+    """The config's app under uvicorn in a thread; yields the started uvicorn.Server, and stops it afterwards."""
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert thread.is_alive() and time.time() < deadline, "uvicorn server did not start"
+        time.sleep(0.05)
+    try:
+        yield uv
+    finally:
+        uv.should_exit = True
+        thread.join(10)
 
 
 @contextmanager

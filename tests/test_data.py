@@ -13,6 +13,7 @@ import yaml
 from unison.config import BuiltinWorldConfig
 from unison.data import adapters, models
 from unison.data.builtin import ORG_SUFFIXES, generate_world
+from unison.data.corpus import corpus_tables
 from unison.data.schemas import CORPUS, QUESTION, DataError, read_table, write_table
 
 SHARED = Path(__file__).parent / "fixtures" / "data"  # copies of the real GSM8K, Bamboogle and MATH-500 test sets
@@ -176,13 +177,13 @@ def test_local_folder_and_holdout(tmp_path):
 def test_corpus_files_with_title_text_or_contents(tmp_path):
     path = tmp_path / "wiki.jsonl"
     write_jsonl(path, [{"id": "1", "contents": '"Tarsk"\nTarsk is a city.'}, {"title": "A", "text": "B"}])
-    assert adapters.load_corpus(path) == [
+    assert [row for table in corpus_tables(path) for row in table.to_pylist()] == [
         {"id": "1", "title": "Tarsk", "text": "Tarsk is a city."},
         {"id": "doc-0000001", "title": "A", "text": "B"},
     ]
     path.write_text(json.dumps({"title": "A"}) + "\n")
     with pytest.raises(DataError, match=r"wiki.jsonl, row 0, field 'text'"):
-        adapters.load_corpus(path)
+        list(corpus_tables(path))
 
 
 # ---- adapters: the seeds' own row layouts, detected from their columns --------------------------------------

@@ -90,7 +90,7 @@ class DownloadConfig(Section):
     split_train: str = Field('train', description='hf/local: split names')
     split_test: str = Field('test')
     test_fraction: float = Field(0.2, description='local: when both splits are one file, the seeded share held out as test')
-    corpus: str = Field('', description='hf/local: {title,text} passages file (jsonl/json/parquet/csv); required for QA')
+    corpus: str = Field('', description='hf/local: passages file, {id, contents} (wiki-18, FlashRAG) or {id, title, text}: .jsonl[.gz]/.parquet streamed, .json/.csv; required for QA')
     inputs: str = Field('imports', min_length=1, description="the folder of the files the pipeline takes in: local: datasets, "
                         "corpora and generate.source; a DVC dependency of download and generate (editing a file in it re-runs "
                         "them), so those paths must lie in it")
@@ -129,7 +129,7 @@ class TeacherConfig(Section):
 
 
 class IndexConfig(Section):
-    encoder: str = Field('builtin:all-minilm-l6-v2', description='or any sentence-transformers name / local dir')
+    encoder: str = Field('builtin:all-minilm-l6-v2', description='or any sentence-transformers name / local dir; hash:<dim> = trigram hashing, no model (benchmarks, tests)')
     kind: Literal['flat', 'ivf', 'hnsw'] = Field('flat', description='flat | ivf | hnsw')
     nlist: int = Field(16, description='ivf')
     nprobe: int = Field(4, description='ivf')
@@ -139,12 +139,14 @@ class IndexConfig(Section):
     query_prefix: str | None = Field(None, description='null = automatic ("query: " for e5 models, else none)')
     passage_prefix: str | None = Field(None, description='null = automatic ("passage: " for e5 models, else none)')
     recall_sample: int = Field(500, description='passages whose title is used as a self-retrieval query (reports/index.json)')
+    train_sample: int = Field(0, ge=0, description='ivf: passages k-means trains on, drawn with the seed (0 = 256 x nlist, the most faiss uses)')
 
 
 class ToolsConfig(Section):
     search_topk: int = Field(2)
     search_max_chars: int = Field(300, description='per passage in an observation')
-    search_url: str = Field('', description='"" = in-process; else http://host:port of a /retrieve server')
+    search_url: str = Field('', description='"" = in-process; else http://host:port of a retrieval server (see search_api)')
+    search_api: Literal['retrieve', 'flashrag'] = Field('retrieve', description='retrieve = POST /retrieve (unison\'s search_server, Search-R1, AFM, GAP) | flashrag = POST /batch_search (FlashRAG: ET-Agent, ARPO)')
     search_timeout_s: int = Field(30, description='remote search: per-request timeout')
     search_token_env: str = Field('', description='remote search: env var whose value is sent as a Bearer token (the server\'s --token-env); "" = none')
     python_timeout_s: int = Field(5)

@@ -25,7 +25,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from unison.data.schemas import CORPUS, DataError, validate_rows
+from unison.data.schemas import DataError
 from unison.data.seed_rows import answer_list, gsm8k_final_answer, read_agentark, read_agentflow, read_agentflow_test, read_verl
 
 QUESTION_COLUMNS = ("question", "problem", "query", "Question")
@@ -256,22 +256,3 @@ def holdout(rows: list[dict], test_fraction: float, seed: int) -> tuple[list[dic
     test = sorted(order[:n_test])
     train = sorted(order[n_test:])
     return [rows[i] for i in train], [rows[i] for i in test]
-
-
-def load_corpus(path: str) -> list[dict]:
-    """Retrieval passages {id,title,text} from a jsonl/json/parquet/csv file.
-
-    Rows need `title` and `text`, or FlashRAG/Search-R1 style `contents` ('"Title"\\ntext'); `id` is optional.
-    """
-    path = Path(path)
-    rows = []
-    for i, raw in enumerate(read_rows(path)):
-        if "contents" in raw and "text" not in raw:
-            title, _, text = str(raw["contents"]).partition("\n")
-            raw = {**raw, "title": raw.get("title", title.strip().strip('"')), "text": text.strip()}
-        for field in ("title", "text"):
-            if not isinstance(raw.get(field), str):
-                raise DataError(path, f"expected a string, got {raw.get(field)!r:.60}", i, field)
-        rows.append({"id": str(raw.get("id", f"doc-{i:07d}")), "title": raw["title"], "text": raw["text"]})
-    validate_rows(rows, CORPUS, path)
-    return rows

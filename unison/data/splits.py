@@ -1,28 +1,31 @@
 """The dataset's splits: questions (train, test) and the retrieval corpus for `download.dataset`, written to data/raw/.
 
 Datasets: `builtin` (generated world with its own corpus), `hf:<name>`, `local:<path>` (adapters.py). For hf/local
-datasets the corpus comes from `download.corpus` (a {title,text} file); QA questions require one (search needs something
-to search), math-only datasets get an empty corpus.
+datasets the corpus comes from `download.corpus` (wiki-18 / FlashRAG `{id, contents}` or `{id, title, text}` rows,
+streamed: corpus.py); QA questions require one (search needs something to search), math-only datasets get an empty
+corpus.
 """
 from __future__ import annotations
 
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Iterable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..config import DownloadConfig
 from . import adapters, builtin
-from .schemas import CORPUS, QUESTION, atomic_dir, atomic_path, write_table
+from .corpus import corpus_tables, rows_table, write_corpus
+from .schemas import QUESTION, atomic_dir, write_table
 
 
-def load_splits(p: DownloadConfig, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
-    """(corpus, train, test) for the configured dataset."""
+def load_splits(p: DownloadConfig, seed: int) -> tuple[Iterable[pa.Table], list[dict], list[dict]]:
+    """(corpus tables, train, test) for the configured dataset; an hf/local corpus is read as the tables are consumed."""
     spec = p.dataset
     if spec == "builtin":
-        return builtin.generate_world(p.builtin, seed)
+        corpus, train, test = builtin.generate_world(p.builtin, seed)
+        return [rows_table(corpus, "builtin corpus")], train, test
     kwargs = dict(fields=p.fields, format_name=p.format)
     if adapters.same_source(spec, p.split_train, p.split_test):  # one file: hold out part of it as test
         rows = adapters.load_questions(spec, p.split_test, **kwargs)
@@ -30,22 +33,10 @@ def load_splits(p: DownloadConfig, seed: int) -> tuple[list[dict], list[dict], l
     else:
         train = adapters.load_questions(spec, p.split_train, **kwargs)
         test = adapters.load_questions(spec, p.split_test, **kwargs)
-    corpus = adapters.load_corpus(p.corpus) if p.corpus else []
-    if not corpus and any(r["task"] == "qa" for r in train + test):
-        raise ValueError(f"{spec} has QA questions but download.corpus is empty: give a {{title,text}} passages file")
-    return corpus, train, test
-
-
-def write_corpus(rows: list[dict], path: Path) -> None:
-    if rows:
-        write_table(rows, path, CORPUS)
-        return
-    tmp = atomic_path(path)  # write_table refuses empty tables; an empty corpus is legitimate for math-only data
-    try:
-        pq.write_table(pa.Table.from_pylist([], schema=CORPUS), tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    if not p.corpus and any(r["task"] == "qa" for r in train + test):
+        raise ValueError(f"{spec} has QA questions but download.corpus is empty: give a passages file "
+                         "({id, contents} as wiki-18 and FlashRAG ship, or {id, title, text})")
+    return (corpus_tables(p.corpus) if p.corpus else []), train, test
 
 
 def split_counts(rows: list[dict]) -> dict:
@@ -64,6 +55,6 @@ def write_splits(p: DownloadConfig, seed: int, raw: Path) -> dict:
     with atomic_dir(raw) as tmp:
         write_table(train, tmp / "train.parquet", QUESTION)
         write_table(test, tmp / "test.parquet", QUESTION)
-        write_corpus(corpus, tmp / "corpus.parquet")
-    print(f"download: {len(train)} train, {len(test)} test questions, {len(corpus)} passages -> {raw}/", flush=True)
-    return {"train": split_counts(train), "test": split_counts(test), "corpus": {"n": len(corpus)}}
+        passages = write_corpus(corpus, tmp / "corpus.parquet")
+    print(f"download: {len(train)} train, {len(test)} test questions, {passages} passages -> {raw}/", flush=True)
+    return {"train": split_counts(train), "test": split_counts(test), "corpus": {"n": passages}}

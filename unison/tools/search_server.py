@@ -3,8 +3,10 @@
     UNISON_SEARCH_TOKEN=... python -m unison.tools.search_server --index data/index --port 8000 --token-env UNISON_SEARCH_TOKEN
 
 `POST /retrieve` {"queries": [...], "topk": k, "return_scores": true}
-  -> {"result": [[{"document": {"id", "title", "contents"}, "score": s}, ...] per query]}
-  (bare documents when return_scores is false; contents = '"Title"\\ntext' as in Search-R1's wiki-18 corpus).
+  -> {"result": [[{"document": {"id", "contents"}, "score": s}, ...] per query]}
+  (bare documents when return_scores is false, as AFM's server answers). Documents are wiki-18 corpus rows, contents =
+  '"Title"\\ntext', and the answer is byte for byte what Search-R1's and AFM's servers send for the same hits, so their
+  clients (Search-R1, verl's SearchTool, AFM, GAP) work against this server as they do against theirs.
 `GET /health` -> {"status": "ok", "count": N, "encoder": ..., "kind": ..., "dim": ...}.
 
 Closed by default: it binds 127.0.0.1, and any other address needs a token. With `--token-env VAR` every request must
@@ -139,7 +141,7 @@ def create_app(retriever: Retriever, token: str | None = None, max_topk: int = M
     def retrieve(request: RetrieveRequest) -> dict:  # sync: FastAPI runs it in its thread pool
         result = []
         for hits in retriever.search(request.queries, request.topk):
-            documents = [{"id": h["id"], "title": h["title"], "contents": f'"{h["title"]}"\n{h["text"]}'} for h in hits]
+            documents = [{"id": h["id"], "contents": f'"{h["title"]}"\n{h["text"]}'} for h in hits]
             if request.return_scores:
                 result.append([{"document": d, "score": h["score"]} for d, h in zip(documents, hits)])
             else:
