@@ -13,7 +13,9 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0):
         from .vllm_backend import VLLMBackend
 
         return VLLMBackend(model_dir, dtype=engine.dtype, max_model_len=engine.max_model_len, enforce_eager=engine.enforce_eager,
-                           seed=seed, kv_cache_gb=engine.kv_cache_gb, block_size=engine.block_size or None)
+                           seed=seed, kv_cache_gb=engine.kv_cache_gb, block_size=engine.block_size or None,
+                           tensor_parallel_size=engine.tensor_parallel_size, gpu_memory_utilization=engine.gpu_memory_utilization,
+                           max_num_seqs=engine.max_num_seqs)
     if engine.backend == "transformers":
         from .hf_backend import HFBackend
 

@@ -12,7 +12,8 @@ class VLLMBackend:
     streaming = True  # the runtime submits each turn when it is ready and steps the engine (bench: 1.08x lock-step on CPU)
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 2048, enforce_eager: bool = True,
-                 seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None):
+                 seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None,
+                 gpu_memory_utilization: float = 0.85, max_num_seqs: int = 0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no spawn guard needed
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
         import torch
@@ -27,8 +28,10 @@ class VLLMBackend:
                       enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
         if block_size:
             kwargs["block_size"] = block_size
-        if not on_gpu:
-            kwargs["gpu_memory_utilization"] = 0.4  # on CPU this is the share of RAM vLLM may reserve
+        if max_num_seqs:
+            kwargs["max_num_seqs"] = max_num_seqs
+        # on CPU the KV cache is kv_cache_gb and this is the share of RAM vLLM may reserve
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization if on_gpu else 0.4
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
