@@ -1,6 +1,6 @@
 """LLM backends behind one interface (DESIGN §4): `generate(token prompts, sampling) -> completions`."""
 from ..config import EngineConfig, Params, teacher_engine
-from ..http import redact
+from ..http import served_at
 from .base import Completion, Sampling
 
 
@@ -38,10 +38,10 @@ def teacher_backend(params: Params):
 
 
 def teacher_id(params: Params) -> str:
-    """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote (the URL's
-    credentials redacted)."""
+    """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote (`served_at`:
+    credentials redacted, several servers in sorted order)."""
     engine = teacher_engine(params)
-    return f"{engine.api_model}@{redact(engine.base_url)}" if engine.backend == "openai" else params.teacher.model
+    return f"{engine.api_model}@{served_at(engine.base_url)}" if engine.backend == "openai" else params.teacher.model
 
 
 def student_backend(model_dir: str, params: Params):
