@@ -11,8 +11,8 @@ that failed for good: the RuntimeError that ends the call names the URL, credent
 Several base URLs (replicas of one served model): each attempt goes to the server with the fewest requests outstanding
 (ties round-robin), a retry to another one; a server whose attempt failed (connection error, timeout, 429, 5xx) is
 avoided for AVOID_S seconds (unless every server is; then the one avoided longest is tried). The request, its seed
-included, is the same whichever server answers. `stats` adds `server{i}.requests` / `server{i}.errors` (attempts sent to /
-failed at the i-th URL), so no URL is in a counter's name.
+included, is the same whichever server answers. `stats` adds `server{i}.requests` / `server{i}.errors` (attempts sent to the
+i-th URL / failed there as above), so no URL is in a counter's name.
 """
 from __future__ import annotations
 
