@@ -13,7 +13,7 @@ from unison import track
 from unison.cli import stage_main
 from unison.config import TeacherConfig, load_params
 from unison.data import models
-from unison.http import served_at
+from unison.llm import served_at
 
 OUT = Path("models/teacher")
 

@@ -23,13 +23,6 @@ def redact(text: str) -> str:
     return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
 
 
-def served_at(base_url: str | list[str]) -> str:
-    """Where a served model is, as recorded (the teacher in trajectories, models/teacher/unison_model.json): its URL, or
-    its servers' URLs sorted and comma-joined, credentials redacted. Sorted: the servers are replicas answering the same
-    seeded requests alike, so listing them in another order changes no output and must not change the recorded data."""
-    return redact(base_url) if isinstance(base_url, str) else ",".join(sorted(redact(url) for url in base_url))
-
-
 class HTTPFailure(RuntimeError):
     """A request that failed for good; `kind` is "timeout" or "error" (the tool error kinds), the message names the URL
     (credentials redacted)."""

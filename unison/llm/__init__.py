@@ -1,6 +1,6 @@
 """LLM backends behind one interface (DESIGN §4): `generate(token prompts, sampling) -> completions`."""
 from ..config import EngineConfig, Params, teacher_engine
-from ..http import served_at
+from ..http import redact
 from .base import Completion, Sampling
 
 
@@ -44,6 +44,13 @@ def teacher_id(params: Params) -> str:
     return f"{engine.api_model}@{served_at(engine.base_url)}" if engine.backend == "openai" else params.teacher.model
 
 
+def served_at(base_url: str | list[str]) -> str:
+    """Where a served model is, as recorded (the teacher in trajectories, models/teacher/unison_model.json): its URL, or
+    its servers' URLs sorted and comma-joined, credentials redacted. Sorted: the servers are replicas answering the same
+    seeded requests alike, so listing them in another order changes no output and must not change the recorded data."""
+    return redact(base_url) if isinstance(base_url, str) else ",".join(sorted(redact(url) for url in base_url))
+
+
 def student_backend(model_dir: str, params: Params):
     """A student the pipeline trained (or its base), always loaded from `model_dir` on this machine (llm.backend is
     vllm | transformers by type: no setting makes a student run on a server)."""
@@ -54,4 +61,4 @@ def student_backend(model_dir: str, params: Params):
     return make_backend(model_dir, EngineConfig(**params.llm.model_dump()), seed=params.seed)
 
 
-__all__ = ["Completion", "Sampling", "make_backend", "student_backend", "teacher_backend", "teacher_id"]
+__all__ = ["Completion", "Sampling", "make_backend", "served_at", "student_backend", "teacher_backend", "teacher_id"]
