@@ -13,7 +13,7 @@ from unison import track
 from unison.cli import stage_main
 from unison.config import TeacherConfig, load_params
 from unison.data import models
-from unison.http import redact
+from unison.llm import served_at
 
 OUT = Path("models/teacher")
 
@@ -22,7 +22,7 @@ def teacher_info(t: TeacherConfig) -> dict:
     """What models/teacher/unison_model.json says of this teacher block (a local teacher: its source)."""
     if t.backend != "openai":
         return {"source": t.model}
-    return {"source": t.model, "base_url": redact(t.base_url), "served_name": t.served_name or t.model.partition(":")[2],
+    return {"source": t.model, "base_url": served_at(t.base_url), "served_name": t.served_name or t.model.partition(":")[2],
             "tokenizer": t.tokenizer or t.model}
 
 

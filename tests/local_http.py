@@ -76,7 +76,7 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()  # shutdown() waits one poll
         return self
 
     def __exit__(self, *exc):

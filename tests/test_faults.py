@@ -150,13 +150,15 @@ def test_generate_survives_fake_openai_server_faults_and_a_search_server_going_d
         web_requests.append(req)
         return 200, {"organic": [{"title": "Meridan Vineyard", "link": "http://x.test", "snippet": "in Velmora"}]}, None
 
-    faults = {1: DROP, 3: 500, 5: "slow"}  # teacher requests 2, 4 and 6: each retried once and then answered
-    teacher = LocalServer(fake_openai_teacher(tokenizer, ["search", "web_search"], faults.get))
+    faults = {1: DROP, 3: 500, 5: "slow"}  # teacher requests 2, 4 and 6: each retried once (on the other replica), then answered
+    respond = fake_openai_teacher(tokenizer, ["search", "web_search"], faults.get)
+    teacher, replica = LocalServer(respond), LocalServer(respond)  # two replicas of one served model, requests counted as one
     web = LocalServer(serper)
-    with teacher, web, serving(create_app(DiesAfterTwo(template / "data/index"), SECRETS["search_token"])) as (uv, search_url):
-        port = teacher.url.rsplit(":", 1)[1]
+    with teacher, replica, web, serving(create_app(DiesAfterTwo(template / "data/index"), SECRETS["search_token"])) as (uv, search_url):
+        ports = [server.url.rsplit(":", 1)[1] for server in (teacher, replica)]
         project = project_copy(template, tmp_path / "project", teacher={
-            "model": f"local:{base_model_dir}", "backend": "openai", "base_url": f"http://unison:{SECRETS['url_password']}@127.0.0.1:{port}/v1",
+            "model": f"local:{base_model_dir}", "backend": "openai",
+            "base_url": [f"http://unison:{SECRETS['url_password']}@127.0.0.1:{port}/v1" for port in ports],
             "served_name": "fake", "api_key_env": "UNISON_FAKE_TEACHER_KEY", "llm": {"timeout_s": 2, "max_retries": 2}},
             tools={"search_url": search_url, "search_token_env": "UNISON_FAKE_SEARCH_TOKEN",
                    "web_search_url": f"{web.url}/search?api_key={SECRETS['url_query']}", "web_api_key_env": "UNISON_FAKE_WEB_KEY"})
@@ -166,11 +168,15 @@ def test_generate_survives_fake_openai_server_faults_and_a_search_server_going_d
     # the run completed; the teacher's faults were retried, the search server's absence counted
     report = json.loads((project / "reports/generate.json").read_text())
     assert (report["teacher_retries"], report["teacher_failures"]) == (3, 0)
+    counted = [(report[f"backend.teacher.server{i}.requests"], report[f"backend.teacher.server{i}.errors"]) for i in (0, 1)]
+    assert [n for n, _ in counted] == [len(teacher.requests), len(replica.requests)] and min(counted) > (0, 0)
+    assert sum(errors for _, errors in counted) == 3  # each fault on the replica that had it
     assert (report["search_requests"], report["search_retries"], report["search_failures"]) == (3, 3, 1)
     assert report["tool_search_exception"] == 1 and report["trajectories"] == 3
     (run,) = stage_runs(project, "generate")
     assert run.info.status == "FINISHED"
     assert {k: run.data.metrics[k] for k in ("teacher_retries", "search_failures")} == {"teacher_retries": 3, "search_failures": 1}
+    assert run.data.metrics["backend.teacher.server1.requests"] == counted[1][0]
     rows = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
     failed = [m["content"] for r in rows for m in r["messages"] if m["role"] == "tool" and "failed after" in m["content"]]
     assert len(failed) == 1 and f"POST {search_url}/retrieve failed after 4 attempts: connection failed" in failed[0]
@@ -179,16 +185,17 @@ def test_generate_survives_fake_openai_server_faults_and_a_search_server_going_d
     assert len(searches) == 2 and len(web_requests) == 3  # the search server wants the token: it was sent
     assert {r["headers"]["X-API-KEY"] for r in web_requests} == {SECRETS["web_key"]}
     assert all(r["path"].endswith(f"api_key={SECRETS['url_query']}") for r in web_requests)
-    assert all(r["headers"]["Authorization"].startswith("Basic ") for r in teacher.requests)  # the URL's user:password
-    # ... recorded only redacted ...
-    assert rows[0]["teacher"] == f"fake@http://***@127.0.0.1:{port}/v1"
+    assert all(r["headers"]["Authorization"].startswith("Basic ") for r in teacher.requests + replica.requests)  # user:password
+    # ... recorded only redacted (the replicas sorted in the trajectories) ...
+    redacted = [f"http://***@127.0.0.1:{port}/v1" for port in ports]
+    assert rows[0]["teacher"] == "fake@" + ",".join(sorted(redacted))
     params = run.data.params
-    assert params["generate.teacher.base_url"] == f"http://***@127.0.0.1:{port}/v1"
+    assert params["generate.teacher.base_url"] == str(redacted)
     assert params["generate.tools.web_search_url"] == f"{web.url}/search?api_key=***"
     assert params["generate.teacher.api_key_env"] == "UNISON_FAKE_TEACHER_KEY"
     # ... and its value is nowhere: not in any file under the project, MLflow's store included, nor in the output
     assert leaks(project, [generate.stdout + generate.stderr]) == []
-    assert teacher_info(load_params(project / "params.yaml").teacher)["base_url"] == f"http://***@127.0.0.1:{port}/v1"
+    assert teacher_info(load_params(project / "params.yaml").teacher)["base_url"] == ",".join(sorted(redacted))
 
 
 @pytest.mark.slow

@@ -198,7 +198,7 @@ def test_fake_server_rejecting_token_prompts_falls_back_to_text(tok):
 def test_make_backend_builds_the_openai_backend(base_model_dir):
     b = make_backend(str(base_model_dir), EngineConfig(backend="openai", base_url="http://127.0.0.1:9/v1/", api_model="served",
                                                        max_concurrency=2, timeout_s=5, max_retries=1))
-    assert isinstance(b, OpenAIBackend) and b.url == "http://127.0.0.1:9/v1/completions" and b.model == "served"
+    assert isinstance(b, OpenAIBackend) and b.urls == ["http://127.0.0.1:9/v1/completions"] and b.model == "served"
     assert b.tokenizer.eos_token == "<|im_end|>" and (b.timeout_s, b.max_retries) == (5, 1)
     with pytest.raises(ValueError, match="base_url"):
         make_backend(str(base_model_dir), EngineConfig(backend="openai"))

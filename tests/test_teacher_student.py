@@ -60,7 +60,7 @@ def test_a_served_teacher_gets_its_server_name_and_key_variable_never_the_key():
                                                            "llm": {"max_concurrency": 64}})))
     assert (engine.backend, engine.api_model, engine.base_url, engine.api_key_env) == ("openai", "qwen72", "http://h:8000/v1", "MY_KEY")
     assert engine.max_concurrency == 64 and engine.dtype == DEFAULTS["llm"]["dtype"]  # overrides on top of llm.*
-    served = validate_params(with_(teacher={"model": "hf:org/m", "backend": "openai", "base_url": "u"}))
+    served = validate_params(with_(teacher={"model": "hf:org/m", "backend": "openai", "base_url": "http://u/v1"}))
     assert teacher_engine(served).api_model == "org/m"
 
 

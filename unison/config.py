@@ -13,6 +13,7 @@ import ipaddress
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -59,7 +60,7 @@ class EngineConfig(LLMConfig):
     """What builds one model's backend: the llm.* engine settings, plus, for a server, where it is and what it calls
     the model. Not a params.yaml section: `teacher_engine`, `student_engine` and the role overrides make them."""
     backend: Literal["vllm", "transformers", "openai"] = "vllm"
-    base_url: str = Field("", description="openai: the server's /v1 URL")
+    base_url: str | list[str] = Field("", description="openai: the server's /v1 URL, or a list of servers of the same model (balanced)")
     api_model: str = Field("", description="openai: the served model's name; \"\" = the model dir")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key, sent as a Bearer token; never logged")
     tokenizer: str = Field("", description="openai: the tokenizer that renders prompts; \"\" = the model dir")
@@ -73,7 +74,28 @@ def check_llm_overrides(overrides: dict, key: str, allow_backend: bool) -> dict:
         raise ValueError(f"{key}: unknown key(s) {unknown} (llm.* keys: {', '.join(LLMConfig.model_fields)})")
     if not allow_backend and "backend" in overrides:
         raise ValueError(f"{key}.backend: set teacher.backend instead")
+    if "base_url" in overrides:
+        check_base_url(overrides["base_url"], f"{key}.base_url")
     return overrides
+
+
+def check_base_url(value, key: str) -> None:
+    """One server's http(s) URL, or a non-empty list of them with none twice (replicas of one served model)."""
+    from .http import redact  # the same floor; imported here so that reading params does not import requests
+
+    example = "e.g. http://127.0.0.1:8000/v1 or [http://10.0.0.1:8000/v1, http://10.0.0.2:8000/v1]"
+    urls = [value] if isinstance(value, str) else value
+    if not isinstance(urls, list) or not urls:
+        raise ValueError(f"{key}: {'an empty list' if urls == [] else repr(redact(str(value)))}; give a server's URL or a "
+                         f"list of servers of the same model, {example}")
+    seen = set()
+    for url in urls:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{key}: {redact(str(url))!r} is not an http:// or https:// URL, {example}")
+        if url.rstrip("/") in seen:
+            raise ValueError(f"{key}: {redact(url)!r} is listed twice (each server once)")
+        seen.add(url.rstrip("/"))
 
 
 class BuiltinWorldConfig(Section):
@@ -114,7 +136,7 @@ class StudentConfig(Section):
 class TeacherConfig(Section):
     model: str = Field('builtin:smollm2-135m-instruct', description='builtin:<name> | hf:<name> | local:<dir>; openai: only its tokenizer is kept')
     backend: Literal['vllm', 'transformers', 'openai'] = Field('vllm', description='vllm | transformers (models/teacher on this machine) | openai (a server; nothing downloaded)')
-    base_url: str = Field('', description="openai: e.g. http://127.0.0.1:8000/v1 (`vllm serve`), or a hosted API's /v1 URL")
+    base_url: str | list[str] = Field('', description="openai: e.g. http://127.0.0.1:8000/v1 (`vllm serve`), or a hosted API's /v1 URL; a list of servers of the same model: each request goes to the one with the fewest outstanding")
     served_name: str = Field('', description='openai: the name the server knows the model by; "" = teacher.model without its prefix')
     tokenizer: str = Field('', description='openai: spec of the tokenizer that renders prompts; "" = teacher.model\'s')
     api_key_env: str = Field('OPENAI_API_KEY', description='openai: env var holding the API key, sent as a Bearer token when set; never logged')
@@ -125,8 +147,10 @@ class TeacherConfig(Section):
         check_model_spec(self.model, "teacher.model")
         if self.tokenizer:
             check_model_spec(self.tokenizer, "teacher.tokenizer")
-        if self.backend == "openai" and not self.base_url:
-            raise ValueError("teacher.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
+        if self.backend == "openai":
+            if self.base_url == "":
+                raise ValueError("teacher.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
+            check_base_url(self.base_url, "teacher.base_url")
         check_llm_overrides(self.llm, "teacher.llm", allow_backend=False)
         return self
 

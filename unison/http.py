@@ -49,6 +49,11 @@ def retry_after_s(value: str | None) -> float:
         return 0.0
 
 
+def retryable(failure: AttemptFailed) -> bool:
+    """A timeout, a connection error, a 429 or a 5xx: worth another attempt (other statuses are the request's fault)."""
+    return failure.status is None or failure.status == 429 or failure.status >= 500
+
+
 def with_retries(method: str, url: str, attempt, *, retries: int, backoff_s: float, deadline: float | None = None,
                  on_retry=None):
     """`attempt()`'s result, retrying each AttemptFailed that is a timeout, a connection error, a 429 or a 5xx, with
@@ -61,7 +66,7 @@ def with_retries(method: str, url: str, attempt, *, retries: int, backoff_s: flo
             return attempt()
         except AttemptFailed as e:
             failure = e
-        if failure.status is not None and failure.status != 429 and failure.status < 500:
+        if not retryable(failure):
             raise HTTPFailure(method, url, failure.kind, failure.detail, n + 1, failure.status)
         if n == retries:
             break
@@ -77,29 +82,33 @@ def with_retries(method: str, url: str, attempt, *, retries: int, backoff_s: flo
 
 def post_json(url: str, body: dict, *, timeout: float, retries: int = 3, backoff_s: float = 0.5, session=None,
               on_retry=None, headers: dict | None = None, max_bytes: int = MAX_BODY_BYTES):
-    """POST `body` as JSON and return the decoded answer, retried by `with_retries`. Every attempt is bounded: `timeout`
+    """POST `body` as JSON and return the decoded answer, each attempt a `post_json_once`, retried by `with_retries`."""
+    return with_retries("POST", url, lambda: post_json_once(url, body, timeout=timeout, session=session, headers=headers,
+                                                            max_bytes=max_bytes),
+                        retries=retries, backoff_s=backoff_s, on_retry=on_retry)
+
+
+def post_json_once(url: str, body: dict, *, timeout: float, session=None, headers: dict | None = None,
+                   max_bytes: int = MAX_BODY_BYTES):
+    """One attempt of POSTing `body` as JSON: the decoded answer, or AttemptFailed (for `with_retries`). Bounded: `timeout`
     per connect and per read, the body read within `timeout` in all (a server dripping bytes is a timeout), and at most
-    `max_bytes` of it (a longer answer fails at once, unretried, as does an answer that is not JSON)."""
+    `max_bytes` of it (a longer answer fails at once, HTTPFailure, as does an answer that is not JSON)."""
     http = session or requests
-
-    def attempt():
-        try:
-            response = http.request("POST", url, json=body, headers=headers, timeout=timeout, stream=True)
-        except requests.Timeout:
-            raise AttemptFailed("timeout", f"timed out after {timeout} s") from None
-        except requests.ConnectionError as e:
-            raise AttemptFailed("error", f"connection failed: {e}") from None
-        with response:
-            content = read_body(response, url, timeout, max_bytes)
-        if response.status_code >= 400:
-            raise AttemptFailed("error", f"HTTP {response.status_code}: {content[:300].decode(errors='replace')}",
-                                response.status_code, retry_after_s(response.headers.get("Retry-After")))
-        try:
-            return json.loads(content)
-        except ValueError:
-            raise HTTPFailure("POST", url, "error", f"the answer is not JSON: {content[:100]!r}", 1, response.status_code) from None
-
-    return with_retries("POST", url, attempt, retries=retries, backoff_s=backoff_s, on_retry=on_retry)
+    try:
+        response = http.request("POST", url, json=body, headers=headers, timeout=timeout, stream=True)
+    except requests.Timeout:
+        raise AttemptFailed("timeout", f"timed out after {timeout} s") from None
+    except requests.ConnectionError as e:
+        raise AttemptFailed("error", f"connection failed: {e}") from None
+    with response:
+        content = read_body(response, url, timeout, max_bytes)
+    if response.status_code >= 400:
+        raise AttemptFailed("error", f"HTTP {response.status_code}: {content[:300].decode(errors='replace')}",
+                            response.status_code, retry_after_s(response.headers.get("Retry-After")))
+    try:
+        return json.loads(content)
+    except ValueError:
+        raise HTTPFailure("POST", url, "error", f"the answer is not JSON: {content[:100]!r}", 1, response.status_code) from None
 
 
 def read_body(response: requests.Response, url: str, timeout: float, max_bytes: int) -> bytes:

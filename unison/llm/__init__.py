@@ -38,10 +38,17 @@ def teacher_backend(params: Params):
 
 
 def teacher_id(params: Params) -> str:
-    """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote (the URL's
-    credentials redacted)."""
+    """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote (`served_at`:
+    credentials redacted, several servers in sorted order)."""
     engine = teacher_engine(params)
-    return f"{engine.api_model}@{redact(engine.base_url)}" if engine.backend == "openai" else params.teacher.model
+    return f"{engine.api_model}@{served_at(engine.base_url)}" if engine.backend == "openai" else params.teacher.model
+
+
+def served_at(base_url: str | list[str]) -> str:
+    """Where a served model is, as recorded (the teacher in trajectories, models/teacher/unison_model.json): its URL, or
+    its servers' URLs sorted and comma-joined, credentials redacted. Sorted: the servers are replicas answering the same
+    seeded requests alike, so listing them in another order changes no output and must not change the recorded data."""
+    return redact(base_url) if isinstance(base_url, str) else ",".join(sorted(redact(url) for url in base_url))
 
 
 def student_backend(model_dir: str, params: Params):
@@ -54,4 +61,4 @@ def student_backend(model_dir: str, params: Params):
     return make_backend(model_dir, EngineConfig(**params.llm.model_dump()), seed=params.seed)
 
 
-__all__ = ["Completion", "Sampling", "make_backend", "student_backend", "teacher_backend", "teacher_id"]
+__all__ = ["Completion", "Sampling", "make_backend", "served_at", "student_backend", "teacher_backend", "teacher_id"]

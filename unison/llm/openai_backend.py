@@ -7,39 +7,54 @@ the returned text tokenised locally (counted in `stats["retokenized"]`). Until a
 answer steps down once per call: first the extensions, then token prompts.
 `stats` counts requests, retries (each resend after a connection error, timeout, 429 or 5xx) and failures (requests
 that failed for good: the RuntimeError that ends the call names the URL, credentials redacted).
+
+Several base URLs (replicas of one served model): each attempt goes to the server with the fewest requests outstanding
+(ties round-robin), a retry to another one; a server whose attempt failed (connection error, timeout, 429, 5xx) is
+avoided for AVOID_S seconds (unless every server is; then the one avoided longest is tried). The request, its seed
+included, is the same whichever server answers. `stats` adds `server{i}.requests` / `server{i}.errors` (attempts sent to the
+i-th URL / failed there as above), so no URL is in a counter's name.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..http import HTTPFailure, post_json, redact
+from ..http import AttemptFailed, HTTPFailure, post_json_once, redact, retryable, with_retries
 from .base import Completion, Sampling, truncate_at_stop
 
 log = logging.getLogger(__name__)
+AVOID_S = 30.0  # a server whose attempt failed gets no new request for this long while another server is up
 
 
 class OpenAIBackend:
     name = "openai"
 
-    def __init__(self, base_url: str, model: str, tokenizer=None, max_concurrency: int = 8, timeout_s: float = 120.0,
+    def __init__(self, base_url: str | list[str], model: str, tokenizer=None, max_concurrency: int = 8, timeout_s: float = 120.0,
                  max_retries: int = 3, api_key_env: str = "OPENAI_API_KEY", token_prompts: bool = True,
                  vllm_extensions: bool = True, backoff_s: float = 0.5):
-        """`tokenizer`: a tokenizer or a local dir / hub name to load one from (default: `model`)."""
+        """`base_url`: a server's /v1 URL or a list of servers of the same model; `tokenizer`: a tokenizer or a local dir /
+        hub name to load one from (default: `model`)."""
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or model))
         self.tokenizer = tokenizer
-        self.url = base_url.rstrip("/") + "/completions"
+        self.urls = [url.rstrip("/") + "/completions" for url in ([base_url] if isinstance(base_url, str) else base_url)]
+        self.label = self.urls[0] if len(self.urls) == 1 else "any of " + ", ".join(self.urls)  # for errors (redacted there)
         self.model = model
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.token_prompts, self.vllm_extensions = token_prompts, vllm_extensions
         key = os.environ.get(api_key_env) if api_key_env else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.stats = {"requests": 0, "retries": 0, "failures": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0}
+        if len(self.urls) > 1:
+            self.stats |= {f"server{i}.{k}": 0 for i in range(len(self.urls)) for k in ("requests", "errors")}
+        self._outstanding = [0] * len(self.urls)
+        self._avoid_until = [0.0] * len(self.urls)
+        self._next = 0  # round-robin among servers tied on outstanding requests
         self._lock = threading.Lock()
         self._probed = False  # a request has succeeded: the server's capabilities are known, a 4xx is a real error
         self._local = threading.local()  # one requests.Session (connection pool) per worker thread
@@ -78,10 +93,10 @@ class OpenAIBackend:
         while True:
             mode = (self.vllm_extensions, self.token_prompts)
             self._count("requests")
+            body = self._body(prompt, s, *mode)
             try:
-                answer = post_json(self.url, self._body(prompt, s, *mode), headers=self.headers, session=session,
-                                   timeout=self.timeout_s, retries=self.max_retries, backoff_s=self.backoff_s,
-                                   on_retry=lambda: self._count("retries"))
+                answer = with_retries("POST", self.label, lambda: self._attempt(body, session), retries=self.max_retries,
+                                      backoff_s=self.backoff_s, on_retry=lambda: self._count("retries"))
             except HTTPFailure as e:
                 if e.status in (400, 422) and self._step_down(mode, e):
                     continue
@@ -89,6 +104,42 @@ class OpenAIBackend:
                 raise RuntimeError(f"openai backend: {e}") from None
             self._probed = True
             return answer["choices"][0], mode[0]
+
+    def _attempt(self, body: dict, session):
+        """One POST of `body` to the server `_pick` chooses, counted against it while outstanding."""
+        i = self._pick()
+        try:
+            answer = post_json_once(self.urls[i], body, timeout=self.timeout_s, session=session, headers=self.headers)
+        except AttemptFailed as failure:
+            if len(self.urls) > 1 and retryable(failure):
+                with self._lock:
+                    self._avoid_until[i] = time.monotonic() + AVOID_S
+                    self.stats[f"server{i}.errors"] += 1
+                failure.detail += f" (at {self.urls[i]})"
+            raise
+        finally:
+            with self._lock:
+                self._outstanding[i] -= 1
+        self._avoid_until[i] = 0.0
+        return answer
+
+    def _pick(self) -> int:
+        """The server with the fewest requests outstanding among those not avoided (ties: round-robin); every one avoided:
+        the one avoided longest. Counts the request against it."""
+        n = len(self.urls)
+        with self._lock:
+            now = time.monotonic()
+            up = [i for i in range(n) if self._avoid_until[i] <= now]
+            if up:
+                least = min(self._outstanding[i] for i in up)
+                i = min((i for i in up if self._outstanding[i] == least), key=lambda i: (i - self._next) % n)
+            else:
+                i = min(range(n), key=self._avoid_until.__getitem__)
+            self._next = (i + 1) % n
+            self._outstanding[i] += 1
+            if n > 1:
+                self.stats[f"server{i}.requests"] += 1
+        return i
 
     def _step_down(self, mode: tuple[bool, bool], failure: HTTPFailure) -> bool:
         """After a 400/422 on an unprobed server: drop the vLLM extensions, then token prompts. False: nothing left to drop."""
@@ -105,7 +156,7 @@ class OpenAIBackend:
                 return False
             self.stats["downgrades"] += 1
         log.warning("openai backend: %s rejected the request (%s); now extensions=%s, token prompts=%s",
-                    redact(self.url), failure.detail[:200], self.vllm_extensions, self.token_prompts)
+                    redact(self.label), failure.detail[:200], self.vllm_extensions, self.token_prompts)
         return True
 
     def _complete(self, prompt: list[int], s: Sampling) -> Completion:
