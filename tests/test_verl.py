@@ -164,3 +164,18 @@ def test_the_tools_answer_as_the_in_house_toolbox_over_the_search_server(tmp_pat
             assert all(isinstance(t.tool_schema, OpenAIFunctionToolSchema) for t in tools.values())
             response, reward, _ = asyncio.run(tools["search"].execute("i0", {"query": query}))
             assert response.text == text and reward == 0.0
+
+
+def test_the_scale_projection_divides_by_gpus_until_one_episode_bounds_a_step():
+    from bench.project_scale import DEMO_FILL, SEEDS, markdown, projection, step_seconds
+
+    gap = SEEDS["GAP MHQA RL (Qwen2.5-3B, GRPO + DAPO)"]
+    (r8, t8), (r16, t16) = step_seconds(gap, 8, 1.0), step_seconds(gap, 16, 1.0)
+    assert r16 == pytest.approx(r8 / 2) and t16 == pytest.approx(t8 / 2)
+    r_many, _ = step_seconds(gap, 4096, 1.0)
+    assert r_many == pytest.approx(8192 * 0.5 * 2 * 3.09e9 / 3.35e12)  # one episode's decode latency is the floor
+    assert step_seconds(gap, 8, 0.5)[1] == pytest.approx(t8 / 2)       # training FLOPs scale with the tokens
+    assert DEMO_FILL == pytest.approx(27.25 / 384)
+    rows = projection([8, 32], [1.0, DEMO_FILL])
+    assert len(rows) == 2 * len(SEEDS) and all(r["8 GPUs h"] > r["32 GPUs h"] for r in rows)
+    assert markdown(rows, [8, 32]).count("\n") == len(rows) + 1
