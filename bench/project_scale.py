@@ -31,7 +31,7 @@ ROLLOUT_EFFICIENCY = 0.5  # assumed share of peak decode kept through tool waits
 SEEDS = {
     "GAP MHQA RL (Qwen2.5-3B, GRPO + DAPO)": dict(params=3.09e9, gpus=2, prompts=32, rollout_prompts=64, group=8, steps=200,
                                                   prompt_len=2048, response_len=8192, generated_share=0.5),
-    "AFM MHQA RL (PPO/GAE, n=1; batch, steps, lengths as GAP's)": dict(params=3.09e9, gpus=2, prompts=32, rollout_prompts=32,
+    "AFM MHQA RL (PPO/GAE, n=1; size and GPUs as GAP's)": dict(params=3.09e9, gpus=2, prompts=32, rollout_prompts=32,
                                                                        group=1, steps=200, prompt_len=2048,
                                                                        response_len=8192, generated_share=0.5, critic=True),
     "ET-Agent RL (Qwen2.5-7B, 3 stages x 3 epochs x 8000 prompts)": dict(params=7.62e9, gpus=4, prompts=64, rollout_prompts=64,
