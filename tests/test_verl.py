@@ -11,6 +11,7 @@ installed --no-deps, docs/scale.md) the test also loads the reward and the tools
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -53,6 +54,7 @@ def verl_params(project_dir: Path, search_url: str = "http://127.0.0.1:9", **rl)
     raw["rl"].update({"engine": "verl", "verifiable_weight": 2.0, "format_weight": 0.5, **rl})
     raw["label"]["qa_metric"] = "f1"
     raw["tools"]["search_url"] = search_url
+    raw["export"]["verl_agent"] = "unison_agent"
     (project_dir / "params.yaml").write_text(yaml.safe_dump(raw))
     return load_params()
 
@@ -94,11 +96,20 @@ def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_canno
     assert {e["class_name"] for e in entries} == {CLASS_NAME} and {e["config"]["type"] for e in entries} == {"native"}
     assert ToolsConfig(**entries[0]["config"]["tools"]) == params.tools
     assert [e["tool_schema"]["function"]["parameters"]["required"] for e in entries] == [["query"], ["code"]]
+    (loop,) = OmegaConf.load(overrides["actor_rollout_ref.rollout.agent.agent_loop_config_path"])  # as verl's worker loads it
+    module, _, cls = loop["_target_"].rpartition(".")
+    assert loop["name"] == "unison_agent" and loop["max_tokens_per_turn"] == rl.max_tokens_per_turn
+    assert hasattr(importlib.import_module(module), cls) == VERL  # the class exists where verl does
 
     for bad, key in [({"estimator": "flow_grpo"}, "rl.estimator"), ({"efficiency_weight": 1.0}, "rl.efficiency_weight"),
                      ({"dual_clip": None}, "rl.dual_clip"), ({"mini_batches": 3}, "rl.mini_batches")]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             check_verl_settings(verl_params(exported.parent.parent, **bad))
+    raw = yaml.safe_load(Path("params.yaml").read_text())
+    raw["export"]["verl_agent"] = "tool_agent"
+    Path("params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=r"export\.verl_agent must be unison_agent"):
+        check_verl_settings(load_params())
     with pytest.raises(ValueError, match=r"tools\.search_url"):
         tool_config(DEFAULT_TOOLS, ToolsConfig())
     if not VERL:  # the stage fails at once, naming the setting and the install command
@@ -179,3 +190,41 @@ def test_the_scale_projection_divides_by_gpus_until_one_episode_bounds_a_step():
     rows = projection([8, 32], [1.0, DEMO_FILL])
     assert len(rows) == 2 * len(SEEDS) and all(r["8 GPUs h"] > r["32 GPUs h"] for r in rows)
     assert markdown(rows, [8, 32]).count("\n") == len(rows) + 1
+
+
+def test_the_agent_loop_runs_the_tag_protocol_as_the_runtime_does_with_a_scripted_engine_fake_at_the_gpu_boundary(base_model_dir):
+    """unison_agent's episode with the vLLM server replaced by scripted turns (no GPU here) and SmolLM2's real tokenizer:
+    stop strings and the turn budget reach the engine, each call's observation block follows its turn with mask 0 and
+    the next turn sees all of it, an answer ends with EOS, and the call and response budgets end an episode."""
+    from transformers import AutoTokenizer
+
+    from unison.protocol import stops_for
+    from unison.train.verl_agent import tag_protocol_episode
+
+    tok = AutoTokenizer.from_pretrained(base_model_dir)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turns = ["<search>Zorvan Kelt</search>", "<answer>Tarsk</answer>"]
+    seen, calls = [], []
+
+    async def generate(context, sampling):  # the scripted engine
+        seen.append((list(context), sampling))
+        return ids(turns[len(seen) - 1]), None
+
+    async def call_tool(tool, argument):
+        calls.append((tool, argument))
+        return BORN
+
+    def episode(**limits):
+        seen.clear(), calls.clear()
+        settings = {"max_turns": 4, "max_tool_calls": 3, "max_tokens_per_turn": 96, "response_length": 512, **limits}
+        return asyncio.run(tag_protocol_episode(generate, call_tool, tok, [1, 2, 3], DEFAULT_TOOLS, **settings))
+
+    out = episode()
+    expected = ids(turns[0]) + ids(BORN) + ids(turns[1]) + [tok.eos_token_id]
+    assert out["response_ids"] == expected and out["num_turns"] == 2 and calls == [("search", "Zorvan Kelt")]
+    assert out["response_mask"] == [1] * len(ids(turns[0])) + [0] * len(ids(BORN)) + [1] * (len(ids(turns[1])) + 1)
+    assert seen[1][0] == [1, 2, 3] + ids(turns[0]) + ids(BORN)  # the second turn continues after the observation
+    assert seen[0][1] == {"stop": stops_for(DEFAULT_TOOLS), "include_stop_str_in_output": True, "max_tokens": 96}
+    assert episode(max_tool_calls=0)["response_ids"] == ids(turns[0]) and calls == []
+    short = episode(response_length=10)
+    assert len(short["response_ids"]) == 10 and seen[0][1]["max_tokens"] == 10 and len(seen) == 1

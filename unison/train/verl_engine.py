@@ -1,7 +1,7 @@
 """rl.engine verl: the RL stage as verl's PPO trainer (python -m verl.trainer.main_ppo) on its Ray cluster.
 
-unison supplies the data (the export's data/export/verl parquet), the reward (unison.train.verl_reward) and the tools
-(unison.train.verl_tools); verl_overrides turns params.yaml into main_ppo's Hydra overrides, every key one of verl
+unison supplies the data (the export's data/export/verl parquet), the reward (unison.train.verl_reward), the tools
+(unison.train.verl_tools) and the agent loop that rolls out its tag protocol (unison.train.verl_agent); verl_overrides turns params.yaml into main_ppo's Hydra overrides, every key one of verl
 0.9.1's (verl/trainer/config/_generated_ppo_trainer.yaml) or, with a leading +, a key verl reads that its schema leaves
 open (reward_kwargs). The final step's HF weights (actor/huggingface, with the tokenizer) become models/rl.
 """
@@ -19,6 +19,7 @@ import yaml
 
 from ..config import Params
 from ..data.schemas import atomic_dir
+from .verl_agent import NAME as AGENT_LOOP
 from .verl_tools import tool_config
 
 INSTALL = "pip install verl==0.9.1 (beside the GPU stack: requirements/gpu.txt; docs/scale.md, RL through verl)"
@@ -45,6 +46,9 @@ def check_verl_settings(params: Params) -> None:
                          "one response at a time")
     if cfg.dual_clip is None:
         raise ValueError("params.yaml rl.dual_clip: verl always applies dual clip (actor.clip_ratio_c); give a value")
+    if params.export.verl_agent != AGENT_LOOP:
+        raise ValueError(f"params.yaml export.verl_agent must be {AGENT_LOOP} with rl.engine verl: unison's student writes tag "
+                         f"tool calls (<search>q</search>), which verl's {params.export.verl_agent!r} loop does not parse")
     if cfg.prompts_per_step % cfg.mini_batches:
         raise ValueError(f"params.yaml rl.mini_batches ({cfg.mini_batches}) must divide rl.prompts_per_step "
                          f"({cfg.prompts_per_step}) with rl.engine verl (actor.ppo_mini_batch_size is in prompts)")
@@ -65,8 +69,8 @@ def hydra_value(value) -> str:
     return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
 
 
-def verl_overrides(params: Params, train_files: list[str], model_dir: str, tool_config_path: str, checkpoint_dir: str,
-                   tools: tuple[str, ...]) -> list[str]:
+def verl_overrides(params: Params, train_files: list[str], model_dir: str, tool_config_path: str, agent_loop_path: str,
+                   checkpoint_dir: str, tools: tuple[str, ...]) -> list[str]:
     """main_ppo's overrides for params.yaml's rl section (and llm's engine memory, label's judge settings)."""
     cfg, llm = params.rl, params.llm
     estimator, norm_by_std = ESTIMATORS[cfg.estimator]
@@ -95,6 +99,7 @@ def verl_overrides(params: Params, train_files: list[str], model_dir: str, tool_
         "actor_rollout_ref.rollout.multi_turn.max_user_turns": cfg.max_tool_calls,
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": tool_config_path,
         "actor_rollout_ref.rollout.agent.default_agent_loop": params.export.verl_agent,
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path": agent_loop_path,
         "algorithm.adv_estimator": estimator, "algorithm.norm_adv_by_std_in_grpo": norm_by_std,
         "algorithm.use_kl_in_reward": False,
         "algorithm.filter_groups.enable": cfg.dynamic_sampling, "algorithm.filter_groups.metric": "reward",
@@ -115,12 +120,15 @@ def verl_overrides(params: Params, train_files: list[str], model_dir: str, tool_
 
 
 def write_verl_config(params: Params, train_files: list[str], model_dir: str, out_dir: str | Path, tools: tuple[str, ...]) -> list[str]:
-    """Write out_dir/tool_config.yaml and out_dir/overrides.txt (one override a line); the overrides."""
+    """Write out_dir/tool_config.yaml, agent_loops.yaml (unison_agent) and overrides.txt (one override a line); the overrides."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tool_config.yaml").write_text(yaml.safe_dump(tool_config(tools, params.tools), sort_keys=False))
+    loop = {"name": AGENT_LOOP, "_target_": "unison.train.verl_agent.UnisonAgentLoop",
+            "max_tokens_per_turn": params.rl.max_tokens_per_turn}
+    (out / "agent_loops.yaml").write_text(yaml.safe_dump([loop], sort_keys=False))
     overrides = verl_overrides(params, train_files, model_dir, str((out / "tool_config.yaml").resolve()),
-                               str((out / "checkpoints").resolve()), tools)
+                               str((out / "agent_loops.yaml").resolve()), str((out / "checkpoints").resolve()), tools)
     (out / "overrides.txt").write_text("\n".join(overrides) + "\n")
     return overrides
 
