@@ -1,4 +1,5 @@
-"""unison's tools for verl's tool agent loop: a tool config (multi_turn.tool_config_path) and the BaseTool it names.
+"""unison's tools for verl: a tool config (multi_turn.tool_config_path) and the BaseTool it names, which verl's agent
+loop worker builds and unison_agent (unison.train.verl_agent) calls.
 
 Every tool an episode may call (search, python, and web_search / crawl when params.yaml enables them) is one entry whose
 class, UnisonTool, runs the call through unison's own Toolbox: search over the search server at tools.search_url (its
