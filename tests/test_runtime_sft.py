@@ -7,7 +7,7 @@ import torch
 from unison.agents.episodes import continuation_ids, start_episode, student_messages
 from unison.agents.methods import MethodContext, get_method
 from unison.agents.methods.common import majority
-from unison.agents.runtime import EpisodeSettings, _timed, run_episodes
+from unison.agents.runtime import EpisodeSettings, run_episodes, timed_call
 from unison.agents.toolbox import Toolbox
 from unison.config import DebateConfig
 from unison.llm.hf_backend import HFBackend
@@ -65,7 +65,7 @@ def test_scaffolded_episodes_are_token_in_token_out(smol):
 def test_tool_failures_become_observations():
     box = Toolbox(retriever=None)
     box.handlers["python"] = lambda code: (_ for _ in ()).throw(RuntimeError("sandbox down"))  # a tool that crashes
-    text, err, _ = _timed(box, "python", "print(1)")
+    text, err, _ = timed_call(box, "python", "print(1)")
     assert text == "error: RuntimeError: sandbox down" and err == "exception"
     assert box.call("search", "x") == ("error: search is not available", "unavailable")
     assert box.call("shell", "ls")[1] == "unknown_tool"

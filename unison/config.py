@@ -362,6 +362,11 @@ class EvaluateConfig(Section):
 
 class RLConfig(Section):
     seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
+    engine: Literal['unison', 'verl'] = Field('unison', description="unison = the in-house loop below (one machine, tests) | verl = verl's PPO trainer on its Ray cluster over data/export/verl (pip install verl; docs/scale.md)")
+    verl_nnodes: int = Field(1, ge=1, description='engine verl: trainer.nnodes')
+    verl_gpus_per_node: int = Field(8, ge=1, description='engine verl: trainer.n_gpus_per_node')
+    verl_max_prompt_length: int = Field(1024, ge=1, description='engine verl: data.max_prompt_length (tokens)')
+    verl_max_response_length: int = Field(2048, ge=1, description='engine verl: data.max_response_length, tool observations included (tokens)')
     estimator: Literal['grpo', 'dr_grpo', 'rloo', 'flow_grpo'] = Field('grpo', description='grpo | dr_grpo | rloo | flow_grpo (AgentFlow: every assistant turn a sample with the final reward)')
     group_size: int = Field(4, description='rollouts per prompt (seeds: 8)')
     prompts_per_step: int = Field(4, description='curriculum: data/rl stage 1 prompts first, then stage 2, ...')
@@ -408,7 +413,7 @@ class FlywheelConfig(Section):
 
 class ExportConfig(Section):
     name: str = Field('unison', pattern=r'^[A-Za-z0-9_.-]+$', description="LLaMA-Factory: dataset_info.json names the datasets <name>_sft and <name>_dpo")
-    verl_agent: str = Field('tool_agent', description="verl: each row's agent_name, the agent loop that rolls it out (tool_agent = verl's ToolAgentLoop)")
+    verl_agent: str = Field('tool_agent', description="verl: each row's agent_name, the agent loop that rolls it out (tool_agent = verl's ToolAgentLoop; unison_agent = unison's tag protocol, required by rl.engine verl)")
 
 
 class Params(Section):

@@ -4,7 +4,7 @@
     data/export/llamafactory/sft.jsonl           {system, conversations: [{from, value}]}: human, gpt, observation, gpt, ...
     data/export/llamafactory/dpo.jsonl           {system, conversations: [human], chosen: {from: gpt, value}, rejected: ...}
     data/export/trl/sft.jsonl                    {messages: [{role, content}]}: system, user, assistant, tool, assistant, ...
-    data/export/verl/stage<k>.parquet            data/rl's rows + agent_name and extra_info.{need_tools_kwargs, tools_kwargs}
+    data/export/verl/stage<k>.parquet            data/rl's rows + agent_name and extra_info.{ability, need_tools_kwargs, tools_kwargs}
 
 The conversations are the student renderings `sft` trains on (sft.select_trajectories, same settings), with the same
 system prompt and the same tool protocol: tool calls stay the tags the student writes (<search>q</search>), each
@@ -15,7 +15,8 @@ JSON tool-call format, which is not the protocol the student learns. The DPO pai
 ranking format holds one message per side, so chosen and rejected are whole completions with their `<result>` blocks
 inline, which stock LLaMA-Factory scores (unison's own `dpo` masks them). The verl rows carry, per enabled tool,
 `tools_kwargs[tool].create_kwargs = {ground_truth, question, data_source}` (verl's Search-R1 preprocessing), which
-verl's RLHFDataset hands to its tool agent loop; `need_tools_kwargs` is true.
+verl's RLHFDataset hands to its tool agent loop; `need_tools_kwargs` is true. extra_info.ability repeats the row's task
+because verl hands a custom reward function extra_info, not ability (unison.train.verl_reward judges by it).
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def verl_schema(tools: tuple[str, ...]) -> pa.Schema:
     """RL_ROW with agent_name, and extra_info with need_tools_kwargs and tools_kwargs (a struct per tool)."""
     create = pa.struct([("ground_truth", pa.list_(pa.string())), ("question", pa.string()), ("data_source", pa.string())])
     tools_kwargs = pa.struct([(t, pa.struct([("create_kwargs", create)])) for t in tools])
-    extra = pa.struct(list(RL_ROW.field("extra_info").type) + [("need_tools_kwargs", pa.bool_()), ("tools_kwargs", tools_kwargs)])
+    extra = pa.struct(list(RL_ROW.field("extra_info").type) + [("ability", pa.string()), ("need_tools_kwargs", pa.bool_()),
+                                                                ("tools_kwargs", tools_kwargs)])
     fields = [pa.field("extra_info", extra) if f.name == "extra_info" else f for f in RL_ROW]
     return pa.schema(fields + [pa.field("agent_name", pa.string())])
 
@@ -97,7 +99,7 @@ def verl_rows(rows: list[dict], tools: tuple[str, ...], agent: str) -> list[dict
     for r in rows:
         create = {"ground_truth": list(r["reward_model"]["ground_truth"]), "question": r["extra_info"]["question"],
                   "data_source": r["data_source"]}
-        extra = {**r["extra_info"], "need_tools_kwargs": True, "tools_kwargs": {t: {"create_kwargs": create} for t in tools}}
+        extra = {**r["extra_info"], "ability": r["ability"], "need_tools_kwargs": True, "tools_kwargs": {t: {"create_kwargs": create} for t in tools}}
         out.append({**r, "extra_info": extra, "agent_name": agent})
     return out
 

@@ -60,6 +60,12 @@ SCAFFOLD.update({t: (f"<{t}>", f"</{t}>", f"</{t}>") for t in ROLE_TAGS})
 _CALL = re.compile(r"<(%s)>(.*?)</\1>\s*$" % "|".join(sorted(TOOL_TAGS, key=len, reverse=True)), re.DOTALL)
 
 
+def final_answer(text: str) -> str | None:
+    """The content of a response's last <answer> block, stripped; None without one."""
+    found = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    return found[-1].strip() if found else None
+
+
 def observation(text: str) -> str:
     return f"\n<result>\n{text}\n</result>\n"
 

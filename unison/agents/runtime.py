@@ -9,7 +9,6 @@ plus each segment's ids exactly as generated or appended.
 from __future__ import annotations
 
 import itertools
-import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ..llm import Sampling
-from ..protocol import DEFAULT_TOOLS, ROLE_TAGS, SCAFFOLD, observation, parse_tool_call, stops_for
+from ..protocol import DEFAULT_TOOLS, ROLE_TAGS, SCAFFOLD, final_answer, observation, parse_tool_call, stops_for
 from .toolbox import Toolbox
 
 
@@ -67,8 +66,7 @@ class Episode:
 
     @property
     def answer(self) -> str | None:
-        found = re.findall(r"<answer>(.*?)</answer>", self.text, re.DOTALL)
-        return found[-1].strip() if found else None
+        return final_answer(self.text)
 
     @property
     def turn(self) -> int:
@@ -129,7 +127,7 @@ class ToolCall:
 
     def run(self) -> tuple[str, str | None, float]:
         self.started = time.monotonic()
-        return _timed(self.toolbox, self.tool, self.arg)
+        return timed_call(self.toolbox, self.tool, self.arg)
 
 
 class EngineLoop:
@@ -350,7 +348,8 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
     return call
 
 
-def _timed(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, float]:
+def timed_call(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, float]:
+    """(observation text, error kind or None, seconds) of one tool call; an exception is an `exception` observation."""
     t0 = time.perf_counter()
     try:
         text, err = toolbox.call(tool, arg)

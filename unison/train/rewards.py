@@ -10,7 +10,9 @@ import re
 
 import torch
 
-from ..protocol import TOOL_TAGS, parse_tool_call, split_queries
+from ..config import LabelConfig
+from ..judge import score
+from ..protocol import TOOL_TAGS, final_answer, parse_tool_call, split_queries
 from .advantages import group_indices, leave_one_out_mean
 
 # ---------------------------------------------------------------------------------------------- verifiable, format
@@ -75,6 +77,13 @@ def count_tool_calls(text: str, tools: tuple[str, ...] = TOOL_TAGS) -> int:
     """Properly paired tool tags <t>...</t> outside observations (ET-Agent's tool count t_i)."""
     body = "".join(_OBSERVATION.split(text))
     return sum(len(re.findall(rf"<{t}>.*?</{t}>", body, re.DOTALL)) for t in tools)
+
+
+def judge_response(task: str, text: str, ground_truth: list[str], label: LabelConfig, tools: tuple[str, ...]) -> dict:
+    """One response's per-sample reward parts: correct and s (the label judge on its final <answer>), f_fmt, tool calls."""
+    correct, s, _ = score(task, final_answer(text), list(ground_truth), label)
+    return {"correct": float(correct), "verifiable": float(s), "format": format_reward(text, tools),
+            "tool_calls": count_tool_calls(text, tools)}
 
 
 # ------------------------------------------------------------------------------------------ ET-Agent efficiency

@@ -20,11 +20,11 @@ import torch
 
 from ..config import LabelConfig, LLMConfig, RLConfig
 from ..data.schemas import RL_ROW, DataError, read_table
-from ..judge import SCORERS, score
+from ..judge import SCORERS
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .loop import Trainer, autocast, warmup_constant
 from .policy_loss import policy_loss, token_logprobs
-from .rewards import count_tool_calls, efficiency_rewards, format_reward, prmvr_token_rewards, returns_to_go, sigma_factor
+from .rewards import efficiency_rewards, judge_response, prmvr_token_rewards, returns_to_go, sigma_factor
 from .rollout import View, episode_view, make_rollout_backend, rollout, turn_views
 from .sft import save_model
 
@@ -80,17 +80,15 @@ def score_episodes(episodes, rows: list[dict], group_size: int, views: list[View
     The efficiency term makes w = 1 everywhere ET-Agent's r = s*f_tool*f_len + f_fmt; the PRM adds token rewards.
     """
     groups = [i // group_size for i in range(len(episodes))]
-    judged = [score(rows[g]["ability"], e.answer, list(rows[g]["reward_model"]["ground_truth"]), label)
+    judged = [judge_response(rows[g]["ability"], e.text, rows[g]["reward_model"]["ground_truth"], label, tools)
               for e, g in zip(episodes, groups)]
-    s = [float(j[1]) for j in judged]
-    fmt = [format_reward(e.text, tools) for e in episodes]
-    calls = [count_tool_calls(e.text, tools) for e in episodes]
+    s, fmt, calls = ([j[k] for j in judged] for k in ("verifiable", "format", "tool_calls"))
     lengths = [sum(v.loss_mask) for v in views]
     factor = sigma_factor(step, cfg.steps) if cfg.sigma_decay else 1.0
     eff = efficiency_rewards(s, calls, lengths, fmt, groups, cfg.sigma_tool * factor, cfg.sigma_len * factor)
     efficiency = [si * (ft * fl - 1) for si, ft, fl in zip(s, eff["f_tool"], eff["f_len"])]
     total = [cfg.verifiable_weight * si + cfg.format_weight * fi + cfg.efficiency_weight * ei for si, fi, ei in zip(s, fmt, efficiency)]
-    out = {"groups": groups, "correct": [float(j[0]) for j in judged], "verifiable": s, "format": fmt, "efficiency": efficiency,
+    out = {"groups": groups, "correct": [j["correct"] for j in judged], "verifiable": s, "format": fmt, "efficiency": efficiency,
            "total": total, "tool_calls": calls, "lengths": lengths, "f_tool": eff["f_tool"], "f_len": eff["f_len"]}
     if prm is not None:
         probs = prm.step_scores([rows[g]["extra_info"]["question"] for g in groups], [episode_steps(e) for e in episodes])

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from ...config import GAPConfig
 from ...protocol import observation, system_prompt
 from ..episodes import continue_episode, stable_seed, student_messages, trajectory_row
-from ..runtime import Segment, _timed, run_episodes, timed_out
+from ..runtime import Segment, run_episodes, timed_call, timed_out
 from .chain_of_agents import absorb, extend, new_chain
 
 RULES = (  # appended to the protocol's system prompt for the teacher (its students get protocol.STUDENT_RULES)
@@ -85,7 +85,7 @@ def search_turn(chains, queries: dict[str, list[str]], ctx) -> None:
     tok = ctx.backend.tokenizer
     args = [" | ".join(queries[c.key]) for c in chains]
     pool = ThreadPoolExecutor(max_workers=8)
-    futures = [pool.submit(_timed, ctx.toolbox, "search", arg) for arg in args]
+    futures = [pool.submit(timed_call, ctx.toolbox, "search", arg) for arg in args]
     wait(futures, timeout=ctx.toolbox.call_deadline_s)  # a search still running then is a timeout observation
     results = [f.result() if f.done() else timed_out(ctx.toolbox, "search") for f in futures]
     pool.shutdown(wait=False, cancel_futures=True)  # a late search is not waited for (its own timeouts end it)
