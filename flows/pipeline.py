@@ -195,7 +195,7 @@ def pipeline(project_dir: str | None = None, stages: list[str] | None = None, fo
         raise ValueError(f"unknown stages {sorted(unknown)}; dvc.yaml has {list(dag)}")
     if pool:
         check_pool(pool)
-        pool_commit(project)
+    commit = pool_commit(project) if pool else ""
     with one_run_at_a_time(project):
         runs = plan(dag, stale_stages(project), stages, force)
         for stage in dag:
@@ -207,7 +207,6 @@ def pipeline(project_dir: str | None = None, stages: list[str] | None = None, fo
         logger.info("running %s (MLflow parent run %s)", ", ".join(runs), parent)
         forced = set(stages or dag) if force else set()
         try:
-            commit = pool_commit(project) if pool else ""
             for stage in runs:
                 if pool:
                     send_stage.with_options(retries=retries)(stage, pool, commit, force=stage in forced)

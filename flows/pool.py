@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 from pathlib import Path
 
 from flows.pipeline import STAGE_DEPLOYMENT, pool_commit, read_dag, served_project, stream  # first: sets PREFECT_HOME
