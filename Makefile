@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
-.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe pull diff
+.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe remote pull push diff
 
 setup: $(STAMP)
 
@@ -37,8 +37,16 @@ demo: setup  # each stage's time is printed at the end (unison/stage_clock.py)
 	cat reports/summary.md && \
 	echo "demo finished in $$(( $$(date +%s) - start )) s; open reports/report.html"
 
-pull: setup  # DVC-tracked data (*.dvc files) and cached stage outputs from the project's DVC remote, when it has one
-	@if [ -n "$$(dvc remote list)" ]; then dvc pull --allow-missing; else echo "make pull: no DVC remote configured; nothing pulled"; fi
+remote: setup  # the shared DVC remote: UNISON_DVC_REMOTE, else params.yaml storage.remote, into .dvc/config.local (unison/storage.py)
+	$(PY) -m unison.storage
+
+# DVC-tracked data (*.dvc files), cached stage outputs and DVC's run cache from the project's DVC remote, when it has one:
+# a stage another machine ran with the same inputs then comes back in `dvc repro` instead of running again
+pull: remote
+	@if [ -n "$$(dvc remote list)" ]; then dvc pull --run-cache --allow-missing; else echo "make pull: no DVC remote configured; nothing pulled"; fi
+
+push: remote  # this workspace's outputs and its run cache to the DVC remote, for other machines and CI
+	@if [ -n "$$(dvc remote list)" ]; then dvc push --run-cache; else echo "make push: no DVC remote configured; nothing pushed"; fi
 
 # `make diff BASE=origin/main`: params and metrics of this workspace against BASE, as Markdown (CI's job summary). BASE's
 # metrics are not in git (reports/ is ignored), so BASE is reproduced first in a temporary worktree that shares this

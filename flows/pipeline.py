@@ -113,30 +113,79 @@ def one_run_at_a_time(project_dir: Path):
         yield
 
 
-@task(task_run_name="{stage}", cache_policy=NO_CACHE)
-def run_stage(stage: str, project_dir: str, parent_run_id: str, force: bool = False) -> None:
-    """`dvc repro --single-item <stage>`, its output streamed to the Prefect log."""
+def stream(dvc_args: list[str], project_dir: str | Path, what: str, parent_run_id: str | None = None) -> None:
+    """`dvc <dvc_args>` in project_dir, its output streamed to the Prefect log; DvcError naming `what` if it fails."""
     logger = get_run_logger()
-    command = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
-    process = subprocess.Popen(command, cwd=project_dir, env=stage_env(parent_run_id), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen([sys.executable, "-m", "dvc", *dvc_args], cwd=project_dir, env=stage_env(parent_run_id),
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     tail = deque(maxlen=40)
     for line in process.stdout:
         if line.strip():
             tail.append(line.rstrip())
             logger.info(line.rstrip())
     if process.wait():
-        raise DvcError(f"stage {stage!r} failed: dvc repro exited {process.returncode}:\n" + "\n".join(tail))
+        raise DvcError(f"{what} failed: dvc {dvc_args[0]} exited {process.returncode}:\n" + "\n".join(tail))
+
+
+@task(task_run_name="{stage}", cache_policy=NO_CACHE)
+def run_stage(stage: str, project_dir: str, parent_run_id: str, force: bool = False) -> None:
+    """`dvc repro --single-item <stage>`, its output streamed to the Prefect log."""
+    stream(["repro", "--single-item", stage] + (["--force"] if force else []), project_dir, f"stage {stage!r}", parent_run_id)
+
+
+STAGE_DEPLOYMENT = "unison-stage/unison-stage"  # flows/pool.py: one stage on a work pool's worker
+
+
+def pool_commit(project_dir: Path) -> str:
+    """The project's git commit, which every worker of a pool must be at; refused while tracked files other than
+    dvc.lock (each machine writes its own) differ from it, as the workers would not see those changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=project_dir, capture_output=True, text=True, check=True).stdout.strip()
+
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock")
+    if changed:
+        raise DvcError(f"{project_dir} has uncommitted changes that workers of a pool would not see; commit them:\n{changed}")
+    return git("rev-parse", "HEAD")
+
+
+def check_pool(pool: str) -> None:
+    """STAGE_DEPLOYMENT exists and sends its runs to `pool`."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    fix = f"`python -m flows.pool deploy --pool {pool}` registers it"
+    with get_client(sync_client=True) as client:
+        try:
+            deployment = client.read_deployment_by_name(STAGE_DEPLOYMENT)
+        except ObjectNotFound:
+            raise DvcError(f"no deployment {STAGE_DEPLOYMENT} on this Prefect server: {fix}") from None
+    if deployment.work_pool_name != pool:
+        raise DvcError(f"{STAGE_DEPLOYMENT} sends its runs to pool {deployment.work_pool_name!r}, not {pool!r}: {fix}")
+
+
+@task(task_run_name="{stage} on {pool}", cache_policy=NO_CACHE)
+def send_stage(stage: str, pool: str, commit: str, force: bool = False) -> None:
+    """The stage as a flow run of STAGE_DEPLOYMENT, which a worker of `pool` runs (flows/pool.py); wait for it."""
+    from prefect.deployments import run_deployment
+
+    flow_run = run_deployment(STAGE_DEPLOYMENT, parameters={"stage": stage, "commit": commit, "force": force},
+                              poll_interval=1)
+    if not flow_run.state or not flow_run.state.is_completed():
+        state = flow_run.state
+        raise DvcError(f"stage {stage!r} on pool {pool} (flow run {flow_run.name}): "
+                       f"{state.name + ': ' + (state.message or '') if state else 'no state'}")
 
 
 @flow(name="unison-pipeline")
 def pipeline(project_dir: str | None = None, stages: list[str] | None = None, force: bool = False,
-             retries: int = 0) -> list[str]:
+             retries: int = 0, pool: str | None = None) -> list[str]:
     """Run the stale stages of the project's DVC DAG (or of `stages` and their upstream); return the stages handed
     to `dvc repro` (DVC skips one whose inputs turned out unchanged).
 
     force: re-run the targets (every stage when `stages` is not given) even if DVC calls them up to date.
     retries: Prefect retries of a failing stage.
+    pool: send each stage to this Prefect work pool (flows/pool.py), the project's git commit on every worker, the
+        data moving through the shared DVC remote (unison/storage.py); None = run them here.
     """
     logger = get_run_logger()
     project = Path(project_dir or Path.cwd()).resolve()
@@ -144,6 +193,9 @@ def pipeline(project_dir: str | None = None, stages: list[str] | None = None, fo
     unknown = set(stages or []) - dag.keys()
     if unknown:
         raise ValueError(f"unknown stages {sorted(unknown)}; dvc.yaml has {list(dag)}")
+    if pool:
+        check_pool(pool)
+    commit = pool_commit(project) if pool else ""
     with one_run_at_a_time(project):
         runs = plan(dag, stale_stages(project), stages, force)
         for stage in dag:
@@ -156,7 +208,10 @@ def pipeline(project_dir: str | None = None, stages: list[str] | None = None, fo
         forced = set(stages or dag) if force else set()
         try:
             for stage in runs:
-                run_stage.with_options(retries=retries)(stage, str(project), parent, force=stage in forced)
+                if pool:
+                    send_stage.with_options(retries=retries)(stage, pool, commit, force=stage in forced)
+                else:
+                    run_stage.with_options(retries=retries)(stage, str(project), parent, force=stage in forced)
         except BaseException:
             track.end_pipeline_run("FAILED", run_id=parent, project_dir=project)
             raise
@@ -211,6 +266,7 @@ def main() -> None:
     parser.add_argument("--stages", help="comma-separated targets (their stale upstream runs too)")
     parser.add_argument("--force", action="store_true", help="re-run the targets even if up to date")
     parser.add_argument("--retries", type=int, default=0)
+    parser.add_argument("--pool", help="send the stages to this Prefect work pool (python -m flows.pool deploy first)")
     parser.add_argument("--on-data-change", action="store_true", help="run only if a source stage's inputs changed")
     args = parser.parse_args()
     try:
@@ -218,7 +274,7 @@ def main() -> None:
             rerun_on_data_change(args.project_dir, retries=args.retries)
         else:
             targets = args.stages.split(",") if args.stages else None
-            pipeline(args.project_dir, stages=targets, force=args.force, retries=args.retries)
+            pipeline(args.project_dir, stages=targets, force=args.force, retries=args.retries, pool=args.pool)
     except DvcError as error:
         sys.exit(str(error))
 

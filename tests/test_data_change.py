@@ -135,7 +135,8 @@ def test_the_workflow_reruns_on_data_params_and_configs_and_runs_only_makefile_t
     commands = [line.strip() for step in steps if "run" in step for line in step["run"].splitlines() if line.strip()]
     targets = [command.split()[1] for command in commands]
     assert all(command.startswith("make ") for command in commands) and set(targets) <= make_targets()
-    assert targets == ["setup", "pull", "demo", "diff"]
+    assert targets == ["setup", "pull", "demo", "push", "diff"]
+    assert next(step for step in steps if step.get("run") == "make push")["if"] == "github.event_name == 'push'"
     assert commands[-1].endswith('>> "$GITHUB_STEP_SUMMARY"')
     checkout = next(step for step in steps if step.get("uses", "").startswith("actions/checkout@"))
     assert checkout["with"]["fetch-depth"] == 0  # the base branch is there to diff against

@@ -15,7 +15,7 @@ FLOORS = [
     ("judges", ("unison.judge",)),
     ("labelling and evaluation", ("unison.labeling",)),
     ("training", ("unison.train",)),
-    ("stages, flows, bench and the security suite", ("unison.track", "unison.stage_clock", "unison.recipes", "unison.cli", "unison.report",
+    ("stages, flows, bench and the security suite", ("unison.track", "unison.storage", "unison.stage_clock", "unison.recipes", "unison.cli", "unison.report",
                                                      "unison.registry", "unison.exports", "tasks", "flows", "bench", "security")),
 ]
 

@@ -416,6 +416,26 @@ class ExportConfig(Section):
     verl_agent: str = Field('tool_agent', description="verl: each row's agent_name, the agent loop that rolls it out (tool_agent = verl's ToolAgentLoop; unison_agent = unison's tag protocol, required by rl.engine verl)")
 
 
+def check_remote(url: str, key: str) -> str:
+    """A DVC remote: "" (none), a URL such as s3://bucket/path, or an absolute path (a directory every machine mounts)."""
+    scheme, _, rest = url.partition("://")
+    if url and not rest and not os.path.isabs(url):
+        raise ValueError(f"{key}: {url!r} is neither a URL (s3://bucket/path) nor an absolute path of a shared directory")
+    if rest and "@" in rest.split("/")[0]:
+        raise ValueError(f"{key}: credentials do not go in the URL; set them in the environment (AWS_ACCESS_KEY_ID, "
+                         f"AWS_SECRET_ACCESS_KEY), where DVC reads them")
+    return url
+
+
+class StorageConfig(Section):
+    remote: str = Field("", description="the DVC remote several machines share: s3://bucket/path (endpoint: AWS_ENDPOINT_URL), or an absolute path of a shared directory; \"\" = none; UNISON_DVC_REMOTE overrides it; credentials only in the environment. No stage depends on it")
+
+    @model_validator(mode="after")
+    def _remote(self):
+        check_remote(self.remote, "storage.remote")
+        return self
+
+
 class Params(Section):
     seed: int = Field(0)
     download: DownloadConfig = Field(default_factory=DownloadConfig)
@@ -434,6 +454,7 @@ class Params(Section):
     rl: RLConfig = Field(default_factory=RLConfig, description='GRPO family on live multi-turn tool rollouts of the SFT student (research/seeds.md §1.5, §3.5, §4.5, §5.2)')
     flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="ET-Agent's data flywheel / STaR rounds after the pipeline (round 0 = teacher -> SFT -> RL)")
     export: ExportConfig = Field(default_factory=ExportConfig, description='the SFT conversations, DPO pairs and RL prompts in LLaMA-Factory, verl and TRL formats (data/export)')
+    storage: StorageConfig = Field(default_factory=StorageConfig, description='where DVC data is shared between machines (unison/storage.py); no stage depends on it')
 
     @model_validator(mode="after")
     def _seeds(self):
