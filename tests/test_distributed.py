@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from tests.test_dpo import labeled
-from unison.config import ROOT, TrainConfig, load_params
+from unison.config import ROOT, TrainConfig, load_params, validate_params
 from unison.data.schemas import LABELED, write_table
+from unison.recipes import check_overlay, default_params, merge, recipe_params
 from unison.train.launch import launch_command
 
 # The processes run micro-batches of another shape (fewer rows, other padding) and the all-reduce adds the gradient in
@@ -40,8 +41,8 @@ def project(tmp_path, monkeypatch, tiny_model_dir, tracking_uri, request):
     """A project dir as cwd: params.yaml with small sft and prm runs, the tiny model as models/base, 4 questions each
     with a correct and a wrong trajectory (two labeled steps, one good one bad), an MLflow experiment of its own."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    # sft: 4 trajectories, 1 a micro-batch, 2 micro-batches a step, 2 epochs = 4 steps
-    params["sft"] |= {"lr": 1e-3, "epochs": 2, "batch_size": 1, "grad_accum": 2, "warmup_ratio": 0.0, "max_length": 256}
+    # sft: 4 trajectories, 1 a micro-batch, 2 micro-batches a step, 2 epochs = 4 steps; LoRA adapters (7b-lora-24gb.yaml)
+    params["sft"] |= {"lr": 1e-2, "epochs": 2, "batch_size": 1, "grad_accum": 2, "warmup_ratio": 0.0, "max_length": 256, "lora": True}
     # prm: 3 train questions (1 held out) = 6 trajectories, 2 a step (1 a process), 2 epochs = 6 steps
     params["prm"] |= {"lr": 1e-3, "epochs": 2, "batch_size": 2, "max_length": 256}
     for stage in ("sft", "prm"):
@@ -73,9 +74,10 @@ def loss_csv(stage: str) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_two_processes_give_the_one_process_loss_curves_of_sft_and_prm(project, monkeypatch, request):
-    """sft and prm run here (one process), then in the 2 CPU processes (gloo) of one `accelerate launch` with
-    train.num_processes: 2: the launch command the stages build (launch_command), each process running sft's and prm's
-    own main() one after the other (tests/launched_stages.py), as `python -m tasks.<stage>` does once launched."""
+    """sft (LoRA) and prm run here (one process), then in the 2 CPU processes (gloo) of one `accelerate launch` with
+    train.num_processes: 2 and gradient checkpointing (which must not change the results either): the launch command
+    the stages build (launch_command), each process running sft's and prm's own main() one after the other
+    (tests/launched_stages.py), as `python -m tasks.<stage>` does once launched."""
     from mlflow.tracking import MlflowClient
 
     from tasks import prm, sft
@@ -85,7 +87,7 @@ def test_two_processes_give_the_one_process_loss_curves_of_sft_and_prm(project, 
     one = {stage: loss_csv(stage) for stage in ("sft", "prm")}
     for stage in ("sft", "prm"):
         shutil.rmtree(f"models/{stage}")
-    set_train(project, num_processes=2, main_process_port=free_port())
+    set_train(project, num_processes=2, main_process_port=free_port(), gradient_checkpointing=True)
     command = launch_command("sft", load_params().train)
     assert command[-2:] == ["-m", "tasks.sft"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the launched processes import this checkout's tasks and unison
@@ -137,6 +139,11 @@ def test_the_launch_command_for_processes_deepspeed_and_a_hostfile(tmp_path):
         launch_command("sft", TrainConfig(hostfile=str(hostfile)), zero3)
     with pytest.raises(FileNotFoundError, match=r"sft.deepspeed_config: no DeepSpeed config at nope.json"):
         launch_command("sft", TrainConfig(num_processes=2), "nope.json")
+    overlay = yaml.safe_load((ROOT / "configs/hardware/7b-lora-24gb.yaml").read_text())
+    check_overlay(default_params(), overlay, "7b-lora-24gb.yaml")  # every key exists, and on top of the 7B recipes
+    for recipe in ("afm", "agentflow"):
+        params = validate_params(merge(recipe_params(recipe), overlay))
+        assert params.sft.lora and params.train.gradient_checkpointing and "7B" in recipe_params(recipe)["student"]["model"]
     for name in ("zero2.json", "zero3.json"):  # both configs are ZeRO sections DeepSpeed accepts
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
