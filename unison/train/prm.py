@@ -47,11 +47,8 @@ class PRM(nn.Module):
         self.backbone.gradient_checkpointing_enable(**kwargs)
 
     def forward(self, batch: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
-        """`logits`: training calls the PRM through its (DDP / DeepSpeed) wrapper, which calls this."""
-        return self.logits(batch)
-
-    def logits(self, batch: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
-        """Head logits [n_steps, 2] at the given positions of each (ids, positions) example."""
+        """Head logits [n_steps, 2] at the given positions of each (ids, positions) example (training calls it through
+        its DDP / DeepSpeed wrapper)."""
         device = self.head.weight.device
         width = max(len(ids) for ids, _ in batch)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
@@ -79,7 +76,7 @@ class PRM(nn.Module):
         with autocast(self.precision, self.head.weight.device.type):
             for i in range(0, len(order), batch_size):
                 batch = order[i : i + batch_size]
-                for k, lg in zip(batch, self.logits([examples[k] for k in batch])):
+                for k, lg in zip(batch, self([examples[k] for k in batch])):
                     scores[k] = torch.softmax(lg.float(), -1)[:, 1].tolist()
         self.train(was_training)
         by_key = dict(zip(distinct, scores))
