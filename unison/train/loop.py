@@ -76,10 +76,14 @@ def make_accelerator(deepspeed_config: str = "", grad_accum: int = 1, param: str
         # broadcast of them at every forward, which would pair one process's forward with another's
         ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
         return Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[ddp], step_scheduler_with_optimizer=False)
-    ds = read_deepspeed_config(deepspeed_config, param)
-    ds["gradient_accumulation_steps"] = math.ceil(grad_accum / int(os.environ.get("WORLD_SIZE", "1")))
-    return Accelerator(gradient_accumulation_steps=ds["gradient_accumulation_steps"], deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds),
-                       step_scheduler_with_optimizer=False)
+    ds, launched = read_deepspeed_config(deepspeed_config, param), int(os.environ.get("WORLD_SIZE", "1"))
+    ds["gradient_accumulation_steps"] = math.ceil(grad_accum / launched)
+    acc = Accelerator(gradient_accumulation_steps=ds["gradient_accumulation_steps"], deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds),
+                      step_scheduler_with_optimizer=False)
+    if acc.num_processes != launched:  # seen on CPU: each launched process a DeepSpeed world of its own
+        raise RuntimeError(f"params.yaml {param}: DeepSpeed formed a group of {acc.num_processes} of the {launched} launched "
+                           "processes (without GPUs accelerate does not join them); leave it empty to train on several CPU processes")
+    return acc
 
 
 def read_deepspeed_config(deepspeed_config: str, param: str) -> dict:
