@@ -25,7 +25,7 @@ from unison.train.launch import launch_command
 
 # The processes run micro-batches of another shape (fewer rows, other padding) and the all-reduce adds the gradient in
 # another order: float32 noise of ~1e-7, which Adam's first steps turn into up to 3e-5 of the loss where a gradient is
-# ~0 (seen with dpo at lr 1e-3; sft below 1e-6). A wrong weighting (mean of the processes' means, accumulation counted
+# ~0 (seen with dpo at lr 1e-3, 2 pairs a step). A wrong weighting (mean of the processes' means, accumulation counted
 # twice) is off by far more: x2 on grad_norm at step 1.
 LOSS_RTOL, GRAD_NORM_RTOL = 2e-4, 1e-3
 
