@@ -12,6 +12,7 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import atomic_dir, write_json
 from unison.train.dpo import load_pairs, pair_views, train_dpo
+from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import resolve_precision, write_records_csv
 
 LABELED_PATH = "data/labeled/train.parquet"
@@ -22,8 +23,11 @@ FIELDS = ["step", "epoch", "loss", "reward_chosen", "reward_rejected", "reward_m
 
 
 def main() -> None:
-    cfg = load_params().dpo
-    with track.stage_run("dpo", {"seed": cfg.seed, **cfg.model_dump()}) as run:
+    params = load_params()
+    cfg = params.dpo
+    if cfg.enabled and run_distributed("dpo", params.train, cfg.deepspeed_config):
+        return
+    with track.stage_run("dpo", {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}) as run:
         if not cfg.enabled:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False, "model": None, "start": START}, tmp / "dpo.json")
@@ -35,7 +39,9 @@ def main() -> None:
         views, stats = pair_views(AutoTokenizer.from_pretrained(START), pairs, cfg.max_length)
         print(f"dpo: {stats['pairs']} pairs from {stats['questions']} questions", flush=True)
         records = train_dpo(START, views, cfg, OUT, on_step=lambda r: run.log_metrics(
-            {k: r[k] for k in ("loss", "reward_margin", "accuracy")}, step=r["step"]))
+            {k: r[k] for k in ("loss", "reward_margin", "accuracy")}, step=r["step"]), gradient_checkpointing=params.train.gradient_checkpointing)
+        if not is_main_process():  # another process of a launched run: rank 0 writes
+            return
         write_records_csv(records, LOSS_CSV, FIELDS)
         metrics = {"enabled": True, **stats, "steps": len(records), "first_loss": records[0]["loss"],
                    "final_loss": records[-1]["loss"], "final_reward_margin": records[-1]["reward_margin"],

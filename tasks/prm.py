@@ -9,6 +9,7 @@ from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
+from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import resolve_precision, write_records_csv
 from unison.train.prm import check_train, evaluate_prm, split_by_question, train_prm
 
@@ -17,8 +18,11 @@ LOSS_FIELDS = ["step", "epoch", "loss", "lr", "grad_norm", "elapsed_s"]
 
 
 def main() -> None:
-    cfg = load_params().prm
-    with track.stage_run("prm", {"seed": cfg.seed, **cfg.model_dump()}) as run:
+    params = load_params()
+    cfg = params.prm
+    if cfg.enabled and run_distributed("prm", params.train, cfg.deepspeed_config):
+        return
+    with track.stage_run("prm", {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}) as run:
         if not cfg.enabled:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False}, tmp / "prm.json")
@@ -31,8 +35,10 @@ def main() -> None:
         check_train(train, IN)
         print(f"prm: {len(train)} train / {len(held)} held-out trajectories "
               f"({len({r['question_id'] for r in held})} held-out questions)", flush=True)
-        prm, records = train_prm("models/base", train, cfg, OUT,
+        prm, records = train_prm("models/base", train, cfg, OUT, gradient_checkpointing=params.train.gradient_checkpointing,
                                  on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]))
+        if not is_main_process():  # another process of a launched run: rank 0 writes and evaluates
+            return
         write_records_csv(records, LOSS_CSV, LOSS_FIELDS)
         metrics = {"enabled": True, "train_trajectories": len(train), "train_steps": sum(len(r["steps"]) for r in train),
                    "eval_trajectories": len(held), "steps": len(records), "first_loss": records[0]["loss"],

@@ -14,6 +14,7 @@ from unison.agents.wiring import enabled_tools, make_toolbox
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
+from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import run_key, write_records_csv
 from unison.train.rl import load_rl_data, train_rl
 
@@ -29,25 +30,31 @@ def main() -> None:
         return main_verl(params)
     if cfg.prm_weight > 0 and not params.prm.enabled:
         raise ValueError("params.yaml rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
-    settings = {"seed": params.seed, **cfg.model_dump(), **params.model_dump(include={"llm", "tools", "label"})}
+    if run_distributed("rl", params.train, cfg.deepspeed_config):
+        return
+    settings = {"seed": params.seed, **cfg.model_dump(), **params.model_dump(include={"llm", "tools", "label", "train"})}
     with track.stage_run("rl", settings) as run:
         paths = sorted(Path("data/rl").glob("stage*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
         prm = None
-        if cfg.prm_weight > 0:
+        if cfg.prm_weight > 0 and is_main_process():  # rank 0 rolls out and scores
             from unison.train.prm import load_prm  # only when asked: the stage runs without a PRM
 
             prm = load_prm("models/prm", params.prm.precision)
         tools = enabled_tools(params)
         episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
-        model_dirs = ["models/sft"] + (["models/prm"] if prm is not None else [])
+        model_dirs = ["models/sft"] + (["models/prm"] if cfg.prm_weight > 0 else [])
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         key = run_key(settings, inputs)
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)
-        records = train_rl("models/sft", rows, cfg, make_toolbox(params), episode_settings, tools, params.label, params.llm, "models/rl",
-                           str(CHECKPOINTS / key), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]))
+        toolbox = make_toolbox(params) if is_main_process() else None
+        records = train_rl("models/sft", rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, "models/rl",
+                           str(CHECKPOINTS / key), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
+                           gradient_checkpointing=params.train.gradient_checkpointing)
+        if not is_main_process():  # another process of a launched run: rank 0 writes
+            return
         write_records_csv(records, CURVE_CSV)
         first, last = records[0], records[-1]
         metrics = {"steps": len(records), "prompts": len(rows), "first_reward": first["reward_total"], "final_reward": last["reward_total"],

@@ -9,6 +9,7 @@ from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
+from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import resolve_precision, run_key, write_records_csv
 from unison.train.sft import build_examples, select_trajectories, train_sft
 
@@ -17,8 +18,11 @@ LOSS_FIELDS = ["step", "epoch", "loss", "lr", "grad_norm", "tokens", "row_tokens
 
 
 def main() -> None:
-    cfg = load_params().sft
-    settings = {"seed": cfg.seed, **cfg.model_dump()}
+    params = load_params()
+    cfg = params.sft
+    if run_distributed("sft", params.train, cfg.deepspeed_config):
+        return
+    settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}  # a checkpoint resumes on the same processes
     with track.stage_run("sft", settings) as run:
         rows = read_table("data/labeled/train.parquet", LABELED)
         chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
@@ -31,7 +35,10 @@ def main() -> None:
         key = run_key(settings, [Path("data/labeled/train.parquet"), *sorted(Path("models/base").glob("*.safetensors"))])
         checkpoint = f"data/.cache/sft-checkpoint/{key}"
         records = train_sft("models/base", examples, cfg, "models/sft", checkpoint_dir=checkpoint,
-                            on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]))
+                            on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]),
+                            gradient_checkpointing=params.train.gradient_checkpointing)
+        if not is_main_process():  # another process of a launched run: rank 0 writes
+            return
         write_records_csv(records, LOSS_CSV, LOSS_FIELDS)
         metrics = {**stats, "selected": len(chosen), "steps": len(records), "final_loss": records[-1]["loss"],
                    "first_loss": records[0]["loss"], "train_s": records[-1]["elapsed_s"],

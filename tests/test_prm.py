@@ -91,8 +91,8 @@ def test_step_scores_score_each_distinct_trajectory_once_and_answer_in_input_ord
     distinct = rows(3)
     order = [4, 0, 4, 2, 0, 5, 1, 3, 4]  # repeats, and lengths out of order
     qs, steps = [distinct[k]["question"] for k in order], [distinct[k]["steps"] for k in order]
-    scored, logits = [], prm.logits
-    prm.logits = lambda batch: scored.extend(batch) or logits(batch)
+    scored, forward = [], prm.forward
+    prm.forward = lambda batch: scored.extend(batch) or forward(batch)
     together = prm.step_scores(qs, steps, batch_size=2)
     assert len(scored) == len({(q, tuple(s)) for q, s in zip(qs, steps)}) == 5  # q0's two samples read the same
     alone = [build_prm(tiny_model_dir, "\n", seed=0).step_scores([q], [s])[0] for q, s in zip(qs, steps)]

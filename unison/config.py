@@ -292,6 +292,15 @@ class LabelConfig(Section):
     llm: dict = Field(default_factory=dict, description='llm.* overrides for the judge and completer models (e.g. {backend: openai, base_url: ...})')
 
 
+class TrainConfig(Section):
+    """How sft, dpo, prm and rl train (on what hardware), not what they learn: one process as before, or several."""
+    num_processes: int = Field(1, ge=1, description="training processes, one per GPU; > 1 = sft, dpo, prm and rl re-launch themselves through `accelerate launch` (DeepSpeed when the stage's deepspeed_config is set) and split each optimiser step's micro-batches; 1 = one process, as before")
+    hostfile: str = Field("", description="a DeepSpeed hostfile (`<host> slots=<GPUs>` a line; passwordless ssh and pdsh) to train on several machines; needs the stage's deepspeed_config; '' = this machine")
+    main_process_ip: str = Field("", description="with a hostfile: the address of rank 0's machine; '' = the hostfile's first host")
+    main_process_port: int = Field(29500, ge=0, le=65535, description="rank 0's rendezvous port (accelerate's default 29500); 0 = any free port of this machine (one machine only)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward instead of keeping them (transformers' non-reentrant checkpointing): ~1/3 more compute, activation memory from every layer to about one; same results")
+
+
 class PRMConfig(Section):
     seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
     enabled: bool = Field(True, description='false = models/prm holds a marker only (then evaluate.rerank_samples 1, rl.prm_weight 0)')
@@ -303,6 +312,7 @@ class PRMConfig(Section):
     max_length: int = Field(1024, description='training examples are cut here (steps past it lose their labels)')
     eval_fraction: float = Field(0.2, description='held-out share of questions (split by question id) for reports/prm.json')
     precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls (GPU; CPU with AVX512-BF16/AMX), else fp32 | bf16 | fp32')
+    deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate)')
 
 
 class SFTConfig(Section):
@@ -348,6 +358,7 @@ class DPOConfig(Section):
     lora: bool = Field(False)
     lora_r: int = Field(16)
     lora_alpha: int = Field(32)
+    deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate)')
 
 
 class EvaluateConfig(Section):
@@ -446,6 +457,7 @@ class Params(Section):
     llm: LLMConfig = Field(default_factory=LLMConfig, description='the local engine (students; a local teacher unless teacher.llm overrides it)')
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     label: LabelConfig = Field(default_factory=LabelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig, description='how sft, dpo, prm and rl train: processes (accelerate launch / DeepSpeed), machines, gradient checkpointing')
     prm: PRMConfig = Field(default_factory=PRMConfig, description='AgentArk prm/finetune2.py: backbone + 2-class head on a separator token after each step')
     sft: SFTConfig = Field(default_factory=SFTConfig)
     pareto: ParetoConfig = Field(default_factory=ParetoConfig, description='ET-Agent direct rollout + group-wise ParetoConfig sampling (research/seeds.md §3.3-3.4)')

@@ -44,6 +44,7 @@ from .data.schemas import atomic_path  # noqa: E402
 from .http import redact  # noqa: E402
 from .llm import teacher_id  # noqa: E402
 from .recipes import recipe_of  # noqa: E402
+from .train.launch import is_main_process  # noqa: E402
 
 PARENT_RECORD = Path(".unison") / "parent_run.json"
 PARENT_MAX_AGE_S = 6 * 3600
@@ -260,9 +261,20 @@ class StageRun:
             self.client.set_tag(self.run_id, key, redact(str(value)))
 
 
+class SilentRun:
+    """What `stage_run` yields on the other processes of a launched training stage: every call does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 @contextmanager
 def stage_run(stage: str, params: dict | None = None):
-    """Child run of the pipeline run for one stage (cwd = project root); FAILED and re-raised on exception."""
+    """Child run of the pipeline run for one stage (cwd = project root); FAILED and re-raised on exception. On the
+    other processes of a launched training stage (train.num_processes > 1) a SilentRun: rank 0 logs."""
+    if not is_main_process():
+        yield SilentRun()
+        return
     project = Path.cwd().resolve()
     uri = tracking_uri(project)
     mlflow.set_tracking_uri(uri)

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from ..config import DPOConfig
 from ..data.schemas import LABELED, DataError, read_table
 from ..token_view import row_view
-from .loop import Trainer, autocast, fit, resolve_precision
-from .sft import collate, save_model, target_logits, with_lora
+from .loop import Trainer, autocast, fit, split_batch
+from .sft import collate, load_student, save_model, target_logits
 
 LOSSES = ("sigmoid", "ipo")
 
@@ -97,30 +97,29 @@ def pair_logps(model, views: list[tuple], pad_id: int, device) -> tuple[torch.Te
     return logps[: len(views)], logps[len(views):]
 
 
-def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, on_step=None) -> list[dict]:
-    """Train from `model_dir` (also the frozen reference), save to `out_dir` atomically with a dpo.json; the step records."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, on_step=None, gradient_checkpointing: bool = False) -> list[dict]:
+    """Train from `model_dir` (also the frozen reference), save to `out_dir` atomically with a dpo.json (rank 0); the
+    step records. Several processes: each step's pairs are split between them."""
+    from transformers import AutoTokenizer
 
     if cfg.loss not in LOSSES:
         raise ValueError(f"params.yaml dpo.loss: unknown loss {cfg.loss!r} (one of {LOSSES})")
     torch.manual_seed(cfg.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id or 0
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
-    precision = resolve_precision(cfg.precision, "dpo.precision")
-    with torch.no_grad(), autocast(precision, device.type):  # the reference: the starting weights, scored once
-        ref = [pair_logps(model, views[i : i + cfg.batch_size], pad, device) for i in range(0, len(views), cfg.batch_size)]
-    ref_c, ref_r = torch.cat([c for c, _ in ref]), torch.cat([r for _, r in ref])
-    if cfg.lora:
-        model = with_lora(model, cfg.lora_r, cfg.lora_alpha)
-    rng, steps = random.Random(cfg.seed), []
+    model = load_student(model_dir, cfg.lora, cfg.lora_r, cfg.lora_alpha, cfg.precision, "dpo")
+    rng, batches = random.Random(cfg.seed), []
     for _ in range(cfg.epochs):
         order = list(range(len(views)))
         rng.shuffle(order)
-        steps += [[order[k : k + cfg.batch_size]] for k in range(0, len(order), cfg.batch_size)]
-    trainer = Trainer("dpo", model, len(steps), cfg.lr, precision=precision, on_step=on_step)
+        batches += [order[k : k + cfg.batch_size] for k in range(0, len(order), cfg.batch_size)]
+    trainer = Trainer("dpo", model, len(batches), cfg.lr, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config,
+                      gradient_checkpointing=gradient_checkpointing, on_step=on_step)
+    trainer.model.eval()
+    with torch.no_grad(), autocast(trainer.precision, trainer.device.type):  # the reference: the starting weights (LoRA's start as zero), scored once
+        ref = [pair_logps(trainer.model, views[i : i + cfg.batch_size], pad, trainer.device) for i in range(0, len(views), cfg.batch_size)]
+    ref_c, ref_r = torch.cat([c for c, _ in ref]), torch.cat([r for _, r in ref])
+    split = [split_batch(b, trainer.acc.num_processes, lambda _: 1) for b in batches]  # pairs weigh the same
 
     def loss_fn(idx):
         pol_c, pol_r = pair_logps(trainer.model, [views[i] for i in idx], pad, trainer.device)
@@ -128,7 +127,9 @@ def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, 
         return loss.mean(), {"reward_chosen": rew_c.mean().item(), "reward_rejected": rew_r.mean().item(),
                              "reward_margin": (rew_c - rew_r).mean().item(), "accuracy": (rew_c > rew_r).float().mean().item()}
 
-    records = fit(trainer, steps, loss_fn, math.ceil(len(views) / cfg.batch_size))
-    save_model(trainer.unwrapped(), tok, out_dir, cfg.lora,
-               {"dpo.json": {**cfg.model_dump(), "enabled": True, "start": str(model_dir), "pairs": len(views), "steps": len(records)}})
+    records = fit(trainer, [m for m, _ in split], loss_fn, math.ceil(len(views) / cfg.batch_size), weights=[w for _, w in split])
+    with trainer.whole_model() as trained:
+        if trainer.is_main:
+            save_model(trained, tok, out_dir, cfg.lora,
+                       {"dpo.json": {**cfg.model_dump(), "enabled": True, "start": str(model_dir), "pairs": len(views), "steps": len(records)}})
     return records

@@ -5,6 +5,10 @@ parameters, an lr schedule, micro-batch accumulation, bf16 autocast where the ha
 checkpoint and resume, a progress line with rate and ETA, and the step records that become the loss CSV. `fit` runs
 epochs of pre-built batches through it (sft, dpo, prm); rl calls `Trainer.step` itself between rollouts.
 
+Several processes (launch.py: train.num_processes, accelerate launch): every process builds the same steps, and each
+runs every num_processes-th micro-batch of a step; losses are weighted so that the averaged gradient, the step's
+metrics and so the loss curve are the one-process run's (`Trainer.step`). Only rank 0 prints, logs and writes.
+
     trainer = Trainer("sft", model, total_steps=len(steps), lr=5e-5, schedule=warmup_linear(len(steps), 2))
     records = fit(trainer, steps, loss_fn)        # steps: per optimiser step, its micro-batches
     trainer.unwrapped()                           # the trained model
@@ -15,6 +19,8 @@ import contextlib
 import csv
 import hashlib
 import json
+import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable
@@ -57,22 +63,48 @@ def resolve_precision(precision: str, param: str) -> str:
 
 
 def make_accelerator(deepspeed_config: str = "", grad_accum: int = 1, param: str = "sft.deepspeed_config"):
-    """An Accelerator on the GPU if there is one (else the CPU); with a DeepSpeed json, a DeepSpeed engine whose gradient
-    accumulation is `grad_accum`. `param` names the setting in errors."""
+    """An Accelerator on the GPU if there is one (else the CPU; several processes: gloo); with a DeepSpeed json, a
+    DeepSpeed engine whose gradient accumulation is this process's share of `grad_accum` micro-batches. Losses reach
+    backward already weighted (Trainer.step), so neither divides them by the accumulation. `param` names the setting
+    in errors."""
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs
 
+    # the schedule steps once an optimiser step (accelerate would step it once per process: a batch N times as large)
     if not deepspeed_config:
-        return Accelerator(gradient_accumulation_steps=grad_accum, cpu=not torch.cuda.is_available())
+        # buffers (rotary frequencies) are constants, and processes run different numbers of forwards in a step: no
+        # broadcast of them at every forward, which would pair one process's forward with another's
+        ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
+        return Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[ddp], step_scheduler_with_optimizer=False)
+    ds, launched = read_deepspeed_config(deepspeed_config, param), int(os.environ.get("WORLD_SIZE", "1"))
+    ds["gradient_accumulation_steps"] = math.ceil(grad_accum / launched)
+    acc = Accelerator(gradient_accumulation_steps=ds["gradient_accumulation_steps"], deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds),
+                      step_scheduler_with_optimizer=False)
+    if acc.num_processes != launched:  # seen on CPU: each launched process a DeepSpeed world of its own
+        raise RuntimeError(f"params.yaml {param}: DeepSpeed formed a group of {acc.num_processes} of the {launched} launched "
+                           "processes (without GPUs accelerate does not join them); leave it empty to train on several CPU processes")
+    return acc
+
+
+def read_deepspeed_config(deepspeed_config: str, param: str) -> dict:
+    """A DeepSpeed json as a dict; FileNotFoundError / ValueError naming `param`."""
     path = Path(deepspeed_config)
     if not path.is_file():
         raise FileNotFoundError(f"params.yaml {param}: no DeepSpeed config at {path}")
     try:
-        ds = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"params.yaml {param}: {path} is not valid JSON ({e})") from None
-    ds["gradient_accumulation_steps"] = grad_accum
-    return Accelerator(gradient_accumulation_steps=grad_accum, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
+
+
+def split_batch(items: list, parts: int, units: Callable[[object], float]) -> tuple[list[list], list[float]]:
+    """One optimiser step's batch as up to `parts` contiguous micro-batches (one per process) and their weights, each
+    micro-batch's share of the batch's loss units (`units(item)`: pairs, labeled steps): a mean over the whole batch is
+    then the weighted sum of the micro-batches' means. One part: the batch itself, weight 1."""
+    size = math.ceil(len(items) / parts)
+    micros = [items[i : i + size] for i in range(0, len(items), size)]
+    total = sum(units(x) for x in items)
+    return micros, [sum(units(x) for x in m) / total if total else 1 / len(micros) for m in micros]
 
 
 def warmup_linear(total: int, warmup: int) -> Callable[[int], float]:
@@ -97,10 +129,16 @@ class Trainer:
 
     def __init__(self, name: str, model, total_steps: int, lr: float, *, weight_decay: float = 0.0,
                  schedule: Callable[[int], float] | None = None, max_grad_norm: float | None = 1.0, grad_accum: int = 1,
-                 precision: str = "auto", deepspeed_config: str = "", on_step: Callable[[dict], None] | None = None):
+                 precision: str = "auto", deepspeed_config: str = "", gradient_checkpointing: bool = False,
+                 on_step: Callable[[dict], None] | None = None):
         self.name, self.total, self.max_grad_norm, self.on_step = name, total_steps, max_grad_norm, on_step
         self.precision = resolve_precision(precision, f"{name}.precision")
         self.acc = make_accelerator(deepspeed_config, grad_accum, param=f"{name}.deepspeed_config")
+        self.deepspeed = self.acc.state.deepspeed_plugin is not None
+        self.zero_stage = self.acc.state.deepspeed_plugin.zero_stage if self.deepspeed else 0
+        self.is_main = self.acc.is_main_process
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule or (lambda s: 1.0))
@@ -110,20 +148,30 @@ class Trainer:
         self.resumed_at, self.resumed_s = 0, 0.0  # the step and elapsed time a resumed run started from
 
     def step(self, micro_batches: list, loss_fn: LossFn, weights: list[float] | None = None) -> dict:
-        """One optimiser step over `micro_batches`: backward of each loss (times its weight, if given; a plain
-        accelerator divides by grad_accum), clip, step. Returns the micro-batches' weighted mean metrics, the loss
-        among them, plus grad_norm and lr."""
+        """One optimiser step over `micro_batches`, the whole step's (every process passes the same list): this process
+        runs micro-batches rank, rank + P, ... (P processes). Each loss counts with its weight (given, else 1/len: the
+        mean of the micro-batches' losses) times P, since the gradient is averaged over the processes: the update is
+        the one-process update for any P. A process left without a micro-batch runs the first with weight 0 (every
+        process joins the gradient reduction). Then clip and step. Returns the weighted mean metrics of all the
+        micro-batches (summed over processes), the loss among them, plus grad_norm and lr."""
+        n, procs = len(micro_batches), self.acc.num_processes
+        weights = weights or [1.0 / n] * n
+        mine = [(k, weights[k] * procs) for k in range(self.acc.process_index, n, procs)] or [(0, 0.0)]
         sums, total_w = {}, 0.0
-        for k, micro in enumerate(micro_batches):
-            self.acc.sync_gradients = k == len(micro_batches) - 1  # DeepSpeed steps at the boundary; torch accumulates
-            with autocast(self.precision, self.device.type):
-                loss, metrics = loss_fn(micro)
-            w = 1.0 if weights is None else weights[k]
-            self.acc.backward(loss if weights is None else loss * w)
+        for j, (k, scale) in enumerate(mine):
+            last = j == len(mine) - 1  # gradients are reduced (and DeepSpeed steps) once, after this process's last
+            self.acc.sync_gradients = last
+            with contextlib.nullcontext() if last else self.acc.no_sync(self.model):
+                with autocast(self.precision, self.device.type):
+                    loss, metrics = loss_fn(micro_batches[k])
+                self.acc.backward(loss * scale, **({"scale_wrt_gas": False} if self.deepspeed else {}))
+            w = scale / procs
             for key, v in {"loss": loss.item(), **metrics}.items():
                 sums[key] = sums.get(key, 0.0) + float(v) * w
             total_w += w
-        out = {key: v / max(1e-9, total_w) for key, v in sums.items()}
+        keys = sorted(sums)
+        *values, total_w = self.summed([sums[key] for key in keys] + [total_w])
+        out = {key: v / max(1e-9, total_w) for key, v in zip(keys, values)}
         if self.max_grad_norm is not None:
             out["grad_norm"] = float(self.acc.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
         self.opt.step()
@@ -133,10 +181,26 @@ class Trainer:
         out["lr"] = self.sched.get_last_lr()[0]
         return out
 
+    def summed(self, values: list[float]) -> list[float]:
+        """`values` summed over the processes (as they are with one)."""
+        if self.acc.num_processes == 1:
+            return values
+        return self.acc.reduce(torch.tensor(values, dtype=torch.float64, device=self.device), reduction="sum").tolist()
+
+    def from_main(self, value):
+        """Rank 0's `value` (any picklable object) on every process; with one process, `value`."""
+        if self.acc.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value])[0]
+
     def log(self, record: dict) -> dict:
-        """Stamp a step record (step, elapsed_s), keep it, print the progress line, pass it to on_step."""
+        """Stamp a step record (step, elapsed_s), keep it; rank 0 prints the progress line and passes it to on_step."""
         record = {"step": self.steps_done, **record, "elapsed_s": time.perf_counter() - self.t0}  # rl counts its own steps
         self.records.append(record)
+        if not self.is_main:
+            return record
         step = record["step"]
         per_step = (record["elapsed_s"] - self.resumed_s) / max(1, step - self.resumed_at)
         rate = f" {record['tokens_seen'] / record['elapsed_s']:.0f} tok/s" if record.get("tokens_seen") else ""
@@ -148,10 +212,14 @@ class Trainer:
         return record
 
     def save_checkpoint(self, directory: str | Path, extra: dict | None = None) -> None:
-        """Model, optimiser, schedule and RNG states, the records and `extra`, atomically (a kill leaves the old one)."""
-        with atomic_dir(directory) as tmp:
+        """Model, optimiser, schedule and RNG states, the records and `extra`, atomically (a kill leaves the old one).
+        Every process writes its part into rank 0's temp dir (several machines: `directory` on a shared filesystem)."""
+        with atomic_dir(directory) if self.is_main else contextlib.nullcontext() as tmp:
+            tmp = Path(self.from_main(str(tmp)))
             self.acc.save_state(str(tmp))
-            (tmp / "state.json").write_text(json.dumps({"step": self.steps_done, "records": self.records, "extra": extra or {}}))
+            if self.is_main:
+                (tmp / "state.json").write_text(json.dumps({"step": self.steps_done, "records": self.records, "extra": extra or {}}))
+            self.acc.wait_for_everyone()
 
     def load_checkpoint(self, directory: str | Path) -> dict | None:
         """Resume from a checkpoint `save_checkpoint` wrote, returning its `extra`; None when there is none."""
@@ -164,33 +232,49 @@ class Trainer:
         self.resumed_at = self.records[-1]["step"] if self.records else 0
         self.resumed_s = self.records[-1]["elapsed_s"] if self.records else 0.0
         self.t0 = time.perf_counter() - self.resumed_s
-        print(f"{self.name}: resumed from {directory} at step {self.resumed_at}", flush=True)
+        if self.is_main:
+            print(f"{self.name}: resumed from {directory} at step {self.resumed_at}", flush=True)
         return saved["extra"]
 
     def unwrapped(self):
         return self.acc.unwrap_model(self.model)
 
+    @contextlib.contextmanager
+    def whole_model(self):
+        """The unwrapped model with all its weights while the block runs (ZeRO-3 gathers its shards on every process:
+        every process enters it; rank 0 saves inside), then every process waits for the others."""
+        model = self.unwrapped()
+        if self.zero_stage == 3:
+            import deepspeed
 
-def fit(trainer: Trainer, steps: list[list], loss_fn: LossFn, steps_per_epoch: int, *,
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+                yield model
+        else:
+            yield model
+        self.acc.wait_for_everyone()
+
+
+def fit(trainer: Trainer, steps: list[list], loss_fn: LossFn, steps_per_epoch: int, *, weights: list[list[float]] | None = None,
         record: Callable[[list, dict], dict] | None = None, checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0) -> list[dict]:
-    """Run `steps` (each optimiser step's micro-batches, every epoch's in order) from wherever a checkpoint in
-    `checkpoint_dir` left off; `record(micro_batches, metrics)` adds a trainer's own fields to a step record (its
-    "real_tokens", the non-pad tokens of the step, give the progress line a rate). The checkpoint is removed once
-    the last step is done: only a killed run resumes."""
+    """Run `steps` (each optimiser step's micro-batches, every epoch's in order; `weights[i]`: step i's micro-batch
+    weights, else their mean) from wherever a checkpoint in `checkpoint_dir` left off; `record(micro_batches, metrics)`
+    adds a trainer's own fields to a step record (its "real_tokens", the non-pad tokens of the step, give the progress
+    line a rate). The checkpoint is removed once the last step is done: only a killed run resumes."""
     if checkpoint_dir:
         trainer.load_checkpoint(checkpoint_dir)
     trainer.model.train()
     seen = sum(r.get("real_tokens", 0) for r in trainer.records)
     for i in range(trainer.steps_done, len(steps)):
-        metrics = trainer.step(steps[i], loss_fn)
+        metrics = trainer.step(steps[i], loss_fn, weights[i] if weights else None)
         extra = record(steps[i], metrics) if record else {}
         seen += extra.get("real_tokens", 0)
         epoch = i // steps_per_epoch + (i % steps_per_epoch + 1) / steps_per_epoch
         trainer.log({"epoch": epoch, **metrics, **extra, **({"tokens_seen": seen} if seen else {})})
         if checkpoint_dir and checkpoint_every and (i + 1) % checkpoint_every == 0 and i + 1 < len(steps):
             trainer.save_checkpoint(checkpoint_dir)
-    if checkpoint_dir:
+    trainer.acc.wait_for_everyone()
+    if checkpoint_dir and trainer.is_main:
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
     trainer.model.eval()
     return trainer.records

@@ -19,7 +19,7 @@ from ..config import PRMConfig
 from ..data.schemas import DataError, atomic_dir
 from ..judge.stats import auc
 from ..protocol import normalize_answer
-from .loop import Trainer, autocast, fit, resolve_precision
+from .loop import Trainer, autocast, fit, resolve_precision, split_batch
 
 HEAD_FILE, CONFIG_FILE = "prm_head.safetensors", "prm_config.json"
 
@@ -43,8 +43,12 @@ class PRM(nn.Module):
             positions.append(len(ids) - 1)
         return ids, positions
 
-    def logits(self, batch: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
-        """Head logits [n_steps, 2] at the given positions of each (ids, positions) example."""
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.backbone.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, batch: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+        """Head logits [n_steps, 2] at the given positions of each (ids, positions) example (training calls it through
+        its DDP / DeepSpeed wrapper)."""
         device = self.head.weight.device
         width = max(len(ids) for ids, _ in batch)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
@@ -72,7 +76,7 @@ class PRM(nn.Module):
         with autocast(self.precision, self.head.weight.device.type):
             for i in range(0, len(order), batch_size):
                 batch = order[i : i + batch_size]
-                for k, lg in zip(batch, self.logits([examples[k] for k in batch])):
+                for k, lg in zip(batch, self([examples[k] for k in batch])):
                     scores[k] = torch.softmax(lg.float(), -1)[:, 1].tolist()
         self.train(was_training)
         by_key = dict(zip(distinct, scores))
@@ -116,9 +120,9 @@ def soft_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -((1 - labels) * logp[:, 0] + labels * logp[:, 1]).mean()
 
 
-def prm_loss(prm: PRM, batch: list[tuple[list[int], list[int], list[float]]]) -> torch.Tensor:
-    """Soft cross-entropy over every labeled step of the batch (each step weighs the same)."""
-    logits = torch.cat(prm.logits([(ids, pos) for ids, pos, _ in batch]))
+def prm_loss(prm, batch: list[tuple[list[int], list[int], list[float]]]) -> torch.Tensor:
+    """Soft cross-entropy over every labeled step of the batch (each step weighs the same); `prm` a PRM or its wrapper."""
+    logits = torch.cat(prm([(ids, pos) for ids, pos, _ in batch]))
     labels = torch.tensor([y for _, _, ys in batch for y in ys], dtype=torch.float32, device=logits.device)
     return soft_ce(logits, labels)
 
@@ -157,23 +161,29 @@ def build_examples(prm: PRM, rows: list[dict], max_length: int) -> tuple[list[tu
     return examples, cut
 
 
-def train_prm(model_dir: str, rows: list[dict], cfg: PRMConfig, out_dir: str | None = None, on_step=None) -> tuple[PRM, list[dict]]:
-    """Train on `rows`' step labels; save to `out_dir` (if given) atomically; returns the PRM and the step records."""
+def train_prm(model_dir: str, rows: list[dict], cfg: PRMConfig, out_dir: str | None = None, on_step=None,
+              gradient_checkpointing: bool = False) -> tuple[PRM, list[dict]]:
+    """Train on `rows`' step labels; save to `out_dir` (if given) atomically (rank 0); returns the PRM and the step
+    records. Several processes: each step's examples are split between them, weighted by their labeled steps."""
     prm = build_prm(model_dir, cfg.separator, cfg.seed)
     if cfg.freeze_backbone:
         prm.backbone.requires_grad_(False)
     examples, _ = build_examples(prm, rows, cfg.max_length)
-    rng, steps = random.Random(cfg.seed), []
+    rng, batches = random.Random(cfg.seed), []
     for _ in range(cfg.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
-        steps += [[[examples[k] for k in order[i : i + cfg.batch_size]]] for i in range(0, len(order), cfg.batch_size)]
-    total = max(1, len(steps))
-    trainer = Trainer("prm", prm, total, cfg.lr, schedule=lambda s: max(0.0, 1 - s / total), precision=cfg.precision, on_step=on_step)
+        batches += [[examples[k] for k in order[i : i + cfg.batch_size]] for i in range(0, len(order), cfg.batch_size)]
+    total = max(1, len(batches))
+    trainer = Trainer("prm", prm, total, cfg.lr, schedule=lambda s: max(0.0, 1 - s / total), precision=cfg.precision,
+                      deepspeed_config=cfg.deepspeed_config, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
     prm.precision = trainer.precision
-    records = fit(trainer, steps, lambda batch: (prm_loss(prm, batch), {}), max(1, total // cfg.epochs))
-    if out_dir:
-        prm.save(out_dir, {**cfg.model_dump(), "base": str(model_dir)})
+    split = [split_batch(b, trainer.acc.num_processes, lambda ex: len(ex[2])) for b in batches]
+    records = fit(trainer, [m for m, _ in split], lambda batch: (prm_loss(trainer.model, batch), {}), max(1, total // cfg.epochs),
+                  weights=[w for _, w in split])
+    with trainer.whole_model():
+        if out_dir and trainer.is_main:
+            prm.save(out_dir, {**cfg.model_dump(), "base": str(model_dir)})
     return prm, records
 
 

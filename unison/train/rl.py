@@ -227,8 +227,12 @@ def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, 
 # ------------------------------------------------------------------------------------------------------------ loop
 
 def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_settings, tools: tuple[str, ...], label: LabelConfig,
-             llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None) -> list[dict]:
-    """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically."""
+             llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None, gradient_checkpointing: bool = False) -> list[dict]:
+    """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically.
+
+    Several processes: rank 0 rolls out and scores each step exactly as one process would (the same seeds, so the same
+    episodes) and hands the samples to every process; the PPO updates are split between them (Trainer.step). Rollouts
+    are not spread: at scale they belong to the Ray cluster or verl (docs/scale.md)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if cfg.prm_weight > 0 and cfg.estimator == "flow_grpo":
@@ -239,19 +243,23 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     trainer = Trainer("rl", model, cfg.steps, cfg.lr, weight_decay=cfg.weight_decay, schedule=warmup_constant(cfg.warmup_steps),
-                      max_grad_norm=cfg.max_grad_norm, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config, on_step=on_step)
+                      max_grad_norm=cfg.max_grad_norm, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config,
+                      gradient_checkpointing=gradient_checkpointing, on_step=on_step)
+    if trainer.zero_stage == 3 and trainer.acc.num_processes > 1:
+        raise ValueError("params.yaml rl.deepspeed_config: ZeRO-3 shards the policy, but rank 0 rolls out with the whole "
+                         "policy; use configs/deepspeed/zero2.json")
     if ref is not None:
         ref.to(trainer.device)
     saved = trainer.load_checkpoint(checkpoint_dir)
     start, pos = (saved["rl_step"], saved["pos"]) if saved else (0, 0)  # pos: prompts of the curriculum drawn so far
     policy = trainer.unwrapped()
-    backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm, cfg.seed, cfg.rollout_batch_size)
-    if start and cfg.rollout_backend == "vllm":
+    backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm, cfg.seed, cfg.rollout_batch_size) if trainer.is_main else None
+    if start and cfg.rollout_backend == "vllm" and trainer.is_main:
         backend.sync(policy)
     for step in range(start, cfg.steps):
         trainer.model.eval()
-        samples, rows_seen, episodes, rewards, kept, rounds, times = collect_step(step, pos, rows, backend, toolbox, episode_settings, tools,
-                                                                                 cfg, label, prm)
+        collected = collect_step(step, pos, rows, backend, toolbox, episode_settings, tools, cfg, label, prm) if trainer.is_main else None
+        samples, rows_seen, episodes, rewards, kept, rounds, times = trainer.from_main(collected)
         pos += rounds * cfg.prompts_per_step
         t2 = time.perf_counter()
         metrics = {}
@@ -261,7 +269,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
                 attach_logprobs(ref, samples, "ref_logp", cfg, pad_id, trainer.device, trainer.precision)
             trainer.model.train()
             metrics = train_on(trainer, samples, cfg, pad_id, random.Random(f"{cfg.seed}/{step}"))
-            if cfg.rollout_backend == "vllm":
+            if cfg.rollout_backend == "vllm" and trainer.is_main:
                 backend.sync(policy)
         times["train_s"] = time.perf_counter() - t2
         rec = step_record(step + 1, rows_seen, episodes, rewards, metrics, kept, len(samples), times, trainer.sched.get_last_lr()[0])
@@ -269,8 +277,10 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         trainer.log(rec)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
             trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": cfg.model_dump()})
-    save_model(trainer.unwrapped(), tok, out_dir, lora=False)
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: only a killed run resumes
+    with trainer.whole_model() as trained:
+        if trainer.is_main:
+            save_model(trained, tok, out_dir, lora=False)
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: only a killed run resumes
     return trainer.records
 
 

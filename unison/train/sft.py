@@ -11,7 +11,7 @@ import torch
 from ..config import SFTConfig
 from ..data.schemas import atomic_dir
 from ..token_view import retokenization_drift, row_view
-from .loop import Trainer, fit, warmup_linear
+from .loop import Trainer, fit, resolve_precision, warmup_linear
 
 
 def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -> list[dict]:
@@ -134,20 +134,20 @@ def sft_steps(examples: list, cfg: SFTConfig, pad_id: int) -> list[list[tuple[di
     return steps
 
 
-def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_step=None, checkpoint_dir: str | None = None) -> list[dict]:
-    """Train and save to `out_dir` atomically; `on_step(record)` sees every optimiser step; returns the step records.
-    A killed run resumes from `checkpoint_dir` (written every cfg.checkpoint_every steps) when one is given."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_step=None, checkpoint_dir: str | None = None,
+              gradient_checkpointing: bool = False) -> list[dict]:
+    """Train and save to `out_dir` atomically (rank 0); `on_step(record)` sees every optimiser step; returns the step
+    records. A killed run resumes from `checkpoint_dir` (written every cfg.checkpoint_every steps) when one is given."""
+    from transformers import AutoTokenizer
 
     torch.manual_seed(cfg.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if cfg.lora:
-        model = with_lora(model, cfg.lora_r, cfg.lora_alpha)
+    model = load_student(model_dir, cfg.lora, cfg.lora_r, cfg.lora_alpha, cfg.precision, "sft")
     steps = sft_steps(examples, cfg, tok.pad_token_id or 0)
     total = max(1, len(steps))
     trainer = Trainer("sft", model, total, cfg.lr, schedule=warmup_linear(total, max(1, int(cfg.warmup_ratio * total))),
-                      grad_accum=cfg.grad_accum, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config, on_step=on_step)
+                      grad_accum=cfg.grad_accum, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config,
+                      gradient_checkpointing=gradient_checkpointing, on_step=on_step)
 
     def loss_fn(micro):
         batch = {n: t.to(trainer.device) for n, t in micro[0].items()}
@@ -159,8 +159,20 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
 
     records = fit(trainer, steps, loss_fn, max(1, total // cfg.epochs), record=record, checkpoint_dir=checkpoint_dir,
                   checkpoint_every=cfg.checkpoint_every)
-    save_model(trainer.unwrapped(), tok, out_dir, cfg.lora)
+    with trainer.whole_model() as trained:
+        if trainer.is_main:
+            save_model(trained, tok, out_dir, cfg.lora)
     return records
+
+
+def load_student(model_dir: str, lora: bool, lora_r: int, lora_alpha: int, precision: str, stage: str):
+    """The causal LM to train, fp32; with LoRA, adapters (fp32) on a frozen base held in the training precision: in bf16
+    where training runs in bf16, since frozen weights need no fp32 master copy (a 7B base: 14 GB instead of 28)."""
+    from transformers import AutoModelForCausalLM
+
+    frozen_bf16 = lora and resolve_precision(precision, f"{stage}.precision") == "bf16"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if frozen_bf16 else torch.float32)
+    return with_lora(model, lora_r, lora_alpha) if lora else model
 
 
 def with_lora(model, r: int, alpha: int):
