@@ -387,6 +387,14 @@ class ExportConfig(Section):
     verl_agent: str = Field('tool_agent', description="verl: each row's agent_name, the agent loop that rolls it out (tool_agent = verl's ToolAgentLoop)")
 
 
+class ClusterConfig(Section):
+    address: str = Field("", description='"" = every stage in this process | auto (the local Ray cluster `ray start` made) | ray://host:port: generate, label\'s montecarlo completions, pareto and evaluate run on Ray actors, one engine each; same outputs')
+    replicas: int = Field(2, ge=1, description="engine actors (data-parallel); each asks llm.tensor_parallel_size GPUs where the cluster has GPUs")
+    cpus_per_replica: float = Field(1, gt=0, description="CPUs each actor asks of Ray (its torch threads on CPU)")
+    shard_size: int = Field(16, ge=1, description="questions (label: trajectories) per shard an actor runs in evaluate, pareto and label; generate's are generate.shard_size")
+    max_shard_retries: int = Field(2, ge=0, description="a shard whose actor died runs again on another actor (a new one takes the dead one's place), this many times at most")
+
+
 class Params(Section):
     seed: int = Field(0)
     download: DownloadConfig = Field(default_factory=DownloadConfig)
@@ -405,6 +413,7 @@ class Params(Section):
     rl: RLConfig = Field(default_factory=RLConfig, description='GRPO family on live multi-turn tool rollouts of the SFT student (research/seeds.md §1.5, §3.5, §4.5, §5.2)')
     flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="ET-Agent's data flywheel / STaR rounds after the pipeline (round 0 = teacher -> SFT -> RL)")
     export: ExportConfig = Field(default_factory=ExportConfig, description='the SFT conversations, DPO pairs and RL prompts in LLaMA-Factory, verl and TRL formats (data/export)')
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description='Ray for rollouts and evaluation (docs/scale.md); never changes results')
 
     @model_validator(mode="after")
     def _seeds(self):
