@@ -10,24 +10,21 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pytest
 
+from bench.bench_ray import start_cluster, stop_cluster
 from unison.config import ROOT, validate_params
 
 from .test_e2e import merge
 
 pytestmark = pytest.mark.slow
 
-PORT = 26391  # this module's own ports: never Ray's defaults (another Ray on the machine keeps working)
-RAY = str(Path(sys.executable).parent / "ray")
+PORT = 26391  # this module's own ports (bench_ray's start_cluster keeps off Ray's defaults)
 TINY = {
     "student": {"model": "builtin:smollm2-135m-instruct"}, "teacher": {"model": "builtin:smollm2-135m-instruct"},
     "download": {"builtin": {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 4, "test_size": 2,
@@ -38,40 +35,15 @@ TINY = {
 }
 
 
-def ray_start(*args: str, ports: int) -> int:
-    """`ray start` with its ports from `ports` up, in a new process group (its daemons stay in it); the group id."""
-    own = ["--min-worker-port", str(ports), "--max-worker-port", str(ports + 99), "--node-manager-port", str(ports + 100),
-           "--object-manager-port", str(ports + 101), "--dashboard-agent-listen-port", str(ports + 102),
-           "--dashboard-agent-grpc-port", str(ports + 103), "--metrics-export-port", str(ports + 104),
-           "--runtime-env-agent-port", str(ports + 105), "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
-    p = subprocess.Popen([RAY, "start", *args, *own], start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 0, out[-3000:]
-    return p.pid
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """A head with no CPUs (the driver's node) and two workers of one CPU each; its address."""
     temp = Path(f"/tmp/unison-ray-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
-    groups = []
+    groups = start_cluster(PORT, temp, [1, 1])
     try:
-        groups.append(ray_start("--head", "--port", str(PORT), "--ray-client-server-port", str(PORT + 1), "--temp-dir", str(temp),
-                                "--num-cpus", "0", "--include-dashboard", "false", ports=27000))
-        with ThreadPoolExecutor(2) as pool:  # the two workers join at once
-            groups += pool.map(lambda k: ray_start("--address", f"127.0.0.1:{PORT}", "--num-cpus", "1", ports=27000 + 200 * k), (1, 2))
         yield f"127.0.0.1:{PORT}"
     finally:
-        import ray
-
-        ray.shutdown()
-        for p in psutil.process_iter():
-            try:
-                if os.getpgid(p.pid) in groups:
-                    p.kill()
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                pass
-        shutil.rmtree(temp, ignore_errors=True)
+        stop_cluster(groups, temp)
 
 
 @pytest.fixture(scope="module")

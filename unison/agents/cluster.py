@@ -86,7 +86,11 @@ class Replicas:
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=cluster.address)
+            try:
+                ray.init(address=cluster.address)
+            except ConnectionError as error:
+                raise ConnectionError(f"params.yaml cluster.address: no Ray cluster at {cluster.address!r} ({error}); start "
+                                      "one (`ray start --head`) or set cluster.address to \"\" to run in this process") from None
         self.cluster, self.build = cluster, (build, *args)
         gpus = gpus if ray.cluster_resources().get("GPU", 0) > 0 else 0
         code = {"env_vars": {"PYTHONPATH": str(ROOT)}}  # this unison, not another install of it on the node
@@ -115,6 +119,7 @@ class Replicas:
             try:
                 result = ray.get(ref)
             except RayActorError as error:
+                ray.kill(actor)  # dead, or unreachable for now: either way out of the pool
                 self.actors[self.actors.index(actor)] = actor = self.start()
                 free.append(actor)
                 retries[k] += 1
