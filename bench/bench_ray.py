@@ -47,12 +47,16 @@ def ray_start(*args: str, ports: int) -> int:
 
 def start_cluster(port: int, temp: Path, workers: list[int], ports: int = 27000) -> list[int]:
     """A head with no CPUs (the driver's node) at 127.0.0.1:`port` and one worker node per entry of `workers` (its
-    CPUs), started together; their process groups."""
+    CPUs), started together; their process groups (a cluster that fails to start is stopped)."""
     groups = [ray_start("--head", "--port", str(port), "--ray-client-server-port", str(port + 1), "--temp-dir", str(temp),
                         "--num-cpus", "0", "--include-dashboard", "false", ports=ports)]
-    with ThreadPoolExecutor(len(workers)) as pool:
-        groups += pool.map(lambda k: ray_start("--address", f"127.0.0.1:{port}", "--num-cpus", str(workers[k]),
-                                               ports=ports + 200 * (k + 1)), range(len(workers)))
+    try:
+        with ThreadPoolExecutor(len(workers)) as pool:
+            groups += pool.map(lambda k: ray_start("--address", f"127.0.0.1:{port}", "--num-cpus", str(workers[k]),
+                                                   ports=ports + 200 * (k + 1)), range(len(workers)))
+    except BaseException:
+        stop_cluster(groups, temp)
+        raise
     return groups
 
 
