@@ -8,8 +8,9 @@ cluster run equals the in-process run wherever the engine's logits do not depend
 everything after the rollouts stay in the driver.
 
 Actors run in the driver's working directory and import the driver's `unison` (its folder first on PYTHONPATH): the
-runtime reads models/, data/index and configs/ by relative paths. On one machine that holds as is; on a real cluster every node needs the project at the
-same path (a shared filesystem, or a clone there with `dvc pull`). Nothing is uploaded: models stay where they are.
+runtime reads models/, data/index and configs/ by relative paths. On one machine that holds as is; on a real cluster
+every node needs the project at the same path (a shared filesystem, or a clone there with `dvc pull`). Nothing is
+uploaded: models stay where they are.
 """
 from __future__ import annotations
 
