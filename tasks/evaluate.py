@@ -21,7 +21,8 @@ def main() -> None:
     questions = read_table("data/raw/test.parquet", QUESTION)[: p.max_questions or None]
     metrics: dict[str, dict] = {}
     with track.stage_run("evaluate", {"seed": params.seed, **p.model_dump(), "teacher_method": g.method,
-                                      "episodes_in_flight": g.episodes_in_flight, "teacher": params.teacher.model_dump()}) as run:
+                                      "episodes_in_flight": g.episodes_in_flight, "teacher": params.teacher.model_dump(),
+                                      "cluster": params.cluster.model_dump()}) as run:
         with atomic_dir(OUT) as out:  # reports/eval/ appears whole, with no system left over from an earlier run
             for name, rows, m in evaluate_systems(params, systems, questions, lambda: load_prm("models/prm", params.prm.precision)):
                 write_table(rows, out / f"{name}.parquet", LABELED)

@@ -21,7 +21,7 @@ def main() -> None:
     params = load_params()
     g = params.generate
     questions = read_table("data/raw/train.parquet", QUESTION)
-    with track.stage_run("generate", {**g.model_dump(), **params.model_dump(include={"seed", "llm", "teacher", "tools"})}) as run:
+    with track.stage_run("generate", {**g.model_dump(), **params.model_dump(include={"seed", "llm", "teacher", "tools", "cluster"})}) as run:
         shards = None
         if g.source:
             t0 = time.perf_counter()

@@ -17,7 +17,7 @@ def main() -> None:
     backends: dict = {}
     judge = make_judge(params, backends)
     judged_by = judge_identity(p, judge)
-    with track.stage_run("label", {"seed": params.seed, **p.model_dump(), **judged_by}) as run:
+    with track.stage_run("label", {"seed": params.seed, **p.model_dump(), **judged_by, "cluster": params.cluster.model_dump()}) as run:
         rows = label_trajectories(read_table(IN, TRAJECTORY), params, judge, backends)
         check_step_labels(rows, OUT)
         write_table(rows, OUT, LABELED)

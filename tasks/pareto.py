@@ -15,7 +15,8 @@ def main() -> None:
     params = load_params()
     p = params.pareto
     questions = read_table("data/raw/train.parquet", QUESTION)[: p.max_questions or None]
-    with track.stage_run("pareto", {"seed": params.seed, **p.model_dump(), "episodes_in_flight": params.generate.episodes_in_flight}) as run:
+    with track.stage_run("pareto", {"seed": params.seed, **p.model_dump(), "episodes_in_flight": params.generate.episodes_in_flight,
+                                    "cluster": params.cluster.model_dump()}) as run:
         rows, groups, metrics = rl_curriculum(params, questions)
         with atomic_dir(OUT) as tmp:
             write_rl_data(rows, tmp)

@@ -123,3 +123,13 @@ def test_method_table_has_accuracy_ci_and_costs_per_question():
     assert (fig["llm_calls_per_question"], fig["tokens_per_question"], fig["tool_errors_per_question"], fig["answered_rate"],
             fig["wall_s_per_question"]) == (4, 50, 0.25, 0.75, 2.0)
     assert "| debate | 50.0% [" in format_table({"debate": fig})
+
+
+def test_ray_bench_table_names_every_run_and_the_identity_check():
+    from bench.bench_ray import format_table
+
+    run = {"wall_s": 10.0, "questions_per_s": 3.2, "tokens_per_s": 400.0}
+    table = format_table({"in_process": run, "ray_1": {**run, "wall_s": 12.0}, "ray_2": {**run, "tokens_per_s": 380.0},
+                          "identical": True, "ray2_vs_ray1": 0.95, "ray1_vs_in_process": 0.83})
+    assert [line.split()[0] for line in table.splitlines()[1:4]] == ["in_process", "ray_1", "ray_2"]
+    assert "same trajectories in all three: True" in table and "0.95" in table

@@ -447,6 +447,14 @@ class StorageConfig(Section):
         return self
 
 
+class ClusterConfig(Section):
+    address: str = Field("", description='"" = every stage in this process | auto (the local Ray cluster `ray start` made) | ray://host:port: generate, label\'s montecarlo completions, pareto and evaluate run on Ray actors, one engine each; same outputs')
+    replicas: int = Field(2, ge=1, description="engine actors (data-parallel); each asks llm.tensor_parallel_size GPUs where the cluster has GPUs")
+    cpus_per_replica: float = Field(1, gt=0, description="CPUs each actor asks of Ray (its torch threads on CPU)")
+    shard_size: int = Field(16, ge=1, description="questions (label: trajectories) per shard an actor runs in evaluate, pareto and label; generate's are generate.shard_size")
+    max_shard_retries: int = Field(2, ge=0, description="a shard whose actor died runs again on another actor (a new one takes the dead one's place), this many times at most")
+
+
 class Params(Section):
     seed: int = Field(0)
     download: DownloadConfig = Field(default_factory=DownloadConfig)
@@ -467,6 +475,7 @@ class Params(Section):
     flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="ET-Agent's data flywheel / STaR rounds after the pipeline (round 0 = teacher -> SFT -> RL)")
     export: ExportConfig = Field(default_factory=ExportConfig, description='the SFT conversations, DPO pairs and RL prompts in LLaMA-Factory, verl and TRL formats (data/export)')
     storage: StorageConfig = Field(default_factory=StorageConfig, description='where DVC data is shared between machines (unison/storage.py); no stage depends on it')
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description='Ray for rollouts and evaluation (docs/scale.md); same seeds and order as in process')
 
     @model_validator(mode="after")
     def _seeds(self):

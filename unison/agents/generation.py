@@ -20,11 +20,11 @@ from pathlib import Path
 from ..config import Params
 from ..data.digest import file_digests
 from ..data.schemas import TRAJECTORY, read_table, write_table
-from ..llm import TEACHER_DIR, teacher_backend, teacher_id
+from ..llm import TEACHER_DIR, teacher_id
+from .cluster import Engine, Replicas, engine_or_replicas, run_system, sum_counters, system_context
 from .episodes import tool_totals
-from .methods import MethodContext, run_method
-from .wiring import (INDEX_DIR, demonstrations, enabled_tools, episode_settings, fault_counters, make_role_backends, make_toolbox,
-                     remote_counters)
+from .methods import run_method
+from .wiring import INDEX_DIR, demonstrations, fault_counters, remote_counters
 
 PACKAGE = Path(__file__).resolve().parents[1]  # unison/: its sources are part of the shards' key
 
@@ -76,7 +76,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def generate_trajectories(params: Params, questions: list[dict], shards: Path) -> tuple[list[dict], dict]:
     """Every question's trajectories, shard by shard in `shards` (finished shards reused; the engine starts only when some
-    shard is left to do); (rows in question order, metrics)."""
+    shard is left to do), in this process or over the replicas of cluster.address; (rows in question order, metrics)."""
     g = params.generate
     shards.mkdir(parents=True, exist_ok=True)
     size = g.shard_size
@@ -88,27 +88,46 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
             print(f"generate: shard {k + 1}/{len(chunks)} already done, reusing", flush=True)
         else:
             todo.append(k)
-    ctx, wall_s = None, 0.0
+    counters, wall_s = fault_counters({}, None), 0.0  # the same keys whether this run generated or only reused shards
     if todo:  # start the engine only if some shard is left to do
-        backend = teacher_backend(params)
-        ctx = MethodContext(backend, make_toolbox(params), episode_settings(params, g.temperature), teacher=teacher_id(params),
-                            scaffold=g.scaffold, params=getattr(g, g.method, None), role_backends=make_role_backends(params),
-                            tools=enabled_tools(params), protocol=g.method, demonstrations=demonstrations(params))
+        where = engine_or_replicas(params, TEACHER_DIR, teacher=True)
         pending = [(k, q) for k in todo for q in chunks[k]]
         print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples, {g.method}, "
               f"up to {g.episodes_in_flight} episodes in flight", flush=True)
         t0 = time.perf_counter()
         try:
-            run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight,
-                       on_question=ShardWriter(pending, paths))
+            counters = (run_here(params, where, pending, paths) if isinstance(where, Engine) else
+                        run_on_cluster(params, where, [(k, chunks[k]) for k in todo], paths))
         except Exception as error:  # a server gone for good: the finished shards stay; the stage logs the counters
-            error.counters = remote_counters({"teacher": ctx.backend, **ctx.role_backends}, ctx.toolbox)
+            error.counters = getattr(error, "counters", counters)
             error.add_note("generate: " + ", ".join(f"{k}={v:g}" for k, v in error.counters.items() if k.startswith(FAULTS)))
             raise
         wall_s = time.perf_counter() - t0
     rows = [r for path in paths for r in read_table(path, TRAJECTORY)]
-    metrics = {**summarize(rows), "wall_s": wall_s}  # timings live in the report, never in the data
-    # the same keys whether this run generated or only reused shards (a resumed run's report equals an unkilled one's)
-    metrics.update(remote_counters({"teacher": ctx.backend, **ctx.role_backends}, ctx.toolbox) if ctx is not None
-                   else fault_counters({}, None))
-    return rows, metrics
+    # timings live in the report, never in the data; a resumed run's report has the keys of an unkilled one's
+    return rows, {**summarize(rows), "wall_s": wall_s, **counters}
+
+
+def run_here(params: Params, engine: Engine, pending: list[tuple[int, dict]], paths: list[Path]) -> dict:
+    """The pending questions as flows on this process's engine, each shard written once its questions are done; the
+    counters of the pieces behind a network (also on the error, when a server fails for good)."""
+    g = params.generate
+    ctx = system_context(params, engine.backend, engine.toolbox, True, teacher_id(params), g.temperature, engine.roles)
+    try:
+        run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight, on_question=ShardWriter(pending, paths))
+    except Exception as error:
+        error.counters = remote_counters({"teacher": engine.backend, **engine.roles}, engine.toolbox)
+        raise
+    return remote_counters({"teacher": engine.backend, **engine.roles}, engine.toolbox)
+
+
+def run_on_cluster(params: Params, replicas: Replicas, shards: list[tuple[int, list[dict]]], paths: list[Path]) -> dict:
+    """Each shard on a replica (cluster.address), written here as it comes back; the counters summed."""
+    g, counters = params.generate, []
+    with replicas:
+        for j, (rows, c) in replicas.map(run_system, [(qs, g.samples, True, teacher_id(params), g.temperature) for _, qs in shards]):
+            k = shards[j][0]
+            write_table(rows, paths[k], TRAJECTORY)
+            counters.append(c)
+            print(f"generate: shard {k + 1}/{len(paths)} written", flush=True)
+    return sum_counters(counters)

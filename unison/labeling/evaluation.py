@@ -16,8 +16,9 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
-from ..agents.methods import MethodContext, run_method
-from ..agents.wiring import demonstrations, enabled_tools, episode_settings, fault_counters, make_role_backends, make_toolbox
+from ..agents.cluster import Engine, Replicas, engine_or_replicas, rollouts, system_context
+from ..agents.methods import run_method
+from ..agents.wiring import fault_counters, make_role_backends, make_toolbox
 from ..config import LabelConfig, Params
 from ..judge.answers import judged_answer
 from ..judge.stats import auc
@@ -80,42 +81,46 @@ def systems_to_evaluate(params: Params) -> list[tuple[str, str, float]]:
 
 def run_judged(backend, model_id: str, questions: list[dict], samples: int, temperature: float, params: Params, toolbox,
                teacher: bool, judge, label: LabelConfig, role_backends: dict | None = None) -> tuple[list[dict], float]:
-    """A system run on `questions` and judged: the teacher runs generate.method with its scaffold, method params and
-    worked examples; a student runs `single`, unscaffolded, without them. (labeled rows, wall seconds)."""
+    """A system run on `questions` (cluster.system_context: the teacher's method or a student's `single`) and judged:
+    (labeled rows, wall seconds)."""
+    ctx = system_context(params, backend, toolbox, teacher, model_id, temperature, role_backends)
     g = params.generate
-    method, scaffold, mparams = (g.method, g.scaffold, getattr(g, g.method, None)) if teacher else ("single", {}, None)
-    ctx = MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=model_id, scaffold=scaffold, params=mparams,
-                        role_backends=role_backends or {}, tools=enabled_tools(params), protocol=g.method,
-                        demonstrations=demonstrations(params) if teacher else "")
     t0 = time.perf_counter()
-    rows = label_rows(run_method(method, questions, samples, ctx, g.episodes_in_flight), label, judge)
+    rows = label_rows(run_method(g.method if teacher else "single", questions, samples, ctx, g.episodes_in_flight), label, judge)
     return rows, time.perf_counter() - t0
 
 
 def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict],
                      load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
-    """Each system run on `questions` and judged, one engine at a time: (system, labeled rows, metrics) as each finishes.
-    `load_prm()` gives the PRM that prm_rerank scores with (loaded only when that system's turn comes)."""
+    """Each system run on `questions` and judged, one engine at a time (or one set of replicas on cluster.address):
+    (system, labeled rows, metrics) as each finishes. `load_prm()` gives the PRM that prm_rerank scores with (loaded
+    only when that system's turn comes). The judge runs here."""
     p = params.evaluate
     scored = scoring_params(params)
-    label, judge, toolbox = scored.label, make_judge(scored, {}), make_toolbox(params)
-    backend, loaded = None, None
-    for name, model_dir, temperature in systems:
-        teacher = name == "teacher"
-        if loaded != model_dir:
-            backend = None  # free the engine before the next one starts
-            gc.collect()
-            backend = teacher_backend(params) if teacher else student_backend(model_dir, params)
-            loaded = model_dir
-        print(f"evaluate: {name} ({params.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
-        t0 = time.perf_counter()
-        n = p.rerank_samples if name == "prm_rerank" else 1
-        roles = make_role_backends(params) if teacher else {}
-        before = fault_counters({}, toolbox)  # the toolbox serves every system: its counts are this system's difference
-        rows, _ = run_judged(backend, teacher_id(params) if teacher else model_dir, questions, n, temperature, params, toolbox,
-                             teacher, judge, label, roles)
-        rows, extra = prm_rerank(rows, load_prm()) if name == "prm_rerank" else (rows, {})
-        wall = time.perf_counter() - t0
-        after = fault_counters({"teacher": backend, **roles} if teacher else {}, toolbox)
-        faults = {k: v - before[k] for k, v in after.items()}
-        yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, params.seed), **extra, **faults}
+    label, judge = scored.label, make_judge(scored, {})
+    toolbox = None if params.cluster.address else make_toolbox(params)  # in process, one toolbox serves every system
+    engine, loaded = None, None
+    try:
+        for name, model_dir, temperature in systems:
+            teacher = name == "teacher"
+            if loaded != model_dir:
+                if isinstance(engine, Replicas):
+                    engine.close()
+                engine = None  # free the engine before the next one starts
+                gc.collect()
+                engine = (engine_or_replicas(params, model_dir, teacher) if toolbox is None else
+                          Engine(params, teacher_backend(params) if teacher else student_backend(model_dir, params), toolbox,
+                                 make_role_backends(params) if teacher else {}))
+                loaded = model_dir
+            print(f"evaluate: {name} ({params.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
+            t0 = time.perf_counter()
+            n = p.rerank_samples if name == "prm_rerank" else 1
+            rows, counters = rollouts(engine, questions, n, teacher, teacher_id(params) if teacher else model_dir, temperature)
+            rows = label_rows(rows, label, judge)
+            rows, extra = prm_rerank(rows, load_prm()) if name == "prm_rerank" else (rows, {})
+            wall = time.perf_counter() - t0
+            faults = {k: counters.get(k, 0.0) for k in fault_counters({}, None)}  # this system's, the toolbox's included
+            yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, params.seed), **extra, **faults}
+    finally:
+        if isinstance(engine, Replicas):
+            engine.close()

