@@ -74,3 +74,66 @@ def test_vllm_sleep_frees_gpu_memory_and_wakes_with_the_new_weights(tiny_model_d
         model.lm_head.weight.mul_(-1)  # tied embeddings: a different model, so the wake must load it to match
     engine.wake_up(model)
     assert engine.generate(prompt, greedy)[0].token_ids != first
+
+
+def test_evaluate_engine_per_process_gives_the_rows_of_one_process(tiny_model_dir, tmp_path, monkeypatch):
+    """Two systems sharing one engine, run in this process and in a spawned child: the same rows and metrics (wall time
+    aside). Also the setting's choice: auto = a child per engine on CUDA only."""
+    import shutil
+    from functools import partial
+
+    import yaml
+
+    from unison.config import ROOT, validate_params
+    from unison.labeling.evaluation import engine_groups, engine_per_process, evaluate_systems
+    from unison.tools.retrieval import build_index
+    from unison.train.prm import load_prm
+
+    from .test_e2e import merge
+    from .test_retrieval import invented_passages, write_corpus
+
+    assert engine_per_process("auto", cuda=True) and not engine_per_process("auto", cuda=False)
+    assert engine_per_process(True, cuda=False) and not engine_per_process(False, cuda=True)
+    systems = [("base", "models/base", 0.0), ("sft", "models/base", 0.7), ("rl", "models/rl", 0.0)]
+    assert engine_groups(systems) == [systems[:2], systems[2:]]
+
+    monkeypatch.chdir(tmp_path)
+    build_index(write_corpus(tmp_path / "corpus.parquet", invented_passages(20)), tmp_path / "data/index", encoder="hash:64")
+    shutil.copytree(tiny_model_dir, tmp_path / "models/base")
+    raw = merge(yaml.safe_load((ROOT / "params.yaml").read_text()),
+                {"llm": {"backend": "transformers"}, "generate": {"max_turns": 2, "max_tokens_per_turn": 8}, "evaluate": {"bootstrap": 20}})
+    questions = [{"id": f"q{i}", "source": "test", "task": "qa", "question": q, "answers": ["Holt"], "meta": "{}"}
+                 for i, q in enumerate(["Who built the bridge?", "Where is the tower?"])]
+    runs = {}
+    for per_process in (False, True):
+        params = validate_params(merge(raw, {"evaluate": {"engine_per_process": per_process}}))
+        runs[per_process] = list(evaluate_systems(params, systems[:2], questions, partial(load_prm, "models/prm", "fp32")))
+    drop_wall = lambda m: {k: v for k, v in m.items() if "wall" not in k}
+    assert [(n, rows, drop_wall(m)) for n, rows, m in runs[True]] == [(n, rows, drop_wall(m)) for n, rows, m in runs[False]]
+    assert [n for n, _, _ in runs[True]] == ["base", "sft"] and all(len(rows) == 2 for _, rows, _ in runs[True])
+
+
+def test_gpu_smoke_refuses_without_a_gpu_and_times_stages_in_a_copy_with_allow_cpu(tiny_model_dir, tmp_path, capsys):
+    """`make gpu-smoke`'s plumbing on CPU: no GPU -> a clear refusal; --allow-cpu runs the stages in a temporary copy (the
+    workspace untouched), times each, and a failing stage (label without generate's trajectories) exits 1 with its log."""
+    import json
+    import subprocess
+    import sys
+
+    from bench import gpu_smoke
+    from unison.config import ROOT
+
+    if not torch.cuda.is_available():
+        assert gpu_smoke.main(["--out", str(tmp_path / "refused.json")]) == 2
+        assert "no CUDA GPU visible" in capsys.readouterr().err and not (tmp_path / "refused.json").exists()
+    status = lambda: subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True).stdout
+    before = status()
+    out = tmp_path / "gpu_smoke.json"
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_smoke", "--allow-cpu", "--stages", "download,label", "--model-dir",
+                        str(tiny_model_dir), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert list(report["stages"]) == ["download", "label"] and all(s > 0 for s in report["stages"].values())
+    assert report["ok"] is False and report["failed"]["stage"] == "label" and "data/trajectories" in report["failed"]["log_tail"]
+    assert report["device"] == ("cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0))
+    assert "FAILED in label" in p.stderr and status() == before  # the copy is gone, nothing written in the workspace

@@ -334,6 +334,7 @@ class EvaluateConfig(Section):
     rerank_samples: int = Field(4, description='prm_rerank: SFT-student samples per question, the PRM keeps one; <= 1 = skip that system')
     rerank_temperature: float = Field(0.7)
     first_only: bool | None = Field(None, description='`a | b` answers when scoring: null = label.first_only; true = the first item only (GAP eval)')
+    engine_per_process: bool | Literal['auto'] = Field('auto', description='each model\'s engine in its own process, which gives all its GPU memory back when it exits; auto = on CUDA only (on CPU a child costs ~10 s of imports and toolbox per engine); same rows either way')
 
 
 class RLConfig(Section):

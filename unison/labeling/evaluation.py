@@ -92,10 +92,49 @@ def run_judged(backend, model_id: str, questions: list[dict], samples: int, temp
     return rows, time.perf_counter() - t0
 
 
+def engine_per_process(setting: bool | str, cuda: bool) -> bool:
+    """evaluate.engine_per_process: auto = on CUDA, where an engine freed in-process leaves GPU memory behind; on CPU a
+    child per engine would cost ~10 s each (imports and the toolbox again) for nothing."""
+    return cuda if setting == "auto" else bool(setting)
+
+
+def engine_groups(systems: list[tuple[str, str, float]]) -> list[list[tuple[str, str, float]]]:
+    """Consecutive systems that share a model dir (so one engine serves them)."""
+    groups: list[list[tuple[str, str, float]]] = []
+    for system in systems:
+        if groups and groups[-1][-1][1] == system[1]:
+            groups[-1].append(system)
+        else:
+            groups.append([system])
+    return groups
+
+
 def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict],
                      load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
     """Each system run on `questions` and judged, one engine at a time: (system, labeled rows, metrics) as each finishes.
-    `load_prm()` gives the PRM that prm_rerank scores with (loaded only when that system's turn comes)."""
+    With evaluate.engine_per_process each engine lives in its own spawned process, which gives all its memory back when it
+    exits; `load_prm` must then be picklable (a module-level function or a partial of one). `load_prm()` gives the PRM
+    that prm_rerank scores with (loaded only when that system's turn comes)."""
+    import torch
+
+    if not engine_per_process(params.evaluate.engine_per_process, torch.cuda.is_available()):
+        yield from run_systems(params, systems, questions, load_prm)
+        return
+    import multiprocessing
+
+    for group in engine_groups(systems):
+        with multiprocessing.get_context("spawn").Pool(1) as child:
+            yield from child.apply(list_systems, (params, group, questions, load_prm))
+
+
+def list_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict], load_prm: Callable) -> list:
+    """run_systems, whole (what a child process sends back)."""
+    return list(run_systems(params, systems, questions, load_prm))
+
+
+def run_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict],
+                load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
+    """evaluate_systems in this process."""
     p = params.evaluate
     scored = scoring_params(params)
     label, judge, toolbox = scored.label, make_judge(scored, {}), make_toolbox(params)
