@@ -122,14 +122,32 @@ def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], ques
         return
     import multiprocessing
 
+    spawn = multiprocessing.get_context("spawn")
     for group in engine_groups(systems):
-        with multiprocessing.get_context("spawn").Pool(1) as child:
-            yield from child.apply(list_systems, (params, group, questions, load_prm))
+        receive, send = spawn.Pipe(duplex=False)
+        # a plain (non-daemon) process: vLLM with tensor_parallel_size > 1 starts worker processes of its own
+        child = spawn.Process(target=send_systems, args=(send, params, group, questions, load_prm), name=f"evaluate-{group[0][0]}")
+        child.start()
+        send.close()
+        try:
+            ok, result = receive.recv()
+        except EOFError:
+            ok, result = False, "it died before sending its results"
+        child.join()
+        if not ok:
+            raise RuntimeError(f"evaluate: the process of {', '.join(n for n, _, _ in group)} failed (exit code {child.exitcode}):\n{result}")
+        yield from result
 
 
-def list_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict], load_prm: Callable) -> list:
-    """run_systems, whole (what a child process sends back)."""
-    return list(run_systems(params, systems, questions, load_prm))
+def send_systems(send, params: Params, systems: list[tuple[str, str, float]], questions: list[dict], load_prm: Callable) -> None:
+    """A child process of evaluate_systems: run_systems whole, sent back as (True, results) or (False, the traceback)."""
+    import traceback
+
+    try:
+        send.send((True, list(run_systems(params, systems, questions, load_prm))))
+    except BaseException:
+        send.send((False, traceback.format_exc()))
+        raise
 
 
 def run_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict],
