@@ -37,7 +37,8 @@ def device() -> dict:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "vllm": importlib.util.find_spec("vllm") is not None}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return {**info, "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "gpu_memory_gib": round(props.total_memory / 2**30, 1)}
+        return {**info, "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+                "gpu_memory_gib": round(props.total_memory / 2**30, 1)}
     return {**info, "device": "cpu", "gpus": 0}
 
 
@@ -73,9 +74,13 @@ def smoke_params(recipe: str, vllm: bool, model_dir: Path | None) -> dict:
 
     from unison.recipes import default_params, merge, recipe_params
 
-    params = merge(default_params(), yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())) if recipe == "default" else recipe_params(recipe, tiny=True)
+    if recipe == "default":
+        params = merge(default_params(), yaml.safe_load((ROOT / "configs/tiny.yaml").read_text()))
+    else:
+        params = recipe_params(recipe, tiny=True)
     if not vllm:
-        params = merge(params, {"llm": {"backend": "transformers"}, "teacher": {"backend": "transformers"}, "rl": {"rollout_backend": "transformers"}})
+        params = merge(params, {"llm": {"backend": "transformers"}, "teacher": {"backend": "transformers"},
+                                "rl": {"rollout_backend": "transformers"}})
     if model_dir:
         params = merge(params, {"student": {"model": f"local:{model_dir.resolve()}"}, "teacher": {"model": f"local:{model_dir.resolve()}"}})
     return params
@@ -93,7 +98,8 @@ def run_stages(project: Path, stages: list[str], report: dict) -> bool:
         print(f"gpu-smoke: {stage} ...", flush=True)
         t0 = time.perf_counter()
         with open(log, "w") as out:
-            code = subprocess.run([sys.executable, "-m", f"tasks.{stage}"], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+            code = subprocess.run([sys.executable, "-m", f"tasks.{stage}"], cwd=project, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT).returncode
         report["stages"][stage] = round(time.perf_counter() - t0, 1)
         if code != 0:
             report["failed"] = {"stage": stage, "exit_code": code, "log_tail": log.read_text()[-3000:]}

@@ -2,6 +2,7 @@
 loop, evaluate's engine per process, and `make gpu-smoke`'s plumbing; the parts that need CUDA are skipped without it."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from unison.llm.hf_backend import HFBackend
 from unison.train.rollout import check_colocated_memory, engine_sleeps
 
-from .test_rl import make_rows, rl_config, run, state
+from .test_rl import rl_config, run
 
 
 def test_rl_colocate_choice_and_its_errors():
@@ -35,24 +36,19 @@ class SleepRecorder(HFBackend):
         self.calls.append("sleep")
 
     def wake_up(self, model=None) -> None:
-        self.calls.append("wake_up(policy)" if model is not None else "wake_up()")
-        if model is not None:
-            self.sync(model)
+        self.calls.append("wake_up(policy)" if model is self.model else f"wake_up({model!r})")  # the live policy it rolls out with
 
 
-def test_rl_engine_sleeps_through_each_update_and_changes_nothing_fake_gpu_engine(tiny_model_dir, tmp_path, monkeypatch):
-    import unison.train.rl as rl
+def test_rl_engine_sleeps_through_each_update_fake_gpu_engine(tiny_model_dir, tmp_path, monkeypatch):
+    from unison.train import rl
 
-    cfg = rl_config(steps=2, group_size=2, max_tokens_per_turn=6, checkpoint_every=0)
-    awake = run(tiny_model_dir, cfg, tmp_path, "awake", rows=make_rows())
     monkeypatch.setattr(rl, "engine_sleeps", lambda *a: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(rl, "make_rollout_backend", lambda kind, model, tok, *a, **kw: SleepRecorder(model=model, tokenizer=tok))
-    asleep = run(tiny_model_dir, cfg, tmp_path, "asleep", rows=make_rows())
+    cfg = rl_config(steps=2, group_size=2, max_turns=1, max_tokens_per_turn=4, checkpoint_every=0)
+    records = run(tiny_model_dir, cfg, tmp_path, "asleep")
     assert SleepRecorder.calls == ["sleep", "wake_up(policy)"] * 2  # each update between a sleep and a wake with the new weights
-    assert [r["reward_total"] for r in asleep] == [r["reward_total"] for r in awake]
-    before, after = state(tmp_path / "awake" / "out"), state(tmp_path / "asleep" / "out")
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert [r["samples"] for r in records] == [4, 4] and (tmp_path / "asleep" / "out" / "model.safetensors").is_file()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs a CUDA GPU (make gpu-smoke runs on one)")
@@ -114,11 +110,15 @@ def test_evaluate_engine_per_process_gives_the_rows_of_one_process(tiny_model_di
 
 
 def test_gpu_smoke_refuses_without_a_gpu_and_times_stages_in_a_copy_with_allow_cpu(tiny_model_dir, tmp_path, capsys):
-    """`make gpu-smoke`'s plumbing on CPU: no GPU -> a clear refusal; --allow-cpu runs the stages in a temporary copy (the
-    workspace untouched), times each, and a failing stage (label without generate's trajectories) exits 1 with its log."""
+    """`make gpu-smoke`'s plumbing on CPU: no GPU -> a clear refusal; --allow-cpu runs the stages in a temporary copy with
+    the tiny overlay (the workspace untouched) and times each; a failing stage (label without generate's trajectories)
+    exits 1 with its log."""
     import json
+    import shutil
     import subprocess
     import sys
+
+    import yaml
 
     from bench import gpu_smoke
     from unison.config import ROOT
@@ -129,11 +129,16 @@ def test_gpu_smoke_refuses_without_a_gpu_and_times_stages_in_a_copy_with_allow_c
     status = lambda: subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True).stdout
     before = status()
     out = tmp_path / "gpu_smoke.json"
-    p = subprocess.run([sys.executable, "-m", "bench.gpu_smoke", "--allow-cpu", "--stages", "download,label", "--model-dir",
-                        str(tiny_model_dir), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_smoke", "--allow-cpu", "--stages", "label", "--model-dir", str(tiny_model_dir),
+                        "--out", str(out), "--keep"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert list(report["stages"]) == ["download", "label"] and all(s > 0 for s in report["stages"].values())
-    assert report["ok"] is False and report["failed"]["stage"] == "label" and "data/trajectories" in report["failed"]["log_tail"]
+    assert list(report["stages"]) == ["label"] and report["stages"]["label"] > 0 and report["ok"] is False
+    assert report["failed"]["stage"] == "label" and "data/trajectories" in report["failed"]["log_tail"] and "FAILED in label" in p.stderr
     assert report["device"] == ("cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0))
-    assert "FAILED in label" in p.stderr and status() == before  # the copy is gone, nothing written in the workspace
+    project = Path(p.stdout.split("the project is kept at ")[1].split()[0])
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    assert params["rl"]["steps"] == 1 and params["student"]["model"] == params["teacher"]["model"] == f"local:{tiny_model_dir}"
+    assert (project / "dvc.yaml").is_file() and not (project / "models").exists()  # a fresh copy: no outputs of the workspace
+    shutil.rmtree(project.parent)
+    assert status() == before  # nothing written in the workspace

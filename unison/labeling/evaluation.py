@@ -135,7 +135,8 @@ def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], ques
             ok, result = False, "it died before sending its results"
         child.join()
         if not ok:
-            raise RuntimeError(f"evaluate: the process of {', '.join(n for n, _, _ in group)} failed (exit code {child.exitcode}):\n{result}")
+            names = ", ".join(n for n, _, _ in group)
+            raise RuntimeError(f"evaluate: the process of {names} failed (exit code {child.exitcode}):\n{result}")
         yield from result
 
 
