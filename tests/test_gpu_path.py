@@ -25,6 +25,9 @@ def test_rl_colocate_choice_and_its_errors():
     check_colocated_memory(135_000_000, 0.5, 80 * 2**30)  # SmolLM2-135M: 2 GiB of policy beside a 40 GiB engine
     with pytest.raises(ValueError, match=r"llm.gpu_memory_utilization: 0.85 leaves 12.0 GiB .* needs at least 104.3 GiB"):
         check_colocated_memory(7_000_000_000, 0.85, 80 * 2**30)  # a 7B policy in fp32 with AdamW beside the engine
+    check_colocated_memory(700_000_000, 0.85, 80 * 2**30)
+    with pytest.raises(ValueError, match=r"needs at least 13.0 GiB"):
+        check_colocated_memory(700_000_000, 0.85, 80 * 2**30, reference=True)  # fits without the KL reference, not with it
 
 
 class SleepRecorder(HFBackend):
@@ -51,23 +54,23 @@ def test_rl_engine_sleeps_through_each_update_fake_gpu_engine(tiny_model_dir, tm
     assert [r["samples"] for r in records] == [4, 4] and (tmp_path / "asleep" / "out" / "model.safetensors").is_file()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs a CUDA GPU (make gpu-smoke runs on one)")
-def test_vllm_sleep_frees_gpu_memory_and_wakes_with_the_new_weights(tiny_model_dir):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs a CUDA GPU")
+def test_vllm_sleep_frees_gpu_memory_and_wakes_with_the_new_weights(base_model_dir):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
     from unison.llm.base import Sampling
     from unison.llm.vllm_backend import VLLMBackend
 
-    engine = VLLMBackend(str(tiny_model_dir), max_model_len=512, sleep_mode=True, gpu_memory_utilization=0.3)
+    engine = VLLMBackend(str(base_model_dir), max_model_len=512, sleep_mode=True, gpu_memory_utilization=0.3)
     prompt, greedy = [[1, 2, 3, 4]], [Sampling(max_tokens=8)]
     first = engine.generate(prompt, greedy)[0].token_ids
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
     assert torch.cuda.mem_get_info()[0] > free_awake  # KV cache and weights handed back
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_model_dir)
     with torch.no_grad():
-        model.lm_head.weight.mul_(-1)  # tied embeddings: a different model, so the wake must load it to match
+        model.lm_head.weight.mul_(-1)  # tied embeddings: a different model, which the wake must load
     engine.wake_up(model)
     assert engine.generate(prompt, greedy)[0].token_ids != first
 

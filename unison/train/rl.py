@@ -250,7 +250,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
     sleeps = engine_sleeps(cfg.colocate, cfg.rollout_backend, torch.cuda.is_available())
     if sleeps and not cfg.deepspeed_config:
         check_colocated_memory(sum(p.numel() for p in policy.parameters()), llm.gpu_memory_utilization,
-                               torch.cuda.get_device_properties(trainer.device).total_memory)
+                               torch.cuda.get_device_properties(trainer.device).total_memory, reference=ref is not None)
     backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm, cfg.seed, cfg.rollout_batch_size, sleep_mode=sleeps)
     if start and cfg.rollout_backend == "vllm":
         backend.sync(policy)

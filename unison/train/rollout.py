@@ -41,10 +41,10 @@ def engine_sleeps(colocate: str, rollout_backend: str, cuda: bool) -> bool:
     return cuda
 
 
-def check_colocated_memory(n_params: int, gpu_memory_utilization: float, total_bytes: int) -> None:
-    """The policy's fp32 weights, gradients and two AdamW moments (16 bytes a parameter, activations not counted) must
-    fit beside the engine's share of the GPU, which it holds during rollouts."""
-    need, left = 16 * n_params, (1 - gpu_memory_utilization) * total_bytes
+def check_colocated_memory(n_params: int, gpu_memory_utilization: float, total_bytes: int, reference: bool = False) -> None:
+    """The policy's fp32 weights, gradients and two AdamW moments (16 bytes a parameter, activations not counted; 4 more
+    for a KL reference model) must fit beside the engine's share of the GPU, which it holds during rollouts."""
+    need, left = (20 if reference else 16) * n_params, (1 - gpu_memory_utilization) * total_bytes
     if need > left:
         raise ValueError(f"params.yaml llm.gpu_memory_utilization: {gpu_memory_utilization} leaves {left / 2**30:.1f} GiB of this "
                          f"GPU beside the vLLM engine, but the policy needs at least {need / 2**30:.1f} GiB (weights, gradients, "
