@@ -1,5 +1,6 @@
 """`make gpu-smoke`: the whole pipeline on the tiny overlay (configs/tiny.yaml) on this machine's GPU, in a temporary copy
-of the project, each stage timed; the figures go to reports/gpu_smoke.json and any failure exits non-zero.
+of the project, each stage timed, then the tests marked `gpu`; the figures go to reports/gpu_smoke.json and any failure
+exits non-zero.
 
 vLLM is used where it is installed; without it every engine is the transformers backend (llm.backend, the teacher and
 RL's rollouts). The stages run as DVC would (`python -m tasks.<stage>` in dvc.yaml's order), so DVC itself is not
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("accelerate", "datasets", "faiss", "fastapi", "math_verify", "matplotlib", "mlflow", "numpy", "peft", "pyarrow",
-            "pydantic", "requests", "safetensors", "sentence_transformers", "tqdm", "transformers", "uvicorn", "yaml")
+            "pydantic", "pytest", "requests", "safetensors", "sentence_transformers", "tqdm", "transformers", "uvicorn", "yaml")
 # what `git ls-files` leaves out when the copy has no git: outputs and caches the stages make (and .gitignore names)
 NOT_COPIED = {".git", ".venv", "data", "models", "reports", "mlruns", "mlflow.db", ".prefect", ".cache", ".unison", "__pycache__",
               ".pytest_cache"}
@@ -107,10 +108,23 @@ def run_stages(project: Path, stages: list[str], report: dict) -> bool:
     return True
 
 
+def run_gpu_tests(project: Path, report: dict) -> bool:
+    """The tests marked `gpu` (skipped where there is no GPU), in `project`; their summary into report["gpu_tests"]."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"], cwd=project,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(project)}, capture_output=True, text=True)
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    report["gpu_tests"] = {"seconds": round(time.perf_counter() - t0, 1), "exit_code": p.returncode, "summary": lines[-1] if lines else ""}
+    if p.returncode != 0:
+        report["failed"] = {"stage": "gpu tests", "exit_code": p.returncode, "log_tail": "\n".join(lines)[-3000:]}
+    return p.returncode == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_smoke", description=__doc__.split("\n\n")[0])
     ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (to test this script itself)")
-    ap.add_argument("--stages", default="", help="comma-separated stages (default: every stage of dvc.yaml, in its order)")
+    ap.add_argument("--stages", default="", help="comma-separated stages (default: every stage of dvc.yaml, in its order, then the "
+                    "tests marked gpu)")
     ap.add_argument("--recipe", default="default", help="a recipe of configs/recipes (its tiny overlay); default: configs/tiny.yaml")
     ap.add_argument("--backend", choices=["auto", "vllm", "transformers"], default="auto",
                     help="every engine's backend; auto = vllm where it is installed, else transformers")
@@ -146,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     project = copy_project(work / "project")
     (project / "params.yaml").write_text(yaml.safe_dump(smoke_params(args.recipe, backend == "vllm", model_dir), sort_keys=False))
     t0 = time.perf_counter()
-    ok = run_stages(project, stages, report)
+    if model_dir:  # the tests' base model (tests/conftest.py) without converting it again
+        shutil.copytree(model_dir, project / ".cache/test-models/base")
+    ok = run_stages(project, stages, report) and (bool(args.stages) or run_gpu_tests(project, report))
     report.update(ok=ok, total_s=round(time.perf_counter() - t0, 1))
     metrics = project / "reports/metrics.json"
     if metrics.is_file():

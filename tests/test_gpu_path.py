@@ -54,6 +54,7 @@ def test_rl_engine_sleeps_through_each_update_fake_gpu_engine(tiny_model_dir, tm
     assert [r["samples"] for r in records] == [4, 4] and (tmp_path / "asleep" / "out" / "model.safetensors").is_file()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs a CUDA GPU")
 def test_vllm_sleep_frees_gpu_memory_and_wakes_with_the_new_weights(base_model_dir):
     pytest.importorskip("vllm")
