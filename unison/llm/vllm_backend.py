@@ -13,7 +13,7 @@ class VLLMBackend:
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 2048, enforce_eager: bool = True,
                  seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None,
-                 gpu_memory_utilization: float = 0.85, max_num_seqs: int = 0):
+                 gpu_memory_utilization: float = 0.85, max_num_seqs: int = 0, sleep_mode: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no spawn guard needed
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
         import torch
@@ -32,6 +32,8 @@ class VLLMBackend:
             kwargs["max_num_seqs"] = max_num_seqs
         # on CPU the KV cache is kv_cache_gb and this is the share of RAM vLLM may reserve
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization if on_gpu else 0.4
+        if sleep_mode:  # CUDA/ROCm only: vllm-cpu raises "Sleep mode is not supported on current platform"
+            kwargs["enable_sleep_mode"] = True
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
@@ -46,8 +48,25 @@ class VLLMBackend:
     def sync(self, model) -> None:
         """Load a training model's current weights into the engine (RL: the policy after each update), then drop the
         prefix cache so no KV block computed with the old weights is reused. vLLM fuses qkv / gate_up itself."""
+        self._load_weights(model)
+        self.llm.reset_prefix_cache()
+
+    def _load_weights(self, model) -> None:
         weights = [(name, t.detach()) for name, t in model.state_dict().items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+
+    def sleep(self) -> None:
+        """Hand the GPU memory to the training policy: weights copied to CPU RAM, KV cache (and prefix cache) dropped
+        (vLLM sleep level 1; needs sleep_mode)."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self, model=None) -> None:
+        """Back from `sleep` for the next rollouts: the weights first; then `model`'s weights (the updated policy) loaded
+        into them before the KV cache is allocated again, so loading never competes with the cache for memory."""
+        self.llm.wake_up(tags=["weights"])
+        if model is not None:
+            self._load_weights(model)
+        self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
 
     def submit(self, requests: list[tuple[str, list[int], Sampling]]) -> None:

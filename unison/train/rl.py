@@ -25,7 +25,7 @@ from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .loop import Trainer, autocast, warmup_constant
 from .policy_loss import policy_loss, token_logprobs
 from .rewards import efficiency_rewards, judge_response, prmvr_token_rewards, returns_to_go, sigma_factor
-from .rollout import View, episode_view, make_rollout_backend, rollout, turn_views
+from .rollout import View, check_colocated_memory, engine_sleeps, episode_view, make_rollout_backend, rollout, turn_views
 from .sft import save_model
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -253,7 +253,12 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
     saved = trainer.load_checkpoint(checkpoint_dir)
     start, pos = (saved["rl_step"], saved["pos"]) if saved else (0, 0)  # pos: prompts of the curriculum drawn so far
     policy = trainer.unwrapped()
-    backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm, cfg.seed, cfg.rollout_batch_size) if trainer.is_main else None
+    sleeps = trainer.is_main and engine_sleeps(cfg.colocate, cfg.rollout_backend, torch.cuda.is_available())
+    if sleeps and not cfg.deepspeed_config:
+        check_colocated_memory(sum(p.numel() for p in policy.parameters()), llm.gpu_memory_utilization,
+                               torch.cuda.get_device_properties(trainer.device).total_memory, reference=ref is not None)
+    backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm, cfg.seed, cfg.rollout_batch_size,
+                                   sleep_mode=sleeps) if trainer.is_main else None
     if start and cfg.rollout_backend == "vllm" and trainer.is_main:
         backend.sync(policy)
     for step in range(start, cfg.steps):
@@ -263,14 +268,18 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         pos += rounds * cfg.prompts_per_step
         t2 = time.perf_counter()
         metrics = {}
+        if sleeps:
+            backend.sleep()
         if samples:
             attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision)
             if ref is not None:
                 attach_logprobs(ref, samples, "ref_logp", cfg, pad_id, trainer.device, trainer.precision)
             trainer.model.train()
             metrics = train_on(trainer, samples, cfg, pad_id, random.Random(f"{cfg.seed}/{step}"))
-            if cfg.rollout_backend == "vllm" and trainer.is_main:
-                backend.sync(policy)
+        if sleeps:
+            backend.wake_up(policy if samples else None)
+        elif samples and cfg.rollout_backend == "vllm" and trainer.is_main:
+            backend.sync(policy)
         times["train_s"] = time.perf_counter() - t2
         rec = step_record(step + 1, rows_seen, episodes, rewards, metrics, kept, len(samples), times, trainer.sched.get_last_lr()[0])
         rec["rollout_rounds"] = rounds

