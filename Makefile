@@ -113,6 +113,7 @@ bench: setup
 	$(PY) -m bench.bench_methods
 	$(PY) -m bench.bench_train
 	$(PY) -m bench.bench_index
+	$(PY) -m bench.bench_ray
 
 clean:
 	rm -rf data models reports mlruns mlflow.db .prefect .unison .dvc/cache .dvc/tmp
