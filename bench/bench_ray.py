@@ -17,11 +17,11 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -31,29 +31,40 @@ REPORT = Path("reports/bench/ray.json")
 RAY = str(Path(sys.executable).parent / "ray")
 
 
-def ray_start(*args: str, ports: int) -> int:
+def ray_start(*args: str, ports: int, tries: int = 2) -> int:
     """`ray start` on 127.0.0.1 with its ports from `ports` up (never Ray's defaults, so another Ray on the machine keeps
-    working), in a new process group that its daemons stay in; the group id, for `stop_cluster`."""
+    working), in a new process group that its daemons stay in; the group id, for `stop_cluster`. A node whose raylet
+    does not register within Ray's fixed 30 s (a loaded 2-core machine) is killed, daemons and all, and started again."""
     own = ["--min-worker-port", str(ports), "--max-worker-port", str(ports + 99), "--node-manager-port", str(ports + 100),
            "--object-manager-port", str(ports + 101), "--dashboard-agent-listen-port", str(ports + 102),
            "--dashboard-agent-grpc-port", str(ports + 103), "--metrics-export-port", str(ports + 104),
            "--runtime-env-agent-port", str(ports + 105), "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
-    p = subprocess.Popen([RAY, "start", *args, *own], start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, _ = p.communicate(timeout=180)
-    if p.returncode:
-        raise RuntimeError(f"ray start {' '.join(args)} failed:\n{out[-3000:]}")
-    return p.pid
+    for _ in range(tries):
+        p = subprocess.Popen([RAY, "start", *args, *own], start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+        out, _ = p.communicate(timeout=180)
+        if not p.returncode:
+            return p.pid
+        kill_group(p.pid)
+    raise RuntimeError(f"ray start {' '.join(args)} failed {tries} times; the last:\n{out[-3000:]}")
+
+
+def kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def start_cluster(port: int, temp: Path, workers: list[int], ports: int = 27000) -> list[int]:
     """A head with no CPUs (the driver's node) at 127.0.0.1:`port` and one worker node per entry of `workers` (its
-    CPUs), started together; their process groups (a cluster that fails to start is stopped)."""
+    CPUs), started one after another (two raylets registering at once on 2 cores can pass Ray's 30 s); their process
+    groups (a cluster that fails to start is stopped)."""
     groups = [ray_start("--head", "--port", str(port), "--ray-client-server-port", str(port + 1), "--temp-dir", str(temp),
                         "--num-cpus", "0", "--include-dashboard", "false", ports=ports)]
     try:
-        with ThreadPoolExecutor(len(workers)) as pool:
-            groups += pool.map(lambda k: ray_start("--address", f"127.0.0.1:{port}", "--num-cpus", str(workers[k]),
-                                                   ports=ports + 200 * (k + 1)), range(len(workers)))
+        for k, cpus in enumerate(workers):
+            groups.append(ray_start("--address", f"127.0.0.1:{port}", "--num-cpus", str(cpus), ports=ports + 200 * (k + 1)))
     except BaseException:
         stop_cluster(groups, temp)
         raise
