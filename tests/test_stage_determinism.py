@@ -39,7 +39,7 @@ def project(tmp_path, monkeypatch, tiny_model_dir):
         shutil.copytree(tiny_model_dir, tmp_path / "models" / name)
     monkeypatch.chdir(tmp_path)
     write_table(QUESTIONS, "data/raw/train.parquet", QUESTION)
-    monkeypatch.setattr("unison.agents.generation.make_toolbox", lambda params: Toolbox(CorpusRetriever()))
+    monkeypatch.setattr("unison.agents.cluster.make_toolbox", lambda params: Toolbox(CorpusRetriever()))
     monkeypatch.setattr("unison.agents.wiring.make_toolbox", lambda params: Toolbox(CorpusRetriever()))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
