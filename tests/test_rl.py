@@ -36,10 +36,16 @@ def make_rows(n: int = 2, stages=(1, 2)) -> list[dict]:
 @pytest.fixture(scope="module")
 def answerer(tiny_model_dir, tmp_path_factory):
     """The tiny model after SFT on two answers to the same prompt (so it samples either)."""
+    return teach_two_answers(tiny_model_dir, tmp_path_factory.mktemp("answerer"))
+
+
+def teach_two_answers(model_dir, path):
+    """`model_dir` after a few seconds of SFT on "<answer>Paris</answer>" and "<answer>Rome</answer>" to QUESTION, saved
+    to `path`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     prompt = chat_prompt(tok, question_messages(QUESTION))
     seqs = [prompt + tok(f"<answer>{a}</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for a in ("Paris", "Rome")]
     ids = torch.tensor(seqs)
@@ -52,7 +58,6 @@ def answerer(tiny_model_dir, tmp_path_factory):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    path = tmp_path_factory.mktemp("answerer")
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

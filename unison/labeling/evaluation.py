@@ -16,13 +16,13 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
-from ..agents.cluster import Engine, Replicas, engine_or_replicas, rollouts, system_context
+from ..agents.cluster import Replicas, engine_or_replicas, load_engine, rollouts, system_context
 from ..agents.methods import run_method
-from ..agents.wiring import fault_counters, make_role_backends, make_toolbox
+from ..agents.wiring import fault_counters, make_toolbox
 from ..config import LabelConfig, Params
 from ..judge.answers import judged_answer
 from ..judge.stats import auc
-from ..llm import TEACHER_DIR, student_backend, teacher_backend, teacher_id
+from ..llm import TEACHER_DIR, teacher_id
 from ..protocol import normalize_answer
 from .judging import label_rows, make_judge
 from .metrics import scoring_params, system_metrics
@@ -166,8 +166,7 @@ def run_systems(params: Params, systems: list[tuple[str, str, float]], questions
                 engine = None  # free the engine before the next one starts
                 gc.collect()
                 engine = (engine_or_replicas(params, model_dir, teacher) if toolbox is None else
-                          Engine(params, teacher_backend(params) if teacher else student_backend(model_dir, params), toolbox,
-                                 make_role_backends(params) if teacher else {}))
+                          load_engine(params, model_dir, teacher, toolbox))
                 loaded = model_dir
             print(f"evaluate: {name} ({params.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()

