@@ -137,6 +137,19 @@ def test_a_request_decoded_alone_equals_the_same_request_beside_others(ctx_facto
     assert backend.companion is None and not backend.live  # nothing left running
 
 
+def test_an_engine_beside_another_engine_stays_in_process(ctx_factory):
+    """The module's engine made vLLM's world of 1 in this process: the next engine (evaluate loads several) is not
+    mistaken for a rank of a launched run, which would put it in a process of its own (slower; tests/test_distributed
+    covers that case)."""
+    import torch
+
+    from unison.llm.vllm_backend import in_launched_run
+
+    backend = ctx_factory("single").backend
+    assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
+    assert not backend.own_process and not in_launched_run()
+
+
 def test_bench_engine_counter_measures_what_vllm_computed(ctx_factory):
     """bench_rollout's EngineCounter on the real engine: a cold prompt is computed whole, the same prompt again only
     after its cached whole blocks (32 tokens each), and each request computes its generated tokens but the last."""

@@ -28,9 +28,7 @@ class VLLMBackend:
                  gpu_memory_utilization: float = 0.85, max_num_seqs: int = 0, sleep_mode: bool = False):
         import torch
 
-        # in a launched training run (rl on train.num_processes > 1, rank 0 rolling out) an in-process engine would build
-        # its groups over the launch's process group and wait for the other ranks forever: it gets a process of its own
-        self.own_process = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.own_process = in_launched_run()
         if self.own_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"], os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "1", "spawn"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no spawn guard needed
@@ -175,6 +173,17 @@ class VLLMBackend:
         n = len(os.path.commonprefix(prompts))
         if n >= self.block_size:
             self.llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:n])], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def in_launched_run() -> bool:
+    """Whether this process is a rank of a launched training run (rl on train.num_processes > 1, rank 0 rolling out).
+    An in-process engine there would build its groups over the launch's process group and wait for the other ranks
+    forever, so it gets a process of its own. A world of 1 is the one an earlier in-process engine made (evaluate loads
+    several): the next engine shares it, as it always did."""
+    import torch
+
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @contextlib.contextmanager
