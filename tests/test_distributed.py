@@ -57,11 +57,16 @@ def project(tmp_path, monkeypatch, tiny_model_dir, tracking_uri, request):
         r["student"][1]["content"] = r["question"] = f"Where was person {r['question_id']} born?"
         r["steps"], r["step_labels"] = ["<search>Zorvan Kelt</search>", r["student"][-1]["content"]], [1.0, float(r["correct"])]
     write_table(rows, tmp_path / "data/labeled/train.parquet", LABELED)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
-    monkeypatch.setenv("UNISON_EXPERIMENT", request.node.name)
-    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
+    enter_project(tmp_path, monkeypatch, tracking_uri, request.node.name)
     return tmp_path
+
+
+def enter_project(path: Path, monkeypatch, tracking_uri: str, experiment: str) -> None:
+    """`path` as cwd, logging to an MLflow experiment of its own, outside any parent run."""
+    monkeypatch.chdir(path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    monkeypatch.setenv("UNISON_EXPERIMENT", experiment)
+    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
 
 
 def set_train(project: Path, **train) -> None:
@@ -151,10 +156,7 @@ def test_two_processes_give_the_one_process_rl_curve(tmp_path, monkeypatch, answ
     write_table(make_rows(4, stages=(1,)), tmp_path / "data/rl/stage1.parquet", RL_ROW)
     write_table([{"id": "p0", "title": "Paris", "text": "Paris is the capital of France."}], tmp_path / "corpus.parquet", CORPUS)
     build_index(tmp_path / "corpus.parquet", tmp_path / "data/index", encoder="hash:64")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
-    monkeypatch.setenv("UNISON_EXPERIMENT", request.node.name)
-    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
+    enter_project(tmp_path, monkeypatch, tracking_uri, request.node.name)
 
     rl.main()
     one, one_json = loss_csv("rl"), json.loads(Path("reports/rl.json").read_text())
@@ -174,7 +176,8 @@ def test_two_processes_give_the_one_process_rl_curve(tmp_path, monkeypatch, answ
         assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=LOSS_RTOL, abs=1e-6), (one, two)
         assert float(b["grad_norm"]) == pytest.approx(float(a["grad_norm"]), rel=GRAD_NORM_RTOL), (one, two)
     assert json.loads(Path("reports/rl.json").read_text())["final_reward"] == one_json["final_reward"]
-    assert Path("models/rl/config.json").exists() and out.count("rl: ") >= 1
+    assert Path("models/rl/config.json").exists()
+    assert out.count("rl step 2/2 ") == 1  # the progress line: rank 0 only
 
 
 def test_the_launch_command_for_processes_deepspeed_and_a_hostfile(tmp_path):
