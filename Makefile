@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
-.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke
+.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke runner-setup apparmor-bwrap
 
 setup: $(STAMP)
 
@@ -72,6 +72,36 @@ pull: remote
 
 push: remote  # this workspace's outputs and its run cache to the DVC remote, for other machines and CI
 	@if [ -n "$$(dvc remote list)" ]; then dvc push --run-cache; else echo "make push: no DVC remote configured; nothing pushed"; fi
+
+# GitHub's ubuntu-24.04 runner, as root for the user who runs the pipeline (`sudo make runner-setup`): bubblewrap, its
+# AppArmor profile (24.04 refuses user namespaces to unconfined programs), and that user's systemd manager, lingering so it
+# runs without a login, with the memory, pids and cpu controllers delegated: unison asks it for the sandbox's cgroups
+# (XDG_RUNTIME_DIR=/run/user/UID reaches its bus). Without systemd as PID 1 (a container) that last part is skipped.
+DELEGATE := /etc/systemd/system/user@.service.d/delegate.conf
+runner-setup:
+	@test "$$(id -u)" = 0 || { echo "make runner-setup: run it as root: sudo make runner-setup"; exit 1; }
+	command -v bwrap >/dev/null || { apt-get update -q && apt-get install -y -q bubblewrap; } >/dev/null
+	$(MAKE) apparmor-bwrap
+	@set -euo pipefail; if [ ! -d /run/systemd/system ]; then \
+	  echo "make runner-setup: systemd is not PID 1 here: no user manager to delegate cgroups (skipped)"; exit 0; fi; \
+	user=$${SUDO_USER:?make runner-setup: run it through sudo, as the user who runs the pipeline}; uid=$$(id -u "$$user"); \
+	mkdir -p "$(dir $(DELEGATE))" && printf '[Service]\nDelegate=cpu cpuset io memory pids\n' > "$(DELEGATE)"; \
+	systemctl daemon-reload && loginctl enable-linger "$$user"; \
+	for _ in $$(seq 60); do [ -S "/run/user/$$uid/bus" ] && break; sleep 1; done; \
+	[ -S "/run/user/$$uid/bus" ] || { echo "make runner-setup: $$user's systemd manager did not start (/run/user/$$uid/bus)"; exit 1; }; \
+	delegated=/sys/fs/cgroup/user.slice/user-$$uid.slice/user@$$uid.service/cgroup.controllers; \
+	for c in memory pids cpu; do grep -qw $$c "$$delegated" || { echo "make runner-setup: $$delegated lacks $$c"; exit 1; }; done; \
+	echo "make runner-setup: $$user's systemd manager (/run/user/$$uid/bus) delegates $$(cat "$$delegated")"
+
+# Ubuntu 24.04+ (kernel.apparmor_restrict_unprivileged_userns=1) refuses user namespaces to an unprivileged bwrap without
+# an AppArmor profile allowing them: `sudo make apparmor-bwrap` loads unison/tools/bwrap.apparmor for this machine's bwrap.
+# No dependency on setup: it runs as root, and a root-owned .venv would break the user's later make.
+apparmor-bwrap:
+	@test "$$(id -u)" = 0 || { echo "make apparmor-bwrap: run it as root: sudo make apparmor-bwrap"; exit 1; }
+	@set -euo pipefail; bwrap=$$(command -v bwrap) || { echo "make apparmor-bwrap: bwrap is not on PATH"; exit 1; }; \
+	sed "s|@BWRAP@|$$bwrap|" unison/tools/bwrap.apparmor > /etc/apparmor.d/unison-bwrap; \
+	apparmor_parser -r /etc/apparmor.d/unison-bwrap; \
+	echo "make apparmor-bwrap: /etc/apparmor.d/unison-bwrap loaded: $$bwrap may make user namespaces"
 
 # `make diff BASE=origin/main`: params and metrics of this workspace against BASE, as Markdown (CI's job summary). BASE's
 # metrics are not in git (reports/ is ignored), so BASE is reproduced first in a temporary worktree that shares this

@@ -5,13 +5,10 @@ so, quickly, so the DAG stays the same whether or not DPO runs.
 """
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
 from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import atomic_dir, write_json
-from unison.train.dpo import load_pairs, pair_views, train_dpo
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import resolve_precision, write_records_csv
 
@@ -35,6 +32,10 @@ def main() -> None:
             write_json({"enabled": False}, "reports/dpo.json")
             print("dpo: disabled (dpo.enabled: false); wrote the marker models/dpo/dpo.json", flush=True)
             return
+        from transformers import AutoTokenizer  # only when enabled: the marker above is the demo's ~10 s stage otherwise
+
+        from unison.train.dpo import load_pairs, pair_views, train_dpo
+
         pairs = load_pairs(LABELED_PATH, cfg.max_pairs_per_question)
         views, stats = pair_views(AutoTokenizer.from_pretrained(START), pairs, cfg.max_length)
         print(f"dpo: {stats['pairs']} pairs from {stats['questions']} questions", flush=True)

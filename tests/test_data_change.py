@@ -131,11 +131,14 @@ def test_the_workflow_reruns_on_data_params_and_configs_and_runs_only_makefile_t
     triggers = workflow[True]  # YAML 1.1 reads the key `on` as true
     for event in ("pull_request", "push"):
         assert {"**.dvc", "params.yaml", "configs/**", "imports/**"} <= set(triggers[event]["paths"])
-    steps = [step for job in workflow["jobs"].values() for step in job["steps"]]
+    job = workflow["jobs"]["reproduce"]
+    assert job["runs-on"] == "ubuntu-24.04" and job["env"]["XDG_RUNTIME_DIR"] == "/run/user/1001"  # the runner user's bus
+    steps = job["steps"]
     commands = [line.strip() for step in steps if "run" in step for line in step["run"].splitlines() if line.strip()]
-    targets = [command.split()[1] for command in commands]
-    assert all(command.startswith("make ") for command in commands) and set(targets) <= make_targets()
-    assert targets == ["setup", "pull", "demo", "push", "diff"]
+    targets = [command.removeprefix("sudo ").split()[1] for command in commands]
+    assert all(command.removeprefix("sudo ").startswith("make ") for command in commands) and set(targets) <= make_targets()
+    assert targets == ["runner-setup", "setup", "pull", "demo", "push", "diff"]
+    assert [command for command in commands if command.startswith("sudo ")] == ["sudo make runner-setup"]
     assert next(step for step in steps if step.get("run") == "make push")["if"] == "github.event_name == 'push'"
     assert commands[-1].endswith('>> "$GITHUB_STEP_SUMMARY"')
     checkout = next(step for step in steps if step.get("uses", "").startswith("actions/checkout@"))
@@ -144,5 +147,29 @@ def test_the_workflow_reruns_on_data_params_and_configs_and_runs_only_makefile_t
     recipe = makefile[makefile.index("\ndiff:"):]
     assert "dvc metrics diff --md" in recipe and "dvc params diff --md" in recipe
     assert "$(VENV)/bin/dvc repro" in makefile[makefile.index("\ndemo:"):]
+    runner_setup = makefile[makefile.index("\nrunner-setup:"):]
+    assert "$(MAKE) apparmor-bwrap" in runner_setup and "Delegate=cpu cpuset io memory pids" in runner_setup
+    assert 'loginctl enable-linger "$$user"' in runner_setup and "/run/user/$$uid/bus" in runner_setup
     readme = (ROOT / "README.md").read_text()
     assert "make diff" in readme and ".github/workflows/data-change.yml" in readme
+
+
+def test_every_code_folder_in_dvc_lock_counts_only_what_git_tracks():
+    """A fresh clone hashes a stage's code folders as git holds them: Python's caches (__pycache__, *.pyc) are in
+    .dvcignore, so the committed lock's file counts equal the tracked files and `dvc status` agrees with it."""
+    lock = yaml.safe_load((ROOT / "dvc.lock").read_text())
+    tracked_dirs = checked = 0
+    for name, stage in lock["stages"].items():
+        for dep in stage.get("deps", []):
+            if "nfiles" not in dep:
+                continue
+            files = subprocess.run(["git", "ls-files", "--", dep["path"]], cwd=ROOT, capture_output=True, text=True,
+                                   check=True).stdout.split()
+            if not files:  # data and models: DVC's outputs, not git's
+                continue
+            tracked_dirs += 1
+            assert dep["nfiles"] == len(files), f"dvc.lock stage {name}: {dep['path']} counts {dep['nfiles']} files, git tracks {len(files)}"
+            checked += 1
+    assert tracked_dirs >= 5 and checked == tracked_dirs
+    ignored = (ROOT / ".dvcignore").read_text().split()
+    assert "__pycache__/" in ignored and "*.pyc" in ignored

@@ -163,3 +163,43 @@ def test_bench_engine_counter_measures_what_vllm_computed(ctx_factory):
     warm = run_plain(llm, counter, [prompt], max_tokens=5, temperature=0.0, top_p=1.0)
     assert (cold["computed_tokens"], cold["prompt_tokens_computed"], cold["preemptions"]) == (74, 70, 0)
     assert (warm["computed_tokens"], warm["prompt_tokens_computed"]) == (10, 6)
+
+
+def test_an_engine_switched_to_a_student_answers_as_the_students_own_engine(ctx_factory, base_model_dir, tmp_path):
+    """evaluate serves each model of one shape on one engine (VLLMBackend.serve swaps the weights in): the switched
+    engine's greedy tokens equal a fresh engine's on the student, differ from the base's, and come back after switching
+    back. A model of another shape is refused."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from unison.llm.base import Sampling
+    from unison.llm.vllm_backend import SHAPE_FILES, VLLMBackend
+
+    student = tmp_path / "student"
+    model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.model.layers[-1].parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # a "trained" student: the same shape, other weights
+    model.save_pretrained(student)
+    for name in SHAPE_FILES[1:]:
+        if (base_model_dir / name).exists():
+            shutil.copy(base_model_dir / name, student / name)
+    backend = ctx_factory("single").backend
+    prompts = [backend.tokenizer(q["question"])["input_ids"] for q in QUESTIONS]
+    greedy = [Sampling(temperature=0.0, max_tokens=24)] * len(prompts)
+    tokens = lambda b: [c.token_ids for c in b.generate(prompts, greedy)]
+    base_tokens = tokens(backend)
+    assert backend.can_serve(str(student)) and not backend.can_serve(str(tmp_path))  # no config there
+    try:
+        backend.serve(str(student))
+        switched_tokens = tokens(backend)
+    finally:
+        backend.serve(str(base_model_dir))
+    assert tokens(backend) == base_tokens and backend.model_dir == str(base_model_dir)
+    # last: a second engine, once freed, takes vLLM's process-wide parallel groups with it (evaluate frees one engine
+    # before it starts the next, so it never meets this); no test of this module may use its engine after this one
+    own = VLLMBackend(str(student), max_model_len=2048, block_size=32)
+    assert switched_tokens == tokens(own) != base_tokens

@@ -366,7 +366,7 @@ class EvaluateConfig(Section):
     temperature: float = Field(0.0)
     bootstrap: int = Field(1000)
     teacher: bool = Field(True)
-    rerank_samples: int = Field(4, description='prm_rerank: SFT-student samples per question, the PRM keeps one; <= 1 = skip that system')
+    rerank_samples: int = Field(1, description='prm_rerank: SFT-student samples per question, the PRM keeps one; <= 1 = skip that system')
     rerank_temperature: float = Field(0.7)
     first_only: bool | None = Field(None, description='`a | b` answers when scoring: null = label.first_only; true = the first item only (GAP eval)')
     engine_per_process: bool | Literal['auto'] = Field('auto', description='each model\'s engine in its own process, which gives all its GPU memory back when it exits; auto = on CUDA only (on CPU a child costs ~10 s of imports and toolbox per engine); same rows either way')
@@ -420,7 +420,7 @@ class RLConfig(Section):
 
 
 class FlywheelConfig(Section):
-    rounds: int = Field(1, description="round k's teacher: round k-1's last student under generate.method + scaffold; its correct train trajectories fine-tune a new student from models/base (sft.*); 0 = off")
+    rounds: int = Field(0, description="round k's teacher: round k-1's last student under generate.method + scaffold; its correct train trajectories fine-tune a new student from models/base (sft.*); 0 = off")
     sft_epochs: int = Field(2, ge=0, description="epochs of a round's student over its round's trajectories (the other settings are sft.*); a round's teacher gets about twice round 0's right, so 2 keeps the optimiser steps near round 0's (sft.epochs 4); 0 = sft.epochs")
 
 

@@ -2,17 +2,22 @@
 inside it that bounds the run as a whole (memory of all its processes, memfd, shared memory and tmpfs; processes; CPU).
 
 cgroup v2 where /sys/fs/cgroup is the unified hierarchy, else cgroup v1 (the memory, pids and cpu hierarchies). Under v1
-the cgroups nest in this process's own; under v2 (where a cgroup with processes cannot have controlled children) they
-sit beside it, or in the root. UNISON_CGROUP_ROOT points the detection elsewhere (the tests use it to take cgroups away).
+the cgroups nest in this process's own (root's, or one delegated to its user). Under v2 a cgroup with processes cannot
+have controlled children: as root they sit beside this process's cgroup, or in the root; as another user they go in the
+cgroup delegated to it, whose processes first move to a leaf (STAGE_LEAF) beside them, and where it has none, systemd is
+asked for one (a transient scope with Delegate=yes). UNISON_CGROUP_ROOT points the detection elsewhere (the tests use it
+to take cgroups away).
 """
 from __future__ import annotations
 
 import atexit
 import itertools
 import os
+import pwd
 import shlex
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
@@ -20,14 +25,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path(os.environ.get("UNISON_CGROUP_ROOT", "/sys/fs/cgroup"))
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+SYSTEMD_BOOTED = Path("/run/systemd/system")  # exists when systemd is PID 1 (sd_booted)
 CONTROLLERS = ("memory", "pids", "cpu")
 CPU_PERIOD_US = 100_000
 PARENT_PREFIX = "unison-sandbox-"  # + the stage process's pid namespace and pid
+STAGE_LEAF = "unison-stage"  # v2, not root: where the delegated cgroup's processes move, beside the runs' parent
+SCOPE_WAIT_S = 10.0  # how long systemd may take to move this process into the scope it asked for
+GENERIC_FIX = "give this process a writable cgroup (run it as root, or in a cgroup subtree delegated to its user)"
+USER_MANAGER_FIX = ("as root, let every user's systemd manager delegate them: `sudo mkdir -p /etc/systemd/system/user@.service.d "
+                    "&& printf '[Service]\\nDelegate=cpu cpuset io memory pids\\n' | sudo tee "
+                    "/etc/systemd/system/user@.service.d/delegate.conf && sudo systemctl daemon-reload`, then log in again")
 _run_numbers = itertools.count()
 
 
 class CgroupUnavailable(RuntimeError):
-    """No cgroup with the memory, pids and cpu controllers can be made here; the message says why."""
+    """No cgroup with the memory, pids and cpu controllers can be made here; the message says why, `fix` what to do."""
+
+    def __init__(self, why: str, fix: str = GENERIC_FIX):
+        super().__init__(why)
+        self.fix = fix
 
 
 @dataclass(frozen=True)
@@ -70,20 +87,32 @@ def create_parent() -> Cgroup:
             remove_tree(parent)
         if isinstance(e, CgroupUnavailable):
             raise
-        raise CgroupUnavailable(f"cannot make a cgroup v{version} under {', '.join(map(str, bases))}: {e}") from None
+        where = f"cgroup v{version} under {', '.join(map(str, bases))}"
+        if isinstance(e, PermissionError) and version == 1 and os.geteuid() != 0:
+            raise CgroupUnavailable(f"cannot make a {where}: {_user()} has no cgroup v1 delegated to it ({e})",
+                                    _v1_delegation_fix()) from None
+        raise CgroupUnavailable(f"cannot make a {where}: {e}") from None
     atexit.register(remove_tree, parent)
     return parent
 
 
-def _bases() -> tuple[int, tuple[Path, ...]]:
-    """(version, the dirs to make the parent cgroup in): v2 one dir, v1 one per controller."""
-    own = {}  # controller ("" for v2) -> this process's cgroup path
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+def own_cgroups(proc_self_cgroup: str) -> dict[str, str]:
+    """controller ("" for v2) -> this process's cgroup path (relative), from the text of /proc/self/cgroup."""
+    own = {}
+    for line in proc_self_cgroup.splitlines():
         _, controllers, path = line.split(":", 2)
         for controller in controllers.split(","):
             own[controller] = path.strip("/")
+    return own
+
+
+def _bases() -> tuple[int, tuple[Path, ...]]:
+    """(version, the dirs to make the parent cgroup in): v2 one dir, v1 one per controller."""
+    own = own_cgroups(PROC_SELF_CGROUP.read_text())
     if (CGROUP_ROOT / "cgroup.controllers").is_file():
         mine = CGROUP_ROOT / own.get("", "")
+        if os.geteuid() != 0:
+            return 2, (_delegated_v2(mine),)
         return 2, (mine if mine == CGROUP_ROOT else mine.parent,)
     missing = [c for c in CONTROLLERS if not (CGROUP_ROOT / c / "cgroup.procs").is_file()]
     if missing:
@@ -91,6 +120,105 @@ def _bases() -> tuple[int, tuple[Path, ...]]:
     # in a container the paths in /proc/self/cgroup can be the host's: then the hierarchy's root is this process's own
     mine = [CGROUP_ROOT / c / own.get(c, "") for c in CONTROLLERS]
     return 1, tuple(d if d.is_dir() else CGROUP_ROOT / c for d, c in zip(mine, CONTROLLERS))
+
+
+def _delegated_v2(mine: Path) -> Path:
+    """v2, not root: the cgroup delegated to this process's user that it sits in (asking systemd for one where there is
+    none), its processes moved to a leaf beside where the runs' parent will go."""
+    if mine.name == STAGE_LEAF and _writable(mine.parent):  # moved there by an earlier stage process
+        return mine.parent
+    if not _writable(mine):
+        mine = _systemd_scope(mine)
+    missing = set(CONTROLLERS) - set((mine / "cgroup.controllers").read_text().split())
+    if missing:
+        fix = (USER_MANAGER_FIX if "/user@" in str(mine) else
+               f"as root, enable them in {mine.parent}/cgroup.subtree_control: `echo '+memory +pids +cpu' | sudo tee "
+               f"{mine.parent}/cgroup.subtree_control`")
+        raise CgroupUnavailable(f"cgroup v2 controllers {', '.join(sorted(missing))} are not delegated to {mine}, the "
+                                f"cgroup of {_user()}", fix)
+    leaf = mine / STAGE_LEAF
+    try:
+        leaf.mkdir(exist_ok=True)
+        for _ in range(100):  # until no process is left in `mine` (those of the stage's shell, make, dvc included)
+            if not (pids := (mine / "cgroup.procs").read_text().split()):
+                break
+            for pid in pids:
+                with suppress(ProcessLookupError):  # exited meanwhile
+                    _write(leaf / "cgroup.procs", pid)
+        _write(mine / "cgroup.subtree_control", " ".join(f"+{c}" for c in CONTROLLERS))
+    except OSError as e:
+        raise CgroupUnavailable(f"cannot move the processes of {mine}, the cgroup delegated to {_user()}, into "
+                                f"{leaf} and enable its controllers: {e}") from None
+    return mine
+
+
+def _writable(cgroup: Path) -> bool:
+    """This process may make cgroups in `cgroup` and move processes into it."""
+    return os.access(cgroup, os.W_OK) and os.access(cgroup / "cgroup.procs", os.W_OK)
+
+
+def _systemd_scope(mine: Path) -> Path:
+    """Ask the user's systemd manager for a transient scope with Delegate=yes holding this process; its cgroup."""
+    uid = os.getuid()
+    if not SYSTEMD_BOOTED.is_dir():
+        delegated = CGROUP_ROOT / f"unison-{_user_name()}"
+        raise CgroupUnavailable(
+            f"cgroup v2 without systemd, and {_user()} has no cgroup delegated to it ({mine} is not writable)",
+            f"as root, delegate one to it: `sudo sh -c 'mkdir -p {delegated} && chown {uid} {delegated} "
+            f"{delegated}/cgroup.procs {delegated}/cgroup.threads {delegated}/cgroup.subtree_control && "
+            f"echo +memory +pids +cpu > {CGROUP_ROOT}/cgroup.subtree_control'`, then start the stage from a shell moved "
+            f"into it: `echo $$ | sudo tee {delegated}/cgroup.procs`")
+    env = dict(os.environ)
+    if "DBUS_SESSION_BUS_ADDRESS" not in env:  # busctl --user looks for $XDG_RUNTIME_DIR/bus
+        env.setdefault("XDG_RUNTIME_DIR", f"/run/user/{uid}")
+        if not Path(env["XDG_RUNTIME_DIR"], "bus").exists():
+            raise CgroupUnavailable(
+                f"cgroup v2 under systemd; {_user()} has no writable cgroup ({mine}) and no systemd user manager to ask "
+                f"for one (no user bus at {env['XDG_RUNTIME_DIR']}/bus)",
+                f"`sudo loginctl enable-linger {_user_name()}` (starts its systemd user manager, and keeps it running), "
+                "or start the stage from a login session (ssh, a desktop)")
+    unit = f"unison-{os.getpid()}.scope"
+    fix = "start the stage under `systemd-run --user --scope -p Delegate=yes <command>`"
+    try:
+        asked = subprocess.run(scope_command(os.getpid()), env=env, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CgroupUnavailable(f"cgroup v2 under systemd; {_user()} has no writable cgroup ({mine}) and asking its "
+                                f"systemd user manager for one (busctl) failed: {e}", fix) from None
+    if asked.returncode != 0:
+        raise CgroupUnavailable(f"cgroup v2 under systemd; {_user()} has no writable cgroup ({mine}) and its systemd "
+                                f"user manager did not start the scope {unit}: {asked.stderr.strip()}", fix)
+    give_up = time.monotonic() + SCOPE_WAIT_S
+    while not (scope := own_cgroups(PROC_SELF_CGROUP.read_text()).get("", "")).endswith(f"/{unit}"):
+        if time.monotonic() > give_up:
+            raise CgroupUnavailable(f"cgroup v2 under systemd: asked the systemd user manager of {_user()} for the scope "
+                                    f"{unit}, and this process was not in it after {SCOPE_WAIT_S:g} s", fix)
+        time.sleep(0.01)
+    return CGROUP_ROOT / scope
+
+
+def scope_command(pid: int) -> list[str]:
+    """busctl asking the user's systemd manager for a transient scope unison-PID.scope with Delegate=yes holding `pid`."""
+    return [shutil.which("busctl") or "busctl", "--user", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+            "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))", f"unison-{pid}.scope", "fail",
+            "2", "PIDs", "au", "1", str(pid), "Delegate", "b", "true", "0"]
+
+
+def _v1_delegation_fix() -> str:
+    """The commands that delegate a cgroup v1 subtree to this process's user, and move a shell into it."""
+    dirs = f"{CGROUP_ROOT}/$c/unison-{_user_name()}"
+    return (f"as root, delegate one to it: `sudo sh -c 'for c in {' '.join(CONTROLLERS)}; do mkdir -p {dirs} && chown "
+            f"{os.getuid()} {dirs} {dirs}/cgroup.procs; done'`, then start the stage from a shell moved into it: "
+            f"`for c in {' '.join(CONTROLLERS)}; do echo $$ > {dirs}/cgroup.procs; done`")
+
+
+def _user_name() -> str:
+    with suppress(KeyError):
+        return pwd.getpwuid(os.getuid()).pw_name
+    return str(os.getuid())
+
+
+def _user() -> str:
+    return f"user {_user_name()} (uid {os.getuid()})"
 
 
 def set_memory(cgroup: Cgroup, memory_mb: int) -> None:

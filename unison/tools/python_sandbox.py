@@ -17,7 +17,8 @@ Isolation layers, outermost first:
    host's 127.0.0.1 is out of reach.
 4. An unprivileged user. When the caller is root, the code runs as a uid of its own (one per concurrent run,
    taken from UID_POOL under a lock file, so one run's processes never count against another's NPROC) with no
-   capabilities and no_new_privs. A non-root caller's code runs as the caller inside a user namespace.
+   capabilities and no_new_privs. A non-root caller's code runs as the caller inside a user namespace, and may make
+   none of its own (bwrap --disable-userns): its uid owns the run's cgroups, which it could then mount and lift.
 5. A wall-clock timeout. Every process of a timed-out run is killed (by cgroup, and by uid, else bwrap's process
    group), and the pid namespace dies with its first process, so nothing the code forked outlives the call.
 
@@ -51,6 +52,8 @@ NPROC_LIMIT = 32  # per run: the cgroup's pids.max (bwrap's own 2 processes incl
 SANDBOX_CPUS = 1  # per run: the cgroup's CPU quota
 UID_POOL = range(2_000_000_000, 2_000_000_064)  # used only when the caller is root
 LOCK_DIR = Path(tempfile.gettempdir()) / "unison-sandbox-uids"
+APPARMOR_USERNS_SYSCTL = Path("/proc/sys/kernel/apparmor_restrict_unprivileged_userns")  # 1 on Ubuntu 24.04+
+BWRAP_APPARMOR_PROFILE = Path(__file__).with_name("bwrap.apparmor")  # @BWRAP@ stands for bwrap's path
 SANDBOX_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
     "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",  # threads count as processes
@@ -106,16 +109,28 @@ def start_sandbox(isolation: str = "strict", memory_mb: int = 512, total_memory_
             try:
                 runs_cgroup = _parent_cgroup()
                 cgroups.set_memory(runs_cgroup, total_memory_mb)
+                if runs_cgroup.version == 1 and os.geteuid() != 0 and not _bwrap_disables_userns():
+                    raise cgroups.CgroupUnavailable(
+                        f"{shutil.which('bwrap')} lacks --disable-userns (bubblewrap 0.8 and later have it): under cgroup "
+                        "v1 the code, running as this user, could make a user namespace of its own, mount its run's "
+                        "cgroups and raise their limits", "install bubblewrap 0.8 or later, or run the stage as root")
             except (cgroups.CgroupUnavailable, OSError) as e:
                 raise SandboxUnavailable(
                     f"python sandbox: {e}. With tools.sandbox_isolation: strict (the default) each run is bounded as a whole by a "
-                    "cgroup (memory of all its processes, memfd, shared memory and /tmp; processes; CPU). Give this "
-                    "process a writable cgroup (root, or a delegated cgroup v2 subtree, e.g. under `systemd-run --user "
-                    "--scope -p Delegate=yes`), or set tools.sandbox_isolation: rlimits to accept per-process limits "
-                    "only (weaker: one run can then hold many times python_memory_mb)") from None
+                    "cgroup (memory of all its processes, memfd, shared memory and /tmp; processes; CPU). To fix it, "
+                    f"{getattr(e, 'fix', cgroups.GENERIC_FIX)}; or set tools.sandbox_isolation: rlimits to accept "
+                    "per-process limits only (weaker: one run can then hold many times python_memory_mb)") from None
         probe = _run("print('ok')", 30, memory_mb, 2000, runs_cgroup)
         if not probe.ok or probe.output != "ok\n":
-            raise SandboxUnavailable(f"python sandbox: the probe run failed ({probe.error}): {probe.output.strip()}")
+            failed = f"python sandbox: the probe run failed ({probe.error}): {probe.output.strip()}"
+            if os.geteuid() != 0 and _userns_restricted():
+                raise SandboxUnavailable(
+                    f"{failed}. {APPARMOR_USERNS_SYSCTL} is 1: Ubuntu 24.04's restriction on unprivileged user "
+                    "namespaces, which bwrap needs when not run as root, holds unless an AppArmor profile allows them for "
+                    "bwrap. To fix it, `sudo make apparmor-bwrap` in the project writes this profile to "
+                    "/etc/apparmor.d/unison-bwrap and loads it (or save it there yourself and run `sudo apparmor_parser -r "
+                    f"/etc/apparmor.d/unison-bwrap`):\n{bwrap_apparmor_profile()}No setting runs model code with less isolation")
+            raise SandboxUnavailable(failed)
         if runs_cgroup is not None and not probe.peak_memory_mb:
             raise SandboxUnavailable(f"python sandbox: the probe run's cgroup under {runs_cgroup.dirs[0]} counted no memory")
         _isolation, _runs_cgroup = isolation, runs_cgroup
@@ -131,6 +146,18 @@ def start_sandbox(isolation: str = "strict", memory_mb: int = 512, total_memory_
 @cache
 def _parent_cgroup() -> cgroups.Cgroup:
     return cgroups.create_parent()
+
+
+def _userns_restricted() -> bool:
+    """Ubuntu 24.04+: AppArmor denies user namespaces to unprivileged programs without a profile allowing them."""
+    with suppress(OSError):
+        return APPARMOR_USERNS_SYSCTL.read_text().strip() == "1"
+    return False
+
+
+def bwrap_apparmor_profile() -> str:
+    """The AppArmor profile that lets this machine's bwrap make user namespaces (Ubuntu's per-application form)."""
+    return BWRAP_APPARMOR_PROFILE.read_text().replace("@BWRAP@", shutil.which("bwrap") or "/usr/bin/bwrap")
 
 
 def run_python(code: str, timeout_s: float = 5, memory_mb: int = 512, max_output_chars: int = 512) -> ToolResult:
@@ -182,7 +209,8 @@ def _command(uid: int | None, timeout_s: float, memory_mb: int) -> list[str]:
     limits = [shutil.which("prlimit"), f"--as={int(memory_mb) << 20}", f"--cpu={math.ceil(timeout_s) + 1}",
               f"--nproc={nproc}", f"--fsize={MAX_FILE_BYTES}", "--"]
     if uid is None:  # not root: bwrap needs a user namespace, and the code runs as the (unprivileged) caller
-        namespaces, become_user = ["--unshare-all"], []
+        no_more_userns = ["--unshare-user", "--disable-userns"] if _bwrap_disables_userns() else []  # see start_sandbox
+        namespaces, become_user = ["--unshare-all", *no_more_userns], []
     else:  # root: bwrap keeps only what setpriv needs to switch to the sandbox uid and drop everything
         namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                       "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
@@ -191,6 +219,13 @@ def _command(uid: int | None, timeout_s: float, memory_mb: int) -> list[str]:
                        "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
     return [*limits, shutil.which("bwrap"), *_filesystem(), *namespaces, "--die-with-parent", "--new-session",
             "--chdir", "/tmp", *become_user, sys.executable, "-I", "-u", "-c", FRESH_KEYRING_THEN_STDIN]
+
+
+@cache
+def _bwrap_disables_userns() -> bool:
+    """bubblewrap (0.8 and later) can keep the code from making user namespaces of its own: `--disable-userns`."""
+    usage = subprocess.run([shutil.which("bwrap"), "--help"], capture_output=True, text=True, check=False)
+    return "--disable-userns" in usage.stdout + usage.stderr
 
 
 def _filesystem() -> list[str]:

@@ -1,0 +1,34 @@
+"""`make demo`'s clock: it names the CPU kind, the precision and the sandbox, and records them with the stage times."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from unison.config import ROOT
+from unison.stage_clock import cpu_kind
+
+
+def test_cpu_kind_tells_bf16_machines_from_avx2_ones():
+    assert cpu_kind({"avx2", "avx512f", "avx512_bf16"}) == "AVX512-BF16"
+    assert cpu_kind({"avx2", "amx_bf16"}) == "AVX512-BF16"
+    assert cpu_kind({"avx2", "avx512f"}) == "AVX-512 (no BF16)"
+    assert cpu_kind({"avx2", "fma"}) == "AVX2"
+    assert cpu_kind({"sse4_2"}) == "x86-64 (no AVX2)"
+
+
+def test_the_clock_prints_the_machine_and_records_it_with_each_stage(tmp_path):
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    dvc_output = ("Running stage 'download':\nok\nStage 'teacher' is cached - skipping run, checking out outputs\n"
+                  "Running stage 'index':\nok\n")
+    result = subprocess.run([sys.executable, "-m", "unison.stage_clock"], input=dvc_output, cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, check=True)
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("machine: ") and "precision " in first
+    assert "python sandbox: " in result.stdout
+    record = json.loads((tmp_path / "reports" / "stage_times.json").read_text())
+    assert list(record["stages"]) == ["download", "index"] and record["not_run"] == {"teacher": "restored"}
+    assert "not run: teacher (restored)" in result.stdout
+    assert record["cpu_kind"] in first and record["precision"] in ("bf16", "fp32") and record["sandbox"]
+    assert record["total_s"] >= record["stages"]["download"] and record["commit"]
