@@ -132,7 +132,7 @@ def test_the_workflow_reruns_on_data_params_and_configs_and_runs_only_makefile_t
     for event in ("pull_request", "push"):
         assert {"**.dvc", "params.yaml", "configs/**", "imports/**"} <= set(triggers[event]["paths"])
     job = workflow["jobs"]["reproduce"]
-    assert job["runs-on"] == "ubuntu-24.04" and job["env"]["XDG_RUNTIME_DIR"] == "/run/user/1001"  # the runner user's bus
+    assert job["runs-on"] == "ubuntu-24.04" and "XDG_RUNTIME_DIR" not in job["env"]  # unison finds /run/user/<uid>/bus itself
     steps = job["steps"]
     commands = [line.strip() for step in steps if "run" in step for line in step["run"].splitlines() if line.strip()]
     targets = [command.removeprefix("sudo ").split()[1] for command in commands]

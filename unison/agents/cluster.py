@@ -31,7 +31,6 @@ class Engine:
     backend: object
     toolbox: object
     roles: dict = field(default_factory=dict)
-    teacher_settings: bool | None = None  # built with the teacher's (True) or the students' (False) llm settings
 
 
 def load_engine(params: Params, model_dir: str, teacher: bool = False, toolbox=None) -> Engine:
@@ -39,31 +38,7 @@ def load_engine(params: Params, model_dir: str, teacher: bool = False, toolbox=N
     from ..llm import student_backend, teacher_backend
 
     backend = teacher_backend(params) if teacher else student_backend(model_dir, params)
-    return Engine(params, backend, toolbox or make_toolbox(params), make_role_backends(params) if teacher else {},
-                  teacher_settings=teacher)
-
-
-def switch_engine(engine: Engine, model_dir: str, teacher: bool) -> Engine | None:
-    """`engine`'s in-process vLLM engine serving the teacher or the student in `model_dir` instead, when both are built
-    with the same llm settings and the model has the same shape and tokenizer (VLLMBackend.serve: its weights swapped
-    in, ~30 s of engine start saved on CPU); None when it cannot (then start a new engine)."""
-    from ..llm import TEACHER_DIR, engine_settings
-
-    backend, params = engine.backend, engine.params
-    target = TEACHER_DIR if teacher else model_dir
-    if not (hasattr(backend, "can_serve") and not backend.own_process and engine.teacher_settings is not None
-            and same_llm_settings(engine_settings(params, engine.teacher_settings), engine_settings(params, teacher))
-            and backend.can_serve(target)):
-        return None
-    backend.serve(target)
-    return Engine(params, backend, engine.toolbox, make_role_backends(params) if teacher else {}, teacher_settings=teacher)
-
-
-def same_llm_settings(a, b) -> bool:
-    """Two engine configs that build the same local engine (the llm.* settings and the backend; a server's are moot)."""
-    from ..config import LLMConfig
-
-    return a.model_dump(include=set(LLMConfig.model_fields)) == b.model_dump(include=set(LLMConfig.model_fields))
+    return Engine(params, backend, toolbox or make_toolbox(params), make_role_backends(params) if teacher else {})
 
 
 def system_context(params: Params, backend, toolbox, teacher: bool, model_id: str, temperature: float,

@@ -16,7 +16,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
-from ..agents.cluster import Engine, Replicas, engine_or_replicas, load_engine, rollouts, switch_engine, system_context
+from ..agents.cluster import Replicas, engine_or_replicas, load_engine, rollouts, system_context
 from ..agents.methods import run_method
 from ..agents.wiring import fault_counters, make_toolbox
 from ..config import LabelConfig, Params
@@ -161,15 +161,13 @@ def run_systems(params: Params, systems: list[tuple[str, str, float]], questions
         for name, model_dir, temperature in systems:
             teacher = name == "teacher"
             if loaded != model_dir:
-                switched = switch_engine(engine, model_dir, teacher) if isinstance(engine, Engine) else None
-                if switched is None:
-                    if isinstance(engine, Replicas):
-                        engine.close()
-                    engine = None  # free the engine before the next one starts
-                    gc.collect()
-                    switched = (engine_or_replicas(params, model_dir, teacher) if toolbox is None else
-                                load_engine(params, model_dir, teacher, toolbox))
-                engine, loaded = switched, model_dir
+                if isinstance(engine, Replicas):
+                    engine.close()
+                engine = None  # free the engine before the next one starts
+                gc.collect()
+                engine = (engine_or_replicas(params, model_dir, teacher) if toolbox is None else
+                          load_engine(params, model_dir, teacher, toolbox))
+                loaded = model_dir
             print(f"evaluate: {name} ({params.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()
             n = p.rerank_samples if name == "prm_rerank" else 1

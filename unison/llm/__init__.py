@@ -52,11 +52,6 @@ def served_at(base_url: str | list[str]) -> str:
     return redact(base_url) if isinstance(base_url, str) else ",".join(sorted(redact(url) for url in base_url))
 
 
-def engine_settings(params: Params, teacher: bool) -> EngineConfig:
-    """What builds the teacher's engine (the `teacher` block) or a student's (llm.*)."""
-    return teacher_engine(params) if teacher else EngineConfig(**params.llm.model_dump())
-
-
 def student_backend(model_dir: str, params: Params):
     """A student the pipeline trained (or its base), always loaded from `model_dir` on this machine (llm.backend is
     vllm | transformers by type: no setting makes a student run on a server)."""
@@ -64,7 +59,7 @@ def student_backend(model_dir: str, params: Params):
 
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no trained student weights there (config.json missing)")
-    return make_backend(model_dir, engine_settings(params, False), seed=params.seed)
+    return make_backend(model_dir, EngineConfig(**params.llm.model_dump()), seed=params.seed)
 
 
-__all__ = ["Completion", "Sampling", "engine_settings", "make_backend", "served_at", "student_backend", "teacher_backend", "teacher_id"]
+__all__ = ["Completion", "Sampling", "make_backend", "served_at", "student_backend", "teacher_backend", "teacher_id"]

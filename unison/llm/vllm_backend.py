@@ -41,7 +41,6 @@ class VLLMBackend:
         self.live: set[str] = set()  # submitted requests not finished
         self.companion: str | None = None  # the running companion request's id
         self.ids = itertools.count()
-        self.model_dir = str(model_dir)
         if dtype == "auto":
             dtype = "auto" if on_gpu else cpu_dtype()
         kwargs = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -77,22 +76,6 @@ class VLLMBackend:
         prefix cache so no KV block computed with the old weights is reused. vLLM fuses qkv / gate_up itself."""
         self._load_weights(model)
         self.llm.reset_prefix_cache()
-
-    def can_serve(self, model_dir: str) -> bool:
-        """Whether `serve` can switch this engine to `model_dir`: the same architecture, shapes and tokenizer as the model
-        it serves (a student trained from it, or the same model saved elsewhere)."""
-        return same_model_shape(self.model_dir, model_dir)
-
-    def serve(self, model_dir: str) -> None:
-        """Serve `model_dir` (can_serve) from now on: its weights loaded into this engine, the prefix cache dropped. Saves
-        an engine start (~30 s on CPU) per model where one stage runs several (evaluate)."""
-        if not self.can_serve(model_dir):
-            raise ValueError(f"VLLMBackend.serve: {model_dir} differs in shape or tokenizer from {self.model_dir}")
-        if self.live:
-            raise RuntimeError("VLLMBackend.serve: the engine is running submitted requests")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
-        self.llm.reset_prefix_cache()
-        self.model_dir = str(model_dir)
 
     def _load_weights(self, model) -> None:
         if self.own_process:  # tensors do not travel to the engine's process: it reads them from a checkpoint
@@ -190,32 +173,6 @@ class VLLMBackend:
         n = len(os.path.commonprefix(prompts))
         if n >= self.block_size:
             self.llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:n])], SamplingParams(max_tokens=1), use_tqdm=False)
-
-
-SHAPE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-               "generation_config.json")
-NOT_SHAPE = ("_name_or_path", "transformers_version")  # config.json keys that differ between saves of one shape
-
-
-def same_model_shape(a: str, b: str) -> bool:
-    """Two model folders with the same config (but for where and by which transformers they were saved), tokenizer and
-    generation defaults: one engine serves either once the weights are swapped."""
-    import json
-    from pathlib import Path
-
-    for name in SHAPE_FILES:
-        x, y = Path(a) / name, Path(b) / name
-        if x.exists() != y.exists():
-            return False
-        if not x.exists():
-            continue
-        if name == "config.json":
-            strip = lambda path: {k: v for k, v in json.loads(path.read_text()).items() if k not in NOT_SHAPE}
-            if strip(x) != strip(y):
-                return False
-        elif x.read_bytes() != y.read_bytes():
-            return False
-    return True
 
 
 def in_launched_run() -> bool:
