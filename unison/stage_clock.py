@@ -64,7 +64,7 @@ def commit() -> str:
 
 
 def main() -> None:
-    m, box = machine(), sandbox()
+    m, box, code = machine(), sandbox(), commit()  # the commit before dvc repro rewrites dvc.lock
     print(f"machine: {m['cpu']}, {m['cores']} cores, {m['cpu_kind']}: precision {m['precision']} (auto)\n{box}", flush=True)
     times: dict[str, float] = {}
     skipped: dict[str, str] = {}  # stage -> "restored" | "unchanged"
@@ -91,7 +91,7 @@ def main() -> None:
         print(f"  {'total':<{width}}  {total:7.1f} s")
         if skipped:
             print("  not run: " + ", ".join(f"{stage} ({how})" for stage, how in skipped.items()))
-        record = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit(), **m, "sandbox": box,
+        record = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": code, **m, "sandbox": box,
                   "stages": {k: round(v, 1) for k, v in times.items()}, "not_run": skipped, "total_s": round(total, 1)}
         tmp = atomic_path("reports/stage_times.json")
         tmp.write_text(json.dumps(record, indent=1) + "\n")
