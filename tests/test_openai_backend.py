@@ -115,33 +115,28 @@ def test_unreachable_server_error_names_the_url(tok):
         backend(tok, url, max_retries=1).generate([[1]], [Sampling()])
 
 
-def test_fake_server_timeout_is_retried_then_reported(tok):
+def test_fake_server_timeout_bounds_the_whole_request_retries_included(tok):
     def slow(req):
         time.sleep(3.0)
         return vllm_like(tok)(req)
 
     with LocalServer(slow) as server:
-        b = backend(tok, server.url, timeout_s=0.2, max_retries=1)
+        b = backend(tok, server.url, timeout_s=0.4, max_retries=3)
         t0 = time.perf_counter()
-        with pytest.raises(RuntimeError, match=rf"{server.url}/v1/completions failed after 2 attempts: timed out after 0.2 s"):
+        with pytest.raises(RuntimeError, match=rf"{server.url}/v1/completions failed after 1 attempt: no complete answer "
+                                               r"within 0.4 s \(no retry: waiting 0.02 s would pass the deadline\)"):
             b.generate([[1]], [Sampling()])
-        assert time.perf_counter() - t0 < 3.0  # 2 x 0.2 s and a backoff (0.5 s measured); waiting for the answer: 6 s
-    assert len(server.requests) == 2
-    assert (b.stats["requests"], b.stats["retries"], b.stats["failures"]) == (1, 1, 1)
+        assert time.perf_counter() - t0 < 2.5  # 0.4 s quiet; the server would answer after 3 s
+    assert len(server.requests) == 1
+    assert (b.stats["requests"], b.stats["retries"], b.stats["failures"]) == (1, 0, 1)
 
 
-def test_fake_openai_server_dropped_connections_and_slow_answers_are_retried_and_counted(tok):
-    faults = iter([DROP, "slow", DROP])  # the server dies mid-request twice and stalls once, then recovers
+def test_fake_openai_server_dropped_connections_and_errors_are_retried_within_the_deadline_and_counted(tok):
+    faults = iter([DROP, (503, "overloaded", None), DROP])  # the server dies mid-request twice and fails once, then recovers
     ok = vllm_like(tok)
 
-    def respond(req):
-        fault = next(faults, None)
-        if fault == "slow":
-            time.sleep(0.6)
-        return DROP if fault == DROP else ok(req)
-
-    with LocalServer(respond) as server:
-        b = backend(tok, server.url, timeout_s=0.3, max_retries=3)
+    with LocalServer(lambda req: next(faults, None) or ok(req)) as server:
+        b = backend(tok, server.url, timeout_s=30, max_retries=3)
         (c,) = b.generate([[1, 2]], [Sampling(stop=["</search>"])])
     assert c.text == REPLY and len(server.requests) == 4
     assert (b.stats["requests"], b.stats["retries"], b.stats["failures"]) == (1, 3, 0)
@@ -265,6 +260,59 @@ def test_fake_server_answer_over_64_mib_fails_at_once_and_a_dripping_one_is_a_ti
     with RawServer(endless(b" ", 0.05)) as server:
         b = backend(tok, server.url, timeout_s=0.5, max_retries=1)
         t0 = time.perf_counter()
-        with pytest.raises(RuntimeError, match=r"failed after 2 attempts: the answer took over 0.5 s to arrive"):
+        with pytest.raises(RuntimeError, match=r"failed after 1 attempt: no complete answer within 0.5 s"):
             b.generate([[1]], [Sampling()])
-        assert time.perf_counter() - t0 < 10  # 2 x 0.5 s and a backoff; the server would drip forever
+        assert time.perf_counter() - t0 < 3  # 0.5 s quiet; the server would drip forever
+
+
+def dripping_head(pause_s: float):
+    """A RawServer answer: a status line and then headers, a byte every `pause_s`, forever."""
+
+    def answer():
+        for byte in b"HTTP/1.1 200 OK\r\n":
+            yield bytes([byte])
+            time.sleep(pause_s)
+        while True:
+            for byte in b"X-Drip: 1\r\n":
+                yield bytes([byte])
+                time.sleep(pause_s)
+
+    return answer
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_fake_server_dripping_its_status_line_and_headers_is_cut_at_the_timeout_retries_included(tok, retries):
+    """No read waits as long as the timeout, yet the whole request, headers and retries included, ends at it."""
+    with RawServer(dripping_head(0.05)) as server:
+        b = backend(tok, server.url, timeout_s=1.0, max_retries=retries)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"no complete answer within 1 s"):
+            b.generate([[1]], [Sampling()])
+        elapsed = time.perf_counter() - t0
+    assert 0.9 < elapsed < 4  # 1 s quiet; before the watchdog, 3 s of dripping headers took 3 s per attempt
+    assert b.stats["retries"] == 0 and server.sent > 5
+
+
+def test_fake_server_deeply_nested_json_is_the_clients_usual_error(tok):
+    with LocalServer(lambda req: (200, "[" * 100_000 + "]" * 100_000, {"Content-Type": "application/json"})) as server:
+        with pytest.raises(RuntimeError, match=r"failed after 1 attempt: the answer is nested too deeply"):
+            backend(tok, server.url).generate([[1]], [Sampling()])
+
+
+def test_fake_llama_cpp_server_rejecting_token_ids_with_a_500_steps_down_to_text_at_once(tok):
+    """llama-cpp-python's server answers a token-id prompt with HTTP 500 and pydantic's validation errors."""
+    ok = vllm_like(tok, stop=None)
+    rejection = {"detail": [{"type": "string_type", "loc": ["body", "prompt", "str"], "msg": "Input should be a valid string",
+                             "input": [1, 2]}]}
+
+    def respond(req):
+        body = req["json"]
+        if isinstance(body["prompt"], list) or "return_token_ids" in body:
+            return 500, rejection, None
+        return ok(req)
+
+    with LocalServer(respond) as server:
+        b = backend(tok, server.url, max_retries=3)
+        (c,) = b.generate([tok("Hello")["input_ids"]], [Sampling()])
+    assert [type(r["json"]["prompt"]) for r in server.requests] == [list, list, str]  # no retries of the 500s
+    assert b.stats["downgrades"] == 2 and b.stats["retries"] == 0 and c.text == REPLY

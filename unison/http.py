@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
 import time
 
 import requests
 import urllib3
+import urllib3.connection
 
 MAX_RETRY_AFTER_S = 60.0
 MAX_BODY_BYTES = 64 << 20  # an LLM completion or a search answer; a server sending more is broken or hostile
@@ -80,40 +83,152 @@ def with_retries(method: str, url: str, attempt, *, retries: int, backoff_s: flo
     raise HTTPFailure(method, url, failure.kind, failure.detail, n + 1, failure.status)
 
 
+def watched_session():
+    """A requests.Session whose attempts `post_json_once` can cut at their deadline, headers included (one per thread:
+    a Session is a connection pool, not safe to share between threads)."""
+    import requests.adapters
+
+    class Adapter(requests.adapters.HTTPAdapter):
+        def init_poolmanager(self, *args, **kwargs):
+            super().init_poolmanager(*args, **kwargs)
+            self.poolmanager.pool_classes_by_scheme = _WATCHED_POOLS
+
+        def proxy_manager_for(self, proxy, **kwargs):
+            manager = super().proxy_manager_for(proxy, **kwargs)
+            manager.pool_classes_by_scheme = _WATCHED_POOLS
+            return manager
+
+    s = requests.Session()
+    s.mount("http://", Adapter())
+    s.mount("https://", Adapter())
+    return s
+
+
+class Watchdog:
+    """Shuts the socket of the current thread's attempt when its time is up: a server dripping its status line, headers
+    or body a byte at a time holds each socket read under any per-read timeout, but not past this."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.fired, self.conn, self._lock = seconds, False, None, threading.Lock()
+        self._timer = threading.Timer(seconds, self.cut)
+        self._timer.daemon = True
+
+    def __enter__(self):
+        _current.watchdog = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.cancel()
+        _current.watchdog = None
+
+    def watch(self, conn) -> None:
+        with self._lock:
+            self.conn = conn
+            if self.fired:
+                self._shut()
+
+    def cut(self) -> None:
+        with self._lock:
+            self.fired = True
+            self._shut()
+
+    def _shut(self) -> None:
+        sock = getattr(self.conn, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+_current = threading.local()  # the Watchdog of this thread's attempt in flight, if any
+
+
+class _WatchedConnection:
+    """A urllib3 connection that hands itself to the current attempt's Watchdog as it sends and before it reads."""
+
+    def request(self, *args, **kwargs):
+        if (watchdog := getattr(_current, "watchdog", None)) is not None:
+            watchdog.watch(self)
+        return super().request(*args, **kwargs)
+
+    def getresponse(self, *args, **kwargs):
+        if (watchdog := getattr(_current, "watchdog", None)) is not None:
+            watchdog.watch(self)  # shuts the socket at once if the time ran out while connecting or sending
+        return super().getresponse(*args, **kwargs)
+
+
+class _HTTPConnection(_WatchedConnection, urllib3.connection.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_WatchedConnection, urllib3.connection.HTTPSConnection):
+    pass
+
+
+class _HTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
+
+_WATCHED_POOLS = {"http": _HTTPPool, "https": _HTTPSPool}
+
+
 def post_json(url: str, body: dict, *, timeout: float, retries: int = 3, backoff_s: float = 0.5, session=None,
               on_retry=None, headers: dict | None = None, max_bytes: int = MAX_BODY_BYTES):
-    """POST `body` as JSON and return the decoded answer, each attempt a `post_json_once`, retried by `with_retries`."""
-    return with_retries("POST", url, lambda: post_json_once(url, body, timeout=timeout, session=session, headers=headers,
+    """POST `body` as JSON and return the decoded answer, each attempt a `post_json_once`, retried by `with_retries`;
+    `timeout` bounds the whole call: connecting, headers, body and every retry."""
+    deadline = time.monotonic() + timeout
+    return with_retries("POST", url, lambda: post_json_once(url, body, deadline=deadline, session=session, headers=headers,
                                                             max_bytes=max_bytes),
-                        retries=retries, backoff_s=backoff_s, on_retry=on_retry)
+                        retries=retries, backoff_s=backoff_s, deadline=deadline, on_retry=on_retry)
 
 
-def post_json_once(url: str, body: dict, *, timeout: float, session=None, headers: dict | None = None,
+def post_json_once(url: str, body: dict, *, deadline: float, session=None, headers: dict | None = None,
                    max_bytes: int = MAX_BODY_BYTES):
-    """One attempt of POSTing `body` as JSON: the decoded answer, or AttemptFailed (for `with_retries`). Bounded: `timeout`
-    per connect and per read, the body read within `timeout` in all (a server dripping bytes is a timeout), and at most
-    `max_bytes` of it (a longer answer fails at once, HTTPFailure, as does an answer that is not JSON)."""
-    http = session or requests
+    """One attempt of POSTing `body` as JSON: the decoded answer, or AttemptFailed (for `with_retries`). Bounded as a
+    whole: connecting, sending, the status line, headers and body all by `deadline` (a time.monotonic() value; a server
+    dripping bytes is a timeout), and at most `max_bytes` of body (a longer answer fails at once, HTTPFailure, as does
+    an answer that is not JSON)."""
+    seconds = deadline - time.monotonic()
+    if seconds <= 0:
+        raise AttemptFailed("timeout", "no time left before the deadline")
+    own = session is None
+    http = session or watched_session()
     try:
-        response = http.request("POST", url, json=body, headers=headers, timeout=timeout, stream=True)
-    except requests.Timeout:
-        raise AttemptFailed("timeout", f"timed out after {timeout} s") from None
-    except requests.ConnectionError as e:
-        raise AttemptFailed("error", f"connection failed: {e}") from None
-    with response:
-        content = read_body(response, url, timeout, max_bytes)
+        with Watchdog(seconds) as watchdog:
+            try:
+                response = http.request("POST", url, json=body, headers=headers, timeout=seconds, stream=True)
+                with response:
+                    content = read_body(response, url, deadline, max_bytes)
+            except (requests.RequestException, AttemptFailed) as e:
+                if watchdog.fired or isinstance(e, requests.Timeout):
+                    raise AttemptFailed("timeout", f"no complete answer within {seconds:.3g} s") from None
+                if isinstance(e, AttemptFailed):
+                    raise
+                raise AttemptFailed("error", f"connection failed: {e}") from None
+            if watchdog.fired:  # cut mid-headers, http.client takes what came as the whole head and an empty body
+                raise AttemptFailed("timeout", f"no complete answer within {seconds:.3g} s")
+    finally:
+        if own:
+            http.close()
     if response.status_code >= 400:
         raise AttemptFailed("error", f"HTTP {response.status_code}: {content[:300].decode(errors='replace')}",
                             response.status_code, retry_after_s(response.headers.get("Retry-After")))
     try:
         return json.loads(content)
-    except ValueError:
-        raise HTTPFailure("POST", url, "error", f"the answer is not JSON: {content[:100]!r}", 1, response.status_code) from None
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else "not JSON"
+        raise HTTPFailure("POST", url, "error", f"the answer is {why}: {content[:100]!r}", 1, response.status_code) from None
 
 
-def read_body(response: requests.Response, url: str, timeout: float, max_bytes: int) -> bytes:
-    """The response's body, read within `timeout` seconds in all and up to `max_bytes` (HTTPFailure beyond)."""
-    deadline, chunks, size = time.monotonic() + timeout, [], 0
+def read_body(response: requests.Response, url: str, deadline: float, max_bytes: int) -> bytes:
+    """The response's body, read by `deadline` (time.monotonic()) and up to `max_bytes` (HTTPFailure beyond)."""
+    chunks, size = [], 0
     try:
         while chunk := response.raw.read1(65536, decode_content=True):  # what has arrived, never waiting to fill a buffer
             size += len(chunk)
@@ -121,7 +236,7 @@ def read_body(response: requests.Response, url: str, timeout: float, max_bytes: 
                 raise HTTPFailure("POST", url, "error", f"the answer is over {max_bytes} bytes (stopped reading)", 1,
                                   response.status_code)
             if time.monotonic() > deadline:
-                raise AttemptFailed("timeout", f"the answer took over {timeout} s to arrive")
+                raise AttemptFailed("timeout", "the answer was still arriving at the deadline")
             chunks.append(chunk)
     except (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError, OSError) as e:
         kind = "timeout" if isinstance(e, (urllib3.exceptions.ReadTimeoutError, TimeoutError)) else "error"

@@ -4,7 +4,8 @@ Episodes stay token-in/token-out: the prompt goes as token ids and, with the vLL
 (`return_token_ids`; or `logprobs` tokens as "token_id:N"). Servers without them get plain OpenAI requests: the decoded
 text prompt, stop strings applied here (the standard API drops the stop string and does not say which one hit), and
 the returned text tokenised locally (counted in `stats["retokenized"]`). Until a first request succeeds, a 400/422
-answer steps down once per call: first the extensions, then token prompts.
+answer, or any error whose body rejects the request's fields (llama.cpp answers a token-id prompt with a 500 of
+validation errors), steps down once per call: first the extensions, then token prompts.
 `stats` counts requests, retries (each resend after a connection error, timeout, 429 or 5xx) and failures (requests
 that failed for good: the RuntimeError that ends the call names the URL, credentials redacted).
 
@@ -18,15 +19,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..http import AttemptFailed, HTTPFailure, post_json_once, redact, retryable, with_retries
+from ..http import AttemptFailed, HTTPFailure, post_json_once, redact, retryable, watched_session, with_retries
 from .base import Completion, Sampling, truncate_at_stop
 
 log = logging.getLogger(__name__)
 AVOID_S = 30.0  # a server whose attempt failed gets no new request for this long while another server is up
+# a server's words for "this request's fields are wrong", whatever its status: llama.cpp's server answers a token-id
+# prompt with HTTP 500 and pydantic's validation errors ("Input should be a valid string")
+REJECTED_FIELDS = re.compile(r"validation error|input should be|valid string|unrecognized|unsupported|not supported|"
+                             r"extra (fields|inputs) not permitted", re.IGNORECASE)
 
 
 class OpenAIBackend:
@@ -87,16 +93,15 @@ class OpenAIBackend:
         down while the server is unprobed."""
         session = getattr(self._local, "session", None)
         if session is None:
-            import requests
-
-            session = self._local.session = requests.Session()
+            session = self._local.session = watched_session()
         while True:
             mode = (self.vllm_extensions, self.token_prompts)
             self._count("requests")
             body = self._body(prompt, s, *mode)
+            deadline = time.monotonic() + self.timeout_s  # the request's, retries included
             try:
-                answer = with_retries("POST", self.label, lambda: self._attempt(body, session), retries=self.max_retries,
-                                      backoff_s=self.backoff_s, on_retry=lambda: self._count("retries"))
+                answer = with_retries("POST", self.label, lambda: self._attempt(body, session, deadline), retries=self.max_retries,
+                                      backoff_s=self.backoff_s, deadline=deadline, on_retry=lambda: self._count("retries"))
             except HTTPFailure as e:
                 if e.status in (400, 422) and self._step_down(mode, e):
                     continue
@@ -105,12 +110,14 @@ class OpenAIBackend:
             self._probed = True
             return answer["choices"][0], mode[0]
 
-    def _attempt(self, body: dict, session):
-        """One POST of `body` to the server `_pick` chooses, counted against it while outstanding."""
+    def _attempt(self, body: dict, session, deadline: float):
+        """One POST of `body` to the server `_pick` chooses by `deadline`, counted against it while outstanding."""
         i = self._pick()
         try:
-            answer = post_json_once(self.urls[i], body, timeout=self.timeout_s, session=session, headers=self.headers)
+            answer = post_json_once(self.urls[i], body, deadline=deadline, session=session, headers=self.headers)
         except AttemptFailed as failure:
+            if not self._probed and (failure.status or 0) >= 500 and REJECTED_FIELDS.search(failure.detail):
+                raise AttemptFailed("error", failure.detail + " (read as a rejection of the request's fields)", 422) from None
             if len(self.urls) > 1 and retryable(failure):
                 with self._lock:
                     self._avoid_until[i] = time.monotonic() + AVOID_S
