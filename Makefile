@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
-.PHONY: setup demo test security test-recipes test-workflow test-fast ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke runner-setup apparmor-bwrap
+.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke runner-setup apparmor-bwrap
 
 setup: $(STAMP)
 
@@ -132,9 +132,6 @@ security: setup  # ~65 attempts to get out of the sandbox, the web tools and the
 
 test-recipes: setup  # every seed system's tiny recipe through dvc repro (~19 min on 2 cores; not part of `make test`; CI runs both)
 	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 tests/test_recipes.py -k end_to_end
-
-test-workflow: setup  # the data-change workflow's steps in a fresh clone as a non-root user (~13 min; CI runs it)
-	UNISON_WORKFLOW_E2E=1 $(PY) -m pytest -q --durations=10 tests/test_workflow_steps.py
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e"

@@ -14,7 +14,8 @@ from functools import cache
 
 from tests.local_http import LocalServer, RawServer
 from unison.tools import web_fetch
-from unison.tools.web import Crawl, WebCache, WebSearch
+from unison.http import ResponseCache
+from unison.tools.web import Crawl, WebSearch
 
 from . import CLEANUP, attempt
 from .host import local_addresses
@@ -52,10 +53,10 @@ def listener() -> Listener:
 
 
 @cache
-def web_cache() -> WebCache:
+def web_cache() -> ResponseCache:
     folder = tempfile.mkdtemp(prefix="unison-security-web-")
     CLEANUP.callback(shutil.rmtree, folder, True)
-    return WebCache(folder)
+    return ResponseCache(folder)
 
 
 def crawl(urls: list[str], timeout_s: float = 3, **settings) -> tuple[list[str], str | None, float]:

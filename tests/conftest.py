@@ -70,3 +70,18 @@ def tracked_project(tmp_path, monkeypatch, tracking_uri, request):
     monkeypatch.setenv("UNISON_EXPERIMENT", request.node.name)
     monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory, base_model_dir):
+    """A copy of the repo on the tiny params (configs/tiny.yaml) after one cold `dvc repro` of the whole pipeline (real
+    SmolLM2, vLLM, faiss, bubblewrap, DVC, MLflow; ~10 min on 2 quiet cores). Its DVC cache and run cache serve the
+    workflow test as a restored CI cache; test_e2e's tests then change its params and re-run parts of it."""
+    import yaml
+
+    from .projects import copy_project, run, tiny_params
+
+    project = copy_project(tmp_path_factory.mktemp("tiny-pipeline"), base_model_dir)
+    (project / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    run(project, "dvc", "repro", timeout=2400)
+    return project

@@ -21,7 +21,7 @@ import pytest
 from bench.bench_ray import start_cluster, stop_cluster
 from unison.config import ROOT, validate_params
 
-from .test_e2e import merge
+from .projects import merge
 
 pytestmark = pytest.mark.slow
 

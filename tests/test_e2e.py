@@ -1,10 +1,11 @@
-"""The whole pipeline end to end on the real SmolLM2, real vLLM, faiss, bubblewrap, DVC and MLflow, on a tiny params overlay.
+"""The whole pipeline end to end on the real SmolLM2, real vLLM, faiss, bubblewrap, DVC and MLflow, on a tiny params overlay
+(conftest's `tiny_pipeline`: one cold `dvc repro`). The last test changes its params and re-runs part of it.
 
-One project copy is built per module; the tests run in order against it (DVC state carries over).
+A stage's determinism and its resume after a kill are tested stage by stage in test_stage_determinism.py and
+test_stage_resume.py; here only the flywheel's real rounds are killed.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -16,44 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from unison.config import ROOT
-
-from .test_recipes import copy_project
+from .projects import run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-TINY = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())  # the overlay `make gpu-smoke` runs too
-
-
-def merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-    return out
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, base_model_dir):
-    """A clean copy of the repo (files git tracks or would track) with a tiny params.yaml and the cached model in place."""
-    dst = copy_project(tmp_path_factory.mktemp("project"), base_model_dir)
-    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
-    (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    return dst
-
-
-def run(project: Path, *cmd: str, timeout: int = 1200, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    env.pop("UNISON_PARENT_RUN_ID", None)
-    p = subprocess.run(list(cmd), cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
-    return p
+def project(tiny_pipeline):
+    return tiny_pipeline
 
 
 def kill_when(project: Path, stage: str, done, seconds: int) -> None:
@@ -76,9 +47,8 @@ def kill_when(project: Path, stage: str, done, seconds: int) -> None:
         proc.wait()
 
 
-@pytest.mark.timeout(2400)  # ~12 min on 2 quiet cores; more on a loaded machine
+@pytest.mark.timeout(2400)  # the first to ask for tiny_pipeline: ~10 min on 2 quiet cores, more when loaded
 def test_full_pipeline_runs_and_reports(project):
-    run(project, "dvc", "repro")
     metrics = json.loads((project / "reports/metrics.json").read_text())
     assert set(metrics) == {"base", "teacher", "sft", "prm_rerank", "rl"}
     for m in metrics.values():
@@ -169,32 +139,3 @@ def test_noop_repro_then_more_flywheel_rounds_rerun_only_downstream_and_resume_a
     rounds_registered = client.search_model_versions("name = 'unison-default' and tags.student LIKE 'flywheel-round-%'")
     assert sorted(v.tags["student"] for v in rounds_registered) == ["flywheel-round-1", "flywheel-round-2"]
     assert {v.run_id for v in rounds_registered} == {r.info.run_id for r in children}
-
-
-@pytest.mark.timeout(1800)
-def test_generate_is_reproducible_and_resumes_after_a_kill(project):
-    out, labeled = project / "data/trajectories/train.parquet", project / "data/labeled/train.parquet"
-    before = sha256(out), sha256(labeled)
-    run(project, "dvc", "repro", "-f", "-s", "generate")
-    assert sha256(out) == before[0]  # same params + seed -> the same bytes
-    p = run(project, "dvc", "repro")
-    assert "Running stage" not in p.stdout, p.stdout  # so DVC reruns nothing below it
-    run(project, "dvc", "repro", "-f", "-s", "label")
-    assert sha256(labeled) == before[1]
-
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["generate"]["shard_size"] = 8  # 4 shards; kill after the first is on disk
-    params["generate"]["episodes_in_flight"] = 8  # 2 questions (2 agents x 2 samples) at a time: shards finish in order
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    out.unlink()
-    kill_when(project, "generate", lambda: list((project / "data/.cache/generate").glob("*/shard-00000.parquet")), 600)
-    assert not out.exists()  # a killed stage leaves no output for DVC to cache
-    done = sorted(p.name for p in (project / "data/.cache/generate").glob("*/*.parquet"))
-    assert done and "shard-00003.parquet" not in done
-    p = run(project, sys.executable, "-m", "tasks.generate")
-    assert "already done, reusing" in p.stdout
-    import pyarrow.parquet as pq
-
-    ids = pq.read_table(out).column("id").to_pylist()
-    assert len(ids) == len(set(ids)) == 64
-    assert not (project / "data/.cache/generate").exists() or not any((project / "data/.cache/generate").iterdir())

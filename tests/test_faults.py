@@ -26,7 +26,7 @@ from unison.tools.retrieval import Retriever, build_index
 from unison.tools.search_server import create_app
 
 from .local_http import DROP, LocalServer
-from .test_e2e import merge
+from .projects import merge
 from .test_retrieval import invented_passages, serving, write_corpus
 
 SECRETS = {name: f"{name}-{uuid.uuid4().hex}" for name in ("teacher_key", "search_token", "web_key", "url_password", "url_query")}
@@ -225,3 +225,46 @@ def test_generate_stops_naming_a_fake_openai_server_gone_for_good_and_keeps_its_
     assert len(teacher.requests) == 2 + 3 + 2 * 2  # question 1 (search, answer); question 2's 3 attempts; then 2 and 3
     assert json.loads((project / "reports/generate.json").read_text())["trajectories"] == 3
     assert leaks(project, [failed.stdout + failed.stderr, resumed.stdout + resumed.stderr]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_generate_stops_at_its_budget_on_a_fake_hosted_api_keeps_its_shards_and_a_forced_rerun_sends_nothing(template, tmp_path,
+                                                                                                             tokenizer):
+    """The fake stands in for a hosted API (it reports `usage`); the budget stops generate cleanly after question 1, the
+    re-run with a larger budget resumes, and a forced re-run takes every answer from the response cache."""
+    answer = fake_openai_teacher(tokenizer, ["search"])
+
+    def respond(req):
+        status, body, headers = answer(req)
+        return status, {**body, "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}}, headers
+
+    with LocalServer(respond) as teacher:
+        llm = {"budget_tokens": 250, "price_input_per_million": 1.0, "price_output_per_million": 4.0}
+        project = project_copy(template, tmp_path / "project", teacher={
+            "model": "local:unused", "backend": "openai", "base_url": f"{teacher.url}/v1", "served_name": "fake", "llm": llm})
+        stopped = run_stage(project, "generate")
+        assert stopped.returncode != 0, stopped.stdout[-3000:]
+        assert "budget reached (330 tokens spent of a budget of 250); no more requests" in stopped.stderr
+        assert "backend.teacher.cost_usd=0.00042" in stopped.stderr  # 300 x $1 + 30 x $4 per million: what it spent
+        assert [p.name for p in (project / "data/.cache/generate").glob("*/shard-*.parquet")] == ["shard-00000.parquet"]
+        assert len(teacher.requests) == 3
+
+        params = yaml.safe_load((project / "params.yaml").read_text())
+        params["teacher"]["llm"]["budget_tokens"] = 0
+        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        resumed = run_stage(project, "generate")
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert "generate: shard 1/3 already done, reusing" in resumed.stdout  # a budget changes no answer, so no shard key
+        assert len(teacher.requests) == 6  # question 2's first turn came from the cache
+        report = json.loads((project / "reports/generate.json").read_text())
+        assert report["backend.teacher.cached"] == 1 and report["backend.teacher.prompt_tokens"] == 300
+
+        out = project / "data/trajectories/train.parquet"
+        before = out.read_bytes()
+        out.unlink()
+        forced = run_stage(project, "generate")  # what `dvc repro -f generate` runs
+        assert forced.returncode == 0, forced.stdout[-3000:] + forced.stderr[-3000:]
+        assert len(teacher.requests) == 6 and out.read_bytes() == before
+        report = json.loads((project / "reports/generate.json").read_text())
+        assert report["backend.teacher.cached"] == 6 and report["backend.teacher.requests"] == 0

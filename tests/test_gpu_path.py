@@ -89,7 +89,7 @@ def test_evaluate_engine_per_process_gives_the_rows_of_one_process(tiny_model_di
     from unison.tools.retrieval import build_index
     from unison.train.prm import load_prm
 
-    from .test_e2e import merge
+    from .projects import merge
     from .test_retrieval import invented_passages, write_corpus
 
     assert engine_per_process("auto", cuda=True) and not engine_per_process("auto", cuda=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -234,17 +233,9 @@ def test_download_generate_label_sft_on_imported_trajectories(workdir, tiny_mode
 def test_editing_the_imported_file_reruns_generate_under_dvc(tmp_path):
     """Real DVC on a copy of the project: `dvc repro` of generate with generate.source set imports the file; editing that file
     makes generate stale (imports/ is its dependency) and the next repro imports the new content."""
-    from tests.test_e2e import run
+    from tests.projects import copy_project, run
 
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()
-    project = tmp_path / "project"
-    for f in files:
-        if (ROOT / f).is_file() and not f.startswith(("tests/", "docs/")):
-            (project / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, project / f)
-    (project / "dvc.lock").unlink(missing_ok=True)  # the demo's lock: this project has run nothing yet
-    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    project = copy_project(tmp_path / "project", None, skip=("tests/", "docs/"))
     shutil.copy(SEEDS / "afm_mhqa_sft.json", project / "imports" / "sft.json")
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["generate"]["source"] = "local:imports/sft.json"

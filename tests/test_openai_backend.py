@@ -9,7 +9,7 @@ import pytest
 
 from unison.config import EngineConfig
 from unison.llm import Sampling, make_backend
-from unison.llm.openai_backend import OpenAIBackend
+from unison.llm.openai_backend import Budget, BudgetExhausted, OpenAIBackend, RateLimit
 
 from .local_http import DROP, LocalServer, RawServer, free_port, vllm_openai_server
 
@@ -316,3 +316,84 @@ def test_fake_llama_cpp_server_rejecting_token_ids_with_a_500_steps_down_to_text
         (c,) = b.generate([tok("Hello")["input_ids"]], [Sampling()])
     assert [type(r["json"]["prompt"]) for r in server.requests] == [list, list, str]  # no retries of the 500s
     assert b.stats["downgrades"] == 2 and b.stats["retries"] == 0 and c.text == REPLY
+
+
+def with_usage(respond, prompt_tokens=7, completion_tokens=3):
+    """`respond` with OpenAI's `usage` added to its answers."""
+
+    def answer(req):
+        status, body, headers = respond(req)
+        return status, {**body, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                          "total_tokens": prompt_tokens + completion_tokens}}, headers
+
+    return answer
+
+
+def test_fake_server_answers_are_cached_by_request_so_a_rerun_sends_nothing_and_a_change_misses(tok, tmp_path):
+    cache = tmp_path / "llm-cache"
+    with LocalServer(with_usage(vllm_like(tok))) as server:
+        first = backend(tok, server.url, cache_dir=cache)
+        out = first.generate([[1, 2], [3]], [Sampling(seed=1), Sampling(seed=1)])
+        again = backend(tok, server.url, cache_dir=cache)  # a re-run: a new process, the same params
+        assert again.generate([[1, 2], [3]], [Sampling(seed=1), Sampling(seed=1)]) == out
+        assert len(server.requests) == 2 and again.stats["cached"] == 2 and again.stats["requests"] == 0
+        assert again.stats["prompt_tokens"] == 0  # nothing paid twice
+        backend(tok, server.url, cache_dir=cache).generate([[1, 2]], [Sampling(seed=2)])  # another seed: a miss
+        backend(tok, server.url, cache_dir=cache, vllm_extensions=False).generate([[1, 2]], [Sampling(seed=1)])
+        other = OpenAIBackend(server.url + "/v1", "another-model", tokenizer=tok, cache_dir=cache)
+        other.generate([[1, 2]], [Sampling(seed=1)])
+    assert len(server.requests) == 5 and other.stats["cached"] == 0
+
+
+def test_fake_hosted_api_usage_is_counted_and_priced_and_the_budget_stops_the_backend(tok):
+    with LocalServer(with_usage(vllm_like(tok), 700, 300)) as server:
+        b = backend(tok, server.url, budget=Budget(tokens=2500, price_input_per_million=2.0, price_output_per_million=10.0))
+        b.generate([[1]] * 2, [Sampling()] * 2)
+        assert (b.stats["prompt_tokens"], b.stats["completion_tokens"]) == (1400, 600)
+        assert b.stats["cost_usd"] == pytest.approx((1400 * 2.0 + 600 * 10.0) / 1e6)
+        b.generate([[1]], [Sampling()])  # 2,000 spent: under the budget, so this one goes
+        with pytest.raises(BudgetExhausted, match=r"budget reached \(3000 tokens spent of a budget of 2500\)"):
+            b.generate([[1]], [Sampling()])
+        assert len(server.requests) == 3
+        dollars = backend(tok, server.url, budget=Budget(usd=0.005, price_input_per_million=2.0, price_output_per_million=10.0))
+        dollars.generate([[1]], [Sampling()])  # $0.0044
+        dollars.generate([[1]], [Sampling()])
+        with pytest.raises(BudgetExhausted, match=r"\$0.0088 spent of a budget of \$0.005"):
+            dollars.generate([[1]], [Sampling()])
+
+
+def test_rate_limit_spaces_requests_and_tokens_over_a_minute():
+    now = [0.0]
+    slept = []
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s
+
+    by_requests = RateLimit(requests_per_minute=2, clock=lambda: now[0], sleep=sleep)
+    for _ in range(3):
+        by_requests.acquire(10)
+    assert slept == [60.0] and now[0] == 60.0  # the third waited for the first to leave the window
+    slept.clear()
+    by_tokens = RateLimit(tokens_per_minute=100, clock=lambda: now[0], sleep=sleep)
+    entry = by_tokens.acquire(80)
+    by_tokens.settle(entry, 30)  # the server reported fewer than prompt + max_tokens
+    by_tokens.acquire(60)
+    assert slept == []
+    by_tokens.acquire(20)  # 90 + 20 > 100: waits
+    assert slept == [60.0]
+
+
+def test_fake_hosted_api_429_with_retry_after_is_honoured_within_the_deadline(tok):
+    answers = iter([(429, {"error": "slow down"}, {"Retry-After": "1"})])
+    ok = vllm_like(tok)
+    with LocalServer(lambda req: next(answers, None) or ok(req)) as server:
+        b = backend(tok, server.url, timeout_s=30)
+        t0 = time.perf_counter()
+        b.generate([[1]], [Sampling()])
+        assert time.perf_counter() - t0 >= 1.0 and b.stats["retries"] == 1
+    answers = iter([(429, {"error": "slow down"}, {"Retry-After": "5"})])
+    with LocalServer(lambda req: next(answers, None) or ok(req)) as server:
+        b = backend(tok, server.url, timeout_s=2)
+        with pytest.raises(RuntimeError, match=r"HTTP 429.*no retry: waiting 5 s would pass the deadline"):
+            b.generate([[1]], [Sampling()])

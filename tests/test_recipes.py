@@ -14,6 +14,8 @@ import yaml
 from unison.config import ROOT
 from unison.recipes import RecipeError, changes, default_params, load_recipe, main, merge, names, recipe_params
 
+from .projects import copy_project, run
+
 STAGES = set(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
 RECIPES = ["afm", "agentark", "agentflow", "et_agent", "gap"]
 
@@ -186,21 +188,6 @@ def test_make_recipe_target_calls_the_module():
 
 # ------------------------------------------------------------------------------------------------------------ e2e
 
-def copy_project(dst, base_model_dir):
-    """The repo's files (tracked, and new ones git does not ignore) with the cached base model, as a fresh DVC project."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file():
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, dst / f)
-    (dst / "dvc.lock").unlink(missing_ok=True)
-    for model in ("base", "teacher"):
-        shutil.copytree(base_model_dir, dst / "models" / model)
-    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
-    return dst
-
-
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(3600)
@@ -209,8 +196,6 @@ def copy_project(dst, base_model_dir):
 def test_every_tiny_recipe_runs_end_to_end_in_one_project(tmp_path, base_model_dir, default):
     """Each recipe's tiny variant through `dvc repro` (real SmolLM2, faiss, bubblewrap, DVC, MLflow); params.yaml is switched
     per recipe in one project, so DVC reuses download and index after the first."""
-    from tests.test_e2e import run
-
     project = copy_project(tmp_path / "project", base_model_dir)
     seconds = {}
     for i, name in enumerate(["agentark", "et_agent", "gap", "afm", "agentflow"]):  # transformers-backed first, then vLLM

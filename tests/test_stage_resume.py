@@ -37,8 +37,7 @@ import yaml
 from unison.config import ROOT
 from unison.data.schemas import LABELED, TEMP, read_table, remove_stale_temps, write_table
 
-from .test_e2e import merge
-from .test_recipes import copy_project
+from .projects import copy_project, merge
 
 STAGES = ["download", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl", "evaluate", "flywheel", "report"]
 # What differs between two runs on the same inputs: wall-clock measurements, in the reports only (never in data files)

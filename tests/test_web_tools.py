@@ -11,7 +11,8 @@ from security.web import drip
 from unison.agents.wiring import enabled_tools, make_toolbox, remote_counters
 from unison.config import Params, ToolsConfig
 from unison.protocol import SYSTEM_PROMPT, system_prompt
-from unison.tools.web import Crawl, WebCache, WebSearch, html_to_text
+from unison.http import ResponseCache
+from unison.tools.web import Crawl, WebSearch, html_to_text
 
 from .local_http import LocalServer
 
@@ -50,7 +51,7 @@ def server():
 
 @pytest.fixture
 def cache(tmp_path):
-    return WebCache(tmp_path / "web-cache")
+    return ResponseCache(tmp_path / "web-cache")
 
 
 def test_web_search_formats_topk_results_and_sends_the_api_key(server, cache, monkeypatch):
@@ -74,9 +75,9 @@ def test_web_search_runs_queries_in_parallel(server, cache):
 
 
 def test_web_search_cache_hit_avoids_a_second_request(server, tmp_path):
-    first = WebSearch(server.url + "/search", topk=2, cache=WebCache(tmp_path / "c"))
+    first = WebSearch(server.url + "/search", topk=2, cache=ResponseCache(tmp_path / "c"))
     assert first("Velmora")[1] is None and len(server.requests) == 1
-    again = WebSearch(server.url + "/search", topk=2, cache=WebCache(tmp_path / "c"))  # a new process would see the same
+    again = WebSearch(server.url + "/search", topk=2, cache=ResponseCache(tmp_path / "c"))  # a new process would see the same
     assert again("Velmora") == first("Velmora")
     assert len(server.requests) == 1 and again.cache.hits == 1 and again.cache.misses == 0
     assert len(list((tmp_path / "c").glob("*/*.json"))) == 1 and not list((tmp_path / "c").glob("*/*.tmp"))

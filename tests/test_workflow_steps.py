@@ -5,7 +5,9 @@ non-root user in a delegated cgroup (tests/nonroot.py), a `sudo` step as root wi
 Substituted here, and why:
 - the actions (`uses:`) do not run (ACTIONS says what stands in for each): the checkout is the fresh clone, its history
   a base commit on the tiny params (configs/tiny.yaml; origin/main, the pull request's base) and a head commit that
-  evaluates 4 test questions instead of 8;
+  evaluates 4 test questions instead of 8; the DVC cache restored is the one the tiny pipeline's cold run left (the
+  `tiny_pipeline` fixture, as `restore-keys: dvc-` restores an earlier run's), so the demo restores the stages the head
+  did not change and runs evaluate, flywheel and report as the user, in the sandbox;
 - `make setup` would build a venv of ~300 packages (475 s here as the user, from local wheels on 2 loaded cores: too
   slow for CI): the clone's .venv is a link to this checkout's prebuilt one, read-only to the user, whose stamp is
   newer than the lock, so `make setup` has nothing to do (checked before the steps);
@@ -17,9 +19,9 @@ Substituted here, and why:
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -31,8 +33,7 @@ from unison.config import ROOT
 
 from .nonroot import delegated_user
 from .test_data_change import GIT, WORKFLOW
-from .test_e2e import TINY, merge
-from .test_recipes import copy_project
+from .projects import copy_project, tiny_params
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -40,7 +41,7 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BASH = ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c"]  # GitHub's shell for a `run:` step on Linux
 ACTIONS = {"actions/checkout": "the fresh clone, all its history (fetch-depth 0), origin/main at the base commit",
            "actions/setup-python": "the system's Python on PATH (the prebuilt venv is Python 3.11)",
-           "actions/cache": "nothing restored: an empty DVC cache, as on a first run"}
+           "actions/cache": "the DVC cache and run cache of a cold run of the base's params (the tiny_pipeline fixture)"}
 
 
 class Context(dict):
@@ -82,7 +83,7 @@ def fresh_clone(dst: Path, base_model_dir: Path) -> Path:
     copy_project(dst, base_model_dir)
     for deleted in git(ROOT, "ls-files", "--deleted").split():
         (dst / deleted).unlink()
-    params = merge(yaml.safe_load((dst / "params.yaml").read_text()), TINY)
+    params = tiny_params()
     commit_params(dst, params, "base: the tiny params")
     git(dst, "update-ref", "refs/remotes/origin/main", "HEAD")
     params["evaluate"]["max_questions"] = 4
@@ -118,15 +119,14 @@ def run_steps(steps: list[dict], clone: Path, env: dict, user) -> dict[str, str]
     return outputs
 
 
-@pytest.mark.timeout(2400)
-@pytest.mark.skipif(not os.environ.get("UNISON_WORKFLOW_E2E"), reason="13 min on 2 quiet cores (a cold tiny pipeline and "
-                    "make diff's base), over the suite's budget: `make test-workflow` (UNISON_WORKFLOW_E2E=1) runs it, and CI")
-def test_the_workflow_steps_run_in_order_as_a_non_root_user_in_a_fresh_clone(tmp_path, base_model_dir):
+@pytest.mark.timeout(2400)  # ~5 min on 2 quiet cores, ~10 more when it is the first to ask for tiny_pipeline
+def test_the_workflow_steps_run_in_order_as_a_non_root_user_in_a_fresh_clone(tmp_path, base_model_dir, tiny_pipeline):
     job = yaml.safe_load(WORKFLOW.read_text())["jobs"]["reproduce"]
     assert [step["uses"].split("@")[0] for step in job["steps"] if "uses" in step] == list(ACTIONS)
     with delegated_user(tmp_path) as user:
         clone = fresh_clone(user.home / "work" / "unison", base_model_dir)
         (clone / ".venv").symlink_to(ROOT / ".venv")
+        shutil.copytree(tiny_pipeline / ".dvc" / "cache", clone / ".dvc" / "cache")  # what actions/cache restores
         summary = user.home / "work" / "step_summary.md"
         summary.touch()
         subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", str(user.home)], check=True)
@@ -138,6 +138,8 @@ def test_the_workflow_steps_run_in_order_as_a_non_root_user_in_a_fresh_clone(tmp
         assert stamp.returncode == 0, "make setup would install: the prebuilt .venv is older than requirements/cpu.lock"
 
         outputs = run_steps(job["steps"], clone, env, user)
+        ran = re.findall(r"Running stage '(\w+)'", outputs["make demo"])
+        assert ran == ["evaluate", "flywheel", "report"], outputs["make demo"]  # the head's change; the rest restored
         status = subprocess.run(user.command(["dvc", "status", "--json"], clone, {**env, "PATH": f"{clone}/.venv/bin:{SYSTEM_PATH}"}),
                                 capture_output=True, text=True)
         assert json.loads(status.stdout) == {}, status.stdout + status.stderr  # the demo left nothing to reproduce
@@ -149,7 +151,7 @@ def test_the_workflow_steps_run_in_order_as_a_non_root_user_in_a_fresh_clone(tmp
         for report in ("report.html", "summary.md", "flywheel.json", "plots/accuracy_vs_tokens.png"):
             assert (clone / "reports" / report).is_file(), report
         diff = next(output for script, output in outputs.items() if script.startswith("make diff"))
-        assert re.findall(r"Running stage '(\w+)'", diff) == ["evaluate", "flywheel", "report"], diff  # the rest: run cache
+        assert re.findall(r"Running stage '(\w+)'", diff) == [], diff  # the base: all from the run cache
         table = summary.read_text()
         assert "## Params: origin/main -> workspace" in table and "## Metrics: origin/main -> workspace" in table, table
         assert re.search(r"\| params.yaml\s+\| evaluate.max_questions\s+\| 8\s+\| 4\s+\|", table), table

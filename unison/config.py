@@ -54,6 +54,23 @@ class LLMConfig(Section):
     max_retries: int = Field(3, description="openai backend: on connection errors, timeouts, 429 and 5xx, with exponential backoff")
     token_prompts: bool = Field(True, description="openai backend: prompt as token ids; false = decoded text (auto-fallback if the server rejects ids)")
     vllm_extensions: bool = Field(True, description="openai backend: ask for token ids/stop reason (vLLM); false = plain OpenAI, completions re-tokenised here")
+    response_cache: bool = Field(True, description="openai backend: keep each answer under data/.cache/llm by a hash of the request (model, prompt, sampling, request format); a re-run with the same params sends no request")
+    max_requests_per_minute: int = Field(0, ge=0, description="openai backend: client-side rate limit; 0 = none")
+    max_tokens_per_minute: int = Field(0, ge=0, description="openai backend: client-side limit on prompt + max_tokens per minute (counted as the server reports once answered); 0 = none")
+    budget_tokens: int = Field(0, ge=0, description="openai backend: the most prompt + completion tokens (as the server reports them) one stage may spend; reached = the stage stops, keeping its finished shards; 0 = none")
+    price_input_per_million: float = Field(0, ge=0, description="openai backend: the price of a million prompt tokens, for budget_usd and the reported cost")
+    price_output_per_million: float = Field(0, ge=0, description="openai backend: the price of a million completion tokens")
+    budget_usd: float = Field(0, ge=0, description="openai backend: the most money one stage may spend at those prices; 0 = none")
+
+    @model_validator(mode="after")
+    def _budget_needs_prices(self):
+        if self.budget_usd and not (self.price_input_per_million or self.price_output_per_million):
+            raise ValueError("budget_usd needs price_input_per_million and/or price_output_per_million")
+        return self
+
+
+SPENDING_LIMITS = ("response_cache", "max_requests_per_minute", "max_tokens_per_minute", "budget_tokens",
+                   "price_input_per_million", "price_output_per_million", "budget_usd")  # llm.* that stop or pace a run, never change an answer
 
 
 class EngineConfig(LLMConfig):

@@ -2,15 +2,20 @@
 backoff, Retry-After and errors."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import requests
 import urllib3
 import urllib3.connection
+
+from .data.schemas import atomic_path
 
 MAX_RETRY_AFTER_S = 60.0
 MAX_BODY_BYTES = 64 << 20  # an LLM completion or a search answer; a server sending more is broken or hostile
@@ -242,3 +247,40 @@ def read_body(response: requests.Response, url: str, deadline: float, max_bytes:
         kind = "timeout" if isinstance(e, (urllib3.exceptions.ReadTimeoutError, TimeoutError)) else "error"
         raise AttemptFailed(kind, f"reading the answer failed: {e}") from None
     return b"".join(chunks)
+
+
+class ResponseCache:
+    """JSON answers on disk by content, one file per (tool, endpoint, query) under <root>/<2 hex>/<sha256>.json, written
+    atomically; counts hits and misses. The web tools' cache (data/.cache/web) and the openai backend's (data/.cache/llm)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def _path(self, tool: str, endpoint: str, query: str) -> Path:
+        digest = hashlib.sha256(json.dumps([tool, endpoint, query]).encode()).hexdigest()
+        return self.root / digest[:2] / f"{digest}.json"
+
+    def get(self, tool: str, endpoint: str, query: str, usable=lambda value: True):
+        """The cached answer if there is one and `usable(answer)`, else None (a miss)."""
+        try:
+            value = json.loads(self._path(tool, endpoint, query).read_text())
+        except (OSError, ValueError):  # absent, or cut short by a crash outside atomic writes
+            value = None
+        hit = value is not None and usable(value)
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
+        return value if hit else None
+
+    def put(self, tool: str, endpoint: str, query: str, value) -> None:
+        path = self._path(tool, endpoint, query)
+        tmp = atomic_path(path)
+        try:
+            tmp.write_text(json.dumps(value))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)

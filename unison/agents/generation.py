@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ..config import Params
+from ..config import SPENDING_LIMITS, Params
 from ..data.digest import file_digests
 from ..data.schemas import TRAJECTORY, read_table, write_table
 from ..llm import TEACHER_DIR, teacher_id
@@ -29,15 +29,19 @@ from .wiring import INDEX_DIR, demonstrations, fault_counters, remote_counters
 PACKAGE = Path(__file__).resolve().parents[1]  # unison/: its sources are part of the shards' key
 
 
-FAULTS = ("teacher_", "search_")  # the counters an error's note repeats
+FAULTS = ("teacher_", "search_")  # the counters an error's note repeats, with what the served models cost
+SPENT = (".prompt_tokens", ".completion_tokens", ".cost_usd")
 
 
 def shard_dir(params: Params, questions: list[dict]) -> Path:
-    """Shards are valid only for the same settings, questions and worked examples, the same code (every .py file of the
+    """Shards are valid only for the same settings (less the spending limits), questions and worked examples, the same code (every .py file of the
     unison package) and the same index and teacher (every file of data/index, models/teacher and generate.roles' local
     model folders, by content): a shard made by other code or other weights is never reused."""
-    key = json.dumps([params.model_dump(include={"generate", "llm", "teacher", "tools", "seed"}), [q["id"] for q in questions]],
-                     sort_keys=True)
+    settings = params.model_dump(include={"generate", "llm", "teacher", "tools", "seed"})
+    for llm in (settings["llm"], settings["teacher"]["llm"]):  # a larger budget resumes from the shards a smaller one kept
+        for name in SPENDING_LIMITS:
+            llm.pop(name, None)
+    key = json.dumps([settings, [q["id"] for q in questions]], sort_keys=True)
     key += demonstrations(params)  # the teacher's worked examples: the file's text, not only its name
     code = sorted(PACKAGE.rglob("*.py"))
     roles = [str(spec["model"]) for spec in params.generate.roles.values() if Path(str(spec.get("model", ""))).is_dir()]
@@ -100,7 +104,8 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
                         run_on_cluster(params, where, [(k, chunks[k]) for k in todo], paths))
         except Exception as error:  # a server gone for good: the finished shards stay; the stage logs the counters
             error.counters = getattr(error, "counters", counters)
-            error.add_note("generate: " + ", ".join(f"{k}={v:g}" for k, v in error.counters.items() if k.startswith(FAULTS)))
+            error.add_note("generate: " + ", ".join(f"{k}={v:g}" for k, v in error.counters.items()
+                                                    if k.startswith(FAULTS) or k.endswith(SPENT)))
             raise
         wall_s = time.perf_counter() - t0
     rows = [r for path in paths for r in read_table(path, TRAJECTORY)]

@@ -3,6 +3,8 @@ from ..config import EngineConfig, Params, teacher_engine
 from ..http import redact
 from .base import Completion, Sampling
 
+RESPONSE_CACHE_DIR = "data/.cache/llm"  # a served model's answers by request (openai backend, llm.response_cache)
+
 
 def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode: bool = False):
     """Build the backend `engine.backend` names (vllm | transformers | openai); `sleep_mode` (vllm on CUDA) lets the engine
@@ -21,13 +23,17 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
         from .hf_backend import HFBackend
 
         return HFBackend(model_dir, dtype=engine.dtype)
-    from .openai_backend import OpenAIBackend
+    from .openai_backend import Budget, OpenAIBackend, RateLimit
 
     if not engine.base_url:
         raise ValueError("params.yaml teacher.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
     return OpenAIBackend(engine.base_url, engine.api_model or str(model_dir), tokenizer=engine.tokenizer or str(model_dir),
                          max_concurrency=engine.max_concurrency, timeout_s=engine.timeout_s, max_retries=engine.max_retries,
-                         api_key_env=engine.api_key_env, token_prompts=engine.token_prompts, vllm_extensions=engine.vllm_extensions)
+                         api_key_env=engine.api_key_env, token_prompts=engine.token_prompts, vllm_extensions=engine.vllm_extensions,
+                         cache_dir=RESPONSE_CACHE_DIR if engine.response_cache else None,
+                         budget=Budget(engine.budget_tokens, engine.budget_usd, engine.price_input_per_million,
+                                       engine.price_output_per_million),
+                         rate_limit=RateLimit(engine.max_requests_per_minute, engine.max_tokens_per_minute))
 
 
 TEACHER_DIR = "models/teacher"

@@ -9,6 +9,11 @@ validation errors), steps down once per call: first the extensions, then token p
 `stats` counts requests, retries (each resend after a connection error, timeout, 429 or 5xx) and failures (requests
 that failed for good: the RuntimeError that ends the call names the URL, credentials redacted).
 
+Paying for it: `stats` adds the server's reported `prompt_tokens` and `completion_tokens`, `cost_usd` at the given
+prices, and `cached` (answers taken from the response cache, `cache_dir`: keyed by the model, the prompt, the sampling
+and the configured request format, so a re-run with the same params sends nothing and a change of any misses). A
+`Budget` stops the backend (BudgetExhausted) once the spend reaches it; a `RateLimit` spaces requests and tokens.
+
 Several base URLs (replicas of one served model): each attempt goes to the server with the fewest requests outstanding
 (ties round-robin), a retry to another one; a server whose attempt failed (connection error, timeout, 429, 5xx) is
 avoided for AVOID_S seconds (unless every server is; then the one avoided longest is tried). The request, its seed
@@ -17,14 +22,17 @@ i-th URL / failed there as above), so no URL is in a counter's name.
 """
 from __future__ import annotations
 
+import collections
+import json
 import logging
 import os
 import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 
-from ..http import AttemptFailed, HTTPFailure, post_json_once, redact, retryable, watched_session, with_retries
+from ..http import AttemptFailed, HTTPFailure, ResponseCache, post_json_once, redact, retryable, watched_session, with_retries
 from .base import Completion, Sampling, truncate_at_stop
 
 log = logging.getLogger(__name__)
@@ -35,12 +43,71 @@ REJECTED_FIELDS = re.compile(r"validation error|input should be|valid string|unr
                              r"extra (fields|inputs) not permitted", re.IGNORECASE)
 
 
+class BudgetExhausted(RuntimeError):
+    """The spend reached the backend's budget: no more requests (a stage stops, keeping its finished shards)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The most a backend may spend: tokens as the server reports them (prompt + completion) and money at the given
+    prices per million tokens; 0 = no limit."""
+    tokens: int = 0
+    usd: float = 0.0
+    price_input_per_million: float = 0.0
+    price_output_per_million: float = 0.0
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (prompt_tokens * self.price_input_per_million + completion_tokens * self.price_output_per_million) / 1e6
+
+    def exhausted(self, prompt_tokens: int, completion_tokens: int) -> str | None:
+        """What ran out, or None."""
+        spent = prompt_tokens + completion_tokens
+        if self.tokens and spent >= self.tokens:
+            return f"{spent} tokens spent of a budget of {self.tokens}"
+        if self.usd and self.cost(prompt_tokens, completion_tokens) >= self.usd:
+            return f"${self.cost(prompt_tokens, completion_tokens):.4f} spent of a budget of ${self.usd:g}"
+        return None
+
+
+class RateLimit:
+    """Client-side limits over any 60 s window: requests, and tokens (a request's prompt + max_tokens when sent, then
+    what the server reported); 0 = none. `acquire` waits until a request fits."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self, requests_per_minute: int = 0, tokens_per_minute: int = 0, clock=time.monotonic, sleep=time.sleep):
+        self.rpm, self.tpm, self.clock, self.sleep = requests_per_minute, tokens_per_minute, clock, sleep
+        self._sent: collections.deque = collections.deque()  # [time, tokens] per request in the window
+        self._lock = threading.Lock()
+
+    def acquire(self, tokens: int) -> list:
+        """Wait until one more request of `tokens` fits; its entry, to `settle` with the tokens the server reports."""
+        while True:
+            with self._lock:
+                now = self.clock()
+                while self._sent and self._sent[0][0] <= now - self.WINDOW_S:
+                    self._sent.popleft()
+                used = sum(t for _, t in self._sent)
+                full = (self.rpm and len(self._sent) >= self.rpm) or (self.tpm and self._sent and used + tokens > self.tpm)
+                if not full:
+                    entry = [now, tokens]
+                    self._sent.append(entry)
+                    return entry
+                wait = self._sent[0][0] + self.WINDOW_S - now
+            self.sleep(max(wait, 0.01))
+
+    def settle(self, entry: list, tokens: int) -> None:
+        with self._lock:
+            entry[1] = tokens
+
+
 class OpenAIBackend:
     name = "openai"
 
     def __init__(self, base_url: str | list[str], model: str, tokenizer=None, max_concurrency: int = 8, timeout_s: float = 120.0,
                  max_retries: int = 3, api_key_env: str = "OPENAI_API_KEY", token_prompts: bool = True,
-                 vllm_extensions: bool = True, backoff_s: float = 0.5):
+                 vllm_extensions: bool = True, backoff_s: float = 0.5, cache_dir: str | os.PathLike | None = None,
+                 budget: Budget = Budget(), rate_limit: RateLimit | None = None):
         """`base_url`: a server's /v1 URL or a list of servers of the same model; `tokenizer`: a tokenizer or a local dir /
         hub name to load one from (default: `model`)."""
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
@@ -53,9 +120,13 @@ class OpenAIBackend:
         self.model = model
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.token_prompts, self.vllm_extensions = token_prompts, vllm_extensions
+        self.request_format = {"vllm_extensions": vllm_extensions, "token_prompts": token_prompts}  # as configured: the cache key's
+        self.cache = ResponseCache(cache_dir) if cache_dir else None
+        self.budget, self.rate_limit = budget, rate_limit or RateLimit()
         key = os.environ.get(api_key_env) if api_key_env else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.stats = {"requests": 0, "retries": 0, "failures": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0}
+        self.stats = {"requests": 0, "retries": 0, "failures": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0,
+                      "cached": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
         if len(self.urls) > 1:
             self.stats |= {f"server{i}.{k}": 0 for i in range(len(self.urls)) for k in ("requests", "errors")}
         self._outstanding = [0] * len(self.urls)
@@ -89,8 +160,37 @@ class OpenAIBackend:
         return body
 
     def _post(self, prompt: list[int], s: Sampling) -> tuple[dict, bool]:
-        """The first choice of the server's answer and whether the vLLM extensions were on; steps the request format
-        down while the server is unprobed."""
+        """The first choice of the answer and whether the vLLM extensions were on: from the response cache, or from the
+        server (then cached)."""
+        key = json.dumps({"prompt": prompt, "sampling": asdict(s), "format": self.request_format}, sort_keys=True)
+        if self.cache is not None and (hit := self.cache.get("completions", self.model, key)) is not None:
+            self._count("cached")
+            return hit["choice"], hit["extensions"]
+        choice, ext, usage = self._send(prompt, s)
+        if self.cache is not None:
+            self.cache.put("completions", self.model, key, {"choice": choice, "extensions": ext, "usage": usage})
+        return choice, ext
+
+    def _spend(self, usage: dict) -> None:
+        """Count the server's reported usage and what it cost."""
+        prompt_tokens, completion_tokens = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        with self._lock:
+            self.stats["prompt_tokens"] += prompt_tokens
+            self.stats["completion_tokens"] += completion_tokens
+            self.stats["cost_usd"] = self.budget.cost(self.stats["prompt_tokens"], self.stats["completion_tokens"])
+
+    def _check_budget(self) -> None:
+        """BudgetExhausted once the spend has reached the budget (checked before each request: the requests already in
+        flight, at most max_concurrency, may pass it)."""
+        with self._lock:
+            spent = self.budget.exhausted(self.stats["prompt_tokens"], self.stats["completion_tokens"])
+        if spent:
+            raise BudgetExhausted(f"openai backend {redact(self.label)}: budget reached ({spent}); no more requests")
+
+    def _send(self, prompt: list[int], s: Sampling) -> tuple[dict, bool, dict]:
+        """The first choice of the server's answer, whether the vLLM extensions were on, and the usage it reported;
+        steps the request format down while the server is unprobed."""
+        self._check_budget()
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = watched_session()
@@ -98,17 +198,22 @@ class OpenAIBackend:
             mode = (self.vllm_extensions, self.token_prompts)
             self._count("requests")
             body = self._body(prompt, s, *mode)
+            entry = self.rate_limit.acquire(len(prompt) + s.max_tokens)
             deadline = time.monotonic() + self.timeout_s  # the request's, retries included
             try:
                 answer = with_retries("POST", self.label, lambda: self._attempt(body, session, deadline), retries=self.max_retries,
                                       backoff_s=self.backoff_s, deadline=deadline, on_retry=lambda: self._count("retries"))
             except HTTPFailure as e:
+                self.rate_limit.settle(entry, 0)
                 if e.status in (400, 422) and self._step_down(mode, e):
                     continue
                 self._count("failures")
                 raise RuntimeError(f"openai backend: {e}") from None
             self._probed = True
-            return answer["choices"][0], mode[0]
+            usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+            self._spend(usage)
+            self.rate_limit.settle(entry, int(usage.get("total_tokens") or len(prompt) + s.max_tokens))
+            return answer["choices"][0], mode[0], usage
 
     def _attempt(self, body: dict, session, deadline: float):
         """One POST of `body` to the server `_pick` chooses by `deadline`, counted against it while outstanding."""

@@ -10,21 +10,17 @@ under `data/.cache/web/` by a hash of (tool, endpoint, query); errors are not ca
 """
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import os
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
-from pathlib import Path
 from urllib.parse import urlparse
 
 from ..config import ToolsConfig
-from ..data.schemas import atomic_path
-from ..http import HTTPFailure, with_retries
+from ..http import HTTPFailure, ResponseCache, with_retries
 from ..protocol import split_queries
 from .web_fetch import ANY_ADDRESS, Answer, Blocked, fetch
 
@@ -33,52 +29,16 @@ HTML_TYPES = ("text/html", "application/xhtml+xml")
 TEXT_TYPES = HTML_TYPES + ("text/plain", "text/markdown", "text/csv", "text/xml", "application/xml", "application/json")
 
 
-class WebCache:
-    """JSON answers on disk, one file per (tool, endpoint, query), written atomically; counts hits and misses."""
-
-    def __init__(self, root: str | os.PathLike = CACHE_DIR):
-        self.root = Path(root)
-        self.hits = self.misses = 0
-        self._lock = threading.Lock()
-
-    def _path(self, tool: str, endpoint: str, query: str) -> Path:
-        digest = hashlib.sha256(json.dumps([tool, endpoint, query]).encode()).hexdigest()
-        return self.root / digest[:2] / f"{digest}.json"
-
-    def get(self, tool: str, endpoint: str, query: str, usable=lambda value: True):
-        """The cached answer if there is one and `usable(answer)`, else None (a miss)."""
-        try:
-            value = json.loads(self._path(tool, endpoint, query).read_text())
-        except (OSError, ValueError):  # absent, or cut short by a crash outside atomic writes
-            value = None
-        hit = value is not None and usable(value)
-        with self._lock:
-            if hit:
-                self.hits += 1
-            else:
-                self.misses += 1
-        return value if hit else None
-
-    def put(self, tool: str, endpoint: str, query: str, value) -> None:
-        path = self._path(tool, endpoint, query)
-        tmp = atomic_path(path)
-        try:
-            tmp.write_text(json.dumps(value))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-
 class _WebTool:
     """What both tools share: HTTP settings, the cache, and running several arguments in parallel."""
 
     name = ""
 
-    def __init__(self, endpoint: str, max_chars: int, timeout_s: float, retries: int, cache: WebCache | None, backoff_s: float,
+    def __init__(self, endpoint: str, max_chars: int, timeout_s: float, retries: int, cache: ResponseCache | None, backoff_s: float,
                  max_bytes: int):
         self.endpoint, self.max_chars, self.max_bytes = endpoint, max_chars, max_bytes
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
-        self.cache = cache or WebCache()
+        self.cache = cache or ResponseCache()
 
     def __call__(self, arg: str) -> tuple[str, str | None]:
         items = self.split(arg)
@@ -118,7 +78,7 @@ class WebSearch(_WebTool):
     name = "web_search"
 
     def __init__(self, url: str, topk: int = 3, max_chars: int = 300, timeout_s: float = 15.0, retries: int = 2,
-                 api_key_env: str = "", cache: WebCache | None = None, backoff_s: float = 0.5, max_bytes: int = 2_000_000):
+                 api_key_env: str = "", cache: ResponseCache | None = None, backoff_s: float = 0.5, max_bytes: int = 2_000_000):
         super().__init__(url, max_chars, timeout_s, retries, cache, backoff_s, max_bytes)
         self.topk = topk
         key = os.environ.get(api_key_env) if api_key_env else None
@@ -156,7 +116,7 @@ class WebSearch(_WebTool):
 class Crawl(_WebTool):
     name = "crawl"
 
-    def __init__(self, max_chars: int = 2000, timeout_s: float = 15.0, retries: int = 2, cache: WebCache | None = None,
+    def __init__(self, max_chars: int = 2000, timeout_s: float = 15.0, retries: int = 2, cache: ResponseCache | None = None,
                  backoff_s: float = 0.5, max_bytes: int = 2_000_000, allow_networks: tuple[str, ...] = ()):
         super().__init__("GET", max_chars, timeout_s, retries, cache, backoff_s, max_bytes)
         # tests and operators only: a model's URL may reach these non-public addresses (a local test server, say)
@@ -239,7 +199,7 @@ def enabled_web_tools(tools: ToolsConfig) -> tuple[str, ...]:
 
 def make_web_tools(t: ToolsConfig, cache_dir: str | os.PathLike = CACHE_DIR) -> dict:
     """Toolbox handlers for the enabled web tools (name -> fn(arg)), sharing one cache."""
-    cache = WebCache(cache_dir)
+    cache = ResponseCache(cache_dir)
     common = {"timeout_s": t.web_timeout_s, "max_bytes": t.web_max_bytes, "cache": cache}
     handlers = {}
     if "web_search" in enabled_web_tools(t):
