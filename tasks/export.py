@@ -1,6 +1,6 @@
 """Stage `export`: the SFT conversations, DPO pairs and RL prompts as LLaMA-Factory, verl and TRL datasets (data/export).
 
-No model is loaded; the same inputs and settings write the same bytes. What each file holds: unison/exports.py.
+No model is loaded, only the student's tokenizer (models/base); the same inputs and settings write the same bytes. What each file holds: unison/exports.py.
 """
 from __future__ import annotations
 
@@ -11,18 +11,22 @@ from unison.config import load_params
 from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
 from unison.exports import read_rl_prompts, write_export
 
-LABELED_PATH, RL_DIR, OUT = "data/labeled/train.parquet", "data/rl", "data/export"
+LABELED_PATH, RL_DIR, OUT, STUDENT = "data/labeled/train.parquet", "data/rl", "data/export", "models/base"
 
 
 def main() -> None:
     params = load_params()
     tools = enabled_tools(params)
     settings = {**params.export.model_dump(), "sft.max_per_question": params.sft.max_per_question, "sft.dedupe": params.sft.dedupe,
+                "sft.max_length": params.sft.max_length,
                 "dpo.max_pairs_per_question": params.dpo.max_pairs_per_question, "tools": ",".join(tools)}
     with track.stage_run("export", settings) as run:
+        from transformers import AutoTokenizer
+
         labeled, rl = read_table(LABELED_PATH, LABELED), read_rl_prompts(RL_DIR)
+        tok = AutoTokenizer.from_pretrained(STUDENT)
         with atomic_dir(OUT) as tmp:
-            counts = write_export(tmp, labeled, rl, params, tools, LABELED_PATH)
+            counts = write_export(tmp, labeled, rl, params, tools, tok, LABELED_PATH)
         write_json(counts, "reports/export.json")
         run.log_metrics(counts)
         print(f"export: {counts['sft_conversations']} SFT conversations ({counts['sft_questions']} questions), "

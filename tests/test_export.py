@@ -50,10 +50,11 @@ def labeled_row(qid: str, sample: int, correct: bool, turns: list[tuple[str, str
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):
-    """A project dir as cwd: the repo's params, labeled trajectories, and two curriculum stages of RL prompts written by
-    pareto's own writer; its own MLflow store."""
+def project(tmp_path, monkeypatch, tiny_model_dir):
+    """A project dir as cwd: the repo's params, the student (its tokenizer is what export reads), labeled trajectories,
+    and two curriculum stages of RL prompts written by pareto's own writer; its own MLflow store."""
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(tiny_model_dir, tmp_path / "models/base")
     monkeypatch.chdir(tmp_path)
     write_table([labeled_row(*t) for t in TRAJECTORIES], "data/labeled/train.parquet", LABELED)
     questions = {qid: {"id": qid, "source": "builtin", "task": "math" if qid == "q2" else "qa", "question": q, "answers": [a]}
@@ -73,8 +74,15 @@ def files(root: Path) -> dict[str, str]:
 @pytest.fixture
 def exported(project):
     """The library's export of the project (the stage itself, MLflow and all, is the first test's)."""
-    write_export("data/export", read_table("data/labeled/train.parquet", LABELED), read_rl_prompts("data/rl"), load_params(), DEFAULT_TOOLS)
+    write_export("data/export", read_table("data/labeled/train.parquet", LABELED), read_rl_prompts("data/rl"), load_params(), DEFAULT_TOOLS,
+                 student_tokenizer())
     return project / "data/export"
+
+
+def student_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained("models/base")
 
 
 def test_the_stage_writes_every_format_the_same_bytes_twice_and_keeps_the_last_export_when_it_fails(project):
@@ -83,10 +91,13 @@ def test_the_stage_writes_every_format_the_same_bytes_twice_and_keeps_the_last_e
     export.main()
     first = files(project / "data/export")
     assert sorted(first) == ["llamafactory/dataset_info.json", "llamafactory/dpo.jsonl", "llamafactory/sft.jsonl", "trl/sft.jsonl",
-                             "verl/stage1.parquet", "verl/stage2.parquet"]
+                             "trl/sft_tokenized.jsonl", "verl/stage1.parquet", "verl/stage2.parquet"]
     report = json.loads((project / "reports/export.json").read_text())
+    train_tokens = report.pop("sft_train_tokens")
     assert report == {"sft_conversations": 2, "sft_questions": 2, "dpo_pairs": 2, "dpo_questions": 1, "rl_prompts": 3, "rl_stages": 2,
                       "tools": ["search", "python"]}
+    assert train_tokens == sum(sum(json.loads(line)["assistant_masks"]) for line in
+                               (project / "data/export/trl/sft_tokenized.jsonl").read_text().splitlines())
     export.main()
     assert files(project / "data/export") == first
     rows = read_table("data/labeled/train.parquet", LABELED)
@@ -147,28 +158,33 @@ def test_verl_reads_the_rl_parquet_as_its_dataset_and_tool_agent_loop_do(exporte
                     "data_source": "builtin"}
 
 
-def test_trl_sft_trainer_prepares_the_messages_with_tool_output_out_of_the_loss(exported, tiny_model_dir, tmp_path):
-    """TRL's own preparation: SFTTrainer tokenises the conversational dataset with assistant_only_loss, under the Qwen2.5
-    template (one TRL ships a training variant of, with {% generation %} markers) on SmolLM2's vocabulary."""
+def test_trl_sft_trainer_with_its_default_settings_trains_exactly_the_tokens_sft_trains(exported, tmp_path):
+    """TRL's own preparation (SFTTrainer, default SFTConfig) of sft_tokenized.jsonl, under the student's own tokenizer: its
+    labels are the ids where unison's token view trains and -100 elsewhere (system prompt, question, observations)."""
     from datasets import load_dataset
-    from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
-    from trl.chat_template_utils import qwen2_5_chat_template
-    from trl.data_utils import is_conversational
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tok.chat_template = qwen2_5_chat_template
-    data = load_dataset("json", data_files=str(exported / "trl/sft.jsonl"), split="train")
-    assert is_conversational(data[0])
-    assert [m["role"] for m in data[0]["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
-    args = SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True, report_to="none", bf16=False, use_cpu=True)
-    prepared = SFTTrainer(model=str(tiny_model_dir), args=args, train_dataset=data, processing_class=tok).train_dataset
-    for example, source in zip(prepared, data):
-        trained = tok.decode([i for i, label in zip(example["input_ids"], example["labels"]) if label != -100])
-        left_out = tok.decode([i for i, label in zip(example["input_ids"], example["labels"]) if label == -100])
-        by_role = {role: [m["content"] for m in source["messages"] if m["role"] == role] for role in ("system", "assistant", "tool")}
-        assert all(text in trained for text in by_role["assistant"]) and "<result>" not in trained
-        assert all(text in left_out for text in by_role["tool"] + by_role["system"])
+    from unison.data.schemas import LABELED, read_table
+    from unison.train.sft import build_examples, select_trajectories
+
+    tok = student_tokenizer()
+    data = load_dataset("json", data_files=str(exported / "trl/sft_tokenized.jsonl"), split="train")
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), report_to="none", bf16=False, use_cpu=True)
+    prepared = SFTTrainer(model="models/base", args=args, train_dataset=data, processing_class=tok).train_dataset
+    params = load_params()
+    chosen = select_trajectories(read_table("data/labeled/train.parquet", LABELED), params.sft.max_per_question, params.sft.dedupe)
+    views, _ = build_examples(tok, chosen, params.sft.max_length)
+    assert len(prepared) == len(views) == 2
+    for example, (ids, mask) in zip(prepared, views):
+        assert example["input_ids"] == ids
+        assert example["labels"] == [i if m else -100 for i, m in zip(ids, mask)]
+        trained = tok.decode([i for i, m in zip(ids, mask) if m])
+        assert "<answer>" in trained and "<result>" not in trained and SYSTEM[:40] not in trained
+    plain = load_dataset("json", data_files=str(exported / "trl/sft.jsonl"), split="train")
+    with pytest.raises(Exception, match="generation"):  # the messages file: the student's template has no generation markers
+        SFTTrainer(model="models/base", args=SFTConfig(output_dir=str(tmp_path / "trl2"), report_to="none", bf16=False,
+                                                        use_cpu=True, assistant_only_loss=True),
+                   train_dataset=plain, processing_class=tok)
 
 
 def test_a_rendering_without_an_assistant_turn_or_with_a_stray_role_is_refused():
@@ -182,7 +198,7 @@ def test_a_rendering_without_an_assistant_turn_or_with_a_stray_role_is_refused()
 
 def test_without_pairs_there_is_no_dpo_dataset_and_a_bad_name_fails_at_load(project):
     rows = [r for r in read_table("data/labeled/train.parquet", LABELED) if r["correct"] or r["question_id"] == "q2"]
-    counts = write_export("data/export", rows, read_rl_prompts("data/rl"), load_params(), DEFAULT_TOOLS)
+    counts = write_export("data/export", rows, read_rl_prompts("data/rl"), load_params(), DEFAULT_TOOLS, student_tokenizer())
     assert (counts["sft_conversations"], counts["dpo_pairs"]) == (2, 0)
     assert not (project / "data/export/llamafactory/dpo.jsonl").exists()
     assert list(json.loads((project / "data/export/llamafactory/dataset_info.json").read_text())) == ["unison_sft"]

@@ -4,12 +4,17 @@
     data/export/llamafactory/sft.jsonl           {system, conversations: [{from, value}]}: human, gpt, observation, gpt, ...
     data/export/llamafactory/dpo.jsonl           {system, conversations: [human], chosen: {from: gpt, value}, rejected: ...}
     data/export/trl/sft.jsonl                    {messages: [{role, content}]}: system, user, assistant, tool, assistant, ...
+    data/export/trl/sft_tokenized.jsonl          {input_ids, assistant_masks}: sft's token views under the student's
+                                                 tokenizer, the mask 1 where sft trains (what TRL's SFTTrainer trains)
     data/export/verl/stage<k>.parquet            data/rl's rows + agent_name and extra_info.{ability, need_tools_kwargs, tools_kwargs}
 
 The conversations are the student renderings `sft` trains on (sft.select_trajectories, same settings), with the same
 system prompt and the same tool protocol: tool calls stay the tags the student writes (<search>q</search>), each
-observation is a turn of the consumer's tool role (LLaMA-Factory `observation`, TRL `tool`), which both leave out of the
-loss. Consecutive segments of one role are one turn (the runtime generated them as one token stream), and an
+observation is a turn of the consumer's tool role (LLaMA-Factory `observation`, TRL `tool`). LLaMA-Factory leaves
+observations out of the loss; TRL does only with `assistant_only_loss` and a chat template with `{% generation %}`
+markers, which the student's (SmolLM2's) lacks, and with its default settings it trains every token of sft.jsonl,
+system prompt and observations included. So TRL gets sft_tokenized.jsonl too: the exact ids and mask `sft` trains on
+(truncated at sft.max_length), which TRL's SFTTrainer turns into labels as they are, with its default SFTConfig. Consecutive segments of one role are one turn (the runtime generated them as one token stream), and an
 observation nothing answers is dropped. No `tools` column: it would make LLaMA-Factory's template announce its own
 JSON tool-call format, which is not the protocol the student learns. The DPO pairs are dpo.build_pairs'; LLaMA-Factory's
 ranking format holds one message per side, so chosen and rejected are whole completions with their `<result>` blocks
@@ -27,7 +32,7 @@ import pyarrow as pa
 from .config import Params
 from .data.schemas import RL_ROW, DataError, read_table, write_json, write_jsonl, write_table
 from .train.dpo import build_pairs
-from .train.sft import select_trajectories
+from .train.sft import build_examples, select_trajectories
 
 SHAREGPT_ROLES = {"user": "human", "assistant": "gpt", "tool": "observation"}
 
@@ -112,9 +117,10 @@ def read_rl_prompts(rl_dir: str | Path) -> list[dict]:
     return [r for p in paths for r in read_table(p, RL_ROW)]
 
 
-def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], params: Params, tools: tuple[str, ...],
+def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], params: Params, tools: tuple[str, ...], tok,
                  path: str | Path = "data/labeled/train.parquet") -> dict:
-    """Write every format under `out_dir` (module docstring); counts of what was written. `path` names `labeled` in errors."""
+    """Write every format under `out_dir` (module docstring), token views under the student's tokenizer `tok`; counts of
+    what was written. `path` names `labeled` in errors."""
     out = Path(out_dir)
     chosen = select_trajectories(labeled, params.sft.max_per_question, params.sft.dedupe)
     if not chosen:
@@ -125,10 +131,12 @@ def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], param
         write_jsonl(llamafactory_dpo(pairs, path), out / "llamafactory/dpo.jsonl")
     write_json(dataset_info(params.export.name, bool(pairs)), out / "llamafactory/dataset_info.json")
     write_jsonl([{"messages": chat(r, path)} for r in chosen], out / "trl/sft.jsonl")
+    examples, _ = build_examples(tok, chosen, params.sft.max_length)
+    write_jsonl([{"input_ids": ids, "assistant_masks": mask} for ids, mask in examples], out / "trl/sft_tokenized.jsonl")
     stages = sorted({r["stage"] for r in rl})
     for stage in stages:
         write_table(verl_rows([r for r in rl if r["stage"] == stage], tools, params.export.verl_agent),
                     out / f"verl/stage{stage}.parquet", verl_schema(tools))
     return {"sft_conversations": len(chosen), "sft_questions": len({r["question_id"] for r in chosen}),
-            "dpo_pairs": len(pairs), "dpo_questions": len({c["question_id"] for c, _ in pairs}),
+            "sft_train_tokens": sum(sum(mask) for _, mask in examples), "dpo_pairs": len(pairs), "dpo_questions": len({c["question_id"] for c, _ in pairs}),
             "rl_prompts": len(rl), "rl_stages": len(stages), "tools": list(tools)}
