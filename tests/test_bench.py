@@ -50,7 +50,7 @@ def test_timed_toolbox_counts_calls_and_passes_results_through():
     box = TimedToolbox(Toolbox(retriever=None))
     assert box.call("search", "x") == ("error: search is not available", "unavailable")
     assert box.call("shell", "ls")[1] == "unknown_tool"
-    assert box.calls == 2 and box.seconds >= 0
+    assert box.calls == 2 and 0 < box.seconds < 5  # both calls timed: refusals take microseconds, not nothing
     assert box.log == [("search", "x"), ("shell", "ls")]
 
 
