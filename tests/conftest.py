@@ -12,10 +12,6 @@ BASE_MODEL_SPEC = "builtin:smollm2-135m-instruct"
 TEST_MODELS = ROOT / ".cache" / "test-models"
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes more than ~30 s (real model conversion or generation)")
-
-
 @pytest.fixture(scope="session")
 def base_model_dir():
     """SmolLM2-135M-Instruct as a transformers folder; converted from the GGUF once (~36 s), then reused."""

@@ -372,7 +372,6 @@ def test_materialized_model_generates_like_the_gguf(base_model_dir):
 # ---- the stage ------------------------------------------------------------------------------------------
 
 def test_download_stage_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
-    pytest.importorskip("unison.track")
     from tasks import download
 
     params = yaml.safe_load((Path(__file__).parent.parent / "params.yaml").read_text())

@@ -57,7 +57,6 @@ def test_rl_engine_sleeps_through_each_update_fake_gpu_engine(tiny_model_dir, tm
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs a CUDA GPU")
 def test_vllm_sleep_frees_gpu_memory_and_wakes_with_the_new_weights(base_model_dir):
-    pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
     from unison.llm.base import Sampling
