@@ -211,12 +211,15 @@ def post_json_once(url: str, body: dict, *, deadline: float, session=None, heade
                 with response:
                     content = read_body(response, url, deadline, max_bytes)
             except (requests.RequestException, AttemptFailed) as e:
+                if watchdog.fired:
+                    http.close()  # no shut socket goes back to the pool for the next attempt
                 if watchdog.fired or isinstance(e, requests.Timeout):
                     raise AttemptFailed("timeout", f"no complete answer within {seconds:.3g} s") from None
                 if isinstance(e, AttemptFailed):
                     raise
                 raise AttemptFailed("error", f"connection failed: {e}") from None
             if watchdog.fired:  # cut mid-headers, http.client takes what came as the whole head and an empty body
+                http.close()
                 raise AttemptFailed("timeout", f"no complete answer within {seconds:.3g} s")
     finally:
         if own:
