@@ -159,7 +159,7 @@ def test_generate_survives_fake_openai_server_faults_and_a_search_server_going_d
         project = project_copy(template, tmp_path / "project", teacher={
             "model": f"local:{base_model_dir}", "backend": "openai",
             "base_url": [f"http://unison:{SECRETS['url_password']}@127.0.0.1:{port}/v1" for port in ports],
-            "served_name": "fake", "api_key_env": "UNISON_FAKE_TEACHER_KEY", "llm": {"timeout_s": 2, "max_retries": 2}},
+            "served_name": "fake", "api_key_env": "UNISON_FAKE_TEACHER_KEY", "llm": {"timeout_s": 6, "max_retries": 2}},
             tools={"search_url": search_url, "search_token_env": "UNISON_FAKE_SEARCH_TOKEN",
                    "web_search_url": f"{web.url}/search?api_key={SECRETS['url_query']}", "web_api_key_env": "UNISON_FAKE_WEB_KEY"})
         generate = run_stage(project, "generate")

@@ -88,6 +88,15 @@ def with_retries(method: str, url: str, attempt, *, retries: int, backoff_s: flo
     raise HTTPFailure(method, url, failure.kind, failure.detail, n + 1, failure.status)
 
 
+def shared_deadlines(deadline: float, attempts: int):
+    """Each attempt's deadline in turn: an equal share of the time left before the request's `deadline` among the
+    attempts left, so a server that hangs leaves time for a retry (on another replica) and the request still ends by
+    `deadline`."""
+    for left in range(attempts, 0, -1):
+        now = time.monotonic()
+        yield now + max(0.0, deadline - now) / left
+
+
 def watched_session():
     """A requests.Session whose attempts `post_json_once` can cut at their deadline, headers included (one per thread:
     a Session is a connection pool, not safe to share between threads)."""
@@ -186,10 +195,11 @@ _WATCHED_POOLS = {"http": _HTTPPool, "https": _HTTPSPool}
 def post_json(url: str, body: dict, *, timeout: float, retries: int = 3, backoff_s: float = 0.5, session=None,
               on_retry=None, headers: dict | None = None, max_bytes: int = MAX_BODY_BYTES):
     """POST `body` as JSON and return the decoded answer, each attempt a `post_json_once`, retried by `with_retries`;
-    `timeout` bounds the whole call: connecting, headers, body and every retry."""
+    `timeout` bounds the whole call: connecting, headers, body and every retry (`shared_deadlines`)."""
     deadline = time.monotonic() + timeout
-    return with_retries("POST", url, lambda: post_json_once(url, body, deadline=deadline, session=session, headers=headers,
-                                                            max_bytes=max_bytes),
+    attempts = shared_deadlines(deadline, retries + 1)
+    return with_retries("POST", url, lambda: post_json_once(url, body, deadline=next(attempts), session=session,
+                                                            headers=headers, max_bytes=max_bytes),
                         retries=retries, backoff_s=backoff_s, deadline=deadline, on_retry=on_retry)
 
 

@@ -104,8 +104,8 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
                         run_on_cluster(params, where, [(k, chunks[k]) for k in todo], paths))
         except Exception as error:  # a server gone for good: the finished shards stay; the stage logs the counters
             error.counters = getattr(error, "counters", counters)
-            error.add_note("generate: " + ", ".join(f"{k}={v:g}" for k, v in error.counters.items()
-                                                    if k.startswith(FAULTS) or k.endswith(SPENT)))
+            faults = [f"{k}={v:g}" for k, v in error.counters.items() if k.startswith(FAULTS)]
+            error.add_note("generate: " + ", ".join(faults + [f"{k}={v:g}" for k, v in error.counters.items() if k.endswith(SPENT)]))
             raise
         wall_s = time.perf_counter() - t0
     rows = [r for path in paths for r in read_table(path, TRAJECTORY)]

@@ -32,7 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from ..http import AttemptFailed, HTTPFailure, ResponseCache, post_json_once, redact, retryable, watched_session, with_retries
+from ..http import (AttemptFailed, HTTPFailure, ResponseCache, post_json_once, redact, retryable, shared_deadlines, watched_session,
+                    with_retries)
 from .base import Completion, Sampling, truncate_at_stop
 
 log = logging.getLogger(__name__)
@@ -200,9 +201,11 @@ class OpenAIBackend:
             body = self._body(prompt, s, *mode)
             entry = self.rate_limit.acquire(len(prompt) + s.max_tokens)
             deadline = time.monotonic() + self.timeout_s  # the request's, retries included
+            attempts = shared_deadlines(deadline, self.max_retries + 1)
             try:
-                answer = with_retries("POST", self.label, lambda: self._attempt(body, session, deadline), retries=self.max_retries,
-                                      backoff_s=self.backoff_s, deadline=deadline, on_retry=lambda: self._count("retries"))
+                answer = with_retries("POST", self.label, lambda: self._attempt(body, session, next(attempts)),
+                                      retries=self.max_retries, backoff_s=self.backoff_s, deadline=deadline,
+                                      on_retry=lambda: self._count("retries"))
             except HTTPFailure as e:
                 self.rate_limit.settle(entry, 0)
                 if e.status in (400, 422) and self._step_down(mode, e):
