@@ -22,7 +22,9 @@ from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
-from flows.ui import answers, prefect_api_url, project_env
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # the temporary server on a busy 2-core machine (20 s default)
+
+from flows.ui import answers, prefect_api_url, project_env  # noqa: E402
 
 project_env(Path.cwd())
 if not os.environ.get("PREFECT_API_URL") and answers(f"{prefect_api_url()}/health"):

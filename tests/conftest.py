@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fcntl
+import os
 
 import pytest
 
@@ -10,6 +11,9 @@ from unison.data.models import materialize_model, read_info
 
 BASE_MODEL_SPEC = "builtin:smollm2-135m-instruct"
 TEST_MODELS = ROOT / ".cache" / "test-models"
+# as flows/pipeline.py sets it, before any test module imports Prefect (which reads its settings then): the temporary
+# server's start on a busy 2-core machine can pass Prefect's 20 s default
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 @pytest.fixture(scope="session")
