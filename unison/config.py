@@ -50,7 +50,7 @@ class LLMConfig(Section):
     kv_cache_gb: float = Field(2, description="vLLM on CPU: RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE wins if set); 2 = 93k tokens of SmolLM2 in bf16")
     block_size: int = Field(32, description="KV-cache block; the prefix cache reuses whole blocks only; 0 = engine default")
     max_concurrency: int = Field(8, description="openai backend: requests in flight at once")
-    timeout_s: float = Field(120, description="openai backend: the most one request may take as a whole (connecting, headers, body, every retry); each attempt gets an equal share of the time left")
+    timeout_s: float = Field(120, description="openai backend: the most one request may take as a whole (connecting, headers, body, every retry); with several base URLs each attempt gets an equal share of the time left")
     max_retries: int = Field(3, description="openai backend: on connection errors, timeouts, 429 and 5xx, with exponential backoff")
     token_prompts: bool = Field(True, description="openai backend: prompt as token ids; false = decoded text (auto-fallback if the server rejects ids)")
     vllm_extensions: bool = Field(True, description="openai backend: ask for token ids/stop reason (vLLM); false = plain OpenAI, completions re-tokenised here")

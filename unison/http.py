@@ -90,7 +90,7 @@ def with_retries(method: str, url: str, attempt, *, retries: int, backoff_s: flo
 
 def shared_deadlines(deadline: float, attempts: int):
     """Each attempt's deadline in turn: an equal share of the time left before the request's `deadline` among the
-    attempts left, so a server that hangs leaves time for a retry (on another replica) and the request still ends by
+    attempts left, so a replica that hangs leaves time for a retry on another and the request still ends by
     `deadline`."""
     for left in range(attempts, 0, -1):
         now = time.monotonic()
@@ -195,11 +195,10 @@ _WATCHED_POOLS = {"http": _HTTPPool, "https": _HTTPSPool}
 def post_json(url: str, body: dict, *, timeout: float, retries: int = 3, backoff_s: float = 0.5, session=None,
               on_retry=None, headers: dict | None = None, max_bytes: int = MAX_BODY_BYTES):
     """POST `body` as JSON and return the decoded answer, each attempt a `post_json_once`, retried by `with_retries`;
-    `timeout` bounds the whole call: connecting, headers, body and every retry (`shared_deadlines`)."""
+    `timeout` bounds the whole call: connecting, headers, body and every retry."""
     deadline = time.monotonic() + timeout
-    attempts = shared_deadlines(deadline, retries + 1)
-    return with_retries("POST", url, lambda: post_json_once(url, body, deadline=next(attempts), session=session,
-                                                            headers=headers, max_bytes=max_bytes),
+    return with_retries("POST", url, lambda: post_json_once(url, body, deadline=deadline, session=session, headers=headers,
+                                                            max_bytes=max_bytes),
                         retries=retries, backoff_s=backoff_s, deadline=deadline, on_retry=on_retry)
 
 

@@ -23,6 +23,7 @@ i-th URL / failed there as above), so no URL is in a counter's name.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import os
@@ -201,7 +202,9 @@ class OpenAIBackend:
             body = self._body(prompt, s, *mode)
             entry = self.rate_limit.acquire(len(prompt) + s.max_tokens)
             deadline = time.monotonic() + self.timeout_s  # the request's, retries included
-            attempts = shared_deadlines(deadline, self.max_retries + 1)
+            # one server: each attempt may use all the time left (a long answer is not cut to a share); several
+            # replicas: equal shares, so a hung one leaves time for the retry on another
+            attempts = shared_deadlines(deadline, self.max_retries + 1) if len(self.urls) > 1 else itertools.repeat(deadline)
             try:
                 answer = with_retries("POST", self.label, lambda: self._attempt(body, session, next(attempts)),
                                       retries=self.max_retries, backoff_s=self.backoff_s, deadline=deadline,
