@@ -66,8 +66,9 @@ class Budget:
         spent = prompt_tokens + completion_tokens
         if self.tokens and spent >= self.tokens:
             return f"{spent} tokens spent of a budget of {self.tokens}"
-        if self.usd and self.cost(prompt_tokens, completion_tokens) >= self.usd:
-            return f"${self.cost(prompt_tokens, completion_tokens):.4f} spent of a budget of ${self.usd:g}"
+        cost = self.cost(prompt_tokens, completion_tokens)
+        if self.usd and cost >= self.usd:
+            return f"${cost:.4f} spent of a budget of ${self.usd:g}"
         return None
 
 
