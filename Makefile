@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
-.PHONY: setup demo test security test-recipes test-fast ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke runner-setup apparmor-bwrap
+.PHONY: setup demo test security test-recipes test-fast test-nightly ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke runner-setup apparmor-bwrap
 
 setup: $(STAMP)
 
@@ -125,7 +125,7 @@ pipeline: setup
 	$(PY) -m flows.pipeline
 
 test: setup
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -m "not nightly"
 
 security: setup  # ~65 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
 	$(PY) -m security
@@ -134,7 +134,10 @@ test-recipes: setup  # every seed system's tiny recipe through dvc repro (~19 mi
 	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 tests/test_recipes.py -k end_to_end
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not e2e"
+	$(PY) -m pytest -q -m "not slow and not e2e and not nightly"
+
+test-nightly: setup  # the long runs `make test` checks in a shorter form (~15 min on 2 cores; .github/workflows/nightly.yml)
+	$(PY) -m pytest -q --durations=10 -m nightly
 
 ui: setup
 	$(PY) -m flows.ui

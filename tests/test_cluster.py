@@ -1,7 +1,8 @@
 """cluster.address on a real local Ray cluster (`ray start --head` and two `ray start --address` workers of one CPU each):
 generate, label's Monte-Carlo completions, pareto's rollouts and evaluate over engine actors (the real SmolLM2 on vLLM)
 write what the in-process run writes, and a shard whose actor is SIGKILLed mid-run runs again on another actor with the
-same result.
+same result. generate and evaluate run in `make test`; label and pareto (the same actors, other callers) in
+`make test-nightly`.
 
 One cluster and one tiny project (4 one-hop questions, the hashing index, the real tools) serve the module; the cluster's
 processes (each `ray start` in a process group of its own) are killed by group at the end.
@@ -42,7 +43,7 @@ def cluster():
     temp = Path(f"/tmp/unison-ray-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
     groups = start_cluster(PORT, temp, [1, 1])
     try:
-        yield f"127.0.0.1:{PORT}"
+        yield f"127.0.0.1:{PORT}", groups
     finally:
         stop_cluster(groups, temp)
 
@@ -72,47 +73,55 @@ def project(tmp_path_factory, base_model_dir):
         os.chdir(before)
 
 
-def replica_pids() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::Replica")]
+def replica_pids(groups: list[int]) -> list[int]:
+    """The engine actors of this module's cluster (started by a process of its process groups: Ray's workers leave the
+    raylet's group), none of another Ray on the machine."""
+    pids = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if (p.info["cmdline"] or [""])[0].startswith("ray::Replica") and any(os.getpgid(a.pid) in groups for a in [p, *p.parents()]):
+                pids.append(p.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return pids
 
 
-def kill_a_replica_after_the_first_shard(shards: Path, killed: list) -> None:
+def kill_a_replica_after_the_first_shard(shards: Path, groups: list[int], killed: list) -> None:
     """SIGKILL one actor's process once the first of generate's four shards is written (three are still to run)."""
     deadline = time.time() + 240
     while time.time() < deadline and not any(shards.glob("shard-*.parquet")):
         time.sleep(0.2)
-    pids = replica_pids()
+    pids = replica_pids(groups)
     if pids:
         os.kill(pids[0], signal.SIGKILL)
         killed.append(pids[0])
 
 
-def test_every_stage_on_a_ray_cluster_equals_the_in_process_run(cluster, project, capfd):
-    """generate (an actor killed mid-run), label's Monte-Carlo completions, pareto's rollouts and evaluate: shards of
-    one question (label: one trajectory), so each actor often decodes one request alone, the case that once differed."""
-    from unison.agents.cluster import engine_or_replicas
+def on_ray(project: dict, address: str, overrides: dict | None = None):
+    """The project's params in process and on the cluster (two engine actors, shards of one question or trajectory)."""
+    here = validate_params(merge(project, overrides or {}))
+    cluster = {"cluster": {"address": address, "replicas": 2, "shard_size": 1}}
+    return here, validate_params(merge(project, {**(overrides or {}), **cluster}))
+
+
+def test_generate_and_evaluate_on_a_ray_cluster_equal_the_in_process_run(cluster, project, capfd):
+    """generate (an actor killed mid-run) and evaluate: shards of one question, so each actor often decodes one request
+    alone, the case that once differed."""
     from unison.agents.generation import generate_trajectories
     from unison.data.schemas import QUESTION, read_table
     from unison.labeling.evaluation import evaluate_systems
-    from unison.labeling.judging import make_judge
-    from unison.labeling.labels import label_trajectories
-    from unison.train.curriculum import STUDENT, student_rollouts
+    from unison.train.curriculum import STUDENT
 
-    montecarlo = {"label": {"step_labels": "montecarlo", "mc_rollouts": 2}}
-    here = validate_params(merge(project, montecarlo))
-    on_ray = validate_params(merge(project, {**montecarlo, "cluster": {"address": cluster, "replicas": 2, "shard_size": 1}}))
+    address, groups = cluster
+    here, ray = on_ray(project, address)
     questions = read_table("data/raw/train.parquet", QUESTION)
     assert len(questions) == 4
 
     rows, metrics = generate_trajectories(here, questions, Path("here"))
-    engine = engine_or_replicas(here, STUDENT)
-    rollouts = student_rollouts(questions[:4], 2, engine, 1.0, here.label)
-    del engine
-
     killed: list[int] = []
-    watcher = threading.Thread(target=kill_a_replica_after_the_first_shard, args=(Path("ray"), killed), daemon=True)
+    watcher = threading.Thread(target=kill_a_replica_after_the_first_shard, args=(Path("ray"), groups, killed), daemon=True)
     watcher.start()
-    ray_rows, ray_metrics = generate_trajectories(on_ray, questions, Path("ray"))
+    ray_rows, ray_metrics = generate_trajectories(ray, questions, Path("ray"))
     watcher.join(timeout=5)
     assert killed, "no actor was running when the first shard was written"
     assert "actor died, running it again" in capfd.readouterr().out
@@ -120,21 +129,43 @@ def test_every_stage_on_a_ray_cluster_equals_the_in_process_run(cluster, project
     assert {k: v for k, v in ray_metrics.items() if k != "wall_s"} == {k: v for k, v in metrics.items() if k != "wall_s"}
     assert len({r["student"][2]["content"] for r in rows}) > 1  # sampled at 0.7: the trajectories differ
 
-    with engine_or_replicas(on_ray, STUDENT) as replicas:
+    # 64-token turns at temperature 1: without the batch-invariant engine 3 of these 4 answers came apart
+    here, ray = on_ray(project, address, {"generate": {"max_tokens_per_turn": 64}})
+    systems = [("sft", STUDENT, 1.0)]
+    [(_, evaluated, _)] = evaluate_systems(here, systems, questions, lambda: None)
+    [(_, evaluated_on_ray, _)] = evaluate_systems(ray, systems, questions, lambda: None)
+    assert evaluated_on_ray == evaluated
+    assert_replicas_gone(groups)
+
+
+@pytest.mark.nightly
+def test_label_montecarlo_and_pareto_rollouts_on_a_ray_cluster_equal_the_in_process_run(cluster, project):
+    """label's Monte-Carlo completions (shards of one trajectory) and pareto's student rollouts over the engine actors."""
+    from unison.agents.cluster import engine_or_replicas
+    from unison.agents.generation import generate_trajectories
+    from unison.data.schemas import QUESTION, read_table
+    from unison.labeling.judging import make_judge
+    from unison.labeling.labels import label_trajectories
+    from unison.train.curriculum import STUDENT, student_rollouts
+
+    address, groups = cluster
+    here, ray = on_ray(project, address, {"label": {"step_labels": "montecarlo", "mc_rollouts": 2}})
+    questions = read_table("data/raw/train.parquet", QUESTION)
+    rows, _ = generate_trajectories(here, questions, Path("label-here"))
+    engine = engine_or_replicas(here, STUDENT)
+    rollouts = student_rollouts(questions[:4], 2, engine, 1.0, here.label)
+    del engine
+    with engine_or_replicas(ray, STUDENT) as replicas:
         assert student_rollouts(questions[:4], 2, replicas, 1.0, here.label) == rollouts
 
     labeled = label_trajectories(rows, here, make_judge(here, {}), {})
-    assert label_trajectories(rows, on_ray, make_judge(on_ray, {}), {}) == labeled
+    assert label_trajectories(rows, ray, make_judge(ray, {}), {}) == labeled
     assert sum(max(len(r["steps"]) - 1, 0) for r in labeled) > 0  # some step prefixes were completed (all but the last)
+    assert_replicas_gone(groups)
 
-    # 64-token turns at temperature 1: without the batch-invariant engine 3 of these 4 answers came apart
-    longer = {"generate": {"max_tokens_per_turn": 64}}
-    systems = [("sft", STUDENT, 1.0)]
-    [(_, evaluated, _)] = evaluate_systems(validate_params(merge(project, longer)), systems, questions, lambda: None)
-    [(_, evaluated_on_ray, _)] = evaluate_systems(validate_params(merge(project, {**longer, "cluster": on_ray.cluster.model_dump()})),
-                                                  systems, questions, lambda: None)
-    assert evaluated_on_ray == evaluated
+
+def assert_replicas_gone(groups: list[int]) -> None:
     deadline = time.time() + 30
-    while replica_pids() and time.time() < deadline:  # ray.kill is asynchronous
+    while replica_pids(groups) and time.time() < deadline:  # ray.kill is asynchronous
         time.sleep(0.5)
-    assert not replica_pids()  # the replicas are gone with the context
+    assert not replica_pids(groups)  # the replicas are gone with the context

@@ -2,7 +2,8 @@
 (conftest's `tiny_pipeline`: one cold `dvc repro`). The last test changes its params and re-runs part of it.
 
 A stage's determinism and its resume after a kill are tested stage by stage in test_stage_determinism.py and
-test_stage_resume.py; here only the flywheel's real rounds are killed.
+test_stage_resume.py; here only the flywheel's real rounds are killed, in `make test-nightly` (test_flywheel.py resumes
+the rounds of a random model in process in `make test`).
 """
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ def test_mlflow_has_one_parent_with_a_child_per_stage_and_traces(project):
     assert client.get_registered_model("unison-default").aliases == {"champion": best.version}
 
 
+@pytest.mark.nightly  # the rounds' resume runs in process in test_flywheel.py (make test)
 @pytest.mark.timeout(1800)
 def test_noop_repro_then_more_flywheel_rounds_rerun_only_downstream_and_resume_after_a_kill(project):
     """A second `dvc repro` runs nothing; flywheel.rounds 0 -> 2 re-runs the flywheel and the report only. The flywheel is
