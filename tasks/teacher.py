@@ -1,7 +1,8 @@
 """Stage `teacher`: materialise the teacher named by the `teacher` block into models/teacher.
 
 A local teacher (teacher.backend vllm | transformers) gets its weights and tokenizer there. A served teacher
-(teacher.backend openai) gets only the tokenizer that renders its prompts (teacher.tokenizer, else teacher.model's);
+(teacher.backend openai) gets only the tokenizer that renders its prompts (teacher.tokenizer, else teacher.model's; with
+teacher.api chat, the student's: the runtime keeps a chat teacher's turns in the student's tokens);
 its weights stay on the server. models/teacher/unison_model.json records what the teacher is (never an API key; the
 URL's credentials redacted).
 """
@@ -18,18 +19,20 @@ from unison.llm import served_at
 OUT = Path("models/teacher")
 
 
-def teacher_info(t: TeacherConfig) -> dict:
-    """What models/teacher/unison_model.json says of this teacher block (a local teacher: its source)."""
+def teacher_info(t: TeacherConfig, student_model: str) -> dict:
+    """What models/teacher/unison_model.json says of this teacher block (a local teacher: its source). A chat teacher's
+    turns are kept in the student's tokens, so its folder holds the student's tokenizer unless teacher.tokenizer says."""
     if t.backend != "openai":
         return {"source": t.model}
     return {"source": t.model, "base_url": served_at(t.base_url), "served_name": t.served_name or t.model.partition(":")[2],
-            "tokenizer": t.tokenizer or t.model}
+            "api": t.api, "tokenizer": t.tokenizer or (student_model if t.api == "chat" else t.model)}
 
 
 def main() -> None:
-    t = load_params().teacher
+    params = load_params()
+    t = params.teacher
     with track.stage_run("teacher", t.model_dump()) as run:
-        want = teacher_info(t)
+        want = teacher_info(t, params.student.model)
         info = models.read_info(OUT) or {}
         if {k: info.get(k) for k in want} == want:
             print(f"teacher: {OUT} already holds {t.model}", flush=True)

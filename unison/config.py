@@ -54,6 +54,7 @@ class LLMConfig(Section):
     max_retries: int = Field(3, description="openai backend: on connection errors, timeouts, 429 and 5xx, with exponential backoff")
     token_prompts: bool = Field(True, description="openai backend: prompt as token ids; false = decoded text (auto-fallback if the server rejects ids)")
     vllm_extensions: bool = Field(True, description="openai backend: ask for token ids/stop reason (vLLM); false = plain OpenAI, completions re-tokenised here")
+    chat_tools: Literal["native", "text"] = Field("native", description="openai backend, api chat: native = the server's tool calling (tools, tool_calls, tool messages); text = the tag protocol in plain messages (auto-fallback if the server rejects tools)")
     response_cache: bool = Field(True, description="openai backend: keep each answer under data/.cache/llm by a hash of the request (model, prompt, sampling, request format); a re-run with the same params sends no request")
     max_requests_per_minute: int = Field(0, ge=0, description="openai backend: client-side rate limit; 0 = none")
     max_tokens_per_minute: int = Field(0, ge=0, description="openai backend: client-side limit on prompt + max_tokens per minute (counted as the server reports once answered); 0 = none")
@@ -78,6 +79,7 @@ class EngineConfig(LLMConfig):
     the model. Not a params.yaml section: `teacher_engine`, `student_engine` and the role overrides make them."""
     backend: Literal["vllm", "transformers", "openai"] = "vllm"
     base_url: str | list[str] = Field("", description="openai: the server's /v1 URL, or a list of servers of the same model (balanced)")
+    api: Literal["chat", "completions"] = Field("chat", description="openai: chat = POST /chat/completions with messages (any server, hosted APIs); completions = /completions with token prompts in the model's own tokenizer")
     api_model: str = Field("", description="openai: the served model's name; \"\" = the model dir")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key, sent as a Bearer token; never logged")
     tokenizer: str = Field("", description="openai: the tokenizer that renders prompts; \"\" = the model dir")
@@ -151,11 +153,12 @@ class StudentConfig(Section):
 
 
 class TeacherConfig(Section):
-    model: str = Field('builtin:smollm2-135m-instruct', description='builtin:<name> | hf:<name> | local:<dir>; openai: only its tokenizer is kept')
+    model: str = Field('builtin:smollm2-135m-instruct', description='builtin:<name> | hf:<name> | local:<dir>; openai: only its tokenizer is kept (api chat: unused)')
     backend: Literal['vllm', 'transformers', 'openai'] = Field('vllm', description='vllm | transformers (models/teacher on this machine) | openai (a server; nothing downloaded)')
     base_url: str | list[str] = Field('', description="openai: e.g. http://127.0.0.1:8000/v1 (`vllm serve`), or a hosted API's /v1 URL; a list of servers of the same model: each request goes to the one with the fewest outstanding")
     served_name: str = Field('', description='openai: the name the server knows the model by; "" = teacher.model without its prefix')
-    tokenizer: str = Field('', description='openai: spec of the tokenizer that renders prompts; "" = teacher.model\'s')
+    api: Literal['chat', 'completions'] = Field('chat', description='openai: chat = POST /chat/completions, messages and native tool calls (every server and hosted API has it; teacher.model is not needed); completions = /completions with token prompts rendered in teacher.tokenizer (token-exact; vLLM, SGLang, llama.cpp)')
+    tokenizer: str = Field('', description='openai: spec of the tokenizer that renders prompts; "" = teacher.model\'s (api chat: the student\'s, in whose tokens its turns are kept)')
     api_key_env: str = Field('OPENAI_API_KEY', description='openai: env var holding the API key, sent as a Bearer token when set; never logged')
     llm: dict = Field(default_factory=dict, description='overrides of llm.* for the teacher only, e.g. {max_concurrency: 64, vllm_extensions: false}')
 
@@ -575,7 +578,7 @@ def describe_error(err: dict, where) -> str:
 def teacher_engine(params: Params) -> EngineConfig:
     """The teacher's engine: the shared llm.* settings, the teacher's overrides, its backend and server."""
     t = params.teacher
-    return EngineConfig(**{**params.llm.model_dump(), **t.llm, "backend": t.backend, "base_url": t.base_url,
+    return EngineConfig(**{**params.llm.model_dump(), **t.llm, "backend": t.backend, "base_url": t.base_url, "api": t.api,
                            "api_model": t.served_name or t.model.partition(":")[2], "api_key_env": t.api_key_env})
 
 

@@ -6,6 +6,7 @@ observation block "\n<result>\n...\n</result>\n" that the runtime appends (maske
 """
 from __future__ import annotations
 
+import json
 import re
 import string
 
@@ -76,6 +77,45 @@ def parse_tool_call(segment: str, tools: tuple[str, ...] = TOOL_TAGS) -> tuple[s
     if not m or m.group(1) not in tools:
         return None
     return m.group(1), m.group(2).strip()
+
+
+FUNCTION_TOOLS = {"search": "search", "wiki_search": "search", "web_search": "web_search", "crawl": "crawl", "crawl_page": "crawl",
+                  "python": "python", "code": "python"}  # a seed's or a function's tool name -> the protocol's tag
+PARALLEL_TOOLS = ("search", "web_search")  # tools whose queries can share one call
+
+
+def call_argument(arguments) -> str:
+    """A function call's one argument (query, code or url; a list of queries joined by " | "), from its JSON-string or
+    mapping `arguments`; ValueError when there is not exactly one usable argument."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, str) and parsed.strip():  # a JSON string (vLLM's hermes parser on a small model)
+            return parsed.strip()
+        if not isinstance(parsed, dict):
+            return arguments.strip()
+        arguments = parsed
+    value = next(iter(arguments.values())) if isinstance(arguments, dict) and len(arguments) == 1 else None
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        value = " | ".join(v.strip() for v in value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected one argument (a query, code or a url), got {arguments!r:.80}")
+    return value.strip()
+
+
+def calls_as_tag(calls: list[tuple[str, object]]) -> str:
+    """OpenAI-style function calls [(name, arguments)] as the protocol's tag: one call, or several queries of one search
+    tool in one tag (the one conversion of imported records and of a chat teacher's tool calls); ValueError otherwise."""
+    tags = []
+    for name, _ in calls:
+        if name not in FUNCTION_TOOLS:
+            raise ValueError(f"function {name!r} has no tool in the student protocol (known: {', '.join(FUNCTION_TOOLS)})")
+        tags.append(FUNCTION_TOOLS[name])
+    if not calls or (len(calls) > 1 and (len(set(tags)) > 1 or tags[0] not in PARALLEL_TOOLS)):
+        raise ValueError(f"calls {tags}: a turn holds one call, or several queries of one search tool")
+    return f"<{tags[0]}>{' | '.join(call_argument(a) for _, a in calls)}</{tags[0]}>"
 
 
 def split_queries(arg: str) -> list[str]:

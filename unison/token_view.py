@@ -38,8 +38,8 @@ def token_view(tok, student: list[dict], as_generated: bool = True) -> tuple[lis
     turns = student[2:]
     for k, m in enumerate(turns):
         t = list(m["token_ids"]) if as_generated else []
-        if not t:  # a rendered (not generated) turn: tokenise its text; the last assistant turn closes with eos
-            t = tok(m["content"], add_special_tokens=False)["input_ids"]
+        if not t:  # a rendered (not generated) turn: tokenise its text (as text: a "<|im_end|>" in it is no turn marker);
+            t = tok(m["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]  # the last assistant turn closes with eos
             if m["role"] == "assistant" and k == len(turns) - 1:
                 t.append(tok.eos_token_id)
         ids += t

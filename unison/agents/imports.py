@@ -36,17 +36,14 @@ from ..config import Params
 from ..data.adapters import read_rows
 from ..data.schemas import DataError
 from ..data.seed_rows import question_after_marker
-from ..protocol import TOOL_TAGS, normalize_answer, observation, parse_tool_call, system_prompt
+from ..protocol import FUNCTION_TOOLS, TOOL_TAGS, calls_as_tag, normalize_answer, observation, parse_tool_call, system_prompt
 from .episodes import trajectory_row
 from .generation import summarize
 from .wiring import enabled_tools
 
 OBSERVATION = re.compile(r"\s*<(observation|result|information)>(.*?)</\1>\s*", re.DOTALL)
-TOOL_NAMES = {"search": "search", "wiki_search": "search", "web_search": "web_search", "crawl": "crawl", "crawl_page": "crawl",
-              "python": "python", "code": "python"}  # a seed's or a function's tool name -> the protocol's tag
 RENAMED = re.compile(r"<(/?)(wiki_search|crawl_page|code)>")
 CODE_FENCE = re.compile(r"<code>\s*```(?:python|py)?[ \t]*\n(.*?)```\s*</code>", re.DOTALL)  # AFM's code tool
-PARALLEL = ("search", "web_search")  # tools whose queries can share one call
 FIELDS = {"alpaca": "output", "sharegpt": "conversations", "openai": "messages"}
 
 
@@ -70,7 +67,7 @@ def _string(value, path, row: int, field: str) -> str:
 def protocol_text(text: str) -> str:
     """An assistant text with the seeds' tool tags renamed to the protocol's."""
     text = CODE_FENCE.sub(lambda m: f"<python>\n{m.group(1)}</python>", text)
-    return RENAMED.sub(lambda m: f"<{m.group(1)}{TOOL_NAMES[m.group(2)]}>", text)
+    return RENAMED.sub(lambda m: f"<{m.group(1)}{FUNCTION_TOOLS[m.group(2)]}>", text)
 
 
 def split_output(text: str, path, row: int) -> list[list[str]]:
@@ -100,34 +97,12 @@ def alpaca(rec: dict, path, row: int) -> tuple[str, list[dict], list[list[str]]]
     return question_after_marker(query or instruction), source, split_output(output, path, row)
 
 
-def call_argument(arguments, path, row: int, field: str) -> str:
-    """A call's one argument (query, code or url; a list of queries joined by " | ")."""
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            return arguments.strip()
-        arguments = parsed
-    value = next(iter(arguments.values())) if isinstance(arguments, dict) and len(arguments) == 1 else None
-    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        value = " | ".join(v.strip() for v in value)
-    if not isinstance(value, str) or not value.strip():
-        raise DataError(path, f"expected one argument (a query, code or a url), got {arguments!r:.80}", row, field)
-    return value.strip()
-
-
 def render_calls(calls: list[tuple[str, object]], path, row: int, field: str) -> str:
-    """Function calls as the protocol's tag: one call, or several queries of one search tool in one tag."""
-    tags = []
-    for name, _ in calls:
-        if name not in TOOL_NAMES:
-            raise DataError(path, f"function {name!r} has no tool in the student protocol (known: {', '.join(TOOL_NAMES)})", row, field)
-        tags.append(TOOL_NAMES[name])
-    if not calls or (len(calls) > 1 and (len(set(tags)) > 1 or tags[0] not in PARALLEL)):
-        raise DataError(path, f"calls {tags}: a turn holds one call, or several queries of one search tool", row, field)
-    return f"<{tags[0]}>{' | '.join(call_argument(a, path, row, field) for _, a in calls)}</{tags[0]}>"
+    """Function calls as the protocol's tag (protocol.calls_as_tag), a bad call named by file, row and field."""
+    try:
+        return calls_as_tag(calls)
+    except ValueError as e:
+        raise DataError(path, str(e), row, field) from None
 
 
 def sharegpt_calls(value: str, path, row: int, field: str) -> list[tuple[str, object]]:

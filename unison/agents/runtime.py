@@ -256,7 +256,7 @@ class EngineLoop:
                 self._finished(e, done)
                 continue
             rid = f"u{next(_request_ids)}"
-            request, scaffold = _turn_request(e, self.tok, cfg)
+            request, scaffold = _turn_request(e, self.tok, cfg, getattr(self.backend, "prefills", True))
             self.inflight[rid] = (e, scaffold)
             requests.append((rid, *request))
         if requests:
@@ -299,14 +299,18 @@ def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: Episod
     return episodes
 
 
-def _turn_request(e: Episode, tok, cfg: EpisodeSettings) -> tuple[tuple[list[int], Sampling], tuple]:
-    """The next turn's (prompt, sampling), with the scaffold's prefill for this turn, and the scaffold."""
+def _turn_request(e: Episode, tok, cfg: EpisodeSettings, prefills: bool = True) -> tuple[tuple[list[int], Sampling], tuple]:
+    """The next turn's (prompt, sampling), with the scaffold's prefill for this turn, and the scaffold. A backend that
+    cannot prefill (`prefills` False: a chat API) is told the tag instead (`Sampling.forced`) and writes it itself."""
     tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
     prefill, close, end = SCAFFOLD[tag] if tag else ("", None, None)
+    if not prefills:
+        prefill = ""
     prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
     budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
     sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
-                        stop=[close, end] if close else stops_for(e.tools), seed=e.seed * 1009 + e.turn)
+                        stop=[close, end] if close else stops_for(e.tools), seed=e.seed * 1009 + e.turn,
+                        forced="" if prefills else tag or "")
     return (e.ids + prefill_ids, sampling), (prefill, prefill_ids, close)
 
 
@@ -325,7 +329,10 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
     e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text, "n_tokens": len(c.token_ids), "latency_s": step_s})
     tool = stop[2:-1] if stop and stop != "</answer>" else None
     call = None
-    if stop == "</answer>":
+    if c.error:  # the backend could not use the answer (a malformed tool call): the model is told, as for an unparsable call
+        e.count_tool(tool or "tool_call", "malformed")
+        e.segments.append(_obs(tok, f"error: {c.error}"))
+    elif stop == "</answer>":
         _finish(e, "answer", tok.eos_token_id)
     elif tool in e.tools:
         call = parse_tool_call(seg.text, e.tools)
@@ -337,6 +344,8 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
             e.segments.append(_obs(tok, "error: could not parse the tool call"))
     elif tool in ROLE_TAGS and stop == close and e.turn < len(e.scaffold):
         pass  # a scaffolded thought (ReAct): the scaffold's next tag opens the next turn
+    elif c.finish_reason == "refusal":  # a hosted model declined: a finish of its own in the row, never a silent empty answer
+        _finish(e, "refusal")
     elif c.finish_reason == "stop":
         _finish(e, "eos")
     elif len(e.ids) >= cfg.max_model_len - 1:
@@ -365,5 +374,7 @@ def timed_out(toolbox: Toolbox, tool: str) -> tuple[str, str, float]:
 
 
 def _obs(tok, text: str) -> Segment:
+    """A tool's observation in the token stream; what the tool returned is text, never a special token ("<|im_end|>" in
+    a page cannot end the turn and open a system one)."""
     t = observation(text)
-    return Segment("obs", t, tok(t, add_special_tokens=False)["input_ids"])
+    return Segment("obs", t, tok(t, add_special_tokens=False, split_special_tokens=True)["input_ids"])

@@ -11,7 +11,8 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
     hand its GPU memory back between uses (RL: while the policy trains).
 
     For `openai`, `model_dir` is the served model's name unless `engine.api_model` is set, and the tokenizer is loaded
-    from `engine.tokenizer` or else `model_dir`."""
+    from `engine.tokenizer` or else `model_dir` (api chat: models/teacher, where the teacher stage keeps the tokenizer
+    the transcript is rendered in)."""
     if engine.backend == "vllm":
         from .vllm_backend import VLLMBackend
 
@@ -27,13 +28,15 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
 
     if not engine.base_url:
         raise ValueError("params.yaml teacher.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
-    return OpenAIBackend(engine.base_url, engine.api_model or str(model_dir), tokenizer=engine.tokenizer or str(model_dir),
+    tokenizer = engine.tokenizer or (TEACHER_DIR if engine.api == "chat" else str(model_dir))  # chat: the transcript's, kept there
+    return OpenAIBackend(engine.base_url, engine.api_model or str(model_dir), tokenizer=tokenizer,
                          max_concurrency=engine.max_concurrency, timeout_s=engine.timeout_s, max_retries=engine.max_retries,
                          api_key_env=engine.api_key_env, token_prompts=engine.token_prompts, vllm_extensions=engine.vllm_extensions,
                          cache_dir=RESPONSE_CACHE_DIR if engine.response_cache else None,
                          budget=Budget(engine.budget_tokens, engine.budget_usd, engine.price_input_per_million,
                                        engine.price_output_per_million),
-                         rate_limit=RateLimit(engine.max_requests_per_minute, engine.max_tokens_per_minute))
+                         rate_limit=RateLimit(engine.max_requests_per_minute, engine.max_tokens_per_minute),
+                         api=engine.api, chat_tools=engine.chat_tools)
 
 
 TEACHER_DIR = "models/teacher"

@@ -12,6 +12,7 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     seed: int = 0
     logprobs: bool = False  # return the sampled tokens' logprobs (RL needs them; they cost ~15% of decode on CPU)
+    forced: str = ""  # the tag the scaffold opens this turn, for a backend that cannot prefill it (`prefills` False: chat)
 
 
 @dataclass
@@ -19,8 +20,9 @@ class Completion:
     text: str
     token_ids: list[int]
     logprobs: list[float] | None
-    finish_reason: str  # "stop" (eos or stop string) | "length"
+    finish_reason: str  # "stop" (eos or stop string) | "length" | "refusal" (a chat API declined to answer)
     stop: str | None = None  # the stop string that ended it, if any
+    error: str | None = None  # an answer the backend could not use (a chat teacher's malformed tool call): the runtime's observation
 
 
 def truncate_at_stop(tokenizer, token_ids: list[int], stops: list[str]) -> tuple[list[int], str | None]:

@@ -1,4 +1,11 @@
-"""Any OpenAI-compatible server (`vllm serve`, SGLang, llama.cpp, hosted APIs) over `requests`: POST {base_url}/completions.
+"""Any OpenAI-compatible server (`vllm serve`, SGLang, llama.cpp, hosted APIs) over `requests`: POST {base_url}/completions,
+or {base_url}/chat/completions (`api="chat"`: messages and native tool calls, unison/llm/chat.py; what hosted APIs offer).
+
+With `api="chat"` the tokenizer is the student's: the runtime renders the transcript in it, the server gets it as messages
+(native tool calling, or the tag protocol in plain text: `chat_tools`, stepped down once to text when an unprobed server
+rejects `tools`), and the answer comes back as protocol text, tokenised here (`stats["retokenized"]`). A chat API cannot
+prefill, so a backend with `prefills` False gets the scaffold's tag in `Sampling.forced`. `reported_models` holds the
+model names the server answered with.
 
 Episodes stay token-in/token-out: the prompt goes as token ids and, with the vLLM extensions on, the sampled ids come back
 (`return_token_ids`; or `logprobs` tokens as "token_id:N"). Servers without them get plain OpenAI requests: the decoded
@@ -33,9 +40,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from ..http import (AttemptFailed, HTTPFailure, ResponseCache, post_json_once, redact, retryable, shared_deadlines, watched_session,
-                    with_retries)
+from ..http import (
+    AttemptFailed,
+    HTTPFailure,
+    ResponseCache,
+    post_json_once,
+    redact,
+    retryable,
+    shared_deadlines,
+    watched_session,
+    with_retries,
+)
 from .base import Completion, Sampling, truncate_at_stop
+from .chat import Template, marked_text, messages, protocol_answer, request_fields
 
 log = logging.getLogger(__name__)
 AVOID_S = 30.0  # a server whose attempt failed gets no new request for this long while another server is up
@@ -110,7 +127,7 @@ class OpenAIBackend:
     def __init__(self, base_url: str | list[str], model: str, tokenizer=None, max_concurrency: int = 8, timeout_s: float = 120.0,
                  max_retries: int = 3, api_key_env: str = "OPENAI_API_KEY", token_prompts: bool = True,
                  vllm_extensions: bool = True, backoff_s: float = 0.5, cache_dir: str | os.PathLike | None = None,
-                 budget: Budget = Budget(), rate_limit: RateLimit | None = None):
+                 budget: Budget = Budget(), rate_limit: RateLimit | None = None, api: str = "completions", chat_tools: str = "native"):
         """`base_url`: a server's /v1 URL or a list of servers of the same model; `tokenizer`: a tokenizer or a local dir /
         hub name to load one from (default: `model`)."""
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
@@ -118,18 +135,25 @@ class OpenAIBackend:
 
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or model))
         self.tokenizer = tokenizer
-        self.urls = [url.rstrip("/") + "/completions" for url in ([base_url] if isinstance(base_url, str) else base_url)]
+        self.api, self.chat_tools = api, chat_tools
+        self.prefills = api != "chat"
+        self.template = Template.probe(tokenizer) if api == "chat" else None
+        self.reported_models: set[str] = set()
+        path = "/chat/completions" if api == "chat" else "/completions"
+        self.urls = [url.rstrip("/") + path for url in ([base_url] if isinstance(base_url, str) else base_url)]
         self.label = self.urls[0] if len(self.urls) == 1 else "any of " + ", ".join(self.urls)  # for errors (redacted there)
         self.model = model
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.token_prompts, self.vllm_extensions = token_prompts, vllm_extensions
-        self.request_format = {"vllm_extensions": vllm_extensions, "token_prompts": token_prompts}  # as configured: the cache key's
+        self.request_format = ({"api": "chat", "chat_tools": chat_tools} if api == "chat" else
+                               {"vllm_extensions": vllm_extensions, "token_prompts": token_prompts})  # as configured: the cache key's
         self.cache = ResponseCache(cache_dir) if cache_dir else None
         self.budget, self.rate_limit = budget, rate_limit or RateLimit()
         key = os.environ.get(api_key_env) if api_key_env else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.stats = {"requests": 0, "retries": 0, "failures": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0,
-                      "cached": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
+                      "cached": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0, "tool_calls": 0, "malformed_tool_calls": 0,
+                      "refusals": 0, "malformed_answers": 0}
         if len(self.urls) > 1:
             self.stats |= {f"server{i}.{k}": 0 for i in range(len(self.urls)) for k in ("requests", "errors")}
         self._outstanding = [0] * len(self.urls)
@@ -152,6 +176,12 @@ class OpenAIBackend:
             self.stats[key] += n
 
     def _body(self, prompt: list[int], s: Sampling, ext: bool, tokens: bool) -> dict:
+        if self.api == "chat":
+            native = self.chat_tools == "native"
+            eos = marked_text(self.tokenizer, [self.tokenizer.eos_token_id]) if self.tokenizer.eos_token_id is not None else ""
+            msgs = messages(self.template.turns(marked_text(self.tokenizer, prompt)), eos, native)
+            return {"model": self.model, **request_fields(msgs, s.stop, s.forced, native), "max_tokens": s.max_tokens,
+                    "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         body = {"model": self.model, "prompt": prompt if tokens else self.tokenizer.decode(prompt), "max_tokens": s.max_tokens,
                 "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         if s.logprobs:
@@ -166,12 +196,12 @@ class OpenAIBackend:
         """The first choice of the answer and whether the vLLM extensions were on: from the response cache, or from the
         server (then cached)."""
         key = json.dumps({"prompt": prompt, "sampling": asdict(s), "format": self.request_format}, sort_keys=True)
-        if self.cache is not None and (hit := self.cache.get("completions", self.model, key)) is not None:
+        if self.cache is not None and (hit := self.cache.get(self.api, self.model, key)) is not None:
             self._count("cached")
             return hit["choice"], hit["extensions"]
         choice, ext, usage = self._send(prompt, s)
         if self.cache is not None:
-            self.cache.put("completions", self.model, key, {"choice": choice, "extensions": ext, "usage": usage})
+            self.cache.put(self.api, self.model, key, {"choice": choice, "extensions": ext, "usage": usage})
         return choice, ext
 
     def _spend(self, usage: dict) -> None:
@@ -198,9 +228,9 @@ class OpenAIBackend:
         if session is None:
             session = self._local.session = watched_session()
         while True:
-            mode = (self.vllm_extensions, self.token_prompts)
+            mode = (self.vllm_extensions, self.token_prompts, self.chat_tools)
             self._count("requests")
-            body = self._body(prompt, s, *mode)
+            body = self._body(prompt, s, *mode[:2])
             entry = self.rate_limit.acquire(len(prompt) + s.max_tokens)
             deadline = time.monotonic() + self.timeout_s  # the request's, retries included
             # one server: each attempt may use all the time left (a long answer is not cut to a share); several
@@ -217,10 +247,18 @@ class OpenAIBackend:
                 self._count("failures")
                 raise RuntimeError(f"openai backend: {e}") from None
             self._probed = True
+            answer = answer if isinstance(answer, dict) else {}  # JSON, but not an object: read as an answer with no choices
+            if isinstance(answer.get("model"), str):
+                with self._lock:
+                    self.reported_models.add(answer["model"])
             usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
             self._spend(usage)
             self.rate_limit.settle(entry, int(usage.get("total_tokens") or len(prompt) + s.max_tokens))
-            return answer["choices"][0], mode[0], usage
+            choices = answer.get("choices")
+            if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):  # an answer with nothing to read
+                self._count("malformed_answers")
+                return {"text": "", "message": {}, "finish_reason": "stop", "unison_error": "the server's answer has no choices"}, mode[0], usage
+            return choices[0], mode[0], usage
 
     def _attempt(self, body: dict, session, deadline: float):
         """One POST of `body` to the server `_pick` chooses by `deadline`, counted against it while outstanding."""
@@ -260,27 +298,34 @@ class OpenAIBackend:
                 self.stats[f"server{i}.requests"] += 1
         return i
 
-    def _step_down(self, mode: tuple[bool, bool], failure: HTTPFailure) -> bool:
-        """After a 400/422 on an unprobed server: drop the vLLM extensions, then token prompts. False: nothing left to drop."""
+    def _step_down(self, mode: tuple[bool, bool, str], failure: HTTPFailure) -> bool:
+        """After a 400/422 on an unprobed server: drop the vLLM extensions, then token prompts (chat: native tool calls for
+        the tag protocol in plain text). False: nothing left to drop."""
         with self._lock:
             if self._probed:
                 return False
-            if (self.vllm_extensions, self.token_prompts) != mode:  # another thread stepped down already
+            if (self.vllm_extensions, self.token_prompts, self.chat_tools) != mode:  # another thread stepped down already
                 return True
-            if self.vllm_extensions:
+            if self.api == "chat":
+                if self.chat_tools != "native":
+                    return False
+                self.chat_tools = "text"
+            elif self.vllm_extensions:
                 self.vllm_extensions = False
             elif self.token_prompts:
                 self.token_prompts = False
             else:
                 return False
             self.stats["downgrades"] += 1
-        log.warning("openai backend: %s rejected the request (%s); now extensions=%s, token prompts=%s",
-                    redact(self.label), failure.detail[:200], self.vllm_extensions, self.token_prompts)
+        log.warning("openai backend: %s rejected the request (%s); now extensions=%s, token prompts=%s, chat tools=%s",
+                    redact(self.label), failure.detail[:200], self.vllm_extensions, self.token_prompts, self.chat_tools)
         return True
 
     def _complete(self, prompt: list[int], s: Sampling) -> Completion:
         choice, ext = self._post(prompt, s)
         tok = self.tokenizer
+        if self.api == "chat":
+            return self._chat_completion(choice, s)
         text = choice.get("text") or ""
         lp = choice.get("logprobs") or {}
         ids = choice.get("token_ids")
@@ -299,3 +344,18 @@ class OpenAIBackend:
             logprobs = logprobs[: len(ids)] if len(logprobs) >= len(ids) else None  # misaligned with re-tokenised ids
         finished = stop is not None or choice.get("finish_reason") != "length"
         return Completion(tok.decode(ids, skip_special_tokens=True), list(ids), logprobs, "stop" if finished else "length", stop)
+
+    def _chat_completion(self, choice: dict, s: Sampling) -> Completion:
+        """A chat answer as protocol text in the student's tokens (unison/llm/chat.py), counted."""
+        text, stop, finish, error = protocol_answer(choice, s.stop, s.forced, self.chat_tools == "native")
+        error = choice.get("unison_error") or error
+        message = choice.get("message")
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        self._count("retokenized")
+        self._count("tool_calls", len(calls) if isinstance(calls, list) else 0)
+        if error:
+            self._count("malformed_tool_calls")
+        if finish == "refusal":
+            self._count("refusals")
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # its words, never turn markers
+        return Completion(self.tokenizer.decode(ids, skip_special_tokens=True), ids, None, finish, stop, error)
