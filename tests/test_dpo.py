@@ -133,3 +133,36 @@ def test_stage_disabled_marker_enabled_training_and_no_pairs(project):
     with pytest.raises(DataError, match=r"data/labeled/train.parquet, field 'correct': no question of 2"):
         dpo.main()
     assert Path("models/dpo/config.json").exists()  # a failed run leaves the last model in place
+
+
+def test_the_loss_train_dpo_records_is_the_dpo_loss_of_masked_sums_computed_by_hand(tiny_model_dir, tmp_path):
+    """Step 1 of any DPO run has policy = reference (loss log 2 whatever the masks), so step 2 is checked: its recorded
+    loss is -log sigmoid(beta h), h from the sums of the masked tokens' log-probs under the weights one step trained (the
+    model a one-epoch run saves) and the starting ones, each sequence run alone. Summing the prompt and the observations
+    too would give another number."""
+    from transformers import AutoModelForCausalLM
+
+    chosen = ([5, 17, 99, 4, 250, 31, 7, 2], [0, 0, 0, 1, 1, 0, 1, 1])
+    rejected = ([5, 17, 99, 8, 300, 12, 2], [0, 0, 0, 1, 0, 1, 1])
+    views = [(chosen, rejected)]
+    cfg = DPOConfig(enabled=True, beta=0.5, lr=5e-2, batch_size=1, precision="fp32", max_length=16)
+    one_step = tmp_path / "one-step"
+    train_dpo(str(tiny_model_dir), views, cfg.model_copy(update={"epochs": 1}), str(one_step))
+    records = train_dpo(str(tiny_model_dir), views, cfg.model_copy(update={"epochs": 2}), str(tmp_path / "two-steps"))
+    assert records[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+
+    def logp_sum(model, ids, mask, every_token=False):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        return sum(logp[t - 1, ids[t]].item() for t in range(1, len(ids)) if mask[t] or every_token)
+
+    policy = AutoModelForCausalLM.from_pretrained(one_step, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def loss(every_token=False):
+        h = ((logp_sum(policy, *chosen, every_token) - logp_sum(reference, *chosen, every_token))
+             - (logp_sum(policy, *rejected, every_token) - logp_sum(reference, *rejected, every_token)))
+        return -math.log(1 / (1 + math.exp(-cfg.beta * h)))
+
+    assert records[1]["loss"] == pytest.approx(loss(), rel=1e-4) and records[1]["loss"] < math.log(2)
+    assert abs(loss(every_token=True) - loss()) > 1e-3  # the unmasked sums give another loss

@@ -165,3 +165,28 @@ def test_disabled_stage_writes_a_marker_and_the_stages_that_read_it_refuse(tmp_p
     for stage, setting in ((rl, "rl.prm_weight"), (evaluate, "evaluate.rerank_samples")):
         with pytest.raises(ValueError, match=f"{setting} .* prm.enabled is false"):
             stage.main()
+
+
+def test_the_loss_train_prm_records_is_the_soft_cross_entropy_of_its_step_labels_by_hand(tiny_model_dir):
+    """The first step's recorded loss is the mean soft cross-entropy over every labeled step of the batch, from the seeded
+    head on each row's separator positions, each row run alone; other labels (all 1s) would give another number."""
+    rows = [{"question": "Who?", "steps": ["<search>Kelt</search>", "<answer>Tarsk</answer>"], "step_labels": [0.75, 0.0]},
+            {"question": "What is 2 + 2?", "steps": ["<answer>4</answer>"], "step_labels": [1.0]}]
+    cfg = PRMConfig(epochs=1, batch_size=2, lr=1e-3, precision="fp32")
+    _, records = train_prm(str(tiny_model_dir), rows, cfg)
+    prm = build_prm(tiny_model_dir, cfg.separator, seed=cfg.seed)  # the head train_prm started from
+
+    def by_hand(labels_of):
+        losses = []
+        with torch.no_grad():
+            for r in rows:
+                ids, pos = prm.encode(r["question"], r["steps"])
+                hidden = prm.backbone(input_ids=torch.tensor([ids])).last_hidden_state[0]
+                for p, y in zip(pos, labels_of(r)):
+                    z = prm.head(hidden[p]).double()
+                    logp = torch.log_softmax(z, -1)
+                    losses.append(-((1 - y) * logp[0] + y * logp[1]).item())
+        return sum(losses) / len(losses)
+
+    assert records[0]["loss"] == pytest.approx(by_hand(lambda r: r["step_labels"]), rel=1e-5)
+    assert abs(by_hand(lambda r: [1.0] * len(r["steps"])) - by_hand(lambda r: r["step_labels"])) > 1e-3

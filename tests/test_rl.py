@@ -109,14 +109,16 @@ def test_resume_after_a_kill_gives_the_same_weights(answerer, tmp_path):
     cfg = rl_config(steps=2)
     straight = run(answerer, cfg, tmp_path, "straight")
 
-    def kill(rec):
-        if rec["step"] == 1:
+    def kill(rec):  # in step 2, after step 1's checkpoint (written once step 1's record is logged)
+        if rec["step"] == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         run(answerer, cfg, tmp_path, "resumed", on_step=kill)
     assert not (tmp_path / "resumed" / "out").exists()
-    resumed = run(answerer, cfg, tmp_path, "resumed")
+    trained = []  # the steps the second run works (rollouts and an update): a restart would work both again
+    resumed = run(answerer, cfg, tmp_path, "resumed", on_step=lambda rec: trained.append(rec["step"]))
+    assert trained == [2]  # it read the checkpoint of step 1
     a, b = state(tmp_path / "straight" / "out"), state(tmp_path / "resumed" / "out")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["reward_total"] for r in resumed] == [r["reward_total"] for r in straight] and len(resumed) == 2

@@ -183,3 +183,28 @@ def test_a_scaffolded_thought_is_followed_by_the_next_tag_react(tiny_model_dir):
 def test_an_unknown_scaffold_tag_names_the_param(tiny_model_dir):
     with pytest.raises(ValueError, match=r"generate\.scaffold\.qa: unknown tag\(s\) \['thought'\]"):
         MethodContext(backend=None, toolbox=Toolbox(), settings=EpisodeSettings(), teacher="t", scaffold={"qa": ["thought", "answer"]})
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_loss_train_sft_records_is_the_masked_cross_entropy_computed_by_hand(tiny_model_dir, tmp_path, packing):
+    """Two hand-built examples of other lengths in one step: the loss train_sft records is the mean cross-entropy of the
+    targets whose mask is 1, each example run alone through the untrained model; a loop that trained every token
+    (labels = input_ids, an all-ones mask) or the prompt would record another number."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    examples = [([5, 17, 99, 4, 250, 31, 7, 2], [0, 0, 0, 1, 1, 0, 1, 1]), ([8, 300, 12, 2], [0, 0, 1, 1])]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    nll = []
+    with torch.no_grad():
+        for ids, mask in examples:
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+            nll += [-logp[t - 1, ids[t]].item() for t in range(1, len(ids)) if mask[t]]
+    by_hand = sum(nll) / len(nll)  # 6 targets
+    with torch.no_grad():
+        all_tokens = [-torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)[t - 1, ids[t]].item()
+                      for ids, _ in examples for t in range(1, len(ids))]
+    cfg = SFTConfig(epochs=1, lr=1e-3, batch_size=2, grad_accum=1, warmup_ratio=0.0, precision="fp32", packing=packing, max_length=16)
+    [record] = train_sft(str(tiny_model_dir), examples, cfg, str(tmp_path / "sft"))
+    assert record["tokens"] == 6 and record["loss"] == pytest.approx(by_hand, rel=1e-5)
+    assert abs(sum(all_tokens) / len(all_tokens) - by_hand) > 1e-3  # the all-ones mask's loss is another number
