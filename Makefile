@@ -127,7 +127,7 @@ pipeline: setup
 test: setup
 	$(PY) -m pytest -q --durations=25 -m "not nightly"
 
-security: setup  # ~65 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
+security: setup  # ~68 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
 	$(PY) -m security
 
 test-recipes: setup  # every seed system's tiny recipe through dvc repro (~19 min on 2 cores; not part of `make test`; CI runs both)

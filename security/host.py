@@ -17,7 +17,7 @@ from pathlib import Path
 from unison.config import ROOT
 
 from . import CLEANUP, attempt
-from .sandbox import sandboxed
+from .sandbox import bounded, sandboxed
 
 INTERPRETER = [Path(p) for p in {sys.prefix, sys.base_prefix}]
 VENV_PROJECT = Path(sys.prefix).parent  # where `make setup` puts the venv: the project that holds it
@@ -303,6 +303,45 @@ def ptrace_another_process():
     """)
     lines = result.output.strip().split("\n")
     return result.ok and not any("attached" in x or x == "mem read" for x in lines), "; ".join(lines)
+
+
+@attempt("sandbox: privileges")
+def make_a_user_namespace():
+    """Make a user namespace of its own (where the code would be root again, with a wider kernel surface): unshare, clone
+    with CLONE_NEWUSER, and clone3. Contained: every way refused (bwrap's --disable-userns for a user that is not root;
+    the seccomp filter on the root path, which also refuses other ABIs' syscalls)."""
+    result = sandboxed("""
+        import ctypes, json, os, signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        NEWUSER = 0x10000000
+        out = {}
+        def tried(name, value):
+            out[name] = "refused: " + os.strerror(ctypes.get_errno()) if value < 0 else "made"
+        pid = os.fork()
+        if pid == 0:  # in a child: a made namespace must not change the next tries
+            tried("unshare", libc.unshare(NEWUSER))
+            print(json.dumps(out), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        child = libc.syscall(56, NEWUSER | signal.SIGCHLD, 0, 0, 0, 0)  # clone(CLONE_NEWUSER): a fork into a new namespace
+        if child == 0:
+            os._exit(0)
+        if child > 0:
+            os.waitpid(child, 0)
+        tried("clone", child)
+        args = (ctypes.c_uint64 * 11)(NEWUSER | 0, 0, 0, 0, signal.SIGCHLD)  # struct clone_args: flags, ..., exit_signal
+        child = libc.syscall(435, ctypes.byref(args), ctypes.sizeof(args))
+        if child == 0:
+            os._exit(0)
+        if child > 0:
+            os.waitpid(child, 0)
+        tried("clone3", child)
+        print(json.dumps(out))
+    """, timeout_s=20)
+    lines = [json.loads(line) for line in result.output.strip().splitlines() if line.startswith("{")]
+    tries = {k: v for line in lines for k, v in line.items()}
+    return result.ok and len(tries) == 3 and all(v.startswith("refused") for v in tries.values()), json.dumps(tries) or bounded(result, 512)
 
 
 @attempt("sandbox: privileges")

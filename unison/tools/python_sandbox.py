@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -179,10 +180,11 @@ def _run(code: str, timeout_s: float, memory_mb: int, max_output_chars: int,
           tempfile.TemporaryFile() as output):
         source.write(code.encode())
         source.seek(0)
-        command = (cgroups.join_command(cgroup) if cgroup else []) + _command(uid, timeout_s, memory_mb)
         start = time.monotonic()
-        proc = subprocess.Popen(command, stdin=source, stdout=output, stderr=subprocess.STDOUT, cwd="/",
-                                env=SANDBOX_ENV, start_new_session=True)
+        with _seccomp_pipe(uid is not None) as seccomp:
+            command = (cgroups.join_command(cgroup) if cgroup else []) + _command(uid, timeout_s, memory_mb, seccomp)
+            proc = subprocess.Popen(command, stdin=source, stdout=output, stderr=subprocess.STDOUT, cwd="/",
+                                    env=SANDBOX_ENV, start_new_session=True, pass_fds=() if seccomp is None else (seccomp,))
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -204,21 +206,73 @@ def _run(code: str, timeout_s: float, memory_mb: int, max_output_chars: int,
     return ToolResult(error is None, _truncate(text, max_output_chars), error, round(elapsed_s, 3), peak_mb)
 
 
-def _command(uid: int | None, timeout_s: float, memory_mb: int) -> list[str]:
+@contextmanager
+def _seccomp_pipe(wanted: bool):
+    """A pipe holding the filter, its read end for bwrap's --seccomp (inherited by the child at the same number); None
+    when not wanted."""
+    if not wanted:
+        yield None
+        return
+    read, write = os.pipe()
+    try:
+        os.write(write, no_user_namespaces_filter())  # 120 bytes: well under a pipe's buffer
+        os.close(write)
+        write = -1
+        yield read
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)
+
+
+def _command(uid: int | None, timeout_s: float, memory_mb: int, seccomp_fd: int | None = None) -> list[str]:
     nproc = NPROC_LIMIT if uid is not None else NPROC_LIMIT + _thread_count(os.getuid())  # NPROC counts per user
     limits = [shutil.which("prlimit"), f"--as={int(memory_mb) << 20}", f"--cpu={math.ceil(timeout_s) + 1}",
               f"--nproc={nproc}", f"--fsize={MAX_FILE_BYTES}", "--"]
     if uid is None:  # not root: bwrap needs a user namespace, and the code runs as the (unprivileged) caller
         no_more_userns = ["--unshare-user", "--disable-userns"] if _bwrap_disables_userns() else []  # see start_sandbox
         namespaces, become_user = ["--unshare-all", *no_more_userns], []
-    else:  # root: bwrap keeps only what setpriv needs to switch to the sandbox uid and drop everything
+    else:  # root: bwrap keeps only what setpriv needs to switch to the sandbox uid and drop everything; no user
+        #      namespace of bwrap's here, so the seccomp filter read from `seccomp_fd` keeps the code from making one
         namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                       "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
-                      "--cap-add", "CAP_SETPCAP"]
+                      "--cap-add", "CAP_SETPCAP", "--seccomp", str(seccomp_fd)]
         become_user = [shutil.which("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                        "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
     return [*limits, shutil.which("bwrap"), *_filesystem(), *namespaces, "--die-with-parent", "--new-session",
             "--chdir", "/tmp", *become_user, sys.executable, "-I", "-u", "-c", FRESH_KEYRING_THEN_STDIN]
+
+
+# A seccomp filter (classic BPF, bwrap --seccomp) for the root path, where the code runs as the sandbox uid with no user
+# namespace of bwrap's: unshare/clone asking for CLONE_NEWUSER fail with EPERM, clone3 (whose flags a filter cannot read)
+# with ENOSYS so that libc falls back to clone, and every syscall of another ABI (i386 via int 0x80, x32) with EPERM.
+AUDIT_ARCH_X86_64, X32_BIT, CLONE_NEWUSER = 0xC000003E, 0x40000000, 0x10000000
+SYS_CLONE, SYS_UNSHARE, SYS_CLONE3 = 56, 272, 435
+RET_ALLOW, RET_ERRNO = 0x7FFF0000, 0x00050000
+
+
+def no_user_namespaces_filter() -> bytes:
+    """The filter's program: struct sock_filter {u16 code; u8 jt, jf; u32 k} instructions, native byte order."""
+    ld_w, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, JSET|K, BPF_RET|K
+    eperm, enosys = RET_ERRNO | 1, RET_ERRNO | 38
+    program = [
+        (ld_w, 0, 0, 4),                      # 0: seccomp_data.arch
+        (jeq, 1, 0, AUDIT_ARCH_X86_64),       # 1: x86_64 -> 3
+        (ret, 0, 0, eperm),                   # 2: another ABI
+        (ld_w, 0, 0, 0),                      # 3: seccomp_data.nr
+        (jge, 0, 1, X32_BIT),                 # 4: x32 -> 5, else 6
+        (ret, 0, 0, eperm),                   # 5
+        (jeq, 0, 1, SYS_CLONE3),              # 6: clone3 -> 7, else 8
+        (ret, 0, 0, enosys),                  # 7
+        (jeq, 2, 0, SYS_CLONE),               # 8: clone -> 11
+        (jeq, 1, 0, SYS_UNSHARE),             # 9: unshare -> 11
+        (ret, 0, 0, RET_ALLOW),               # 10
+        (ld_w, 0, 0, 16),                     # 11: args[0], low 32 bits (the flags)
+        (jset, 0, 1, CLONE_NEWUSER),          # 12: CLONE_NEWUSER -> 13, else 14
+        (ret, 0, 0, eperm),                   # 13
+        (ret, 0, 0, RET_ALLOW),               # 14
+    ]
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
 
 
 @cache
