@@ -68,10 +68,10 @@ def test_web_search_formats_topk_results_and_sends_the_api_key(server, cache, mo
 def test_web_search_runs_queries_in_parallel(server, cache):
     tool = WebSearch(server.url + "/search", topk=1, cache=cache)
     t0 = time.perf_counter()
-    text, kind = tool("slow | slow | slow")  # same query thrice: all miss the cache at once
+    text, kind = tool(" | ".join(["slow"] * 8))  # one query 8 times: all miss the cache at once
     elapsed = time.perf_counter() - t0
-    assert kind is None and text.count("\n---\n") == 2 and server.max_in_flight == 3
-    assert elapsed < 0.8  # three 0.3 s requests, not one after another
+    assert kind is None and text.count("\n---\n") == 7 and server.max_in_flight == 8
+    assert elapsed < 1.2  # eight 0.3 s requests at once (~0.35 s quiet), never one after another (2.4 s)
 
 
 def test_web_search_cache_hit_avoids_a_second_request(server, tmp_path):
@@ -327,10 +327,10 @@ def test_a_drip_fed_answer_is_cut_at_the_total_deadline(cache):
         text, kind = Crawl(cache=cache, allow_networks=LOCAL, timeout_s=1)(f"{body.url}/ | {headers.url}/")
         elapsed = time.perf_counter() - t0
         assert kind == "timeout" and text.count("timed out") == 2, text
-        assert 0.9 < elapsed < 2.0  # one deadline for the whole call, though every read gets bytes within 0.5 s
+        assert 0.9 < elapsed < 3.0  # one deadline for the whole call, though every read gets bytes within 0.5 s
         t0 = time.perf_counter()
         text, kind = WebSearch(body.url + "/search", cache=cache, timeout_s=1)("Tarsk")
-        assert kind == "timeout" and 0.9 < time.perf_counter() - t0 < 2.0
+        assert kind == "timeout" and 0.9 < time.perf_counter() - t0 < 3.0
 
 
 def peak_rss_growth(fn) -> tuple[object, int]:
