@@ -183,7 +183,7 @@ def test_a_fake_hosted_chat_api_teaches_with_native_tool_calls_and_malformed_ans
     assert refused["finish_reason"] == "refusal" and refused["final_answer"] == ""
     assert backend.stats["refusals"] == 1 and backend.stats["malformed_tool_calls"] == 3 and backend.stats["retries"] == 1  # the 429
     assert backend.stats["prompt_tokens"] == 50 * backend.stats["requests"]  # every answer's usage (the 429's retry is one request)
-    assert backend.reported_models == {"gpt-fake-2026"}
+    assert all(r["teacher"] == "gpt-fake@api (server: gpt-fake-2026)" for r in rows.values())  # the name the server answered with
 
 
 def test_a_chat_server_without_tool_calling_is_stepped_down_to_the_tag_protocol_once(tok):

@@ -76,6 +76,13 @@ def agent_messages(e: Episode, name: str) -> list[dict]:
              "content": s.text} for s in e.segments]
 
 
+def teacher_as_served(teacher: str, episodes: list[Episode]) -> str:
+    """The teacher as recorded: its id ("<served name>@<url>" for a server), plus the names the server answered with
+    where they differ from the one asked for (a hosted alias resolved to a dated model)."""
+    served = sorted(set().union(*(e.served_models for e in episodes)) - {teacher.split("@", 1)[0]})
+    return f"{teacher} (server: {', '.join(served)})" if served else teacher
+
+
 def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: list[dict], student: list[dict],
                    final_answer: str | None, episodes: list[Episode], finish_reason: str) -> dict:
     return {
@@ -83,7 +90,7 @@ def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: li
         "question_id": q["id"],
         "sample": sample,
         "method": method,
-        "teacher": teacher,
+        "teacher": teacher_as_served(teacher, episodes),
         "question": q["question"],
         "answers": list(q["answers"]),
         "task": q["task"],

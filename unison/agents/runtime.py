@@ -44,6 +44,7 @@ class Episode:
     n_tokens: int = 0
     tool_stats: dict[str, dict[str, int]] = field(default_factory=dict)  # tool -> {"calls", "errors", <error kind>: n}
     events: list[dict] = field(default_factory=list)  # llm/tool calls, for traces
+    served_models: set[str] = field(default_factory=set)  # model names a server answered this episode's turns with
 
     def count_tool(self, tool: str, error: str | None = None) -> None:
         stats = self.tool_stats.setdefault(tool, {"calls": 0, "errors": 0})
@@ -324,6 +325,8 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
         seg.ids += tok(close, add_special_tokens=False)["input_ids"]
         stop = close
     e.segments.append(seg)
+    if c.model:
+        e.served_models.add(c.model)
     e.n_llm_calls += 1
     e.n_tokens += len(c.token_ids)
     e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text, "n_tokens": len(c.token_ids), "latency_s": step_s})

@@ -23,6 +23,7 @@ class Completion:
     finish_reason: str  # "stop" (eos or stop string) | "length" | "refusal" (a chat API declined to answer)
     stop: str | None = None  # the stop string that ended it, if any
     error: str | None = None  # an answer the backend could not use (a chat teacher's malformed tool call): the runtime's observation
+    model: str | None = None  # the model name the server answered with (openai backend; None for a local engine)
 
 
 def truncate_at_stop(tokenizer, token_ids: list[int], stops: list[str]) -> tuple[list[int], str | None]:

@@ -4,8 +4,8 @@ or {base_url}/chat/completions (`api="chat"`: messages and native tool calls, un
 With `api="chat"` the tokenizer is the student's: the runtime renders the transcript in it, the server gets it as messages
 (native tool calling, or the tag protocol in plain text: `chat_tools`, stepped down once to text when an unprobed server
 rejects `tools`), and the answer comes back as protocol text, tokenised here (`stats["retokenized"]`). A chat API cannot
-prefill, so a backend with `prefills` False gets the scaffold's tag in `Sampling.forced`. `reported_models` holds the
-model names the server answered with.
+prefill, so a backend with `prefills` False gets the scaffold's tag in `Sampling.forced`. Each completion carries the
+model name the server answered with (`Completion.model`), from the response cache too.
 
 Episodes stay token-in/token-out: the prompt goes as token ids and, with the vLLM extensions on, the sampled ids come back
 (`return_token_ids`; or `logprobs` tokens as "token_id:N"). Servers without them get plain OpenAI requests: the decoded
@@ -138,7 +138,6 @@ class OpenAIBackend:
         self.api, self.chat_tools = api, chat_tools
         self.prefills = api != "chat"
         self.template = Template.probe(tokenizer) if api == "chat" else None
-        self.reported_models: set[str] = set()
         path = "/chat/completions" if api == "chat" else "/completions"
         self.urls = [url.rstrip("/") + path for url in ([base_url] if isinstance(base_url, str) else base_url)]
         self.label = self.urls[0] if len(self.urls) == 1 else "any of " + ", ".join(self.urls)  # for errors (redacted there)
@@ -248,9 +247,6 @@ class OpenAIBackend:
                 raise RuntimeError(f"openai backend: {e}") from None
             self._probed = True
             answer = answer if isinstance(answer, dict) else {}  # JSON, but not an object: read as an answer with no choices
-            if isinstance(answer.get("model"), str):
-                with self._lock:
-                    self.reported_models.add(answer["model"])
             usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
             self._spend(usage)
             self.rate_limit.settle(entry, int(usage.get("total_tokens") or len(prompt) + s.max_tokens))
@@ -258,7 +254,8 @@ class OpenAIBackend:
             if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):  # an answer with nothing to read
                 self._count("malformed_answers")
                 return {"text": "", "message": {}, "finish_reason": "stop", "unison_error": "the server's answer has no choices"}, mode[0], usage
-            return choices[0], mode[0], usage
+            served = {"unison_model": answer["model"]} if isinstance(answer.get("model"), str) else {}  # kept in the cache too
+            return {**choices[0], **served}, mode[0], usage
 
     def _attempt(self, body: dict, session, deadline: float):
         """One POST of `body` to the server `_pick` chooses by `deadline`, counted against it while outstanding."""
@@ -343,7 +340,8 @@ class OpenAIBackend:
         if logprobs is not None:
             logprobs = logprobs[: len(ids)] if len(logprobs) >= len(ids) else None  # misaligned with re-tokenised ids
         finished = stop is not None or choice.get("finish_reason") != "length"
-        return Completion(tok.decode(ids, skip_special_tokens=True), list(ids), logprobs, "stop" if finished else "length", stop)
+        return Completion(tok.decode(ids, skip_special_tokens=True), list(ids), logprobs, "stop" if finished else "length", stop,
+                          model=choice.get("unison_model"))
 
     def _chat_completion(self, choice: dict, s: Sampling) -> Completion:
         """A chat answer as protocol text in the student's tokens (unison/llm/chat.py), counted."""
@@ -358,4 +356,4 @@ class OpenAIBackend:
         if finish == "refusal":
             self._count("refusals")
         ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # its words, never turn markers
-        return Completion(self.tokenizer.decode(ids, skip_special_tokens=True), ids, None, finish, stop, error)
+        return Completion(self.tokenizer.decode(ids, skip_special_tokens=True), ids, None, finish, stop, error, choice.get("unison_model"))
