@@ -2,9 +2,9 @@
 
 `dvc repro generate` of a tiny overlay whose `teacher` block points at the server (SmolLM2 served as "smol-teacher"); the
 student is the same model's local copy. The server's own request counter (/metrics) shows every teacher call of generate
-went to it. Runs with `vllm_extensions` on (token ids from the server), then off (plain OpenAI completions, re-tokenised
-here): changing the teacher re-runs the teacher stage and generate and leaves everything after it stale, never the
-student's download. The stages after generate read the teacher's trajectories as they read a local teacher's (the tiny
+went to it. Runs with api completions and the vLLM extensions (token ids from the server), then with api chat (native
+tool calls through vLLM's hermes parser): changing the teacher re-runs the teacher stage and generate and leaves
+everything after it stale, never the student's download. The stages after generate read the teacher's trajectories as they read a local teacher's (the tiny
 pipeline of test_e2e.py runs them); evaluate's teacher row builds its backend as generate does (`teacher_backend`).
 """
 from __future__ import annotations
@@ -59,9 +59,6 @@ def set_params(project, changes: dict) -> None:
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def set_extensions(project, on: bool) -> None:
-    set_params(project, {"teacher": {"llm": {"vllm_extensions": on}}})
-
 
 def ran(p: subprocess.CompletedProcess) -> list[str]:
     return [line.split("'")[1] for line in p.stdout.splitlines() if line.startswith("Running stage")]
@@ -81,22 +78,16 @@ def check_generate_on_the_server(project, url: str, extensions: bool) -> tuple[l
     return stages, after
 
 
-@pytest.mark.timeout(1200)  # two generates beside the server
-def test_a_served_teacher_with_vllm_extensions_then_without(served):
+@pytest.mark.timeout(1200)
+def test_a_served_teacher_on_completions_with_vllms_token_ids(served):
+    """api completions with the vLLM extensions: token-id prompts, the sampled ids back (plain OpenAI completions,
+    re-tokenised here, run against fake servers in test_openai_backend.py)."""
     project, url = served
-    set_extensions(project, True)
+    set_params(project, {"teacher": {"api": "completions", "llm": {"vllm_extensions": True}}})
     stages, _ = check_generate_on_the_server(project, url, extensions=True)
-    assert {"download", "teacher", "index", "generate"} == set(stages), stages
+    assert {"teacher", "generate"} <= set(stages), stages
     info = json.loads((project / "models/teacher/unison_model.json").read_text())  # the local copy was replaced by the tokenizer
     assert info["served_name"] == "smol-teacher" and not list((project / "models/teacher").glob("*.safetensors"))
-
-    set_extensions(project, False)  # changing the teacher re-runs it and generate, never the student's download
-    second, _ = check_generate_on_the_server(project, url, extensions=False)
-    assert second == ["teacher", "generate"], second
-    stale = run(project, "dvc", "status").stdout
-    assert "label:" in stale and "evaluate:" in stale and "download:" not in stale and "index:" not in stale, stale
-    leaked = [str(f) for f in project.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
-    assert not leaked  # params, dvc.lock, MLflow's database and artifacts, reports, data and models never hold the key
 
 
 def trajectories(project) -> list[dict]:
@@ -109,11 +100,13 @@ def test_a_chat_teacher_on_vllms_chat_server_named_tool_calls_then_auto_and_a_fo
     tool_choice, so a call comes back whatever the 135M model's skill; a forced re-run takes every answer from the response
     cache; then unscaffolded turns with tool_choice auto, whose yield is counted."""
     project, url = served
-    set_params(project, {"teacher": {"api": "chat", "llm": {"vllm_extensions": True}},
+    set_params(project, {"teacher": {"api": "chat", "llm": {}},
                          "generate": {"samples": 1, "max_tokens_per_turn": 96, "scaffold": {"qa": ["search", "answer"], "math": ["python", "answer"]}}})
     before = served_requests(url)
     stages = ran(run(project, "dvc", "repro", "generate"))
     assert {"teacher", "generate"} <= set(stages), stages  # the teacher now keeps the student's tokenizer
+    stale = run(project, "dvc", "status").stdout  # changing the teacher leaves what follows generate stale, never the download
+    assert "label:" in stale and "evaluate:" in stale and "download:" not in stale and "index:" not in stale, stale
     sent = served_requests(url) - before
     traj, stats = trajectories(project), json.loads((project / "reports/generate.json").read_text())
     assert len(traj) == 16 and sent == sum(r["n_llm_calls"] for r in traj) == stats["backend.teacher.requests"] > 0
@@ -141,3 +134,5 @@ def test_a_chat_teacher_on_vllms_chat_server_named_tool_calls_then_auto_and_a_fo
           f"requests, {sum(r['n_tool_calls'] for r in traj)} run; malformed {stats['backend.teacher.malformed_tool_calls']:.0f}; "
           f"answered {sum(bool(r['final_answer']) for r in traj)} of {len(traj)}")
     assert len(traj) == 16 and all(r["finish_reason"] in ("answer", "length", "max_turns", "max_tool_calls", "eos", "refusal") for r in traj)
+    leaked = [str(f) for f in project.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
+    assert not leaked  # params, dvc.lock, MLflow's database and artifacts, reports, data and models never hold the key
