@@ -137,6 +137,7 @@ def answerer(tiny_model_dir, tmp_path):
     return teach_two_answers(tmp_path / "wide-heads", tmp_path / "answerer")
 
 
+@pytest.mark.nightly  # two processes' curves stay in make test (sft and prm, above)
 @pytest.mark.timeout(400)
 def test_two_processes_give_the_one_process_rl_curve(tmp_path, monkeypatch, answerer, tracking_uri, request):
     """rl on live tool rollouts (vLLM, the real tools over a hashing index) of a tiny model that answers Paris or Rome:

@@ -225,6 +225,7 @@ def vllm_server(base_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # make test: generate against a real vLLM server in test_served_teacher.py
 def test_real_vllm_server_runs_single_method_episodes(vllm_server, base_model_dir, tok):
     from unison.agents.methods import MethodContext, get_method
     from unison.agents.runtime import EpisodeSettings

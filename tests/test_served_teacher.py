@@ -75,6 +75,7 @@ def check_generate_on_the_server(project, url: str, extensions: bool) -> tuple[l
     stats = json.loads((project / "reports/generate.json").read_text())
     assert stats["backend.teacher.requests"] == after - before
     assert (stats["backend.teacher.retokenized"] > 0) != extensions  # plain OpenAI: completions re-tokenised here
+    assert stats["backend.teacher.text_mismatch"] == 0 and stats["backend.teacher.downgrades"] == 0  # the server's ids are its text
     return stages, after
 
 

@@ -7,7 +7,8 @@ A module fixture builds one tiny project -- the 2-layer random model (conftest `
 the transformers backend, 6 one-hop train and 2 test questions, the real faiss index and tools -- and runs every stage
 once, in DAG order, as `python -m tasks.<stage>`: the reference (each stage's outputs read right after it ran). Beside
 that chain, a copy of the project as it was before each stage gets that stage started, SIGKILLed at a seeded random
-moment of the span the reference worked in (from its first printed line to its last), and run again.
+moment of the span the reference worked in (from its first printed line to its last), and run again. `make test` kills
+the stages with resume state and two that write several outputs (IN_MAKE_TEST); `make test-nightly` kills the rest.
 
 `teacher` is not run: like download's models/base it copies a local model (atomic_dir). The random teacher answers
 nothing right, and sft, prm and dpo refuse to train without correct answers, so the fixture marks sample 0 of every
@@ -282,8 +283,14 @@ class Runs:
     kills: dict[str, Kill | Exception] = field(default_factory=dict)
 
 
+TEST = "test_a_stage_killed_at_a_random_moment_then_run_again_writes_what_an_unkilled_run_writes"
+# killed in `make test`: the stages with resume state (shards, checkpoints) and two that write several outputs; the
+# others (one atomic output each) are killed by `make test-nightly`
+IN_MAKE_TEST = {"generate", "label", "sft", "rl", "evaluate", "flywheel"}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir) -> Runs:
+def runs(tmp_path_factory, tiny_model_dir, request) -> Runs:
     """The reference chain in one project; as soon as a stage has run, a copy of the project (files hard-linked: a stage
     writing into an existing file would change the reference's inputs and fail the stages after it; MLflow artifacts
     left out) with a killed writer's temps in it is handed to a pool of two that kills the stage and runs it again, beside
@@ -305,16 +312,18 @@ def runs(tmp_path_factory, tiny_model_dir) -> Runs:
         except Exception as e:  # noqa: BLE001 -- raised by that stage's test
             return e
 
+    selected = {item.callspec.params["stage"] for item in request.session.items if getattr(item, "originalname", "") == TEST}
     out, futures, t0 = Runs(), {}, time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
         for stage in STAGES:
             out.timing[stage], _ = run_stage(project, stage, env)
             out.outputs[stage] = snapshot(project, stage)
-            copy = tmp_path_factory.mktemp(stage) / "project"
-            shutil.copytree(project, copy, symlinks=True, copy_function=os.link, ignore=shutil.ignore_patterns("mlruns"))
-            shutil.copytree(root / "stale", copy, dirs_exist_ok=True)
-            shutil.copy(root / "mlflow.db", copy.parent)  # its own MLflow store: no process waits on another's lock
-            futures[stage] = pool.submit(kill, stage, copy)
+            if stage in selected:  # only the stages this session's tests check are killed
+                copy = tmp_path_factory.mktemp(stage) / "project"
+                shutil.copytree(project, copy, symlinks=True, copy_function=os.link, ignore=shutil.ignore_patterns("mlruns"))
+                shutil.copytree(root / "stale", copy, dirs_exist_ok=True)
+                shutil.copy(root / "mlflow.db", copy.parent)  # its own MLflow store: no process waits on another's lock
+                futures[stage] = pool.submit(kill, stage, copy)
             if stage == "label":
                 mark_half_correct(project)
         chain = time.perf_counter() - t0
@@ -326,7 +335,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> Runs:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # the first one runs the fixture: ~4 min on 2 quiet cores
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=() if s in IN_MAKE_TEST else pytest.mark.nightly) for s in STAGES])
 def test_a_stage_killed_at_a_random_moment_then_run_again_writes_what_an_unkilled_run_writes(runs, stage):
     kill, want = runs.kills[stage], runs.outputs[stage]
     if isinstance(kill, Exception):

@@ -56,6 +56,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.nightly  # ZeRO-2 through a training loop stays in make test (the SFT test below)
 def test_zero2_step_on_cpu_matches_a_plain_step(answerer, tmp_path):  # noqa: F811
     import deepspeed  # noqa: F401  (in the lock: a broken install fails here, never skips)
     run(answerer, rl_config(format_weight=0.0, lr=1e-4), tmp_path, "plain")
