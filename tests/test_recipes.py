@@ -191,14 +191,18 @@ def test_make_recipe_target_calls_the_module():
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(3600)
-@pytest.mark.skipif(not os.environ.get("UNISON_RECIPES_E2E"), reason="13-26 min on 2 cores, over the suite's budget: "
-                    "`make test-recipes` (UNISON_RECIPES_E2E=1) runs it")
-def test_every_tiny_recipe_runs_end_to_end_in_one_project(tmp_path, base_model_dir, default):
+@pytest.mark.skipif(not os.environ.get("UNISON_RECIPES_E2E"), reason="8-26 min on 2 cores, over the suite's budget: "
+                    "`make test-recipes` and `make test-nightly` (UNISON_RECIPES_E2E=1) run it")
+@pytest.mark.parametrize("recipes", [
+    ("agentark", "et_agent", "gap"),  # transformers-backed: `make test-recipes` (CI)
+    pytest.param(("afm", "agentflow"), marks=pytest.mark.nightly),  # vLLM-backed; their methods run on the real model in
+])                                                                  # test_methods_planning, their tiny params validate in make test
+def test_every_tiny_recipe_runs_end_to_end_in_one_project(tmp_path, base_model_dir, default, recipes):
     """Each recipe's tiny variant through `dvc repro` (real SmolLM2, faiss, bubblewrap, DVC, MLflow); params.yaml is switched
     per recipe in one project, so DVC reuses download and index after the first."""
     project = copy_project(tmp_path / "project", base_model_dir)
     seconds = {}
-    for i, name in enumerate(["agentark", "et_agent", "gap", "afm", "agentflow"]):  # transformers-backed first, then vLLM
+    for i, name in enumerate(recipes):
         params = recipe_params(name, tiny=True, base=default)
         (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         t0 = time.perf_counter()
