@@ -130,7 +130,7 @@ test: setup
 security: setup  # ~68 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
 	$(PY) -m security
 
-test-recipes: setup  # the transformers-backed seed recipes' tiny overlays through dvc repro (~11 min on 2 cores; CI runs it; the vLLM-backed two are nightly)
+test-recipes: setup  # ET-Agent's tiny recipe through dvc repro (~11 min on 2 cores; CI runs it; the other four recipes are nightly)
 	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 -m "not nightly" tests/test_recipes.py -k end_to_end
 
 test-fast: setup
