@@ -15,6 +15,7 @@ from unison.agents.methods import MethodContext, run_method
 from unison.agents.runtime import EpisodeSettings, Segment, _obs
 from unison.agents.toolbox import Toolbox
 from unison.llm.chat import Template, marked_text, messages, protocol_answer, request_fields
+from unison.llm.base import Sampling
 from unison.llm.openai_backend import OpenAIBackend
 from unison.protocol import stops_for
 
@@ -83,6 +84,11 @@ def test_a_turn_asks_for_its_tools_and_the_scaffolds_tag_without_prefill():
     assert forced["tool_choice"] == {"type": "function", "function": {"name": "search"}} and len(forced["tools"]) == 1
     answer = request_fields(msgs, ["</answer>", "\n\n"], "answer", native=True)
     assert "tools" not in answer and "final answer" in answer["messages"][-1]["content"]
+    after_calls = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "python", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+    answer = request_fields(after_calls, ["</answer>", "\n\n"], "answer", native=True)  # the history's tools, none to call
+    assert [t["function"]["name"] for t in answer["tools"]] == ["python"] and answer["tool_choice"] == "none"
     text = request_fields(msgs, stops_for(("search",)), "", native=False)
     assert "tools" not in text and text["stop"] == ["</search>", "</answer>"]
 
@@ -209,3 +215,13 @@ def test_a_chat_server_without_tool_calling_is_stepped_down_to_the_tag_protocol_
     assert [m["content"] for m in row["student"] if m["role"] == "assistant"] == ["I will look it up. <search>Zorvan Kelt</search>",
                                                                                   "So <answer>Tarsk</answer>"]
     assert row["final_answer"] == "Tarsk" and row["n_tool_calls"] == 1
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_an_answer_without_choices_is_a_counted_error_not_an_empty_answer(tok, api):
+    with LocalServer(lambda req: (200, {"model": "m", "choices": []}, None)) as server:
+        backend = OpenAIBackend(f"{server.url}/v1", "m", tokenizer=tok, api=api, backoff_s=0.01, timeout_s=30)
+        prompt = tok(tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        [c] = backend.generate([prompt], [Sampling(max_tokens=8, stop=["</answer>"])])
+    assert c.error == "the server's answer has no choices" and c.text == "" and backend.stats["malformed_answers"] == 1

@@ -149,9 +149,17 @@ def request_fields(msgs: list[dict], stop: list[str], forced: str, native: bool)
     if native and tools:
         fields["tools"] = [tool_schema(t) for t in tools]
         fields["tool_choice"] = {"type": "function", "function": {"name": forced}} if forced else "auto"
+    elif native and (called := called_tools(msgs)):  # APIs that check a history's tool calls against `tools`: none now
+        fields["tools"], fields["tool_choice"] = [tool_schema(t) for t in called], "none"
     if not native:
         fields["stop"] = [s for s in stop if s.startswith("</")][:4]  # OpenAI takes at most 4
     return fields
+
+
+def called_tools(msgs: list[dict]) -> list[str]:
+    """The protocol's tools that the messages' assistant turns called, in TOOL_TAGS order."""
+    names = {(c.get("function") or {}).get("name") for m in msgs if m.get("role") == "assistant" for c in m.get("tool_calls") or []}
+    return [t for t in TOOL_TAGS if t in names]
 
 
 def message_text(content) -> str:

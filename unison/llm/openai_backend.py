@@ -138,6 +138,8 @@ class OpenAIBackend:
         self.api, self.chat_tools = api, chat_tools
         self.prefills = api != "chat"
         self.template = Template.probe(tokenizer) if api == "chat" else None
+        eos = tokenizer.eos_token_id if api == "chat" else None
+        self.eos_marker = marked_text(tokenizer, [eos]) if eos is not None else ""  # how a chat turn's end reads as text
         path = "/chat/completions" if api == "chat" else "/completions"
         self.urls = [url.rstrip("/") + path for url in ([base_url] if isinstance(base_url, str) else base_url)]
         self.label = self.urls[0] if len(self.urls) == 1 else "any of " + ", ".join(self.urls)  # for errors (redacted there)
@@ -177,8 +179,7 @@ class OpenAIBackend:
     def _body(self, prompt: list[int], s: Sampling, ext: bool, tokens: bool) -> dict:
         if self.api == "chat":
             native = self.chat_tools == "native"
-            eos = marked_text(self.tokenizer, [self.tokenizer.eos_token_id]) if self.tokenizer.eos_token_id is not None else ""
-            msgs = messages(self.template.turns(marked_text(self.tokenizer, prompt)), eos, native)
+            msgs = messages(self.template.turns(marked_text(self.tokenizer, prompt)), self.eos_marker, native)
             return {"model": self.model, **request_fields(msgs, s.stop, s.forced, native), "max_tokens": s.max_tokens,
                     "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         body = {"model": self.model, "prompt": prompt if tokens else self.tokenizer.decode(prompt), "max_tokens": s.max_tokens,
@@ -341,7 +342,7 @@ class OpenAIBackend:
             logprobs = logprobs[: len(ids)] if len(logprobs) >= len(ids) else None  # misaligned with re-tokenised ids
         finished = stop is not None or choice.get("finish_reason") != "length"
         return Completion(tok.decode(ids, skip_special_tokens=True), list(ids), logprobs, "stop" if finished else "length", stop,
-                          model=choice.get("unison_model"))
+                          choice.get("unison_error"), choice.get("unison_model"))
 
     def _chat_completion(self, choice: dict, s: Sampling) -> Completion:
         """A chat answer as protocol text in the student's tokens (unison/llm/chat.py), counted."""
