@@ -14,8 +14,8 @@ from unison.agents.episodes import start_episode
 from unison.agents.methods import MethodContext, run_method
 from unison.agents.runtime import EpisodeSettings, Segment, _obs
 from unison.agents.toolbox import Toolbox
-from unison.llm.chat import Template, marked_text, messages, protocol_answer, request_fields
 from unison.llm.base import Sampling
+from unison.llm.chat import Template, marked_text, messages, protocol_answer, request_fields
 from unison.llm.openai_backend import OpenAIBackend
 from unison.protocol import stops_for
 
