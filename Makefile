@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
 
-.PHONY: setup demo test security test-recipes test-fast test-nightly ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke runner-setup apparmor-bwrap
+.PHONY: setup demo test security test-recipes test-fast test-nightly ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke device-check runner-setup apparmor-bwrap
 
 setup: $(STAMP)
 
@@ -55,6 +55,10 @@ lock-gpu:
 # the tiny pipeline on this machine's GPU in a temporary copy of the project; stage times to reports/gpu_smoke.json
 gpu-smoke:
 	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_smoke
+
+# sft, prm and an rl step on a random SmolLM2-shaped model with torch and transformers alone; to reports/device_check.json
+device-check:
+	$(if $(wildcard $(PY)),$(PY),python3) -m bench.device_check
 
 demo: setup  # each stage's time is printed at the end (unison/stage_clock.py)
 	@set -o pipefail; start=$$(date +%s); \
