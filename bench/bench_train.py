@@ -69,9 +69,9 @@ def rl_update(model_dir: str, views: list, precision: str, steps: int) -> tuple[
     from unison.train.rl import RLConfig, attach_logprobs, train_on
 
     torch.manual_seed(0)
-    cfg = RLConfig(micro_batch_size=4, precision=precision)
+    cfg = RLConfig(micro_batch_size=4, precision=precision, lr=1e-6, weight_decay=0.0, warmup_ratio=0.0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = Trainer("rl", model, steps, 1e-6, precision=precision)
+    trainer = Trainer("rl", model, steps, cfg)
     rng = random.Random(0)
     samples = [{"ids": ids, "loss_mask": mask[1:], "advantages": [rng.choice((-1.0, 1.0))] * (len(ids) - 1)} for ids, mask in views]
     for step in range(steps):

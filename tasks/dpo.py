@@ -5,12 +5,14 @@ so, quickly, so the DAG stays the same whether or not DPO runs.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import atomic_dir, write_json
 from unison.train.launch import is_main_process, run_distributed
-from unison.train.loop import resolve_precision, write_records_csv
+from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 
 LABELED_PATH = "data/labeled/train.parquet"
 START = "models/sft"
@@ -24,7 +26,8 @@ def main() -> None:
     cfg = params.dpo
     if cfg.enabled and run_distributed("dpo", params.train, cfg.deepspeed_config):
         return
-    with track.stage_run("dpo", {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}) as run:
+    settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}  # a checkpoint resumes on the same processes
+    with track.stage_run("dpo", settings) as run:
         if not cfg.enabled:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False, "model": None, "start": START}, tmp / "dpo.json")
@@ -39,8 +42,10 @@ def main() -> None:
         pairs = load_pairs(LABELED_PATH, cfg.max_pairs_per_question)
         views, stats = pair_views(AutoTokenizer.from_pretrained(START), pairs, cfg.max_length)
         print(f"dpo: {stats['pairs']} pairs from {stats['questions']} questions", flush=True)
+        checkpoint = checkpoint_path("dpo", settings, [Path(LABELED_PATH), *sorted(Path(START).glob("*.safetensors"))])
         records = train_dpo(START, views, cfg, OUT, on_step=lambda r: run.log_metrics(
-            {k: r[k] for k in ("loss", "reward_margin", "accuracy")}, step=r["step"]), gradient_checkpointing=params.train.gradient_checkpointing)
+            {k: r[k] for k in ("loss", "reward_margin", "accuracy")}, step=r["step"]), gradient_checkpointing=params.train.gradient_checkpointing,
+            checkpoint_dir=checkpoint)
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return
         write_records_csv(records, LOSS_CSV, FIELDS)

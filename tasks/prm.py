@@ -5,12 +5,14 @@ stays one graph; evaluate's reranking and rl's PRM rewards then refuse to run.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
 from unison.train.launch import is_main_process, run_distributed
-from unison.train.loop import resolve_precision, write_records_csv
+from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 from unison.train.prm import check_train, evaluate_prm, split_by_question, train_prm
 
 IN, OUT, LOSS_CSV = "data/labeled/train.parquet", "models/prm", "reports/prm_loss.csv"
@@ -22,7 +24,8 @@ def main() -> None:
     cfg = params.prm
     if cfg.enabled and run_distributed("prm", params.train, cfg.deepspeed_config):
         return
-    with track.stage_run("prm", {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}) as run:
+    settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}  # a checkpoint resumes on the same processes
+    with track.stage_run("prm", settings) as run:
         if not cfg.enabled:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False}, tmp / "prm.json")
@@ -35,8 +38,10 @@ def main() -> None:
         check_train(train, IN)
         print(f"prm: {len(train)} train / {len(held)} held-out trajectories "
               f"({len({r['question_id'] for r in held})} held-out questions)", flush=True)
+        checkpoint = checkpoint_path("prm", settings, [Path(IN), *sorted(Path("models/base").glob("*.safetensors"))])
         prm, records = train_prm("models/base", train, cfg, OUT, gradient_checkpointing=params.train.gradient_checkpointing,
-                                 on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]))
+                                 on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]),
+                                 checkpoint_dir=checkpoint)
         if not is_main_process():  # another process of a launched run: rank 0 writes and evaluates
             return
         write_records_csv(records, LOSS_CSV, LOSS_FIELDS)

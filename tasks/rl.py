@@ -15,11 +15,10 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
 from unison.train.launch import is_main_process, run_distributed
-from unison.train.loop import run_key, write_records_csv
+from unison.train.loop import checkpoint_path, run_key, write_records_csv
 from unison.train.rl import load_rl_data, train_rl
 
 CURVE_CSV = Path("reports/rl_curve.csv")
-CHECKPOINTS = Path("data/.cache/rl-checkpoint")
 VERL_DATA, VERL_WORK = Path("data/export/verl"), Path("data/.cache/verl")
 
 
@@ -46,12 +45,11 @@ def main() -> None:
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
         model_dirs = ["models/sft"] + (["models/prm"] if cfg.prm_weight > 0 else [])
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
-        key = run_key(settings, inputs)
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)
         toolbox = make_toolbox(params) if is_main_process() else None
         records = train_rl("models/sft", rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, "models/rl",
-                           str(CHECKPOINTS / key), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
+                           checkpoint_path("rl", settings, inputs), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
                            gradient_checkpointing=params.train.gradient_checkpointing)
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return

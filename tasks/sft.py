@@ -10,7 +10,7 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
 from unison.train.launch import is_main_process, run_distributed
-from unison.train.loop import resolve_precision, run_key, write_records_csv
+from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 from unison.train.sft import build_examples, select_trajectories, train_sft
 
 LOSS_CSV = "reports/sft_loss.csv"
@@ -32,8 +32,7 @@ def main() -> None:
         examples, stats = build_examples(tok, chosen, cfg.max_length)
         print(f"sft: {len(chosen)} of {len(rows)} trajectories selected; drift: {stats['drifted_examples']} examples, "
               f"{stats['drift_tokens']} tokens", flush=True)
-        key = run_key(settings, [Path("data/labeled/train.parquet"), *sorted(Path("models/base").glob("*.safetensors"))])
-        checkpoint = f"data/.cache/sft-checkpoint/{key}"
+        checkpoint = checkpoint_path("sft", settings, [Path("data/labeled/train.parquet"), *sorted(Path("models/base").glob("*.safetensors"))])
         records = train_sft("models/base", examples, cfg, "models/sft", checkpoint_dir=checkpoint,
                             on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]),
                             gradient_checkpointing=params.train.gradient_checkpointing)

@@ -80,7 +80,7 @@ SEED_FACTS = {  # research/seeds.md, section by section
                  "sft.lr": 5e-6, "sft.max_length": 10000, "tools.search_topk": 4, "tools.search_max_chars": 1200},
     "gap": {"generate.method": "gap", "student.model": "hf:Qwen/Qwen2.5-3B-Instruct", "label.qa_metric": "em", "label.first_only": False,
             "evaluate.first_only": True, "rl.estimator": "grpo", "rl.dynamic_sampling": True, "rl.clip_low": 0.2, "rl.clip_high": 0.28, "rl.dual_clip": 10.0,
-            "rl.kl_coef": 0.0, "rl.group_size": 8, "rl.prompts_per_step": 32, "rl.steps": 200, "rl.lr": 1e-6, "rl.warmup_steps": 3,
+            "rl.kl_coef": 0.0, "rl.group_size": 8, "rl.prompts_per_step": 32, "rl.steps": 200, "rl.lr": 1e-6, "rl.warmup_ratio": 0.015,
             "rl.format_weight": 0.0, "generate.max_turns": 8, "sft.epochs": 4, "sft.lr": 1e-5, "sft.max_length": 5120},
     "agentflow": {"generate.method": "agentflow", "generate.agentflow.max_steps": 3, "rl.estimator": "flow_grpo", "rl.lr": 1e-6,
                   "rl.kl_coef": 0.001, "rl.clip_low": 0.2, "rl.clip_high": 0.3, "rl.group_size": 8, "rl.prompts_per_step": 32,

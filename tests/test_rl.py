@@ -64,7 +64,7 @@ def teach_two_answers(model_dir, path):
 
 
 def rl_config(**kw) -> RLConfig:
-    base = dict(estimator="grpo", group_size=4, prompts_per_step=2, steps=1, lr=2e-3, warmup_steps=1, weight_decay=0.0, temperature=1.0,
+    base = dict(estimator="grpo", group_size=4, prompts_per_step=2, steps=1, lr=2e-3, warmup_ratio=1.0, weight_decay=0.0, temperature=1.0,
                 max_turns=2, max_tokens_per_turn=12, dynamic_sampling=False, rollout_backend="transformers", micro_batch_size=3,
                 checkpoint_every=1, seed=0)
     return RLConfig(**{**base, **kw})

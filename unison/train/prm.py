@@ -19,7 +19,7 @@ from ..config import PRMConfig
 from ..data.schemas import DataError, atomic_dir
 from ..judge.stats import auc
 from ..protocol import normalize_answer
-from .loop import Trainer, autocast, fit, resolve_precision, split_batch
+from .loop import Trainer, autocast, epoch_batches, fit, resolve_precision, split_batch
 
 HEAD_FILE, CONFIG_FILE = "prm_head.safetensors", "prm_config.json"
 
@@ -162,25 +162,21 @@ def build_examples(prm: PRM, rows: list[dict], max_length: int) -> tuple[list[tu
 
 
 def train_prm(model_dir: str, rows: list[dict], cfg: PRMConfig, out_dir: str | None = None, on_step=None,
-              gradient_checkpointing: bool = False) -> tuple[PRM, list[dict]]:
+              gradient_checkpointing: bool = False, checkpoint_dir: str | None = None) -> tuple[PRM, list[dict]]:
     """Train on `rows`' step labels; save to `out_dir` (if given) atomically (rank 0); returns the PRM and the step
-    records. Several processes: each step's examples are split between them, weighted by their labeled steps."""
+    records. Several processes: each step's examples are split between them, weighted by their labeled steps. A killed
+    run resumes from `checkpoint_dir` (written every cfg.checkpoint_every steps) when one is given."""
     prm = build_prm(model_dir, cfg.separator, cfg.seed)
     if cfg.freeze_backbone:
         prm.backbone.requires_grad_(False)
     examples, _ = build_examples(prm, rows, cfg.max_length)
-    rng, batches = random.Random(cfg.seed), []
-    for _ in range(cfg.epochs):
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        batches += [[examples[k] for k in order[i : i + cfg.batch_size]] for i in range(0, len(order), cfg.batch_size)]
+    batches = [[examples[k] for k in b] for epoch in epoch_batches(len(examples), cfg.batch_size, cfg.epochs, cfg.seed) for b in epoch]
     total = max(1, len(batches))
-    trainer = Trainer("prm", prm, total, cfg.lr, schedule=lambda s: max(0.0, 1 - s / total), precision=cfg.precision,
-                      deepspeed_config=cfg.deepspeed_config, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
+    trainer = Trainer("prm", prm, total, cfg, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
     prm.precision = trainer.precision
     split = [split_batch(b, trainer.acc.num_processes, lambda ex: len(ex[2])) for b in batches]
     records = fit(trainer, [m for m, _ in split], lambda batch: (prm_loss(trainer.model, batch), {}), max(1, total // cfg.epochs),
-                  weights=[w for _, w in split])
+                  weights=[w for _, w in split], checkpoint_dir=checkpoint_dir)
     with trainer.whole_model():
         if out_dir and trainer.is_main:
             prm.save(out_dir, {**cfg.model_dump(), "base": str(model_dir)})

@@ -22,7 +22,7 @@ from ..config import LabelConfig, LLMConfig, RLConfig
 from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
-from .loop import Trainer, autocast, warmup_constant
+from .loop import Trainer, autocast
 from .policy_loss import policy_loss, token_logprobs
 from .rewards import efficiency_rewards, judge_response, prmvr_token_rewards, returns_to_go, sigma_factor
 from .rollout import View, check_colocated_memory, engine_sleeps, episode_view, make_rollout_backend, rollout, turn_views
@@ -242,9 +242,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    trainer = Trainer("rl", model, cfg.steps, cfg.lr, weight_decay=cfg.weight_decay, schedule=warmup_constant(cfg.warmup_steps),
-                      max_grad_norm=cfg.max_grad_norm, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config,
-                      gradient_checkpointing=gradient_checkpointing, on_step=on_step)
+    trainer = Trainer("rl", model, cfg.steps, cfg, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
     if trainer.zero_stage == 3 and trainer.acc.num_processes > 1:
         raise ValueError("params.yaml rl.deepspeed_config: ZeRO-3 shards the policy, but rank 0 rolls out with the whole "
                          "policy; use configs/deepspeed/zero2.json")

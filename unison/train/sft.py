@@ -4,14 +4,12 @@ The batches and the loss; the loop (accelerate, so a DeepSpeed config works on G
 """
 from __future__ import annotations
 
-import random
-
 import torch
 
 from ..config import SFTConfig
 from ..data.schemas import atomic_dir
 from ..token_view import retokenization_drift, row_view
-from .loop import Trainer, fit, resolve_precision, warmup_linear
+from .loop import Trainer, epoch_batches, fit, resolve_precision
 
 
 def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -> list[dict]:
@@ -121,13 +119,11 @@ def target_nll(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) 
 def sft_steps(examples: list, cfg: SFTConfig, pad_id: int) -> list[list[tuple[dict, int]]]:
     """Every epoch's optimiser steps in order: shuffled (one seeded stream over all epochs), batch_size examples a
     micro-batch (collated, with its count of real tokens), grad_accum micro-batches a step."""
-    rng, steps = random.Random(cfg.seed), []
-    for _ in range(cfg.epochs):
-        order = list(range(len(examples)))
-        rng.shuffle(order)
+    steps = []
+    for batches in epoch_batches(len(examples), cfg.batch_size, cfg.epochs, cfg.seed):
         micros = []
-        for i in range(0, len(order), cfg.batch_size):
-            chosen = [examples[k] for k in order[i : i + cfg.batch_size]]
+        for indices in batches:
+            chosen = [examples[k] for k in indices]
             batch = collate_packed(chosen, pad_id, cfg.max_length) if cfg.packing else collate(chosen, pad_id)
             micros.append((batch, sum(len(ids) for ids, _ in chosen)))
         steps += [micros[i : i + cfg.grad_accum] for i in range(0, len(micros), cfg.grad_accum)]
@@ -145,9 +141,7 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
     model = load_student(model_dir, cfg.lora, cfg.lora_r, cfg.lora_alpha, cfg.precision, "sft")
     steps = sft_steps(examples, cfg, tok.pad_token_id or 0)
     total = max(1, len(steps))
-    trainer = Trainer("sft", model, total, cfg.lr, schedule=warmup_linear(total, max(1, int(cfg.warmup_ratio * total))),
-                      grad_accum=cfg.grad_accum, precision=cfg.precision, deepspeed_config=cfg.deepspeed_config,
-                      gradient_checkpointing=gradient_checkpointing, on_step=on_step)
+    trainer = Trainer("sft", model, total, cfg, grad_accum=cfg.grad_accum, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
 
     def loss_fn(micro):
         batch = {n: t.to(trainer.device) for n, t in micro[0].items()}
@@ -157,8 +151,7 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
         return {"tokens": sum(int(b["loss_mask"].sum()) for b, _ in micros), "row_tokens": sum(b["input_ids"].numel() for b, _ in micros),
                 "real_tokens": sum(n for _, n in micros)}
 
-    records = fit(trainer, steps, loss_fn, max(1, total // cfg.epochs), record=record, checkpoint_dir=checkpoint_dir,
-                  checkpoint_every=cfg.checkpoint_every)
+    records = fit(trainer, steps, loss_fn, max(1, total // cfg.epochs), record=record, checkpoint_dir=checkpoint_dir)
     with trainer.whole_model() as trained:
         if trainer.is_main:
             save_model(trained, tok, out_dir, cfg.lora)

@@ -80,7 +80,7 @@ def verl_overrides(params: Params, train_files: list[str], model_dir: str, tool_
         "data.max_response_length": cfg.verl_max_response_length, "data.seed": params.seed, "data.return_raw_chat": True,
         "actor_rollout_ref.model.path": model_dir,
         "actor_rollout_ref.actor.optim.lr": cfg.lr, "actor_rollout_ref.actor.optim.weight_decay": cfg.weight_decay,
-        "actor_rollout_ref.actor.optim.lr_warmup_steps": cfg.warmup_steps, "actor_rollout_ref.actor.optim.clip_grad": cfg.max_grad_norm,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": cfg.warmup_steps(cfg.steps), "actor_rollout_ref.actor.optim.clip_grad": cfg.max_grad_norm,
         "actor_rollout_ref.actor.ppo_mini_batch_size": cfg.prompts_per_step // cfg.mini_batches,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "actor_rollout_ref.actor.ppo_epochs": cfg.ppo_epochs,
