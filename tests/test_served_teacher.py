@@ -91,6 +91,28 @@ def test_a_served_teacher_on_completions_with_vllms_token_ids(served):
     assert info["served_name"] == "smol-teacher" and not list((project / "models/teacher").glob("*.safetensors"))
 
 
+def test_vllms_server_scores_given_tokens_as_transformers_does_in_fp32(served, base_model_dir):
+    """`score` through /v1/completions with vLLM's prompt_logprobs (what token-level distillation asks of a served
+    teacher): within 1e-4 of transformers in fp32, whose scores equal the in-process engine's (tests/test_scoring.py)."""
+    from transformers import AutoTokenizer
+
+    from unison.llm.base import cpu_dtype
+    from unison.llm.hf_backend import HFBackend
+    from unison.llm.openai_backend import OpenAIBackend
+
+    _, url = served
+    tok = AutoTokenizer.from_pretrained(base_model_dir)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [ids("<|im_start|>user\nWhere was Zorvan Kelt born?<|im_end|>\n<|im_start|>assistant\n"), ids("The capital of France is")]
+    completions = [ids("<search>Zorvan Kelt</search>"), ids(" Paris.")]
+    server = OpenAIBackend(url, "smol-teacher", tokenizer=tok, api_key_env="UNISON_TEACHER_KEY").score(prompts, completions, top_k=2)
+    local = HFBackend(str(base_model_dir), dtype=cpu_dtype()).score(prompts, completions, top_k=2)  # the server's dtype
+    tol = 1e-4 if cpu_dtype() == "float32" else 0.1  # bf16 (AVX512-BF16 CPUs): a loose bound, not yet measured
+    for a, b in zip(server, local):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=tol) and a.top_ids == b.top_ids
+        assert [x for r in a.top_logprobs for x in r] == pytest.approx([x for r in b.top_logprobs for x in r], abs=tol)
+
+
 def trajectories(project) -> list[dict]:
     return pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
 

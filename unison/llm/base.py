@@ -13,6 +13,7 @@ class Sampling:
     seed: int = 0
     logprobs: bool = False  # return the sampled tokens' logprobs (RL needs them; they cost ~15% of decode on CPU)
     forced: str = ""  # the tag the scaffold opens this turn, for a backend that cannot prefill it (`prefills` False: chat)
+    prompt_logprobs: int | None = None  # a scoring request (openai backend's `score`): the prompt tokens' log-probs, top k
 
 
 @dataclass
@@ -24,6 +25,24 @@ class Completion:
     stop: str | None = None  # the stop string that ended it, if any
     error: str | None = None  # an answer the backend could not use (a chat teacher's malformed tool call): the runtime's observation
     model: str | None = None  # the model name the server answered with (openai backend; None for a local engine)
+
+
+@dataclass
+class TokenScores:
+    """A model's log-probs of given tokens (`score`): logprobs[i] = log p(completion[i] | prompt, completion[:i]); with
+    top_k > 0 also the k likeliest tokens at each position, best first (ids and log-probs)."""
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+def check_scorable(prompts: list[list[int]], completions: list[list[int]]) -> None:
+    """What `score` takes: as many completions as prompts, every prompt at least one token (the first scored token has
+    a context)."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"score: {len(prompts)} prompts but {len(completions)} completions")
+    if any(not p for p in prompts):
+        raise ValueError("score: an empty prompt (the first scored token needs at least one token before it)")
 
 
 def truncate_at_stop(tokenizer, token_ids: list[int], stops: list[str]) -> tuple[list[int], str | None]:

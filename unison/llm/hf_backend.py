@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Completion, Sampling, cpu_dtype, truncate_at_stop
+from .base import Completion, Sampling, TokenScores, check_scorable, cpu_dtype, truncate_at_stop
+
+SCORE_TOKENS = 4096  # tokens per scoring forward pass: its fp32 logits are SCORE_TOKENS x vocabulary floats
 
 
 class HFBackend:
@@ -35,6 +37,40 @@ class HFBackend:
         out: list[Completion] = []
         for i in range(0, len(prompts), self.batch_size):
             out += self._generate_batch(prompts[i : i + self.batch_size], sampling[i : i + self.batch_size])
+        return out
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], completions: list[list[int]], top_k: int = 0) -> list[TokenScores]:
+        """Each completion's token log-probs after its prompt (and the top_k alternatives), one forward pass a batch."""
+        check_scorable(prompts, completions)
+        out, i = [], 0
+        while i < len(prompts):
+            width = len(prompts[i]) + len(completions[i])
+            n = max(1, SCORE_TOKENS // max(1, width))
+            out += self._score_batch(prompts[i : i + n], completions[i : i + n], top_k)
+            i += n
+        return out
+
+    def _score_batch(self, prompts: list[list[int]], completions: list[list[int]], top_k: int) -> list[TokenScores]:
+        seqs = [p + c for p, c in zip(prompts, completions)]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        ids = torch.full((len(seqs), max(map(len, seqs))), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(seqs):  # right padding: positions are the unpadded ones
+            ids[r, : len(s)], mask[r, : len(s)] = torch.tensor(s), 1
+        was_training = self.model.training
+        self.model.eval()
+        logits = self.model(input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device)).logits
+        self.model.train(was_training)
+        out = []
+        for r, (p, c) in enumerate(zip(prompts, completions)):
+            logp = torch.log_softmax(logits[r, len(p) - 1 : len(p) + len(c) - 1].float(), -1)  # predicts c[0] .. c[-1]
+            chosen = logp.gather(-1, torch.tensor(c, device=logp.device)[:, None]).squeeze(-1).tolist()
+            if top_k:
+                values, indices = logp.topk(top_k, -1)
+                out.append(TokenScores(chosen, indices.tolist(), values.tolist()))
+            else:
+                out.append(TokenScores(chosen))
         return out
 
     def _generate_batch(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:

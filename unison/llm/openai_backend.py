@@ -51,7 +51,7 @@ from ..http import (
     watched_session,
     with_retries,
 )
-from .base import Completion, Sampling, truncate_at_stop
+from .base import Completion, Sampling, TokenScores, check_scorable, truncate_at_stop
 from .chat import Template, marked_text, messages, protocol_answer, request_fields
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,32 @@ class OpenAIBackend:
         """One request per prompt, at most `max_concurrency` in flight."""
         return list(self._pool.map(self._complete, prompts, sampling))
 
+    def score(self, prompts: list[list[int]], completions: list[list[int]], top_k: int = 0) -> list[TokenScores]:
+        """Each completion's token log-probs after its prompt, and the top_k alternatives: one /completions request per
+        pair with vLLM's / SGLang's `prompt_logprobs` (cached, retried and budgeted like generate's). A chat API cannot
+        score given tokens, nor can a server without that extension: a ValueError names the server."""
+        check_scorable(prompts, completions)
+        if self.api == "chat":
+            raise ValueError(f"openai backend {redact(self.label)}: a chat API gives no log-probs of given tokens; scoring needs a "
+                             "/completions server with vLLM's or SGLang's prompt_logprobs (teacher.api: completions)")
+        s = Sampling(max_tokens=1, prompt_logprobs=top_k)
+        choices = list(self._pool.map(lambda seq: self._post(seq, s)[0], [p + c for p, c in zip(prompts, completions)]))
+        return [self._token_scores(ch, len(p), c, top_k) for ch, p, c in zip(choices, prompts, completions)]
+
+    def _token_scores(self, choice: dict, start: int, completion: list[int], top_k: int) -> TokenScores:
+        positions = (choice.get("prompt_logprobs") or [])[start : start + len(completion)]
+        if len(positions) != len(completion) or not all(isinstance(d, dict) for d in positions):
+            raise ValueError(f"openai backend {redact(self.label)}: the answer has no prompt_logprobs for the scored tokens: the "
+                             "server cannot score (vLLM and SGLang return them on /completions)")
+        chosen, top_ids, top_lps = [], [], []
+        for d, token in zip(positions, completion):
+            entries = {int(k): v for k, v in d.items()}  # token id (a JSON key) -> {logprob, rank, decoded_token}
+            chosen.append(float(entries[token]["logprob"]))
+            ranked = sorted((v["rank"], k, float(v["logprob"])) for k, v in entries.items() if v["rank"] <= top_k)[:top_k]
+            top_ids.append([k for _, k, _ in ranked])
+            top_lps.append([lp for _, _, lp in ranked])
+        return TokenScores(chosen, top_ids, top_lps) if top_k else TokenScores(chosen)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False)
 
@@ -186,6 +212,8 @@ class OpenAIBackend:
                 "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         if s.logprobs:
             body["logprobs"] = 0  # the sampled token's logprob only
+        if s.prompt_logprobs is not None:  # vLLM's and SGLang's extension: score the prompt
+            body["prompt_logprobs"] = s.prompt_logprobs
         if ext:
             body.update(stop=list(s.stop), include_stop_str_in_output=True, return_token_ids=True)
             if s.logprobs:

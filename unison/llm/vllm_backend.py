@@ -16,7 +16,7 @@ import itertools
 import os
 import tempfile
 
-from .base import Completion, Sampling, cpu_dtype
+from .base import Completion, Sampling, TokenScores, check_scorable, cpu_dtype
 
 
 class VLLMBackend:
@@ -70,6 +70,28 @@ class VLLMBackend:
         while len(done) < len(ids):
             done.update(self.step())
         return [done[i] for i in ids]
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]], top_k: int = 0) -> list[TokenScores]:
+        """Each completion's token log-probs after its prompt (vLLM's prompt_logprobs, which reads no prefix cache so
+        every position is computed), and the top_k alternatives, on an idle engine."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_scorable(prompts, completions)
+        if self.live:
+            raise RuntimeError("VLLMBackend.score: the engine is running submitted requests; step them to the end first")
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p + c) for p, c in zip(prompts, completions)],
+                                    SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k), use_tqdm=False)
+        out = []
+        for o, p, c in zip(outputs, prompts, completions):
+            positions = o.prompt_logprobs[len(p) : len(p) + len(c)]  # dicts token id -> Logprob(logprob, rank): the top_k and the token
+            chosen = [d[t].logprob for d, t in zip(positions, c)]
+            if top_k:
+                ranked = [sorted(((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank <= top_k))[:top_k] for d in positions]
+                out.append(TokenScores(chosen, [[t for _, t, _ in r] for r in ranked], [[v for _, _, v in r] for r in ranked]))
+            else:
+                out.append(TokenScores(chosen))
+        return out
 
     def sync(self, model) -> None:
         """Load a training model's current weights into the engine (RL: the policy after each update), then drop the
