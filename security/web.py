@@ -14,7 +14,7 @@ from functools import cache
 
 from tests.local_http import LocalServer, RawServer
 from unison.tools import web_fetch
-from unison.http import ResponseCache
+from unison.http_client import ResponseCache
 from unison.tools.web import Crawl, WebSearch
 
 from . import CLEANUP, attempt

@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 from unison import track
+from unison.agents.episode_traces import sample_traces
 from unison.agents.generation import generate_trajectories, shard_dir
 from unison.agents.imports import import_trajectories
-from unison.agents.trace import sample_traces
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table

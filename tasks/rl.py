@@ -1,7 +1,7 @@
 """Stage `rl`: GRPO-family RL of the SFT student on the Pareto-selected prompts (data/rl/stage*.parquet), live rollouts.
 
 A killed run resumes from data/.cache/rl-checkpoint/<key>, the key hashing every setting and input that changes results.
-rl.engine verl hands the stage to verl's trainer over the export's data/export/verl parquet (unison/train/verl_engine.py);
+rl.trainer verl hands the stage to verl's trainer over the export's data/export/verl parquet (unison/train/verl_trainer.py);
 its config and checkpoints go to data/.cache/verl/<key>, which a re-run resumes (trainer.resume_mode auto).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ VERL_DATA, VERL_WORK = Path("data/export/verl"), Path("data/.cache/verl")
 def main() -> None:
     params = load_params()
     cfg = params.rl
-    if cfg.engine == "verl":
+    if cfg.trainer == "verl":
         return main_verl(params)
     if cfg.prm_weight > 0 and not params.prm.enabled:
         raise ValueError("params.yaml rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
@@ -64,8 +64,8 @@ def main() -> None:
 
 
 def main_verl(params) -> None:
-    """rl.engine verl: write verl's config (tool config + main_ppo overrides), run verl, models/rl from its last step."""
-    from unison.train.verl_engine import check_verl_settings, require_verl, run_verl, write_verl_config
+    """rl.trainer verl: write verl's config (tool config + main_ppo overrides), run verl, models/rl from its last step."""
+    from unison.train.verl_trainer import check_verl_settings, require_verl, run_verl, write_verl_config
 
     check_verl_settings(params)
     require_verl()
@@ -74,7 +74,7 @@ def main_verl(params) -> None:
     with track.stage_run("rl", settings) as run:
         paths = sorted(VERL_DATA.glob("stage*.parquet"))
         if not paths:
-            raise FileNotFoundError(f"rl.engine verl trains on {VERL_DATA}/stage*.parquet: run the export stage first")
+            raise FileNotFoundError(f"rl.trainer verl trains on {VERL_DATA}/stage*.parquet: run the export stage first")
         key = run_key(settings, paths + sorted(q for q in Path("models/sft").iterdir() if q.is_file()))
         work = VERL_WORK / key
         overrides = write_verl_config(params, [str(p.resolve()) for p in paths], str(Path("models/sft").resolve()), work, tools)
@@ -82,7 +82,7 @@ def main_verl(params) -> None:
               f"config in {work}", flush=True)
         records = run_verl(overrides, work, params.rl.steps, "models/rl")
         write_records_csv(records, CURVE_CSV)
-        metrics = {"engine": "verl", "steps": len(records), "first_reward": records[0]["reward_total"],
+        metrics = {"trainer": "verl", "steps": len(records), "first_reward": records[0]["reward_total"],
                    "final_reward": records[-1]["reward_total"]}
         write_json(metrics, "reports/rl.json")
         run.log_metrics({k: v for k, v in metrics.items() if k != "engine"})

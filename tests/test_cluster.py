@@ -141,7 +141,7 @@ def test_generate_and_evaluate_on_a_ray_cluster_equal_the_in_process_run(cluster
 @pytest.mark.nightly
 def test_label_montecarlo_and_pareto_rollouts_on_a_ray_cluster_equal_the_in_process_run(cluster, project):
     """label's Monte-Carlo completions (shards of one trajectory) and pareto's student rollouts over the engine actors."""
-    from unison.agents.cluster import engine_or_replicas
+    from unison.agents.cluster import workbench_or_replicas
     from unison.agents.generation import generate_trajectories
     from unison.data.schemas import QUESTION, read_table
     from unison.labeling.judging import make_judge
@@ -152,10 +152,10 @@ def test_label_montecarlo_and_pareto_rollouts_on_a_ray_cluster_equal_the_in_proc
     here, ray = on_ray(project, address, {"label": {"step_labels": "montecarlo", "mc_rollouts": 2}})
     questions = read_table("data/raw/train.parquet", QUESTION)
     rows, _ = generate_trajectories(here, questions, Path("label-here"))
-    engine = engine_or_replicas(here, STUDENT)
+    engine = workbench_or_replicas(here, STUDENT)
     rollouts = student_rollouts(questions[:4], 2, engine, 1.0, here.label)
     del engine
-    with engine_or_replicas(ray, STUDENT) as replicas:
+    with workbench_or_replicas(ray, STUDENT) as replicas:
         assert student_rollouts(questions[:4], 2, replicas, 1.0, here.label) == rollouts
 
     labeled = label_trajectories(rows, here, make_judge(here, {}), {})

@@ -8,7 +8,7 @@ from unison.config import ROOT
 
 # Lowest first. A module belongs to the first floor one of whose prefixes it starts with.
 FLOORS = [
-    ("data and schemas", ("unison.config", "unison.data", "unison.http")),
+    ("data and schemas", ("unison.config", "unison.data", "unison.http_client")),
     ("protocol and token views", ("unison.protocol", "unison.token_view")),
     ("llm backends and tools", ("unison.llm", "unison.tools")),
     ("agents and methods", ("unison.agents",)),

@@ -8,10 +8,10 @@ import mlflow
 import pytest
 
 from unison import track
+from unison.agents.episode_traces import episode_from_row
 from unison.agents.methods import METHODS, MethodContext, get_method, run_method
 from unison.agents.runtime import EpisodeSettings
 from unison.agents.toolbox import Toolbox
-from unison.agents.trace import episode_from_row
 from unison.config import ROOT, load_params
 from unison.data.schemas import TRAJECTORY, read_table, write_table
 from unison.token_view import token_view

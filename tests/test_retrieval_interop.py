@@ -97,7 +97,7 @@ def test_the_client_reads_flashrag_batch_search(wiki):
 def test_a_malformed_answer_is_an_error_naming_the_server(api, answer):
     with LocalServer(lambda request: (200, answer, None)) as server:
         remote = RemoteRetriever(server.url, api=api, retries=0)
-        with pytest.raises((ValueError, RuntimeError),  # not JSON at all: unison.http's HTTPFailure
+        with pytest.raises((ValueError, RuntimeError),  # not JSON at all: unison.http_client's HTTPFailure
                            match=rf"POST {server.url}/(retrieve|batch_search)(: unexpected answer| failed after 1 attempt: the answer is not JSON)"):
             remote.search(["q"])
     assert remote.stats == {"requests": 1, "retries": 0, "failures": 1}

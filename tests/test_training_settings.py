@@ -33,8 +33,8 @@ def test_the_settings_rules_live_in_the_model():
         RLConfig(warmup_ratio=1.5)
     with pytest.raises(ValidationError, match=r"warmup_steps\n  Extra inputs are not permitted"):  # the old name: refused
         RLConfig(warmup_steps=3)
-    with pytest.raises(ValidationError, match="engine verl.*schedule: constant"):
-        RLConfig(engine="verl", schedule="linear")
+    with pytest.raises(ValidationError, match="trainer verl.*schedule: constant"):
+        RLConfig(trainer="verl", schedule="linear")
     assert PRMConfig(max_grad_norm=None, checkpoint_every=2).checkpoint_every == 2
 
 

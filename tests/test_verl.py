@@ -1,4 +1,4 @@
-"""rl.engine verl (unison/train/verl_engine.py, verl_reward.py, verl_tools.py): what of verl's path runs without a GPU.
+"""rl.trainer verl (unison/train/verl_trainer.py, verl_reward.py, verl_tools.py): what of verl's path runs without a GPU.
 
 The config tasks/rl.py writes is parsed with Hydra's own override parser, and every key it sets is one of verl 0.9.1's
 (tests/fixtures/verl/ppo_trainer_keys.txt, the leaves of its _generated_ppo_trainer.yaml); the tool config is loaded
@@ -30,9 +30,9 @@ from unison.protocol import DEFAULT_TOOLS, final_answer, observation
 from unison.tools.retrieval import Retriever, build_index, make_retriever
 from unison.tools.search_server import create_app
 from unison.train.rl import load_rl_data, score_episodes
-from unison.train.verl_engine import check_verl_settings, write_verl_config
 from unison.train.verl_reward import compute_score
 from unison.train.verl_tools import CLASS_NAME, run_tool, tool_config
+from unison.train.verl_trainer import check_verl_settings, write_verl_config
 
 from .test_export import BORN, exported, project  # noqa: F401  (fixtures)
 from .test_retrieval import invented_passages, serving
@@ -51,7 +51,7 @@ RESPONSES = {  # question -> responses of one group, as the student writes them 
 
 def verl_params(project_dir: Path, search_url: str = "http://127.0.0.1:9", **rl):
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    raw["rl"].update({"engine": "verl", "verifiable_weight": 2.0, "format_weight": 0.5, **rl})
+    raw["rl"].update({"trainer": "verl", "verifiable_weight": 2.0, "format_weight": 0.5, **rl})
     raw["label"]["qa_metric"] = "f1"
     raw["tools"]["search_url"] = search_url
     raw["export"]["verl_agent"] = "unison_agent"
@@ -116,7 +116,7 @@ def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_canno
         import tasks.rl
 
         verl_params(exported.parent.parent)
-        with pytest.raises(RuntimeError, match=r"rl\.engine is verl.*pip install verl"):
+        with pytest.raises(RuntimeError, match=r"rl\.trainer is verl.*pip install verl"):
             tasks.rl.main()
 
 

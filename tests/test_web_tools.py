@@ -11,7 +11,7 @@ from security.web import drip
 from unison.agents.wiring import enabled_tools, make_toolbox, remote_counters
 from unison.config import Params, ToolsConfig
 from unison.protocol import SYSTEM_PROMPT, system_prompt
-from unison.http import ResponseCache
+from unison.http_client import ResponseCache
 from unison.tools.web import Crawl, WebSearch, html_to_text
 
 from .local_http import LocalServer

@@ -100,7 +100,7 @@ def check_llm_overrides(overrides: dict, key: str, allow_backend: bool) -> dict:
 
 def check_base_url(value, key: str) -> None:
     """One server's http(s) URL, or a non-empty list of them with none twice (replicas of one served model)."""
-    from .http import redact  # the same floor; imported here so that reading params does not import requests
+    from .http_client import redact  # the same floor; imported here so that reading params does not import requests
 
     example = "e.g. http://127.0.0.1:8000/v1 or [http://10.0.0.1:8000/v1, http://10.0.0.2:8000/v1]"
     urls = [value] if isinstance(value, str) else value
@@ -400,11 +400,11 @@ class EvaluateConfig(Section):
 
 
 class RLConfig(TrainingSettings):
-    engine: Literal['unison', 'verl'] = Field('unison', description="unison = the in-house loop below (one machine, tests) | verl = verl's PPO trainer on its Ray cluster over data/export/verl (pip install verl; docs/scale.md)")
-    verl_nnodes: int = Field(1, ge=1, description='engine verl: trainer.nnodes')
-    verl_gpus_per_node: int = Field(8, ge=1, description='engine verl: trainer.n_gpus_per_node')
-    verl_max_prompt_length: int = Field(1024, ge=1, description='engine verl: data.max_prompt_length (tokens)')
-    verl_max_response_length: int = Field(2048, ge=1, description='engine verl: data.max_response_length, tool observations included (tokens)')
+    trainer: Literal['unison', 'verl'] = Field('unison', description="unison = the in-house loop below (one machine, tests) | verl = verl's PPO trainer on its Ray cluster over data/export/verl (pip install verl; docs/scale.md)")
+    verl_nnodes: int = Field(1, ge=1, description='trainer verl: trainer.nnodes')
+    verl_gpus_per_node: int = Field(8, ge=1, description='trainer verl: trainer.n_gpus_per_node')
+    verl_max_prompt_length: int = Field(1024, ge=1, description='trainer verl: data.max_prompt_length (tokens)')
+    verl_max_response_length: int = Field(2048, ge=1, description='trainer verl: data.max_response_length, tool observations included (tokens)')
     estimator: Literal['grpo', 'dr_grpo', 'rloo', 'flow_grpo'] = Field('grpo', description='grpo | dr_grpo | rloo | flow_grpo (AgentFlow: every assistant turn a sample with the final reward)')
     group_size: int = Field(4, description='rollouts per prompt (seeds: 8)')
     prompts_per_step: int = Field(4, description='curriculum: data/rl stage 1 prompts first, then stage 2, ...')
@@ -444,8 +444,8 @@ class RLConfig(TrainingSettings):
 
     @model_validator(mode="after")
     def _verl_takes_a_constant_clipped_schedule(self):
-        if self.engine == "verl" and (self.schedule != "constant" or self.max_grad_norm is None):
-            raise ValueError("engine verl: its actor's optimiser warms up then holds the lr constant and always clips; "
+        if self.trainer == "verl" and (self.schedule != "constant" or self.max_grad_norm is None):
+            raise ValueError("trainer verl: its actor's optimiser warms up then holds the lr constant and always clips; "
                              "set schedule: constant and a max_grad_norm")
         return self
 
@@ -457,7 +457,7 @@ class FlywheelConfig(Section):
 
 class ExportConfig(Section):
     name: str = Field('unison', pattern=r'^[A-Za-z0-9_.-]+$', description="LLaMA-Factory: dataset_info.json names the datasets <name>_sft and <name>_dpo")
-    verl_agent: str = Field('tool_agent', description="verl: each row's agent_name, the agent loop that rolls it out (tool_agent = verl's ToolAgentLoop; unison_agent = unison's tag protocol, required by rl.engine verl)")
+    verl_agent: str = Field('tool_agent', description="verl: each row's agent_name, the agent loop that rolls it out (tool_agent = verl's ToolAgentLoop; unison_agent = unison's tag protocol, required by rl.trainer verl)")
 
 
 def check_remote(url: str, key: str) -> str:

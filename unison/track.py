@@ -41,7 +41,7 @@ import yaml  # noqa: E402
 
 from .config import validate_params  # noqa: E402
 from .data.schemas import atomic_path  # noqa: E402
-from .http import redact  # noqa: E402
+from .http_client import redact  # noqa: E402
 from .llm import teacher_id  # noqa: E402
 from .recipes import recipe_of  # noqa: E402
 from .train.launch import is_main_process  # noqa: E402

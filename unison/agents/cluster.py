@@ -25,7 +25,7 @@ from .wiring import demonstrations, enabled_tools, episode_settings, make_role_b
 
 
 @dataclass
-class Engine:
+class Workbench:
     """What a system runs on: one model's backend, the tools, and (the teacher) its roles' own backends."""
     params: Params
     backend: object
@@ -33,12 +33,12 @@ class Engine:
     roles: dict = field(default_factory=dict)
 
 
-def load_engine(params: Params, model_dir: str, teacher: bool = False, toolbox=None) -> Engine:
+def load_workbench(params: Params, model_dir: str, teacher: bool = False, toolbox=None) -> Workbench:
     """The teacher (the `teacher` block) or the student trained into `model_dir`, with `toolbox` (default: new tools)."""
     from ..llm import student_backend, teacher_backend
 
     backend = teacher_backend(params) if teacher else student_backend(model_dir, params)
-    return Engine(params, backend, toolbox or make_toolbox(params), make_role_backends(params) if teacher else {})
+    return Workbench(params, backend, toolbox or make_toolbox(params), make_role_backends(params) if teacher else {})
 
 
 def system_context(params: Params, backend, toolbox, teacher: bool, model_id: str, temperature: float,
@@ -52,10 +52,10 @@ def system_context(params: Params, backend, toolbox, teacher: bool, model_id: st
                          demonstrations=demonstrations(params) if teacher else "")
 
 
-def run_system(engine: Engine, questions: list[dict], samples: int, teacher: bool, model_id: str,
+def run_system(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str,
                temperature: float) -> tuple[list[dict], dict]:
     """A system's trajectory rows on `questions` and what its networked pieces counted meanwhile (remote_counters)."""
-    e, g = engine, engine.params.generate
+    e, g = workbench, workbench.params.generate
     ctx = system_context(e.params, e.backend, e.toolbox, teacher, model_id, temperature, e.roles)
     before = remote_counters({"teacher": e.backend, **e.roles}, e.toolbox)
     rows = run_method(g.method if teacher else "single", questions, samples, ctx, g.episodes_in_flight)
@@ -71,14 +71,14 @@ def sum_counters(counters: list[dict]) -> dict:
 
 
 class Replica:
-    """A Ray actor: one engine (built by `build(*args)` in the project directory), running work on it."""
+    """A Ray actor: one Workbench (built by `build(*args)` in the project directory), running work on it."""
 
     def __init__(self, workdir: str, build: Callable, *args):
         os.chdir(workdir)
-        self.engine = build(*args)
+        self.workbench = build(*args)
 
     def run(self, work: Callable, *args):
-        return work(self.engine, *args)
+        return work(self.workbench, *args)
 
 
 class Replicas:
@@ -105,7 +105,7 @@ class Replicas:
         return self.actor.remote(os.getcwd(), *self.build)
 
     def map(self, work: Callable, shards: list[tuple]) -> Iterator[tuple[int, object]]:
-        """(shard number, work(engine, *shard)) as shards finish, each shard on a free actor; a shard whose actor died
+        """(shard number, work(workbench, *shard)) as shards finish, each shard on a free actor; a shard whose actor died
         goes to the back of the queue for the next free actor, up to cluster.max_shard_retries times, and a new actor
         takes the dead one's place."""
         import ray
@@ -154,18 +154,18 @@ class Replicas:
         self.close()
 
 
-def engine_or_replicas(params: Params, model_dir: str, teacher: bool = False) -> Engine | Replicas:
-    """The system's engine in this process (cluster.address "") or its replicas on the cluster."""
+def workbench_or_replicas(params: Params, model_dir: str, teacher: bool = False) -> Workbench | Replicas:
+    """The system's Workbench in this process (cluster.address "") or its replicas on the cluster."""
     if not params.cluster.address:
-        return load_engine(params, model_dir, teacher)
-    return Replicas(params.cluster, params.llm.tensor_parallel_size, load_engine, params, model_dir, teacher)
+        return load_workbench(params, model_dir, teacher)
+    return Replicas(params.cluster, params.llm.tensor_parallel_size, load_workbench, params, model_dir, teacher)
 
 
-def rollouts(where: Engine | Replicas, questions: list[dict], samples: int, teacher: bool, model_id: str,
+def rollouts(where: Workbench | Replicas, questions: list[dict], samples: int, teacher: bool, model_id: str,
              temperature: float) -> tuple[list[dict], dict]:
-    """run_system on one engine, or cut into cluster.shard_size shards over the replicas: (rows in question order,
+    """run_system on one Workbench, or cut into cluster.shard_size shards over the replicas: (rows in question order,
     counters summed)."""
-    if isinstance(where, Engine):
+    if isinstance(where, Workbench):
         return run_system(where, questions, samples, teacher, model_id, temperature)
     size = where.cluster.shard_size
     shards = [(questions[i : i + size], samples, teacher, model_id, temperature) for i in range(0, len(questions), size)]

@@ -21,7 +21,7 @@ from ..config import SPENDING_LIMITS, Params
 from ..data.digest import file_digests
 from ..data.schemas import TRAJECTORY, read_table, write_table
 from ..llm import TEACHER_DIR, teacher_id
-from .cluster import Engine, Replicas, engine_or_replicas, run_system, sum_counters, system_context
+from .cluster import Replicas, Workbench, run_system, sum_counters, system_context, workbench_or_replicas
 from .episodes import tool_totals
 from .methods import run_method
 from .wiring import INDEX_DIR, demonstrations, fault_counters, remote_counters
@@ -94,13 +94,13 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
             todo.append(k)
     counters, wall_s = fault_counters({}, None), 0.0  # the same keys whether this run generated or only reused shards
     if todo:  # start the engine only if some shard is left to do
-        where = engine_or_replicas(params, TEACHER_DIR, teacher=True)
+        where = workbench_or_replicas(params, TEACHER_DIR, teacher=True)
         pending = [(k, q) for k in todo for q in chunks[k]]
         print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples, {g.method}, "
               f"up to {g.episodes_in_flight} episodes in flight", flush=True)
         t0 = time.perf_counter()
         try:
-            counters = (run_here(params, where, pending, paths) if isinstance(where, Engine) else
+            counters = (run_here(params, where, pending, paths) if isinstance(where, Workbench) else
                         run_on_cluster(params, where, [(k, chunks[k]) for k in todo], paths))
         except Exception as error:  # a server gone for good: the finished shards stay; the stage logs the counters
             error.counters = getattr(error, "counters", counters)
@@ -113,17 +113,17 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
     return rows, {**summarize(rows), "wall_s": wall_s, **counters}
 
 
-def run_here(params: Params, engine: Engine, pending: list[tuple[int, dict]], paths: list[Path]) -> dict:
+def run_here(params: Params, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path]) -> dict:
     """The pending questions as flows on this process's engine, each shard written once its questions are done; the
     counters of the pieces behind a network (also on the error, when a server fails for good)."""
     g = params.generate
-    ctx = system_context(params, engine.backend, engine.toolbox, True, teacher_id(params), g.temperature, engine.roles)
+    ctx = system_context(params, workbench.backend, workbench.toolbox, True, teacher_id(params), g.temperature, workbench.roles)
     try:
         run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight, on_question=ShardWriter(pending, paths))
     except Exception as error:
-        error.counters = remote_counters({"teacher": engine.backend, **engine.roles}, engine.toolbox)
+        error.counters = remote_counters({"teacher": workbench.backend, **workbench.roles}, workbench.toolbox)
         raise
-    return remote_counters({"teacher": engine.backend, **engine.roles}, engine.toolbox)
+    return remote_counters({"teacher": workbench.backend, **workbench.roles}, workbench.toolbox)
 
 
 def run_on_cluster(params: Params, replicas: Replicas, shards: list[tuple[int, list[dict]]], paths: list[Path]) -> dict:

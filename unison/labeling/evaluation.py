@@ -16,7 +16,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
-from ..agents.cluster import Replicas, engine_or_replicas, load_engine, rollouts, system_context
+from ..agents.cluster import Replicas, load_workbench, rollouts, system_context, workbench_or_replicas
 from ..agents.methods import run_method
 from ..agents.wiring import fault_counters, make_toolbox
 from ..config import LabelConfig, Params
@@ -165,8 +165,8 @@ def run_systems(params: Params, systems: list[tuple[str, str, float]], questions
                     engine.close()
                 engine = None  # free the engine before the next one starts
                 gc.collect()
-                engine = (engine_or_replicas(params, model_dir, teacher) if toolbox is None else
-                          load_engine(params, model_dir, teacher, toolbox))
+                engine = (workbench_or_replicas(params, model_dir, teacher) if toolbox is None else
+                          load_workbench(params, model_dir, teacher, toolbox))
                 loaded = model_dir
             print(f"evaluate: {name} ({params.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()

@@ -60,12 +60,12 @@ def label_trajectories(trajectories: list[dict], params: Params, judge, backends
     if p.step_labels == "agent":
         rows = with_steps(rows, agent_labels(rows, judge))
     elif p.step_labels == "montecarlo":
-        from ..agents.cluster import Engine, Replicas
+        from ..agents.cluster import Replicas, Workbench
         from ..agents.wiring import enabled_tools, episode_settings, make_toolbox
 
         scaffold = params.generate.scaffold if p.mc_scaffold else {}
         where = (Replicas(params.cluster, params.llm.tensor_parallel_size, completer, params) if params.cluster.address else
-                 Engine(params, label_backend(params, p.mc_model, backends), make_toolbox(params)))
+                 Workbench(params, label_backend(params, p.mc_model, backends), make_toolbox(params)))
         try:
             labeled = montecarlo_labels(rows, where, episode_settings(params, p.mc_temperature), judge, p.mc_rollouts, params.seed,
                                         scaffold, enabled_tools(params))
@@ -77,11 +77,11 @@ def label_trajectories(trajectories: list[dict], params: Params, judge, backends
 
 
 def completer(params: Params):
-    """label.mc_model's engine (an agents.cluster Engine) and the tools, on a replica (cluster.address)."""
-    from ..agents.cluster import Engine
+    """label.mc_model on its backend with the tools (an agents.cluster Workbench), on a replica (cluster.address)."""
+    from ..agents.cluster import Workbench
     from ..agents.wiring import make_toolbox
 
-    return Engine(params, label_backend(params, params.label.mc_model, {}), make_toolbox(params))
+    return Workbench(params, label_backend(params, params.label.mc_model, {}), make_toolbox(params))
 
 
 def label_metrics(rows: list[dict], label: LabelConfig, judge) -> dict:

@@ -79,12 +79,12 @@ def montecarlo_labels(rows: list[dict], where, cfg, judge, rollouts: int, seed: 
 
     The last step's completion is the trajectory itself: its label is the row's own correctness, no rollouts. The
     completions run on the completer's engine (all prefixes of all rows in one `run_episodes` call) or, cut in
-    cluster.shard_size trajectories, on its replicas (`where`: an agents.cluster Engine or Replicas); the judge runs here."""
-    from ..agents.cluster import Engine
+    cluster.shard_size trajectories, on its replicas (`where`: an agents.cluster Workbench or Replicas); the judge runs here."""
+    from ..agents.cluster import Workbench
 
     t0 = time.perf_counter()
     print(f"label: montecarlo on {len(rows)} trajectories ({rollouts} completions per step prefix)", flush=True)
-    if isinstance(where, Engine):
+    if isinstance(where, Workbench):
         done = montecarlo_answers(where, rows, cfg, rollouts, seed, scaffold, tools)
     else:
         size = where.cluster.shard_size
@@ -103,7 +103,7 @@ def montecarlo_labels(rows: list[dict], where, cfg, judge, rollouts: int, seed: 
     return out
 
 
-def montecarlo_answers(engine, rows: list[dict], cfg, rollouts: int, seed: int, scaffold: dict[str, list[str]],
+def montecarlo_answers(workbench, rows: list[dict], cfg, rollouts: int, seed: int, scaffold: dict[str, list[str]],
                        tools: tuple[str, ...]) -> list[tuple[int, int, str]]:
     """(row, step, answer) of each completion from each step prefix but the last, seeded per (row id, step, completion);
     completions continue the teacher's scaffold from step k+1."""
@@ -111,7 +111,7 @@ def montecarlo_answers(engine, rows: list[dict], cfg, rollouts: int, seed: int, 
     from ..agents.runtime import Episode, run_episodes
     from ..token_view import generated_by
 
-    tok = engine.backend.tokenizer
+    tok = workbench.backend.tokenizer
     episodes, owners = [], []
     for i, r in enumerate(rows):
         for k, prefix in enumerate(step_prefixes(tok, r["student"], generated_by(tok, r))[:-1]):
@@ -120,5 +120,5 @@ def montecarlo_answers(engine, rows: list[dict], cfg, rollouts: int, seed: int, 
                 episodes.append(Episode(key=f"{r['id']}/step{k}/mc{j}", prompt_ids=prefix, seed=stable_seed(seed, r["id"], k, j),
                                         scaffold=list(follow), tools=tools))
                 owners.append((i, k))
-    run_episodes(episodes, engine.backend, engine.toolbox, cfg, desc="montecarlo")
+    run_episodes(episodes, workbench.backend, workbench.toolbox, cfg, desc="montecarlo")
     return [(i, k, e.answer) for (i, k), e in zip(owners, episodes)]

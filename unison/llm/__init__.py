@@ -1,6 +1,6 @@
 """LLM backends behind one interface (DESIGN §4): `generate(token prompts, sampling) -> completions`."""
 from ..config import EngineConfig, Params, teacher_engine
-from ..http import redact
+from ..http_client import redact
 from .base import Completion, Sampling
 
 RESPONSE_CACHE_DIR = "data/.cache/llm"  # a served model's answers by request (openai backend, llm.response_cache)

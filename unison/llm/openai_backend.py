@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from ..http import (
+from ..http_client import (
     AttemptFailed,
     HTTPFailure,
     ResponseCache,

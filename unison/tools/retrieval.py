@@ -496,9 +496,9 @@ class RemoteRetriever(SearchTool):
             self.stats[key] += 1
 
     def _post(self, body: dict):
-        """POST to the api's route with unison.http's retries (connection errors, timeouts, 429, 5xx) and bounds (64 MiB,
+        """POST to the api's route with unison.http_client's retries (connection errors, timeouts, 429, 5xx) and bounds (64 MiB,
         the timeout in all); HTTPFailure names the URL."""
-        from ..http import post_json
+        from ..http_client import post_json
 
         return post_json(self.url + self.route, body, headers=self.headers, timeout=self.timeout, retries=self.retries,
                          backoff_s=self.backoff_s, on_retry=lambda: self._count("retries"))

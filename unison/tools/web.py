@@ -20,7 +20,7 @@ from html.parser import HTMLParser
 from urllib.parse import urlparse
 
 from ..config import ToolsConfig
-from ..http import HTTPFailure, ResponseCache, with_retries
+from ..http_client import HTTPFailure, ResponseCache, with_retries
 from ..protocol import split_queries
 from .web_fetch import ANY_ADDRESS, Answer, Blocked, fetch
 

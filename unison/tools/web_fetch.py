@@ -21,7 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
-from ..http import AttemptFailed, retry_after_s
+from ..http_client import AttemptFailed, retry_after_s
 
 MAX_REDIRECTS = 3
 CHUNK_BYTES = 64 * 1024

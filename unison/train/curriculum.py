@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from ..agents.cluster import Engine, Replicas, engine_or_replicas, rollouts
+from ..agents.cluster import Replicas, Workbench, rollouts, workbench_or_replicas
 from ..agents.wiring import enabled_tools
 from ..config import LabelConfig, Params, ParetoConfig
 from ..data.schemas import LABELED, DataError, atomic_path, write_table
@@ -28,7 +28,7 @@ ROLLOUTS = "reports/pareto_rollouts.parquet"
 PLOT = "reports/pareto_front.png"  # not under reports/plots: that folder is the report stage's out
 
 
-def student_rollouts(questions: list[dict], k: int, where: Engine | Replicas, temperature: float, label: LabelConfig) -> list[dict]:
+def student_rollouts(questions: list[dict], k: int, where: Workbench | Replicas, temperature: float, label: LabelConfig) -> list[dict]:
     """K labeled rollouts per question by the student, on its engine or its replicas (cluster.address): `single`,
     unscaffolded, seeded per (question, sample)."""
     rows, _ = rollouts(where, questions, k, False, STUDENT, temperature)
@@ -96,7 +96,7 @@ def rl_curriculum(params: Params, questions: list[dict]) -> tuple[list[dict], li
     """The student's rollouts on `questions` (written to ROLLOUTS before build_rl can refuse them), then build_rl;
     (RL rows, groups, metrics with the rollouts' wall seconds)."""
     p = params.pareto
-    where = engine_or_replicas(params, STUDENT)
+    where = workbench_or_replicas(params, STUDENT)
     print(f"pareto: {p.k} rollouts x {len(questions)} questions with {STUDENT} at temperature {p.temperature}", flush=True)
     t0 = time.perf_counter()
     try:

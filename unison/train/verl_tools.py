@@ -43,7 +43,7 @@ def tool_schema(tool: str) -> dict:
 def tool_config(tools: tuple[str, ...], settings: ToolsConfig) -> dict:
     """verl's tool config (the YAML at multi_turn.tool_config_path): one native UnisonTool entry per tool."""
     if not settings.search_url and "search" in tools:
-        raise ValueError("params.yaml tools.search_url: rl.engine verl searches over a search server (python -m "
+        raise ValueError("params.yaml tools.search_url: rl.trainer verl searches over a search server (python -m "
                          "unison.tools.search_server), but tools.search_url is empty")
     return {"tools": [{"class_name": CLASS_NAME, "config": {"type": "native", "tools": settings.model_dump()},
                        "tool_schema": tool_schema(t)} for t in tools]}

@@ -1,4 +1,4 @@
-"""rl.engine verl: the RL stage as verl's PPO trainer (python -m verl.trainer.main_ppo) on its Ray cluster.
+"""rl.trainer verl: the RL stage as verl's PPO trainer (python -m verl.trainer.main_ppo) on its Ray cluster.
 
 unison supplies the data (the export's data/export/verl parquet), the reward (unison.train.verl_reward), the tools
 (unison.train.verl_tools) and the agent loop that rolls out its tag protocol (unison.train.verl_agent); verl_overrides turns params.yaml into main_ppo's Hydra overrides, every key one of verl
@@ -30,28 +30,28 @@ ESTIMATORS = {"grpo": ("grpo", True), "dr_grpo": ("grpo", False), "rloo": ("rloo
 
 def require_verl() -> None:
     if importlib.util.find_spec("verl") is None:
-        raise RuntimeError(f"params.yaml rl.engine is verl, but verl is not installed here: {INSTALL}; "
-                           "or set rl.engine: unison (the in-house loop)")
+        raise RuntimeError(f"params.yaml rl.trainer is verl, but verl is not installed here: {INSTALL}; "
+                           "or set rl.trainer: unison (the in-house loop)")
 
 
 def check_verl_settings(params: Params) -> None:
     """The settings verl cannot honour, named (params.yaml keys) before anything starts."""
     cfg = params.rl
     if cfg.estimator not in ESTIMATORS:
-        raise ValueError(f"params.yaml rl.estimator: {cfg.estimator!r} has no verl estimator with rl.engine verl "
-                         f"(one of {sorted(ESTIMATORS)}; flow_grpo runs with rl.engine: unison)")
+        raise ValueError(f"params.yaml rl.estimator: {cfg.estimator!r} has no verl estimator with rl.trainer verl "
+                         f"(one of {sorted(ESTIMATORS)}; flow_grpo runs with rl.trainer: unison)")
     if cfg.efficiency_weight or cfg.prm_weight:
-        raise ValueError("params.yaml rl.efficiency_weight and rl.prm_weight must be 0 with rl.engine verl: the ET-Agent "
+        raise ValueError("params.yaml rl.efficiency_weight and rl.prm_weight must be 0 with rl.trainer verl: the ET-Agent "
                          "efficiency term and the PRM are relative to a response's group, and verl's reward function scores "
                          "one response at a time")
     if cfg.dual_clip is None:
         raise ValueError("params.yaml rl.dual_clip: verl always applies dual clip (actor.clip_ratio_c); give a value")
     if params.export.verl_agent != AGENT_LOOP:
-        raise ValueError(f"params.yaml export.verl_agent must be {AGENT_LOOP} with rl.engine verl: unison's student writes tag "
+        raise ValueError(f"params.yaml export.verl_agent must be {AGENT_LOOP} with rl.trainer verl: unison's student writes tag "
                          f"tool calls (<search>q</search>), which verl's {params.export.verl_agent!r} loop does not parse")
     if cfg.prompts_per_step % cfg.mini_batches:
         raise ValueError(f"params.yaml rl.mini_batches ({cfg.mini_batches}) must divide rl.prompts_per_step "
-                         f"({cfg.prompts_per_step}) with rl.engine verl (actor.ppo_mini_batch_size is in prompts)")
+                         f"({cfg.prompts_per_step}) with rl.trainer verl (actor.ppo_mini_batch_size is in prompts)")
 
 
 def hydra_value(value) -> str:
