@@ -27,8 +27,6 @@ def main() -> None:
     cfg = params.rl
     if cfg.trainer == "verl":
         return main_verl(params)
-    if cfg.prm_weight > 0 and not params.prm.enabled:
-        raise ValueError("params.yaml rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
     if run_distributed("rl", params.train, cfg.deepspeed_config):
         return
     settings = {"seed": params.seed, **cfg.model_dump(), **params.model_dump(include={"llm", "tools", "label", "train"})}
@@ -65,9 +63,8 @@ def main() -> None:
 
 def main_verl(params) -> None:
     """rl.trainer verl: write verl's config (tool config + main_ppo overrides), run verl, models/rl from its last step."""
-    from unison.train.verl_trainer import check_verl_settings, require_verl, run_verl, write_verl_config
+    from unison.train.verl_trainer import require_verl, run_verl, write_verl_config
 
-    check_verl_settings(params)
     require_verl()
     tools = enabled_tools(params)
     settings = {"seed": params.seed, **params.rl.model_dump(), **params.model_dump(include={"llm", "tools", "label", "export"})}

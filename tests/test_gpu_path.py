@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from unison.config import RLConfig
 from unison.llm.hf_backend import HFBackend
 from unison.train.rollout import check_colocated_memory, engine_sleeps
 
@@ -20,8 +21,8 @@ def test_rl_colocate_choice_and_its_errors():
     assert not engine_sleeps("auto", "transformers", cuda=True) and not engine_sleeps("off", "vllm", cuda=True)
     with pytest.raises(ValueError, match=r"rl.colocate: sleep needs a CUDA GPU"):
         engine_sleeps("sleep", "vllm", cuda=False)
-    with pytest.raises(ValueError, match=r"rl.colocate: sleep .* rl.rollout_backend is 'transformers'"):
-        engine_sleeps("sleep", "transformers", cuda=True)
+    with pytest.raises(ValueError, match=r"rl.colocate: sleep .* rl.rollout_backend is 'transformers'"):  # the config's rule
+        RLConfig(colocate="sleep", rollout_backend="transformers")
     check_colocated_memory(135_000_000, 0.5, 80 * 2**30)  # SmolLM2-135M: 2 GiB of policy beside a 40 GiB engine
     with pytest.raises(ValueError, match=r"llm.gpu_memory_utilization: 0.85 leaves 12.0 GiB .* needs at least 104.3 GiB"):
         check_colocated_memory(7_000_000_000, 0.85, 80 * 2**30)  # a 7B policy in fp32 with AdamW beside the engine

@@ -159,11 +159,9 @@ def test_disabled_stage_writes_a_marker_and_the_stages_that_read_it_refuse(tmp_p
     prm.main()  # no labeled data needed: nothing is trained
     assert json.loads(Path("models/prm/prm.json").read_text()) == {"enabled": False} == json.loads(Path("reports/prm.json").read_text())
     assert Path("reports/prm_loss.csv").read_text().strip() == "step,epoch,loss,lr,grad_norm,elapsed_s"
-    params["rl"]["prm_weight"] = 1.0
-    params["evaluate"]["rerank_samples"] = 4
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    for stage, setting in ((rl, "rl.prm_weight"), (evaluate, "evaluate.rerank_samples")):
-        with pytest.raises(ValueError, match=f"{setting} .* prm.enabled is false"):
+    for stage, (section, key, value) in ((rl, ("rl", "prm_weight", 1.0)), (evaluate, ("evaluate", "rerank_samples", 4))):
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump({**params, section: {**params[section], key: value}}))
+        with pytest.raises(ValueError, match=f"params.yaml {section}.{key} .* prm.enabled is false"):  # when params load
             stage.main()
 
 

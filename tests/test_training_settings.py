@@ -36,6 +36,10 @@ def test_the_settings_rules_live_in_the_model():
     with pytest.raises(ValidationError, match="trainer verl.*schedule: constant"):
         RLConfig(trainer="verl", schedule="linear")
     assert PRMConfig(max_grad_norm=None, checkpoint_every=2).checkpoint_every == 2
+    with pytest.raises(ValidationError, match="rl.prm_weight > 0 needs a sequence estimator"):  # rules once in library code
+        RLConfig(prm_weight=1.0, estimator="flow_grpo")
+    with pytest.raises(ValidationError, match="rl.dual_clip: verl always applies dual clip"):
+        RLConfig(trainer="verl", dual_clip=None)
 
 
 def test_prm_and_dpo_resume_from_their_checkpoint_after_a_kill(tiny_model_dir, tmp_path):

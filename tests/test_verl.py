@@ -32,7 +32,7 @@ from unison.tools.search_server import create_app
 from unison.train.rl import load_rl_data, score_episodes
 from unison.train.verl_reward import compute_score
 from unison.train.verl_tools import CLASS_NAME, run_tool, tool_config
-from unison.train.verl_trainer import check_verl_settings, write_verl_config
+from unison.train.verl_trainer import write_verl_config
 
 from .test_export import BORN, exported, project  # noqa: F401  (fixtures)
 from .test_retrieval import invented_passages, serving
@@ -104,12 +104,13 @@ def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_canno
     for bad, key in [({"estimator": "flow_grpo"}, "rl.estimator"), ({"efficiency_weight": 1.0}, "rl.efficiency_weight"),
                      ({"dual_clip": None}, "rl.dual_clip"), ({"mini_batches": 3}, "rl.mini_batches")]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-            check_verl_settings(verl_params(exported.parent.parent, **bad))
+            verl_params(exported.parent.parent, **bad)  # refused when params load
+    verl_params(exported.parent.parent)  # back to settings verl can run
     raw = yaml.safe_load(Path("params.yaml").read_text())
     raw["export"]["verl_agent"] = "tool_agent"
     Path("params.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match=r"export\.verl_agent must be unison_agent"):
-        check_verl_settings(load_params())
+        load_params()
     with pytest.raises(ValueError, match=r"tools\.search_url"):
         tool_config(DEFAULT_TOOLS, ToolsConfig())
     if not VERL:  # the stage fails at once, naming the setting and the install command

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 ROOT = Path(__file__).resolve().parent.parent
 Precision = Literal["auto", "bf16", "fp32"]
+VERL_AGENT_LOOP = "unison_agent"  # the name unison's agent loop registers with verl (unison/train/verl_agent.py)
 MODEL_KINDS = ("builtin", "hf", "local")
 LOCAL_BACKENDS = ("vllm", "transformers")
 
@@ -443,11 +444,33 @@ class RLConfig(TrainingSettings):
     checkpoint_every: int = Field(1, ge=0, description='steps; to data/.cache/rl-checkpoint/<params+inputs hash>, resumed by a re-run')
 
     @model_validator(mode="after")
-    def _verl_takes_a_constant_clipped_schedule(self):
-        if self.trainer == "verl" and (self.schedule != "constant" or self.max_grad_norm is None):
-            raise ValueError("trainer verl: its actor's optimiser warms up then holds the lr constant and always clips; "
-                             "set schedule: constant and a max_grad_norm")
+    def _rules(self):
+        if self.colocate == "sleep" and self.rollout_backend != "vllm":
+            raise ValueError(f"rl.colocate: sleep puts the vLLM engine to sleep, but rl.rollout_backend is {self.rollout_backend!r}; "
+                             "set rl.rollout_backend: vllm or rl.colocate: auto")
+        if self.prm_weight > 0 and self.estimator == "flow_grpo":
+            raise ValueError("rl.prm_weight > 0 needs a sequence estimator (grpo | dr_grpo | rloo), not flow_grpo")
+        if self.trainer == "verl":
+            self._verl_rules()
         return self
+
+    def _verl_rules(self) -> None:
+        """What verl's trainer cannot honour (unison/train/verl_trainer.py maps the rest)."""
+        if self.estimator == "flow_grpo":
+            raise ValueError("rl.estimator: 'flow_grpo' has no verl estimator with rl.trainer verl (one of dr_grpo, grpo, rloo; "
+                             "flow_grpo runs with rl.trainer: unison)")
+        if self.efficiency_weight or self.prm_weight:
+            raise ValueError("rl.efficiency_weight and rl.prm_weight must be 0 with rl.trainer verl: the ET-Agent efficiency "
+                             "term and the PRM are relative to a response's group, and verl's reward function scores one "
+                             "response at a time")
+        if self.dual_clip is None:
+            raise ValueError("rl.dual_clip: verl always applies dual clip (actor.clip_ratio_c); give a value")
+        if self.prompts_per_step % self.mini_batches:
+            raise ValueError(f"rl.mini_batches ({self.mini_batches}) must divide rl.prompts_per_step ({self.prompts_per_step}) "
+                             "with rl.trainer verl (actor.ppo_mini_batch_size is in prompts)")
+        if self.schedule != "constant" or self.max_grad_norm is None:
+            raise ValueError("rl.schedule: trainer verl's optimiser warms up then holds the lr constant and always clips; "
+                             "set rl.schedule: constant and a rl.max_grad_norm")
 
 
 class FlywheelConfig(Section):
@@ -520,6 +543,17 @@ class Params(Section):
         check_llm_overrides(self.label.llm, "label.llm", allow_backend=True)
         for role, spec in self.generate.roles.items():
             check_llm_overrides(spec, f"generate.roles.{role}", allow_backend=True)
+        return self
+
+    @model_validator(mode="after")
+    def _across_sections(self):
+        if not self.prm.enabled and self.rl.prm_weight > 0:
+            raise ValueError("rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
+        if not self.prm.enabled and self.evaluate.rerank_samples > 1:
+            raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
+        if self.rl.trainer == "verl" and self.export.verl_agent != VERL_AGENT_LOOP:
+            raise ValueError(f"export.verl_agent must be {VERL_AGENT_LOOP} with rl.trainer verl: unison's student writes tag tool "
+                             f"calls (<search>q</search>), which verl's {self.export.verl_agent!r} loop does not parse")
         return self
 
     @model_validator(mode="after")

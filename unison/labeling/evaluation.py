@@ -65,8 +65,6 @@ def systems_to_evaluate(params: Params) -> list[tuple[str, str, float]]:
     """(system, model dir, temperature) in evaluation order; systems sharing a model share one engine. Only the teacher
     runs on the teacher block (models/teacher or its server); every student is loaded from its trained weights."""
     p, g = params.evaluate, params.generate
-    if p.rerank_samples > 1 and not params.prm.enabled:
-        raise ValueError("params.yaml evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
     systems = [("base", "models/base", p.temperature)]
     if p.teacher:
         systems.append(("teacher", TEACHER_DIR, g.temperature))

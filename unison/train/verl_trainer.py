@@ -34,26 +34,6 @@ def require_verl() -> None:
                            "or set rl.trainer: unison (the in-house loop)")
 
 
-def check_verl_settings(params: Params) -> None:
-    """The settings verl cannot honour, named (params.yaml keys) before anything starts."""
-    cfg = params.rl
-    if cfg.estimator not in ESTIMATORS:
-        raise ValueError(f"params.yaml rl.estimator: {cfg.estimator!r} has no verl estimator with rl.trainer verl "
-                         f"(one of {sorted(ESTIMATORS)}; flow_grpo runs with rl.trainer: unison)")
-    if cfg.efficiency_weight or cfg.prm_weight:
-        raise ValueError("params.yaml rl.efficiency_weight and rl.prm_weight must be 0 with rl.trainer verl: the ET-Agent "
-                         "efficiency term and the PRM are relative to a response's group, and verl's reward function scores "
-                         "one response at a time")
-    if cfg.dual_clip is None:
-        raise ValueError("params.yaml rl.dual_clip: verl always applies dual clip (actor.clip_ratio_c); give a value")
-    if params.export.verl_agent != AGENT_LOOP:
-        raise ValueError(f"params.yaml export.verl_agent must be {AGENT_LOOP} with rl.trainer verl: unison's student writes tag "
-                         f"tool calls (<search>q</search>), which verl's {params.export.verl_agent!r} loop does not parse")
-    if cfg.prompts_per_step % cfg.mini_batches:
-        raise ValueError(f"params.yaml rl.mini_batches ({cfg.mini_batches}) must divide rl.prompts_per_step "
-                         f"({cfg.prompts_per_step}) with rl.trainer verl (actor.ppo_mini_batch_size is in prompts)")
-
-
 def hydra_value(value) -> str:
     """A value in Hydra's override grammar (lists and dicts as JSON-like literals, strings quoted)."""
     if isinstance(value, bool):
