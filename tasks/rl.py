@@ -38,17 +38,18 @@ def main() -> None:
             from unison.train.prm import load_prm  # only when asked: the stage runs without a PRM
 
             prm = load_prm("models/prm", params.prm.precision)
+        teacher = opd_teacher(params) if cfg.objective == "opd" and is_main_process() else None
         tools = enabled_tools(params)
         episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
-        model_dirs = ["models/sft"] + (["models/prm"] if cfg.prm_weight > 0 else [])
+        model_dirs = ["models/sft"] + (["models/prm"] if cfg.prm_weight > 0 else []) + (["models/teacher"] if cfg.objective == "opd" else [])
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
-              f"{cfg.group_size} rollouts, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)
+              f"{cfg.group_size} rollouts, objective {cfg.objective}, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)
         toolbox = make_toolbox(params) if is_main_process() else None
         records = train_rl("models/sft", rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, "models/rl",
                            checkpoint_path("rl", settings, inputs), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
-                           gradient_checkpointing=params.train.gradient_checkpointing)
+                           gradient_checkpointing=params.train.gradient_checkpointing, teacher=teacher)
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return
         write_records_csv(records, CURVE_CSV)
@@ -56,9 +57,25 @@ def main() -> None:
         metrics = {"steps": len(records), "prompts": len(rows), "first_reward": first["reward_total"], "final_reward": last["reward_total"],
                    "first_accuracy": first["accuracy"], "final_accuracy": last["accuracy"],
                    "final_tool_call_rate": last["tool_call_rate"], "mean_kept_groups": sum(r["kept_groups"] for r in records) / len(records),
-                   **{f"{k}_total": sum(r[k] for r in records) for k in ("rollout_s", "reward_s", "train_s")}}
+                   **{f"{k}_total": sum(r[k] for r in records) for k in ("rollout_s", "reward_s", "train_s")},
+                   **({"first_kl_teacher": first["kl_teacher"], "final_kl_teacher": last["kl_teacher"],
+                       "teacher_tokens_total": sum(r["teacher_tokens"] for r in records)} if "kl_teacher" in last else {})}
         write_json(metrics, "reports/rl.json")
         run.log_metrics(metrics)
+
+
+def opd_teacher(params):
+    """The teacher block's backend, which scores the student's tokens (rl.objective opd); its tokenizer must be the
+    student's (a teacher of another tokenizer needs the character alignment of issue 27 point 3, not built yet)."""
+    from transformers import AutoTokenizer
+
+    from unison.llm import teacher_backend
+
+    teacher = teacher_backend(params)
+    if teacher.tokenizer.get_vocab() != AutoTokenizer.from_pretrained("models/sft").get_vocab():
+        raise ValueError(f"params.yaml rl.objective opd: the teacher ({params.teacher.model}) tokenizes differently from the "
+                         "student, and scoring across tokenizers is not built yet; use a teacher of the student's tokenizer")
+    return teacher
 
 
 def main_verl(params) -> None:

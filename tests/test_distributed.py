@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from tests.test_dpo import labeled
-from tests.test_rl import make_rows, teach_two_answers
+from tests.test_rl import make_rows, teach_answers
 from unison.config import ROOT, TrainConfig, load_params, validate_params
 from unison.data.schemas import LABELED, write_table
 from unison.recipes import check_overlay, default_params, merge, recipe_params
@@ -134,7 +134,7 @@ def answerer(tiny_model_dir, tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "wide-heads")
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "wide-heads")
-    return teach_two_answers(tmp_path / "wide-heads", tmp_path / "answerer")
+    return teach_answers(tmp_path / "wide-heads", tmp_path / "answerer")
 
 
 @pytest.mark.nightly  # two processes' curves stay in make test (sft and prm, above)

@@ -36,18 +36,18 @@ def make_rows(n: int = 2, stages=(1, 2)) -> list[dict]:
 @pytest.fixture(scope="module")
 def answerer(tiny_model_dir, tmp_path_factory):
     """The tiny model after SFT on two answers to the same prompt (so it samples either)."""
-    return teach_two_answers(tiny_model_dir, tmp_path_factory.mktemp("answerer"))
+    return teach_answers(tiny_model_dir, tmp_path_factory.mktemp("answerer"))
 
 
-def teach_two_answers(model_dir, path):
-    """`model_dir` after a few seconds of SFT on "<answer>Paris</answer>" and "<answer>Rome</answer>" to QUESTION, saved
-    to `path`."""
+def teach_answers(model_dir, path, answers=("Paris", "Rome")):
+    """`model_dir` after a few seconds of SFT on "<answer>Paris</answer>" and "<answer>Rome</answer>" (or `answers`) to
+    QUESTION, saved to `path`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     prompt = chat_prompt(tok, question_messages(QUESTION))
-    seqs = [prompt + tok(f"<answer>{a}</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for a in ("Paris", "Rome")]
+    seqs = [prompt + tok(f"<answer>{a}</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for a in answers]
     ids = torch.tensor(seqs)
     labels = ids.clone()
     labels[:, : len(prompt)] = -100
@@ -70,10 +70,11 @@ def rl_config(**kw) -> RLConfig:
     return RLConfig(**{**base, **kw})
 
 
-def run(model_dir, cfg, tmp_path, name, rows=None, on_step=None):
+def run(model_dir, cfg, tmp_path, name, rows=None, on_step=None, teacher=None):
     return train_rl(str(model_dir), rows or make_rows(), cfg, Toolbox(), EpisodeSettings(temperature=cfg.temperature, top_p=1.0,
                     max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn, max_model_len=512), ("search", "python"),
-                    LABEL, LLMConfig(max_model_len=512), str(tmp_path / name / "out"), str(tmp_path / name / "ckpt"), on_step=on_step)
+                    LABEL, LLMConfig(max_model_len=512), str(tmp_path / name / "out"), str(tmp_path / name / "ckpt"), on_step=on_step,
+                    teacher=teacher)
 
 
 def state(path):

@@ -406,6 +406,8 @@ class RLConfig(TrainingSettings):
     verl_gpus_per_node: int = Field(8, ge=1, description='trainer verl: trainer.n_gpus_per_node')
     verl_max_prompt_length: int = Field(1024, ge=1, description='trainer verl: data.max_prompt_length (tokens)')
     verl_max_response_length: int = Field(2048, ge=1, description='trainer verl: data.max_response_length, tool observations included (tokens)')
+    objective: Literal['reward', 'opd'] = Field('reward', description="reward = the estimator's advantages of the rewards below | opd = on-policy distillation: the teacher block's log-prob minus the student's on every sampled token (docs/design.md §7), plus outcome_weight x the estimator's advantage")
+    outcome_weight: float = Field(0.0, ge=0.0, description='opd: weight of the verifiable-reward advantage beside the teacher term; 0 = pure distillation')
     estimator: Literal['grpo', 'dr_grpo', 'rloo', 'flow_grpo'] = Field('grpo', description='grpo | dr_grpo | rloo | flow_grpo (AgentFlow: every assistant turn a sample with the final reward)')
     group_size: int = Field(4, description='rollouts per prompt (seeds: 8)')
     prompts_per_step: int = Field(4, description='curriculum: data/rl stage 1 prompts first, then stage 2, ...')
@@ -448,6 +450,9 @@ class RLConfig(TrainingSettings):
         if self.colocate == "sleep" and self.rollout_backend != "vllm":
             raise ValueError(f"rl.colocate: sleep puts the vLLM engine to sleep, but rl.rollout_backend is {self.rollout_backend!r}; "
                              "set rl.rollout_backend: vllm or rl.colocate: auto")
+        if self.objective == "opd" and (self.estimator == "flow_grpo" or self.trainer == "verl"):
+            raise ValueError("rl.objective opd runs on rl.trainer unison with a sequence estimator (grpo | dr_grpo | rloo) for its "
+                             "outcome term")
         if self.prm_weight > 0 and self.estimator == "flow_grpo":
             raise ValueError("rl.prm_weight > 0 needs a sequence estimator (grpo | dr_grpo | rloo), not flow_grpo")
         if self.trainer == "verl":
@@ -551,6 +556,10 @@ class Params(Section):
             raise ValueError("rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
         if not self.prm.enabled and self.evaluate.rerank_samples > 1:
             raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
+        if self.rl.objective == "opd" and self.teacher.backend == "openai" and self.teacher.api == "chat":
+            raise ValueError("rl.objective opd needs a teacher that scores given tokens, and teacher.api chat cannot (a chat API "
+                             "returns no log-probs of given tokens): set teacher.api: completions with a vLLM or SGLang server, "
+                             "or a local teacher (teacher.backend vllm | transformers)")
         if self.rl.trainer == "verl" and self.export.verl_agent != VERL_AGENT_LOOP:
             raise ValueError(f"export.verl_agent must be {VERL_AGENT_LOOP} with rl.trainer verl: unison's student writes tag tool "
                              f"calls (<search>q</search>), which verl's {self.export.verl_agent!r} loop does not parse")

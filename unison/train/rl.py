@@ -23,6 +23,7 @@ from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .loop import Trainer, autocast
+from .opd import add_teacher_advantages, length_collapse, teacher_logps
 from .policy_loss import policy_loss, token_logprobs
 from .rewards import efficiency_rewards, judge_response, prmvr_token_rewards, returns_to_go, sigma_factor
 from .rollout import View, check_colocated_memory, engine_sleeps, episode_view, make_rollout_backend, rollout, turn_views
@@ -112,7 +113,8 @@ def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: i
     Flow-GRPO: every turn is a sample with its rollout's reward, normalised over all turns of the question's rollouts.
     """
     groups, total = rewards["groups"], rewards["total"]
-    keep = dynamic_sampling_keep(total, groups) if cfg.dynamic_sampling else torch.ones(len(views), dtype=torch.bool)
+    spread_only = cfg.dynamic_sampling and cfg.objective == "reward"  # opd: every group carries the teacher's signal
+    keep = dynamic_sampling_keep(total, groups) if spread_only else torch.ones(len(views), dtype=torch.bool)
     kept = [i for i in range(len(views)) if keep[i]]
     kept_frac = len({groups[i] for i in kept}) / max(1, len(set(groups)))
     if max_groups is not None:
@@ -142,9 +144,10 @@ def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: i
         step_r = padded(steps, max(1, max(map(len, steps))))
         token_r += cfg.prm_weight * prmvr_token_rewards(step_r, ends, mask, [0.0] * len(kept), [groups[i] for i in kept], mode="PRM",
                                                         baseline=cfg.prm_baseline, temperature=cfg.prm_temperature)
+    outcome = cfg.outcome_weight if cfg.objective == "opd" else 1.0  # opd adds the teacher's token term after old_logp
     for row, k in enumerate(last):
         if k >= 0:
-            token_r[row, k] += float(seq_adv[row])
+            token_r[row, k] += outcome * float(seq_adv[row])
     _, adv = returns_to_go(token_r, mask)
     for row, i in enumerate(kept):
         n = len(views[i].ids)
@@ -225,8 +228,10 @@ def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, 
 # ------------------------------------------------------------------------------------------------------------ loop
 
 def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_settings, tools: tuple[str, ...], label: LabelConfig,
-             llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None, gradient_checkpointing: bool = False) -> list[dict]:
+             llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None, gradient_checkpointing: bool = False,
+             teacher=None) -> list[dict]:
     """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically.
+    `teacher` (rl.objective opd, rank 0): a backend whose `score` gives the teacher's log-probs of the student's tokens.
 
     Several processes: rank 0 rolls out and scores each step exactly as one process would (the same seeds, so the same
     episodes) and hands the samples to every process; the PPO updates are split between them (Trainer.step). Rollouts
@@ -266,10 +271,12 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
             backend.sleep()
         if samples:
             attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision)
+            if cfg.objective == "opd":
+                metrics |= add_teacher_advantages(samples, trainer.from_main(teacher_logps(teacher, samples) if trainer.is_main else None))
             if ref is not None:
                 attach_logprobs(ref, samples, "ref_logp", cfg, pad_id, trainer.device, trainer.precision)
             trainer.model.train()
-            metrics = train_on(trainer, samples, cfg, pad_id, random.Random(f"{cfg.seed}/{step}"))
+            metrics |= train_on(trainer, samples, cfg, pad_id, random.Random(f"{cfg.seed}/{step}"))
         if sleeps:
             backend.wake_up(policy if samples else None)
         elif samples and cfg.rollout_backend == "vllm" and trainer.is_main:
@@ -278,6 +285,8 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         rec = step_record(step + 1, rows_seen, episodes, rewards, metrics, kept, len(samples), times, trainer.sched.get_last_lr()[0])
         rec["rollout_rounds"] = rounds
         trainer.log(rec)
+        if cfg.objective == "opd" and trainer.is_main and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r])):
+            print(warning, flush=True)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
             trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": cfg.model_dump()})
     with trainer.whole_model() as trained:
@@ -329,4 +338,5 @@ def step_record(step: int, rows, episodes, rewards: dict, metrics: dict, kept_fr
            "response_tokens": mean(rewards["lengths"]), "kept_groups": kept_frac, "lr": lr}
     for key in ("pg_loss", "loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm"):
         rec[key] = metrics.get(key, 0.0)
+    rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens") if key in metrics}  # rl.objective opd
     return {**rec, **times, "step_s": sum(times.values())}

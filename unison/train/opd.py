@@ -1,0 +1,46 @@
+"""On-policy distillation (rl.objective: opd): the student rolls out as in RL, the teacher scores every token the
+student sampled, and the per-token reverse KL is the advantage (discount 0):
+
+    A_t = log p_teacher(y_t | y_<t) - log p_student(y_t | y_<t)      on the student's sampled tokens (loss_mask 1)
+
+plus `rl.outcome_weight` times the configured estimator's sequence advantage of the verifiable reward (build_samples).
+Prompt and tool-observation tokens have loss_mask 0: no advantage, no gradient. A student that already equals its
+teacher gets A_t = 0 everywhere. The teacher sees the same tokens as the student (same tokenizer: checked by the
+stage); scoring in the teacher's own context (another tokenizer, scaffold, worked examples) is issue 27 points 3-4.
+"""
+from __future__ import annotations
+
+
+def add_teacher_advantages(samples: list[dict], teacher_logps: list[list[float]]) -> dict:
+    """Add A_t = teacher - student log-prob (samples' `old_logp`: the policy that sampled, in the training precision) to
+    each sample's `advantages` where its loss_mask is 1; returns the step's reverse KL to the teacher (the mean over
+    scored tokens of student - teacher log-prob) and the number of tokens scored."""
+    kl_sum, n = 0.0, 0
+    for s, teacher in zip(samples, teacher_logps):
+        if len(teacher) != len(s["loss_mask"]):
+            raise ValueError(f"opd: the teacher scored {len(teacher)} tokens of a sample with {len(s['loss_mask'])} targets")
+        gap = [(t - o) * m for t, o, m in zip(teacher, s["old_logp"], s["loss_mask"])]
+        s["advantages"] = [a + g for a, g in zip(s["advantages"], gap)]
+        kl_sum -= sum(gap)
+        n += sum(s["loss_mask"])
+    return {"kl_teacher": kl_sum / max(1, n), "teacher_tokens": n}
+
+
+def teacher_logps(teacher, samples: list[dict]) -> list[list[float]]:
+    """The teacher's log-prob of each sample's every target token (position t scores token t+1, as loss_mask and
+    old_logp are aligned), the sequence's first token its prompt."""
+    scores = teacher.score([s["ids"][:1] for s in samples], [s["ids"][1:] for s in samples])
+    return [sc.logprobs for sc in scores]
+
+
+def length_collapse(history: list[dict]) -> str | None:
+    """A warning when the student's episodes got shorter while its KL to the teacher rose, over the last two steps (the
+    sign that teacher and student stop differently: the student learns to end early), else None."""
+    if len(history) < 2:
+        return None
+    before, now = history[-2], history[-1]
+    if now["response_tokens"] < before["response_tokens"] and now["kl_teacher"] > before["kl_teacher"]:
+        return (f"opd: WARNING: episodes shortened ({before['response_tokens']:.1f} -> {now['response_tokens']:.1f} tokens) while "
+                f"the KL to the teacher rose ({before['kl_teacher']:.4f} -> {now['kl_teacher']:.4f}): teacher and student may "
+                "stop differently (check their end-of-turn tokens)")
+    return None
