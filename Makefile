@@ -134,13 +134,13 @@ test: setup
 security: setup  # ~68 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
 	$(PY) -m security
 
-test-recipes: setup  # ET-Agent's tiny recipe through dvc repro (~11 min on 2 cores; CI runs it; the other four recipes are nightly)
-	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 -m "not nightly" tests/test_recipes.py -k end_to_end
+test-recipes: setup  # the five seed systems' tiny recipes through dvc repro (~1 h on 2 cores; part of make test-nightly)
+	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 -m nightly tests/test_recipes.py -k end_to_end
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e and not nightly"
 
-test-nightly: setup  # the long runs `make test` and `make test-recipes` check in a shorter form (~35 min on 2 cores; .github/workflows/nightly.yml)
+test-nightly: setup  # the long runs `make test` checks in a shorter form, the five recipes included (~100 min on 2 cores; .github/workflows/nightly.yml)
 	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 -m nightly
 
 ui: setup

@@ -104,6 +104,7 @@ def on_ray(project: dict, address: str, overrides: dict | None = None):
     return here, validate_params(merge(project, {**(overrides or {}), **cluster}))
 
 
+@pytest.mark.nightly  # CI's 45 minutes: Ray's path runs nightly (make test-nightly), as label and pareto on it do
 def test_generate_and_evaluate_on_a_ray_cluster_equal_the_in_process_run(cluster, project, capfd):
     """generate (an actor killed mid-run) and evaluate: shards of one question, so each actor often decodes one request
     alone, the case that once differed."""

@@ -229,6 +229,7 @@ def test_generate_stops_naming_a_fake_openai_server_gone_for_good_and_keeps_its_
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the Budget's stop, counts and prices run in test_openai_backend.py in make test
 @pytest.mark.timeout(600)
 def test_generate_stops_at_its_budget_on_a_fake_hosted_api_keeps_its_shards_and_a_forced_rerun_sends_nothing(template, tmp_path,
                                                                                                              tokenizer):

