@@ -160,3 +160,26 @@ def test_a_chat_teacher_on_vllms_chat_server_named_tool_calls_then_auto_and_a_fo
     assert len(traj) == 16 and all(r["finish_reason"] in ("answer", "length", "max_turns", "max_tool_calls", "eos", "refusal") for r in traj)
     leaked = [str(f) for f in project.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
     assert not leaked  # params, dvc.lock, MLflow's database and artifacts, reports, data and models never hold the key
+
+
+@pytest.mark.nightly  # ~4 min: label, sft, pareto and rl on the real model; the server's scores are checked in make test above
+@pytest.mark.timeout(1800)
+def test_on_policy_distillation_scores_the_students_tokens_on_the_served_teacher_through_dvc_repro(served):
+    """`dvc repro rl` with rl.objective opd and the served teacher on /completions: the rl stage asks the server for the
+    log-probs of every sampled token (prompt_logprobs) and logs the reverse KL; the stage's requests reach the server."""
+    import csv
+
+    project, url = served
+    set_params(project, {"teacher": {"api": "completions", "llm": {"vllm_extensions": True}}, "generate": {"scaffold": {}},
+                         "rl": {"objective": "opd", "outcome_weight": 0.0}})
+    run(project, "dvc", "repro", "prm", "sft", "pareto", "export")  # everything rl reads
+    before = served_requests(url)
+    stages = ran(run(project, "dvc", "repro", "rl"))
+    assert stages == ["rl"], stages
+    with open(project / "reports/rl_curve.csv", newline="") as f:
+        curve = list(csv.DictReader(f))
+    episodes = sum(int(r["samples"]) for r in curve)
+    assert served_requests(url) - before == episodes > 0  # one scoring request per sample, nothing else from these stages
+    assert all(float(r["teacher_tokens"]) > 0 and float(r["kl_teacher"]) == float(r["kl_teacher"]) for r in curve)  # not NaN
+    metrics = json.loads((project / "reports/rl.json").read_text())
+    assert metrics["teacher_tokens_total"] == sum(int(float(r["teacher_tokens"])) for r in curve)
