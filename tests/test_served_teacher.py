@@ -170,7 +170,8 @@ def test_on_policy_distillation_scores_the_students_tokens_on_the_served_teacher
     import csv
 
     project, url = served
-    set_params(project, {"teacher": {"api": "completions", "llm": {"vllm_extensions": True}}, "generate": {"scaffold": {}},
+    scaffold = yaml.safe_load((ROOT / "params.yaml").read_text())["generate"]["scaffold"]  # SFT needs some correct answers
+    set_params(project, {"teacher": {"api": "completions", "llm": {"vllm_extensions": True}}, "generate": {"scaffold": scaffold},
                          "rl": {"objective": "opd", "outcome_weight": 0.0}})
     run(project, "dvc", "repro", "prm", "sft", "pareto", "export")  # everything rl reads
     before = served_requests(url)
