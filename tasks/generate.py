@@ -1,7 +1,9 @@
 """Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each), or, with
-`generate.source` set, import SFT trajectories from that file instead (unison/agents/imports.py)."""
+`generate.source` set, import SFT trajectories from that file instead (unison/agents/imports.py); with generate.topk > 0
+the teacher then scores every trajectory's assistant tokens (unison/teacher_topk.py)."""
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 from pathlib import Path
@@ -13,6 +15,8 @@ from unison.agents.imports import import_trajectories
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
+from unison.llm import teacher_backend
+from unison.teacher_topk import TEACHER_TOPK, TOPK_PATH, capture_topk
 
 OUT = Path("data/trajectories/train.parquet")
 
@@ -34,6 +38,14 @@ def main() -> None:
             except Exception as error:  # a server gone for good: its retries and failures still reach MLflow
                 run.log_metrics(getattr(error, "counters", {}))
                 raise
+        topk = []
+        if g.topk:
+            gc.collect()  # the generating engine's memory, before the scoring one starts
+            topk, figures = capture_topk(teacher_backend(params), rows, g.topk, progress=lambda line: print(line, flush=True))
+            metrics.update(figures)
+        write_table(topk, TOPK_PATH, TEACHER_TOPK)  # empty without generate.topk: the output exists either way
+        if g.topk:
+            metrics["topk_bytes_per_token"] = Path(TOPK_PATH).stat().st_size / max(1, metrics["topk_tokens"])
         write_table(rows, OUT, TRAJECTORY)
         write_json(metrics, "reports/generate.json")
         run.log_metrics(metrics)

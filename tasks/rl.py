@@ -65,17 +65,11 @@ def main() -> None:
 
 
 def opd_teacher(params):
-    """The teacher block's backend, which scores the student's tokens (rl.objective opd); its tokenizer must be the
-    student's (a teacher of another tokenizer needs the character alignment of issue 27 point 3, not built yet)."""
-    from transformers import AutoTokenizer
-
+    """The teacher block's backend, which scores the student's tokens (rl.objective opd): the very tokens when it has the
+    student's vocabulary, else the student's text through the character alignment (unison/token_alignment.py)."""
     from unison.llm import teacher_backend
 
-    teacher = teacher_backend(params)
-    if teacher.tokenizer.get_vocab() != AutoTokenizer.from_pretrained("models/sft").get_vocab():
-        raise ValueError(f"params.yaml rl.objective opd: the teacher ({params.teacher.model}) tokenizes differently from the "
-                         "student, and scoring across tokenizers is not built yet; use a teacher of the student's tokenizer")
-    return teacher
+    return teacher_backend(params)
 
 
 def main_verl(params) -> None:

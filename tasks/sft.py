@@ -1,4 +1,5 @@
-"""Stage `sft`: select correct teacher trajectories, build the token view (tool output masked), train the student."""
+"""Stage `sft`: select correct teacher trajectories, build the token view (tool output masked), train the student; with
+sft.kd_weight > 0 also toward the teacher's top-k log-probs that generate kept (logit distillation)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,12 +10,14 @@ from unison import track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
+from unison.teacher_topk import TEACHER_TOPK, TOPK_PATH, topk_for
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 from unison.train.sft import build_examples, select_trajectories, train_sft
 
 LOSS_CSV = "reports/sft_loss.csv"
 LOSS_FIELDS = ["step", "epoch", "loss", "lr", "grad_norm", "tokens", "row_tokens", "real_tokens", "elapsed_s"]
+KD_FIELDS = ["nll", "kd"]  # the loss's two terms, with sft.kd_weight > 0
 
 
 def main() -> None:
@@ -29,19 +32,22 @@ def main() -> None:
         if not chosen:
             raise DataError("data/labeled/train.parquet", "no correct trajectories to train on", field="correct")
         tok = AutoTokenizer.from_pretrained("models/base")
-        examples, stats = build_examples(tok, chosen, cfg.max_length)
+        topk = topk_for(tok, chosen, read_table(TOPK_PATH, TEACHER_TOPK)) if cfg.kd_weight else None
+        examples, stats = build_examples(tok, chosen, cfg.max_length, topk)
         print(f"sft: {len(chosen)} of {len(rows)} trajectories selected; drift: {stats['drifted_examples']} examples, "
               f"{stats['drift_tokens']} tokens", flush=True)
-        checkpoint = checkpoint_path("sft", settings, [Path("data/labeled/train.parquet"), *sorted(Path("models/base").glob("*.safetensors"))])
+        inputs = [Path("data/labeled/train.parquet"), *([Path(TOPK_PATH)] if cfg.kd_weight else []), *sorted(Path("models/base").glob("*.safetensors"))]
+        checkpoint = checkpoint_path("sft", settings, inputs)
         records = train_sft("models/base", examples, cfg, "models/sft", checkpoint_dir=checkpoint,
-                            on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]),
+                            on_step=lambda r: run.log_metrics({k: r[k] for k in ("loss", "lr", *KD_FIELDS) if k in r}, step=r["step"]),
                             gradient_checkpointing=params.train.gradient_checkpointing)
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return
-        write_records_csv(records, LOSS_CSV, LOSS_FIELDS)
+        write_records_csv(records, LOSS_CSV, LOSS_FIELDS + (KD_FIELDS if cfg.kd_weight else []))
         metrics = {**stats, "selected": len(chosen), "steps": len(records), "final_loss": records[-1]["loss"],
                    "first_loss": records[0]["loss"], "train_s": records[-1]["elapsed_s"],
                    "row_tokens": sum(r["row_tokens"] for r in records),
+                   **({f"{when}_{k}": records[i][k] for when, i in (("first", 0), ("final", -1)) for k in KD_FIELDS} if cfg.kd_weight else {}),
                    "precision": resolve_precision(cfg.precision, "sft.precision")}  # tokens the model ran, pads included (packing cuts them)
         write_json(metrics, "reports/sft.json")
         run.log_metrics(metrics)

@@ -23,7 +23,7 @@ def test_the_advantage_is_teacher_minus_student_on_sampled_tokens_by_hand():
     teacher = [-1.0, -0.5, -3.0, -0.1, -0.1, -0.5]
     stats = add_teacher_advantages([sample], [teacher])
     assert sample["advantages"] == [0.0, 0.5 + 0.5, 0.5 - 1.0, 0.0, 0.0, 0.5 + 0.0]
-    assert stats == {"kl_teacher": pytest.approx((-0.5 + 1.0 + 0.0) / 3), "teacher_tokens": 3}  # mean of student - teacher
+    assert stats == {"kl_teacher": pytest.approx((-0.5 + 1.0 + 0.0) / 3), "teacher_tokens": 3, "teacher_straddling": 0}  # mean of student - teacher
     with pytest.raises(ValueError, match="the teacher scored 2 tokens of a sample with 6 targets"):
         add_teacher_advantages([sample], [[0.0, 0.0]])
 
@@ -46,7 +46,7 @@ def test_a_student_that_is_its_teacher_gets_zero_advantage(tiny_model_dir):
     samples = [{"ids": [5, 17, 99, 4, 250, 31, 7], "loss_mask": [0, 0, 1, 1, 0, 1], "advantages": [0.0] * 6},
                {"ids": [8, 9, 10, 11], "loss_mask": [0, 1, 1], "advantages": [0.0] * 3}]
     attach_logprobs(teacher.model, samples, "old_logp", RLConfig(micro_batch_size=2), 0, torch.device("cpu"), "fp32")
-    stats = add_teacher_advantages(samples, teacher_logps(teacher, samples))
+    stats = add_teacher_advantages(samples, *teacher_logps(teacher, samples, teacher.tokenizer))
     assert all(abs(a) < 1e-5 for s in samples for a in s["advantages"]) and abs(stats["kl_teacher"]) < 1e-5
 
 
@@ -93,7 +93,7 @@ def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["rl"]["objective"] = "opd"
     raw["teacher"].update(backend="openai", api="chat", base_url="http://127.0.0.1:9/v1")
-    with pytest.raises(ParamsError, match="rl.objective opd needs a teacher that scores given tokens, and teacher.api chat cannot"):
+    with pytest.raises(ParamsError, match="rl.objective opd: the teacher .* must score given tokens, and teacher.api chat cannot"):
         validate_params(raw)
     raw["teacher"]["api"] = "completions"  # a vLLM / SGLang server scores (prompt_logprobs)
     assert validate_params(raw).rl.objective == "opd"

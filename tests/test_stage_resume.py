@@ -8,8 +8,8 @@ the transformers backend, 6 one-hop train and 2 test questions, the real faiss i
 once, in DAG order, as `python -m tasks.<stage>`: the reference (each stage's outputs read right after it ran). Beside
 that chain, a copy of the project as it was before each stage gets that stage started, SIGKILLed at a seeded random
 moment of the span the reference worked in (from its first printed line to its last), and run again. `make test` kills
-the stages with resume state and label (IN_MAKE_TEST), the reference chain stopping after rl; `make test-nightly` kills
-the rest.
+generate, label and sft (IN_MAKE_TEST), the reference chain running only them and the stages they need; `make test-nightly`
+kills the rest.
 
 `teacher` is not run: like download's models/base it copies a local model (atomic_dir). The random teacher answers
 nothing right, and sft, prm and dpo refuse to train without correct answers, so the fixture marks sample 0 of every
@@ -44,7 +44,7 @@ from .projects import copy_project, merge
 STAGES = ["download", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl", "evaluate", "flywheel", "report"]
 # What differs between two runs on the same inputs: wall-clock measurements, in the reports only (never in data files)
 TIMING_FIELDS = {"wall_s", "embed_seconds", "build_seconds", "train_s", "rollout_s", "wall_s_per_question", "elapsed_s",
-                 "reward_s", "step_s", "rollout_s_total", "reward_s_total", "train_s_total"}
+                 "reward_s", "step_s", "rollout_s_total", "reward_s_total", "train_s_total", "topk_s"}
 RESUME_STATE = ["data/.cache/generate", "data/.cache/sft-checkpoint", "data/.cache/prm-checkpoint", "data/.cache/dpo-checkpoint",
                 "data/.cache/rl-checkpoint", "data/.cache/flywheel"]
 KILL_SEED = 16
@@ -58,9 +58,10 @@ def tiny_params(model: Path) -> dict:
                                  "mix": {"hop1": 1.0, "hop2": 0.0, "math": 0.0}}},
         "index": {"recall_sample": 20},
         "llm": {"backend": "transformers", "dtype": "float32"},
-        "generate": {"method": "single", "samples": 2, "max_turns": 2, "max_tokens_per_turn": 12, "shard_size": 2, "episodes_in_flight": 2},
+        "generate": {"method": "single", "samples": 2, "max_turns": 2, "max_tokens_per_turn": 12, "shard_size": 2, "episodes_in_flight": 2,
+                     "topk": 4},  # the teacher's top-4 kept: sft distils them (logit distillation)
         "prm": {"epochs": 1, "batch_size": 4, "max_length": 256},
-        "sft": {"epochs": 2, "batch_size": 2, "max_length": 256, "checkpoint_every": 1},
+        "sft": {"epochs": 2, "batch_size": 2, "max_length": 256, "checkpoint_every": 1, "kd_weight": 0.5},
         "pareto": {"k": 2, "min_groups": 2},
         "dpo": {"enabled": True, "epochs": 1, "batch_size": 2, "max_length": 256},
         "rl": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_turns": 2, "max_tokens_per_turn": 12, "rollout_backend": "transformers",
@@ -286,9 +287,23 @@ class Runs:
 
 
 TEST = "test_a_stage_killed_at_a_random_moment_then_run_again_writes_what_an_unkilled_run_writes"
-# killed in `make test`: generate, sft and rl, which resume (shards, checkpoints), and label, which writes several outputs;
-# `make test-nightly` kills the rest (flywheel's rounds also resume in test_flywheel.py, in make test)
-IN_MAKE_TEST = {"generate", "label", "sft", "rl"}
+# killed in `make test`: generate and sft, which resume (shards, a checkpoint), and label, which writes several outputs;
+# `make test-nightly` kills the rest (rl's, prm's, dpo's and the flywheel's resume run in process in make test: test_rl,
+# test_opd, test_training_settings, test_flywheel)
+IN_MAKE_TEST = {"generate", "label", "sft"}
+
+
+def needed(selected: set[str]) -> list[str]:
+    """The selected stages and every stage whose outputs they read (dvc.yaml's deps), in DAG order."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    writer_of = {out: name for name in STAGES for out in stage_outputs(name)}
+    keep, todo = set(), list(selected)
+    while todo:
+        stage = todo.pop()
+        if stage not in keep:
+            keep.add(stage)
+            todo += [writer_of[d] for d in stages[stage].get("deps", []) if d in writer_of]
+    return [s for s in STAGES if s in keep]
 
 
 @pytest.fixture(scope="module")
@@ -316,9 +331,8 @@ def runs(tmp_path_factory, tiny_model_dir, request) -> Runs:
 
     selected = {item.callspec.params["stage"] for item in request.session.items if getattr(item, "originalname", "") == TEST}
     out, futures, t0 = Runs(), {}, time.perf_counter()
-    last = max(STAGES.index(s) for s in selected)  # the chain stops there: no later stage's reference is needed
     with ThreadPoolExecutor(2) as pool:
-        for stage in STAGES[: last + 1]:
+        for stage in needed(selected):  # no other stage's reference is needed
             out.timing[stage], _ = run_stage(project, stage, env)
             out.outputs[stage] = snapshot(project, stage)
             if stage in selected:  # only the stages this session's tests check are killed
@@ -351,6 +365,12 @@ def test_a_stage_killed_at_a_random_moment_then_run_again_writes_what_an_unkille
     if runs.timing[stage].resume_from is not None:  # killed while its resume state was on disk: the re-run resumed from it
         assert kill.resume_state and ("already done, reusing" in kill.stdout or "resumed from" in kill.stdout), kill.stdout
     assert kill.outputs == want
+    if stage == "generate":  # the teacher's top-4 of every assistant token: 6 x 4 bytes a token, plus parquet's own
+        report = want["reports/generate.json"]
+        assert report["topk_tokens"] > 0 and 0 < report["topk_bytes_per_token"] < 2 * 24, report
+    if stage == "sft":  # logit distillation from the teacher's top-4; the student starts as its teacher (the same tiny
+        report = want["reports/sft.json"]  # model): ~0 divergence (float16 on disk), growing as cross-entropy moves it
+        assert 0 < report["first_kd"] < 1e-4 and report["final_kd"] > 10 * report["first_kd"] and report["final_loss"] > report["final_nll"], report
     assert kill.stale_after == []  # the killed writer's temps (and the killed stage's own) are gone
     assert kill.resume_state_after == []  # the finished run leaves no resume state
     resumed = [line for line in kill.stdout.splitlines() if "already done, reusing" in line or "resumed from" in line]

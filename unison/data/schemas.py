@@ -117,6 +117,7 @@ def _check_value(path, row: int, field: pa.Field, value: Any) -> None:
         or (pa.types.is_integer(t) and isinstance(value, int) and not isinstance(value, bool))
         or (pa.types.is_floating(t) and isinstance(value, (int, float)) and not isinstance(value, bool))
         or (pa.types.is_boolean(t) and isinstance(value, bool))
+        or (pa.types.is_binary(t) and isinstance(value, bytes))
         or (pa.types.is_list(t) and isinstance(value, (list, tuple)))
         or (pa.types.is_struct(t) and isinstance(value, dict))
     )

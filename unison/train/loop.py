@@ -147,6 +147,10 @@ class Trainer:
         self.steps_done, self.records, self.t0 = 0, [], time.perf_counter()
         self.resumed_at, self.resumed_s = 0, 0.0  # the step and elapsed time a resumed run started from
 
+    def checkpoint_due(self, done: int) -> bool:
+        """Whether a checkpoint is written after `done` steps: every `checkpoint_every`, never after the last one."""
+        return bool(self.checkpoint_every) and done % self.checkpoint_every == 0 and done < self.total
+
     def step(self, micro_batches: list, loss_fn: LossFn, weights: list[float] | None = None) -> dict:
         """One optimiser step over `micro_batches`, the whole step's (every process passes the same list): this process
         runs micro-batches rank, rank + P, ... (P processes). Each loss counts with its weight (given, else 1/len: the
@@ -281,7 +285,7 @@ def fit(trainer: Trainer, steps: list[list], loss_fn: LossFn, steps_per_epoch: i
         seen += extra.get("real_tokens", 0)
         epoch = i // steps_per_epoch + (i % steps_per_epoch + 1) / steps_per_epoch
         trainer.log({"epoch": epoch, **metrics, **extra, **({"tokens_seen": seen} if seen else {})})
-        if checkpoint_dir and trainer.checkpoint_every and (i + 1) % trainer.checkpoint_every == 0 and i + 1 < len(steps):
+        if checkpoint_dir and trainer.checkpoint_due(i + 1):
             trainer.save_checkpoint(checkpoint_dir)
     trainer.acc.wait_for_everyone()
     if checkpoint_dir and trainer.is_main:

@@ -5,16 +5,20 @@ student sampled, and the per-token reverse KL is the advantage (discount 0):
 
 plus `rl.outcome_weight` times the configured estimator's sequence advantage of the verifiable reward (build_samples).
 Prompt and tool-observation tokens have loss_mask 0: no advantage, no gradient. A student that already equals its
-teacher gets A_t = 0 everywhere. The teacher sees the same tokens as the student (same tokenizer: checked by the
-stage); scoring in the teacher's own context (another tokenizer, scaffold, worked examples) is issue 27 points 3-4.
+teacher gets A_t = 0 everywhere. A teacher of the student's vocabulary scores the student's own tokens; a teacher of
+another tokenizer scores the student's text after its own rendering of the prompt (token_alignment.py: character
+alignment, tokens straddling a boundary counted).
 """
 from __future__ import annotations
 
+from ..token_alignment import score_across
 
-def add_teacher_advantages(samples: list[dict], teacher_logps: list[list[float]]) -> dict:
+
+def add_teacher_advantages(samples: list[dict], teacher_logps: list[list[float]], straddling: int = 0) -> dict:
     """Add A_t = teacher - student log-prob (samples' `old_logp`: the policy that sampled, in the training precision) to
     each sample's `advantages` where its loss_mask is 1; returns the step's reverse KL to the teacher (the mean over
-    scored tokens of student - teacher log-prob) and the number of tokens scored."""
+    scored tokens of student - teacher log-prob), the number of tokens scored and of teacher tokens straddling a student
+    token boundary (a teacher of another tokenizer)."""
     kl_sum, n = 0.0, 0
     for s, teacher in zip(samples, teacher_logps):
         if len(teacher) != len(s["loss_mask"]):
@@ -23,14 +27,19 @@ def add_teacher_advantages(samples: list[dict], teacher_logps: list[list[float]]
         s["advantages"] = [a + g for a, g in zip(s["advantages"], gap)]
         kl_sum -= sum(gap)
         n += sum(s["loss_mask"])
-    return {"kl_teacher": kl_sum / max(1, n), "teacher_tokens": n}
+    return {"kl_teacher": kl_sum / max(1, n), "teacher_tokens": n, "teacher_straddling": straddling}
 
 
-def teacher_logps(teacher, samples: list[dict]) -> list[list[float]]:
+def teacher_logps(teacher, samples: list[dict], student_tok) -> tuple[list[list[float]], int]:
     """The teacher's log-prob of each sample's every target token (position t scores token t+1, as loss_mask and
-    old_logp are aligned), the sequence's first token its prompt."""
-    scores = teacher.score([s["ids"][:1] for s in samples], [s["ids"][1:] for s in samples])
-    return [sc.logprobs for sc in scores]
+    old_logp are aligned), and how many teacher tokens straddled a student token boundary (0 for a teacher of the
+    student's vocabulary: it scores the very tokens, the sequence's first token its prompt)."""
+    if teacher.tokenizer.get_vocab() == student_tok.get_vocab():
+        scores = teacher.score([s["ids"][:1] for s in samples], [s["ids"][1:] for s in samples])
+        return [sc.logprobs for sc in scores], 0
+    firsts = [s["loss_mask"].index(1) if 1 in s["loss_mask"] else len(s["loss_mask"]) for s in samples]  # target t is ids[t + 1]
+    aligned = score_across(teacher, student_tok, [(s["messages"], s["ids"][first + 1 :]) for s, first in zip(samples, firsts)])
+    return [[0.0] * first + a.logprobs for first, a in zip(firsts, aligned)], sum(a.straddling for a in aligned)
 
 
 def length_collapse(history: list[dict]) -> str | None:

@@ -128,7 +128,7 @@ def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: i
         adv, owner = flow_grpo([groups[i] for i in kept], [total[i] for i in kept], [len(t) for t in per_turn])
         flat = [t for ts in per_turn for t in ts]
         for v, a in zip(flat, adv.tolist()):
-            samples.append(_sample(v.ids, v.loss_mask, [a * m for m in v.loss_mask]))
+            samples.append(_sample(v.ids, v.loss_mask, [a * m for m in v.loss_mask], v.messages))
         return samples, kept_frac
     seq_adv = ESTIMATORS[cfg.estimator]([total[i] for i in kept], [groups[i] for i in kept])
     width = max(len(views[i].ids) for i in kept)
@@ -151,12 +151,13 @@ def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: i
     _, adv = returns_to_go(token_r, mask)
     for row, i in enumerate(kept):
         n = len(views[i].ids)
-        samples.append(_sample(views[i].ids, views[i].loss_mask, adv[row, :n].tolist()))
+        samples.append(_sample(views[i].ids, views[i].loss_mask, adv[row, :n].tolist(), views[i].messages))
     return samples, kept_frac
 
 
-def _sample(ids: list[int], loss_mask: list[int], adv: list[float]) -> dict:
-    return {"ids": ids, "loss_mask": loss_mask[1:], "advantages": adv[1:]}
+def _sample(ids: list[int], loss_mask: list[int], adv: list[float], messages: list[dict]) -> dict:
+    """`messages`: the prompt's, for a teacher of another tokenizer to render in its own template (rl.objective opd)."""
+    return {"ids": ids, "loss_mask": loss_mask[1:], "advantages": adv[1:], "messages": messages}
 
 
 # ------------------------------------------------------------------------------------------------------------ loss
@@ -272,7 +273,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         if samples:
             attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision)
             if cfg.objective == "opd":
-                metrics |= add_teacher_advantages(samples, trainer.from_main(teacher_logps(teacher, samples) if trainer.is_main else None))
+                metrics |= add_teacher_advantages(samples, *trainer.from_main(teacher_logps(teacher, samples, tok) if trainer.is_main else None))
             if ref is not None:
                 attach_logprobs(ref, samples, "ref_logp", cfg, pad_id, trainer.device, trainer.precision)
             trainer.model.train()
@@ -287,7 +288,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         trainer.log(rec)
         if cfg.objective == "opd" and trainer.is_main and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r])):
             print(warning, flush=True)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+        if trainer.checkpoint_due(step + 1):
             trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": cfg.model_dump()})
     with trainer.whole_model() as trained:
         if trainer.is_main:
@@ -308,7 +309,7 @@ def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, episod
         batch_rows = step_prompts(rows, pos + rounds * n, n, cfg.seed)
         eps = rollout(batch_rows, cfg.group_size, backend, toolbox, episode_settings, tools, cfg.seed, pos // n + rounds)
         t1 = time.perf_counter()
-        views = [episode_view(e) for e in eps]
+        views = [episode_view(e, batch_rows[i // cfg.group_size]["prompt"]) for i, e in enumerate(eps)]
         rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label, tools, step + 1, prm)
         new, kept_frac = build_samples(views, rewards, cfg, max_groups=max(0, n - kept_groups))
         times["rollout_s"] += t1 - t0
@@ -338,5 +339,5 @@ def step_record(step: int, rows, episodes, rewards: dict, metrics: dict, kept_fr
            "response_tokens": mean(rewards["lengths"]), "kept_groups": kept_frac, "lr": lr}
     for key in ("pg_loss", "loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm"):
         rec[key] = metrics.get(key, 0.0)
-    rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens") if key in metrics}  # rl.objective opd
+    rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens", "teacher_straddling") if key in metrics}  # rl.objective opd
     return {**rec, **times, "step_s": sum(times.values())}

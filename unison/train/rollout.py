@@ -8,7 +8,7 @@ runtime prefills and tool observations.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..agents.episodes import stable_seed
 from ..agents.runtime import Episode, EpisodeSettings, run_episodes
@@ -66,9 +66,10 @@ class View:
     ids: list[int]
     loss_mask: list[int]
     turn_spans: list[tuple[int, int]]  # [start, end) of each generated turn's sampled tokens
+    messages: list[dict] = field(default_factory=list)  # the prompt's messages (rendered into ids' prompt)
 
 
-def episode_view(e: Episode) -> View:
+def episode_view(e: Episode, messages: list[dict] = ()) -> View:
     """Token view of an episode: prompt + segment ids as generated; mask 1 on sampled tokens (prefills and observations 0)."""
     ids, mask, spans = list(e.prompt_ids), [0] * len(e.prompt_ids), []
     for s in e.segments:
@@ -77,12 +78,12 @@ def episode_view(e: Episode) -> View:
         mask += [0] * (start - len(mask)) + [int(s.kind == "gen")] * (len(ids) - start)
         if s.kind == "gen" and len(ids) > start:
             spans.append((start, len(ids)))
-    return View(ids, mask, spans)
+    return View(ids, mask, spans, [{"role": m["role"], "content": m["content"]} for m in messages])
 
 
 def turn_views(v: View) -> list[View]:
     """Flow-GRPO: one view per generated turn, its context everything before it, only its own tokens in the loss."""
     out = []
     for start, end in v.turn_spans:
-        out.append(View(v.ids[:end], [0] * start + [1] * (end - start), [(start, end)]))
+        out.append(View(v.ids[:end], [0] * start + [1] * (end - start), [(start, end)], v.messages))
     return out

@@ -29,11 +29,15 @@ def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -
     return kept
 
 
-def build_examples(tok, rows: list[dict], max_length: int) -> tuple[list[tuple[list[int], list[int]]], dict]:
-    """Token views of the selected rows (too long ones truncated) and drift statistics."""
+def build_examples(tok, rows: list[dict], max_length: int, topk: list | None = None) -> tuple[list[tuple], dict]:
+    """Token views (ids, mask) of the selected rows (too long ones truncated) and drift statistics; with `topk` (the
+    teacher's top-k ids and log-probs of each row's assistant tokens, `teacher_topk.topk_for`) each example carries
+    them as a third item, one row per mask-1 token."""
     examples, drifted, drift_tokens, truncated, n_tokens = [], 0, 0, 0, 0
-    for r in rows:
+    for k, r in enumerate(rows):
         ids, mask = row_view(tok, r)
+        if topk is not None and len(topk[k][0]) != sum(mask):
+            raise ValueError(f"trajectory {r['id']}: {len(topk[k][0])} tokens have the teacher's top-k, {sum(mask)} are assistant tokens")
         d = retokenization_drift(tok, ids)
         drifted += d > 0
         drift_tokens += d
@@ -41,23 +45,45 @@ def build_examples(tok, rows: list[dict], max_length: int) -> tuple[list[tuple[l
         if len(ids) > max_length:
             truncated += 1
             ids, mask = ids[:max_length], mask[:max_length]
-        examples.append((ids, mask))
+        if topk is None:
+            examples.append((ids, mask))
+        else:
+            top_ids, top_logps = topk[k]
+            examples.append((ids, mask, (top_ids[: sum(mask)], top_logps[: sum(mask)])))
     stats = {"examples": len(examples), "drifted_examples": drifted, "drift_tokens": drift_tokens,
              "drift_token_rate": drift_tokens / max(1, n_tokens), "truncated_examples": truncated,
-             "train_tokens": sum(sum(m) for _, m in examples)}
+             "train_tokens": sum(sum(ex[1]) for ex in examples)}
     return examples, stats
 
 
-def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    width = max(len(ids) for ids, _ in batch)
+def collate(batch: list[tuple], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ex[0]) for ex in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     attn = torch.zeros((len(batch), width), dtype=torch.long)
-    for r, (i, m) in enumerate(batch):
+    for r, (i, m, *_) in enumerate(batch):
         ids[r, : len(i)] = torch.tensor(i)
         mask[r, : len(m)] = torch.tensor(m)
         attn[r, : len(i)] = 1
-    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn, **teacher_targets(batch, [[0]] * len(batch), width)}
+
+
+def teacher_targets(batch: list[tuple], starts: list[list[int]], width: int) -> dict[str, torch.Tensor]:
+    """Examples' teacher top-k (their third item) placed at their assistant tokens: kd_ids and kd_logps [rows, width, k]
+    (zeros elsewhere; the loss mask says where they count); {} when the examples carry none. `starts[r]`: where each
+    example of row r begins (packed rows hold several)."""
+    if len(batch[0]) < 3:
+        return {}
+    k = batch[0][2][0].shape[1]
+    kd_ids = torch.zeros((len(starts), width, k), dtype=torch.long)
+    kd_logps = torch.zeros((len(starts), width, k), dtype=torch.float32)
+    examples = iter(batch)
+    for r, row_starts in enumerate(starts):
+        for at in row_starts:
+            _, m, (top_ids, top_logps) = next(examples)
+            where = at + torch.tensor(m).nonzero().squeeze(-1)
+            kd_ids[r, where], kd_logps[r, where] = torch.from_numpy(top_ids), torch.from_numpy(top_logps)
+    return {"kd_ids": kd_ids, "kd_logps": kd_logps}
 
 
 def pack(batch: list[tuple[list[int], list[int]]], max_length: int) -> list[list[tuple[list[int], list[int]]]]:
@@ -72,7 +98,7 @@ def pack(batch: list[tuple[list[int], list[int]]], max_length: int) -> list[list
     return rows
 
 
-def collate_packed(batch: list[tuple[list[int], list[int]]], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+def collate_packed(batch: list[tuple], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
     """Packed rows with position_ids restarting at 0 per example (trailing pads too) and no attention_mask.
 
     Without a 2D mask, transformers reads the restarts as sequence boundaries and builds a block-diagonal causal mask
@@ -81,19 +107,22 @@ def collate_packed(batch: list[tuple[list[int], list[int]]], pad_id: int, max_le
     never a target unpacked and must not become one for the previous example's last token.
     """
     rows = pack(batch, max_length)
-    width = max(sum(len(ids) for ids, _ in row) for row in rows)
+    width = max(sum(len(ex[0]) for ex in row) for row in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
+    starts = []
     for r, row in enumerate(rows):
-        at = 0
-        for i, m in row:
+        at, starts_r = 0, []
+        for i, m, *_ in row:
             ids[r, at : at + len(i)] = torch.tensor(i)
             mask[r, at + 1 : at + len(m)] = torch.tensor(m[1:])
             pos[r, at : at + len(i)] = torch.arange(len(i))
+            starts_r.append(at)
             at += len(i)
         pos[r, at:] = torch.arange(width - at)
-    return {"input_ids": ids, "loss_mask": mask, "position_ids": pos}
+        starts.append(starts_r)
+    return {"input_ids": ids, "loss_mask": mask, "position_ids": pos, **teacher_targets(batch, starts, width)}
 
 
 def target_logits(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,9 +132,12 @@ def target_logits(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
     135M model's compute plus a [batch, length, vocab] fp32 tensor and its log-softmax.
     """
     keep = batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1)
-    inputs = {n: t for n, t in batch.items() if n != "loss_mask"}
+    inputs = {n: t for n, t in batch.items() if n in MODEL_INPUTS}
     logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
     return logits, batch["input_ids"][:, keep + 1], batch["loss_mask"][:, keep + 1]
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def target_nll(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -114,6 +146,22 @@ def target_nll(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) 
     logp = torch.log_softmax(logits.float(), -1)
     nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return (nll * mask).sum() / mask.sum().clamp(min=1)
+
+
+def distill_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logps: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """Mean over mask-1 positions of the divergence between the teacher's top-k distribution and the student's on the
+    same k tokens, both renormalised over them: forward KL(teacher || student), or the Jensen-Shannon divergence."""
+    mask = mask.float()
+    student = torch.log_softmax(torch.log_softmax(logits.float(), -1).gather(-1, top_ids), -1)
+    teacher = torch.log_softmax(top_logps.float(), -1)
+    p = teacher.exp()
+    if kind == "forward_kl":
+        per_token = (p * (teacher - student)).sum(-1)
+    else:
+        q = student.exp()
+        m = torch.log((p + q) / 2)
+        per_token = 0.5 * (p * (teacher - m)).sum(-1) + 0.5 * (q * (student - m)).sum(-1)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
 def sft_steps(examples: list, cfg: SFTConfig, pad_id: int) -> list[list[tuple[dict, int]]]:
@@ -125,7 +173,7 @@ def sft_steps(examples: list, cfg: SFTConfig, pad_id: int) -> list[list[tuple[di
         for indices in batches:
             chosen = [examples[k] for k in indices]
             batch = collate_packed(chosen, pad_id, cfg.max_length) if cfg.packing else collate(chosen, pad_id)
-            micros.append((batch, sum(len(ids) for ids, _ in chosen)))
+            micros.append((batch, sum(len(ex[0]) for ex in chosen)))
         steps += [micros[i : i + cfg.grad_accum] for i in range(0, len(micros), cfg.grad_accum)]
     return steps
 
@@ -145,7 +193,13 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
 
     def loss_fn(micro):
         batch = {n: t.to(trainer.device) for n, t in micro[0].items()}
-        return target_nll(*target_logits(trainer.model, batch)), {}
+        logits, targets, mask = target_logits(trainer.model, batch)
+        nll = target_nll(logits, targets, mask)
+        if "kd_ids" not in batch or not cfg.kd_weight:
+            return nll, {}
+        keep = batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1) + 1  # the target positions target_logits kept
+        kd = distill_loss(logits, batch["kd_ids"][:, keep], batch["kd_logps"][:, keep], mask, cfg.kd_loss)
+        return nll + cfg.kd_weight * kd, {"nll": nll.item(), "kd": kd.item()}
 
     def record(micros, _):
         return {"tokens": sum(int(b["loss_mask"].sum()) for b, _ in micros), "row_tokens": sum(b["input_ids"].numel() for b, _ in micros),
