@@ -32,6 +32,18 @@ def test_params_yaml_is_exactly_the_models_defaults():
     assert load_params(ROOT / "params.yaml") == Params()
 
 
+def test_each_settings_comment_in_params_yaml_is_its_one_description():
+    """params.yaml's comments are the Field descriptions (`python -m unison.params_doc` writes them): a comment edited
+    in the file alone, or a description changed in the model alone, fails here."""
+    from unison.params_doc import sync
+
+    text = (ROOT / "params.yaml").read_text()
+    assert sync(text) == text, "params.yaml's comments differ from unison/config.py's descriptions: run python -m unison.params_doc"
+    stale = text.replace("# questions per resumable shard", "# shards of questions", 1)
+    assert stale != text and sync(stale) == text  # the model's description wins
+    assert "ParetoConfig" not in text and "Pareto front" in Params.model_fields["pareto"].annotation.model_fields["counts"].description
+
+
 @pytest.mark.parametrize("recipe", names())
 def test_every_recipe_and_its_tiny_overlay_validate(recipe):
     for tiny in (False, True):

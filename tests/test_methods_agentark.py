@@ -42,7 +42,7 @@ class Scripted:
 
 
 def run_method(smol, method: str, params: dict, roles: dict | None = None, samples: int = 1, temperature: float = 0.7) -> list[dict]:
-    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=temperature, max_tokens_per_turn=16), "smol",
+    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=temperature, top_p=0.95, max_tokens_per_turn=16), "smol",
                         scaffold={"qa": ["search", "answer"]}, params=type(getattr(GenerateConfig(), method))(**params),
                         role_backends=roles or {})
     rows = get_method(method)([Q], samples, ctx)

@@ -42,7 +42,7 @@ def ctx_factory(base_model_dir, tmp_path_factory):
     build_index(corpus, root / "index", encoder="builtin:all-minilm-l6-v2")
     backend = VLLMBackend(str(base_model_dir), max_model_len=2048, block_size=32)
     toolbox = Toolbox(Retriever(root / "index", topk=1), python_params={"timeout_s": 5}, search_max_chars=200)
-    cfg = EpisodeSettings(temperature=0.7, max_turns=4, max_tokens_per_turn=32, max_tool_calls=3)
+    cfg = EpisodeSettings(temperature=0.7, top_p=0.95, max_turns=4, max_tokens_per_turn=32, max_tool_calls=3)
     scaffold = {"qa": ["search", "answer"], "math": ["python", "answer"]}
     generate = load_params(ROOT / "params.yaml").generate
 

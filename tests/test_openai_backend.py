@@ -240,7 +240,7 @@ def test_real_vllm_server_runs_single_method_episodes(vllm_server, base_model_di
     choice, _ = b._post(list(prompt), Sampling(max_tokens=16, stop=["\n"]))
     assert choice["token_ids"] and tok.decode(choice["token_ids"], skip_special_tokens=True).startswith(choice["text"])
 
-    ctx = MethodContext(b, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.7, max_tokens_per_turn=24), "smol",
+    ctx = MethodContext(b, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.7, top_p=0.95, max_tokens_per_turn=24), "smol",
                         scaffold={"qa": ["search", "answer"]})
     questions = [{"id": f"q{i}", "question": q, "answers": ["Tarsk"], "task": "qa"}
                  for i, q in enumerate(["In which city was Zorvan Kelt born?", "Where is Tarsk?"])]

@@ -73,7 +73,7 @@ def test_tool_failures_become_observations():
 
 @pytest.mark.nightly  # debate runs on the real model in make test's tiny pipeline (configs/tiny.yaml)
 def test_debate_transcript_and_student_rendering(smol):
-    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.7, max_tokens_per_turn=16), "smol",
+    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.7, top_p=0.95, max_tokens_per_turn=16), "smol",
                         scaffold={"qa": ["search", "answer"]}, params=DebateConfig(agents=3, rounds=2, aggregator="vote"))
     q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}
     (row,) = get_method("debate")([q], 1, ctx)

@@ -120,7 +120,7 @@ def test_montecarlo_completions_are_judged(tiny):
         judge_calls.extend(items)
         return [(bool(pred), float(bool(pred)), "has-answer") for _, _, pred, _ in items]
 
-    cfg = EpisodeSettings(temperature=1.0, max_turns=1, max_tokens_per_turn=6)
+    cfg = EpisodeSettings(temperature=1.0, top_p=0.95, max_turns=1, max_tokens_per_turn=6)
     ((_, labels),) = montecarlo_labels([r], Workbench(Params(), tiny, Toolbox(CorpusRetriever())), cfg, judge, rollouts=4, seed=0,
                                        scaffold={"qa": ["search", "answer"]}, tools=("search", "python"))
     assert len(judge_calls) == 4  # one prefix (step 0) x 4 rollouts; the last step needs none

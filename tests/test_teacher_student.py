@@ -106,7 +106,7 @@ def teacher_rows(base_model_dir, tmp_path_factory):
                                  num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
                                  pad_token_id=tok.pad_token_id)).save_pretrained(path)
     backend = HFBackend(str(path), dtype="float32")
-    ctx = MethodContext(backend, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.7, max_tokens_per_turn=12), "teacher",
+    ctx = MethodContext(backend, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.7, top_p=0.95, max_tokens_per_turn=12), "teacher",
                         scaffold={"qa": ["search", "answer"]})
     questions = [{"id": f"q{i}", "question": q, "answers": ["Tarsk"], "task": "qa"}
                  for i, q in enumerate(["In which city was Zorvan Kelt born?", "Where is Tarsk?"])]

@@ -48,16 +48,16 @@ class LLMConfig(Section):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM on a GPU: the share of the GPU's memory the engine takes (weights + KV cache); beside a training policy (rl) see rl.colocate")
     max_num_seqs: int = Field(0, ge=0, description="vLLM: sequences decoded together at most; 0 = the engine's default (256 on GPUs)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one engine spans (a model too big for one GPU); with cluster.address, per replica")
-    kv_cache_gb: float = Field(2, description="vLLM on CPU: RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE wins if set); 2 = 93k tokens of SmolLM2 in bf16")
-    block_size: int = Field(32, description="KV-cache block; the prefix cache reuses whole blocks only; 0 = engine default")
+    kv_cache_gb: float = Field(2, description='vLLM on CPU: RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE wins if set); 2 = 93k tokens of SmolLM2 in bf16, enough for 256 episodes in flight without preemption (bench_rollout)')
+    block_size: int = Field(32, description='KV-cache block; the prefix cache reuses whole blocks only (CPU default 128 missed the shared system prompt: 32 measured 29% faster on scaffolded rollouts); 0 = engine default')
     max_concurrency: int = Field(8, description="openai backend: requests in flight at once")
-    timeout_s: float = Field(120, description="openai backend: the most one request may take as a whole (connecting, headers, body, every retry); with several base URLs each attempt gets an equal share of the time left")
-    max_retries: int = Field(3, description="openai backend: on connection errors, timeouts, 429 and 5xx, with exponential backoff")
+    timeout_s: float = Field(120, description='openai backend: the most one request may take (connect, headers, body, retries); with several base URLs each attempt gets an equal share of the time left (for a retry on another)')
+    max_retries: int = Field(3, description='on connection errors, timeouts, 429 and 5xx, with exponential backoff (with several base URLs, on another server; one that failed is avoided for 30 s)')
     token_prompts: bool = Field(True, description="openai backend: prompt as token ids; false = decoded text (auto-fallback if the server rejects ids)")
     vllm_extensions: bool = Field(True, description="openai backend: ask for token ids/stop reason (vLLM); false = plain OpenAI, completions re-tokenised here")
     chat_tools: Literal["native", "text"] = Field("native", description="openai backend, api chat: native = the server's tool calling (tools, tool_calls, tool messages); text = the tag protocol in plain messages (auto-fallback if the server rejects tools)")
     response_cache: bool = Field(True, description="openai backend: keep each answer under data/.cache/llm by a hash of the request (model, prompt, sampling, request format); a re-run with the same params sends no request")
-    max_requests_per_minute: int = Field(0, ge=0, description="openai backend: client-side rate limit; 0 = none")
+    max_requests_per_minute: int = Field(0, ge=0, description='client-side rate limits (0 = none); 429 + Retry-After are honoured within timeout_s')
     max_tokens_per_minute: int = Field(0, ge=0, description="openai backend: client-side limit on prompt + max_tokens per minute (counted as the server reports once answered); 0 = none")
     budget_tokens: int = Field(0, ge=0, description="openai backend: the most prompt + completion tokens (as the server reports them) one stage may spend; reached = the stage stops, keeping its finished shards; 0 = none")
     price_input_per_million: float = Field(0, ge=0, description="openai backend: the price of a million prompt tokens, for budget_usd and the reported cost")
@@ -159,7 +159,7 @@ class TeacherConfig(Section):
     base_url: str | list[str] = Field('', description="openai: e.g. http://127.0.0.1:8000/v1 (`vllm serve`), or a hosted API's /v1 URL; a list of servers of the same model: each request goes to the one with the fewest outstanding")
     served_name: str = Field('', description='openai: the name the server knows the model by; "" = teacher.model without its prefix')
     api: Literal['chat', 'completions'] = Field('chat', description='openai: chat = POST /chat/completions, messages and native tool calls (every server and hosted API has it; teacher.model is not needed); completions = /completions with token prompts rendered in teacher.tokenizer (token-exact; vLLM, SGLang, llama.cpp)')
-    tokenizer: str = Field('', description='openai: spec of the tokenizer that renders prompts; "" = teacher.model\'s (api chat: the student\'s, in whose tokens its turns are kept)')
+    tokenizer: str = Field('', description='openai: spec of the tokenizer that renders prompts; "" = teacher.model\'s (api chat: the student\'s, in whose tokens a chat teacher\'s turns are kept)')
     api_key_env: str = Field('OPENAI_API_KEY', description='openai: env var holding the API key, sent as a Bearer token when set; never logged')
     llm: dict = Field(default_factory=dict, description='overrides of llm.* for the teacher only, e.g. {max_concurrency: 64, vllm_extensions: false}')
 
@@ -194,11 +194,11 @@ class ToolsConfig(Section):
     search_topk: int = Field(2)
     search_max_chars: int = Field(300, description='per passage in an observation')
     search_url: str = Field('', description='"" = in-process; else http://host:port of a retrieval server (see search_api)')
-    search_api: Literal['retrieve', 'flashrag'] = Field('retrieve', description='retrieve = POST /retrieve (unison\'s search_server, Search-R1, AFM, GAP) | flashrag = POST /batch_search (FlashRAG: ET-Agent, ARPO)')
+    search_api: Literal['retrieve', 'flashrag'] = Field('retrieve', description="retrieve = POST /retrieve (unison's search_server, Search-R1, AFM, GAP) | flashrag = POST /batch_search (FlashRAG servers: ET-Agent, ARPO)")
     search_timeout_s: int = Field(30, description='remote search: the most one query may take as a whole (connecting, headers, body, every retry)')
     search_token_env: str = Field('', description='remote search: env var whose value is sent as a Bearer token (the server\'s --token-env); "" = none')
     python_timeout_s: int = Field(5)
-    python_memory_mb: int = Field(512, description='per python run, in all: its processes, memfd, shared memory and /tmp')
+    python_memory_mb: int = Field(512, description='per python run, in all: its processes, memfd, shared memory and /tmp (a cgroup)')
     python_total_memory_mb: int = Field(4096, description='all python runs at once together (the runtime runs up to 8 tool calls at a time)')
     python_max_output_chars: int = Field(512)
     sandbox_isolation: Literal['strict', 'rlimits'] = Field('strict', description='strict = bubblewrap + a cgroup per run and one for all runs, else the stage refuses to start | rlimits = bubblewrap + per-process rlimits only (weaker; logged)')
@@ -361,7 +361,7 @@ class SFTConfig(TrainingSettings):
     batch_size: int = Field(4)
     grad_accum: int = Field(1, ge=1, description='micro-batches per optimiser step (with DeepSpeed: its gradient accumulation)')
     max_length: int = Field(768)
-    warmup_ratio: float = Field(0.05, ge=0.0, le=1.0)
+    warmup_ratio: float = Field(0.05, ge=0.0, le=1.0, description="1 of the demo's 24 steps")
     packing: bool = Field(False, description='true = several examples per row of up to max_length (positions restart, attention never crosses examples; same token-mean loss), fewer pad tokens')
     kd_weight: float = Field(0.0, ge=0.0, description="> 0: logit distillation, loss = cross-entropy + kd_weight x divergence from the teacher's top-k (needs generate.topk > 0)")
     kd_loss: Literal['forward_kl', 'jsd'] = Field('forward_kl', description="forward_kl (teacher || student) | jsd, both over the teacher's top-k tokens renormalised")
@@ -370,10 +370,10 @@ class SFTConfig(TrainingSettings):
 class ParetoConfig(Section):
     k: int = Field(4, description='rollouts per train question by models/sft (ET-Agent: 8)')
     temperature: float = Field(0.7, description='ET-Agent: 1.0; the demo student at 1.0: pass@1 1%, 4 mixed groups of 100; at 0.7: 10%, 30')
-    counts: int = Field(64, description='groups taken by ParetoConfig front + crowding before the mixed-outcome filter (ET-Agent: 8000)')
+    counts: int = Field(64, description='groups taken by Pareto front + crowding before the mixed-outcome filter (ET-Agent: 8000)')
     qa_threshold: float = Field(0.75, description="a QA rollout counts as solved at this score (ET-Agent's post-filter)")
     stages: int = Field(2, description='curriculum stages for rl, easiest (highest mean correctness) first')
-    min_groups: int = Field(8, description='fewer mixed groups -> top up with ParetoConfig-selected unmixed ones; 0 = none (then none mixed = error)')
+    min_groups: int = Field(8, description='fewer mixed groups -> top up with Pareto-selected unmixed ones; 0 = none (then none mixed = error)')
     max_questions: int = Field(0, description='0 = the whole train split')
 
 
@@ -397,14 +397,14 @@ class EvaluateConfig(Section):
     temperature: float = Field(0.0)
     bootstrap: int = Field(1000)
     teacher: bool = Field(True)
-    rerank_samples: int = Field(1, description='prm_rerank: SFT-student samples per question, the PRM keeps one; <= 1 = skip that system')
+    rerank_samples: int = Field(1, description='prm_rerank: SFT-student samples per question, the PRM keeps one; <= 1 = skip that system (the demo skips it: 4 samples cost 308 s of a 2-core AVX2 run and scored below greedy SFT, 34.5% vs 41.0% on 2026-11-26; the agentark recipe reranks)')
     rerank_temperature: float = Field(0.7)
     first_only: bool | None = Field(None, description='`a | b` answers when scoring: null = label.first_only; true = the first item only (GAP eval)')
     engine_per_process: bool | Literal['auto'] = Field('auto', description='each model\'s engine in its own process, which gives all its GPU memory back when it exits; auto = on CUDA only (on CPU a child costs ~10 s of imports and toolbox per engine); same rows either way')
 
 
 class RLConfig(TrainingSettings):
-    trainer: Literal['unison', 'verl'] = Field('unison', description="unison = the in-house loop below (one machine, tests) | verl = verl's PPO trainer on its Ray cluster over data/export/verl (pip install verl; docs/scale.md)")
+    trainer: Literal['unison', 'verl'] = Field('unison', description='unison = the in-house loop below (one machine, tests) | verl = verl\'s PPO trainer on its Ray cluster over data/export/verl (pip install verl; docs/scale.md "RL through verl")')
     verl_nnodes: int = Field(1, ge=1, description='trainer verl: trainer.nnodes')
     verl_gpus_per_node: int = Field(8, ge=1, description='trainer verl: trainer.n_gpus_per_node')
     verl_max_prompt_length: int = Field(1024, ge=1, description='trainer verl: data.max_prompt_length (tokens)')
@@ -482,13 +482,13 @@ class RLConfig(TrainingSettings):
 
 
 class FlywheelConfig(Section):
-    rounds: int = Field(0, description="round k's teacher: round k-1's last student under generate.method + scaffold; its correct train trajectories fine-tune a new student from models/base (sft.*); 0 = off")
+    rounds: int = Field(0, description="round k's teacher: round k-1's last student under generate.method + scaffold; its correct train trajectories fine-tune a new student from models/base (sft.*); 0 = off (the demo: a round costs 703 s of a 2-core AVX2 run and its student did not beat round 0's, 46.5% vs 49.0% on 2026-11-26; the et_agent recipe runs 2)")
     sft_epochs: int = Field(2, ge=0, description="epochs of a round's student over its round's trajectories (the other settings are sft.*); a round's teacher gets about twice round 0's right, so 2 keeps the optimiser steps near round 0's (sft.epochs 4); 0 = sft.epochs")
 
 
 class ExportConfig(Section):
     name: str = Field('unison', pattern=r'^[A-Za-z0-9_.-]+$', description="LLaMA-Factory: dataset_info.json names the datasets <name>_sft and <name>_dpo")
-    verl_agent: str = Field('tool_agent', description="verl: each row's agent_name, the agent loop that rolls it out (tool_agent = verl's ToolAgentLoop; unison_agent = unison's tag protocol, required by rl.trainer verl)")
+    verl_agent: str = Field('tool_agent', description="verl: each RL row's agent_name, the agent loop that rolls it out (tool_agent = verl's ToolAgentLoop; unison_agent = unison's tag protocol, required by rl.trainer verl)")
 
 
 def check_remote(url: str, key: str) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from ..config import GenerateConfig, LLMConfig
 from ..llm import Sampling
 from ..protocol import DEFAULT_TOOLS, ROLE_TAGS, SCAFFOLD, final_answer, observation, parse_tool_call, stops_for
 from .toolbox import Toolbox
@@ -77,14 +78,18 @@ class Episode:
 MIN_TURN_TOKENS = 16  # an episode needs room for a scaffold prefill and a few generated tokens to take another turn
 
 
+_GENERATE = GenerateConfig.model_fields
+
+
 @dataclass
 class EpisodeSettings:
-    temperature: float = 0.7
-    top_p: float = 0.95
-    max_turns: int = 4
-    max_tokens_per_turn: int = 96
-    max_tool_calls: int = 3
-    max_model_len: int = 2048
+    """How an episode samples and how long it may run; the defaults are params.yaml's (generate.*, llm.max_model_len)."""
+    temperature: float = _GENERATE["temperature"].default
+    top_p: float = _GENERATE["top_p"].default
+    max_turns: int = _GENERATE["max_turns"].default
+    max_tokens_per_turn: int = _GENERATE["max_tokens_per_turn"].default
+    max_tool_calls: int = _GENERATE["max_tool_calls"].default
+    max_model_len: int = LLMConfig.model_fields["max_model_len"].default
 
 
 def _finish(e: Episode, reason: str, eos_id: int | None = None) -> None:

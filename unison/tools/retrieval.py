@@ -348,7 +348,9 @@ class Passages:
 class Retriever(SearchTool):
     """In-process search over an index directory written by `build_index`; thread-safe."""
 
-    def __init__(self, index_dir: str | os.PathLike, topk: int = 3, max_chars: int = 300):
+    def __init__(self, index_dir: str | os.PathLike, topk: int = ToolsConfig.model_fields["search_topk"].default,
+                 max_chars: int = ToolsConfig.model_fields["search_max_chars"].default):
+        """`topk` passages a query, each cut at `max_chars`; the defaults are params.yaml's (tools.search_topk, _max_chars)."""
         import faiss
 
         index_dir = Path(index_dir)
@@ -456,7 +458,9 @@ class RemoteRetriever(SearchTool):
     `stats` counts requests, retries and failures (calls that raised: the server down after the retries, or a malformed
     answer); a failed call raises, and the runtime turns that into an `exception` observation naming the URL."""
 
-    def __init__(self, url: str, topk: int = 3, max_chars: int = 300, timeout: float = 30.0, retries: int = 3,
+    def __init__(self, url: str, topk: int = ToolsConfig.model_fields["search_topk"].default,
+                 max_chars: int = ToolsConfig.model_fields["search_max_chars"].default,
+                 timeout: float = ToolsConfig.model_fields["search_timeout_s"].default, retries: int = 3,
                  token_env: str = "", backoff_s: float = 0.5, api: str = "retrieve"):
         self.api, self.route = api, SEARCH_APIS[api][0]
         self.url = url.rstrip("/")
