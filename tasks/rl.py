@@ -10,7 +10,7 @@ from pathlib import Path
 
 from unison import track
 from unison.agents.runtime import EpisodeSettings
-from unison.agents.wiring import enabled_tools, make_toolbox
+from unison.agents.wiring import demonstrations, enabled_tools, make_toolbox
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
@@ -43,13 +43,14 @@ def main() -> None:
         episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
         model_dirs = ["models/sft"] + (["models/prm"] if cfg.prm_weight > 0 else []) + (["models/teacher"] if cfg.objective == "opd" else [])
+        worked_examples = demonstrations(params) if cfg.objective == "opd" and cfg.teacher_context == "worked_examples" else ""
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, objective {cfg.objective}, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)
         toolbox = make_toolbox(params) if is_main_process() else None
         records = train_rl("models/sft", rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, "models/rl",
-                           checkpoint_path("rl", settings, inputs), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
-                           gradient_checkpointing=params.train.gradient_checkpointing, teacher=teacher)
+                           checkpoint_path("rl", {**settings, "worked_examples": worked_examples}, inputs), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
+                           gradient_checkpointing=params.train.gradient_checkpointing, teacher=teacher, worked_examples=worked_examples)
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return
         write_records_csv(records, CURVE_CSV)

@@ -97,5 +97,31 @@ def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():
         validate_params(raw)
     raw["teacher"]["api"] = "completions"  # a vLLM / SGLang server scores (prompt_logprobs)
     assert validate_params(raw).rl.objective == "opd"
+    raw["rl"]["teacher_context"], raw["generate"]["demonstrations"] = "worked_examples", ""
+    with pytest.raises(ParamsError, match="rl.teacher_context worked_examples puts generate.demonstrations in the teacher's prompt"):
+        validate_params(raw)
+    raw["rl"]["teacher_context"] = "student"
     with pytest.raises(ValueError, match="rl.objective opd runs on rl.trainer unison with a sequence estimator"):
         RLConfig(objective="opd", estimator="flow_grpo")
+
+
+def test_with_worked_examples_the_teacher_scores_the_students_tokens_after_its_own_context(tiny_model_dir):
+    """rl.teacher_context worked_examples: the same tokens, scored after the prompt with the worked examples in the
+    system message (context distillation), equal to a direct score with that prompt, and not the student-context scores."""
+    from unison.protocol import chat_prompt
+
+    teacher = HFBackend(str(tiny_model_dir), dtype="float32")
+    tok = teacher.tokenizer
+    messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "Where is Zorvan Kelt?"}]
+    prompt = chat_prompt(tok, messages)
+    completion = tok("<search>Zorvan Kelt</search>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids = prompt + completion
+    sample = {"ids": ids, "loss_mask": [0] * (len(prompt) - 1) + [1] * len(completion), "messages": messages}
+    examples = "Question: Where is Praxil? <search>Praxil</search> <answer>Tarsk</answer>"
+    plain, _ = teacher_logps(teacher, [sample], tok)
+    context, straddling = teacher_logps(teacher, [sample], tok, worked_examples=examples)
+    (direct,) = teacher.score([chat_prompt(tok, [{"role": "system", "content": f"You answer.\n\n{examples}"}, messages[1]])], [completion])
+    assert straddling == 0 and len(context[0]) == len(plain[0]) == len(ids) - 1
+    assert context[0][len(prompt) - 1 :] == pytest.approx(direct.logprobs, abs=1e-5)
+    assert all(v == 0.0 for v in context[0][: len(prompt) - 1])  # the prompt's own positions are not targets
+    assert max(abs(a - b) for a, b in zip(context[0][len(prompt) - 1 :], plain[0][len(prompt) - 1 :])) > 1e-3

@@ -44,7 +44,7 @@ from .projects import copy_project, merge
 STAGES = ["download", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl", "evaluate", "flywheel", "report"]
 # What differs between two runs on the same inputs: wall-clock measurements, in the reports only (never in data files)
 TIMING_FIELDS = {"wall_s", "embed_seconds", "build_seconds", "train_s", "rollout_s", "wall_s_per_question", "elapsed_s",
-                 "reward_s", "step_s", "rollout_s_total", "reward_s_total", "train_s_total", "topk_s"}
+                 "reward_s", "step_s", "rollout_s_total", "reward_s_total", "train_s_total", "topk_s", "teacher_s"}
 RESUME_STATE = ["data/.cache/generate", "data/.cache/sft-checkpoint", "data/.cache/prm-checkpoint", "data/.cache/dpo-checkpoint",
                 "data/.cache/rl-checkpoint", "data/.cache/flywheel"]
 KILL_SEED = 16

@@ -411,6 +411,7 @@ class RLConfig(TrainingSettings):
     verl_max_response_length: int = Field(2048, ge=1, description='trainer verl: data.max_response_length, tool observations included (tokens)')
     objective: Literal['reward', 'opd'] = Field('reward', description="reward = the estimator's advantages of the rewards below | opd = on-policy distillation: the teacher block's log-prob minus the student's on every sampled token (docs/design.md §7), plus outcome_weight x the estimator's advantage")
     outcome_weight: float = Field(0.0, ge=0.0, description='opd: weight of the verifiable-reward advantage beside the teacher term; 0 = pure distillation')
+    teacher_context: Literal['student', 'worked_examples'] = Field('student', description="opd: what the teacher reads before the student's completion: student = the student's own prompt | worked_examples = that prompt with generate.demonstrations after the system prompt, as generate's teacher acts (context distillation)")
     estimator: Literal['grpo', 'dr_grpo', 'rloo', 'flow_grpo'] = Field('grpo', description='grpo | dr_grpo | rloo | flow_grpo (AgentFlow: every assistant turn a sample with the final reward)')
     group_size: int = Field(4, description='rollouts per prompt (seeds: 8)')
     prompts_per_step: int = Field(4, description='curriculum: data/rl stage 1 prompts first, then stage 2, ...')
@@ -564,6 +565,9 @@ class Params(Section):
             raise ValueError(f"{' and '.join(scoring)}: the teacher ({self.teacher.model}) must score given tokens, and teacher.api "
                              "chat cannot (a chat API returns no log-probs of given tokens): set teacher.api: completions with a "
                              "vLLM or SGLang server, or a local teacher (teacher.backend vllm | transformers)")
+        if self.rl.objective == "opd" and self.rl.teacher_context == "worked_examples" and not self.generate.demonstrations:
+            raise ValueError("rl.teacher_context worked_examples puts generate.demonstrations in the teacher's prompt, but "
+                             "generate.demonstrations is \"\": name the worked examples' file, or set rl.teacher_context: student")
         if self.sft.kd_weight > 0 and not self.generate.topk:
             raise ValueError("sft.kd_weight > 0 distils the teacher's top-k log-probs, but generate.topk is 0: set generate.topk "
                              "(e.g. 8) so generate keeps them")

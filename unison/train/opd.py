@@ -11,7 +11,7 @@ alignment, tokens straddling a boundary counted).
 """
 from __future__ import annotations
 
-from ..token_alignment import score_across
+from ..token_alignment import prompt_ids, score_across
 
 
 def add_teacher_advantages(samples: list[dict], teacher_logps: list[list[float]], straddling: int = 0) -> dict:
@@ -30,16 +30,33 @@ def add_teacher_advantages(samples: list[dict], teacher_logps: list[list[float]]
     return {"kl_teacher": kl_sum / max(1, n), "teacher_tokens": n, "teacher_straddling": straddling}
 
 
-def teacher_logps(teacher, samples: list[dict], student_tok) -> tuple[list[list[float]], int]:
+def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: str = "") -> tuple[list[list[float]], int]:
     """The teacher's log-prob of each sample's every target token (position t scores token t+1, as loss_mask and
-    old_logp are aligned), and how many teacher tokens straddled a student token boundary (0 for a teacher of the
-    student's vocabulary: it scores the very tokens, the sequence's first token its prompt)."""
-    if teacher.tokenizer.get_vocab() == student_tok.get_vocab():
+    old_logp are aligned), and how many teacher tokens straddled a student token boundary. A teacher of the student's
+    vocabulary scores the very tokens: after the sequence's first token when it reads the student's own prompt, else
+    after its own rendering of the prompt with `worked_examples` after the system prompt (rl.teacher_context); a teacher
+    of another tokenizer scores the student's text after that rendering (token_alignment.py)."""
+    same_vocab = teacher.tokenizer.get_vocab() == student_tok.get_vocab()
+    if same_vocab and not worked_examples:
         scores = teacher.score([s["ids"][:1] for s in samples], [s["ids"][1:] for s in samples])
         return [sc.logprobs for sc in scores], 0
     firsts = [s["loss_mask"].index(1) if 1 in s["loss_mask"] else len(s["loss_mask"]) for s in samples]  # target t is ids[t + 1]
-    aligned = score_across(teacher, student_tok, [(s["messages"], s["ids"][first + 1 :]) for s, first in zip(samples, firsts)])
+    heads = [teacher_messages(s["messages"], worked_examples) for s in samples]
+    completions = [s["ids"][first + 1 :] for s, first in zip(samples, firsts)]
+    if same_vocab:
+        scores = teacher.score([prompt_ids(teacher.tokenizer, h) for h in heads], completions)
+        return [[0.0] * first + sc.logprobs for first, sc in zip(firsts, scores)], 0
+    aligned = score_across(teacher, student_tok, list(zip(heads, completions)))
     return [[0.0] * first + a.logprobs for first, a in zip(firsts, aligned)], sum(a.straddling for a in aligned)
+
+
+def teacher_messages(messages: list[dict], worked_examples: str) -> list[dict]:
+    """The prompt's messages with `worked_examples` after the system prompt (as generate's acting agents read them)."""
+    if not worked_examples:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{worked_examples}"}, *messages[1:]]
+    return [{"role": "system", "content": worked_examples}, *messages]
 
 
 def length_collapse(history: list[dict]) -> str | None:

@@ -230,9 +230,10 @@ def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, 
 
 def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_settings, tools: tuple[str, ...], label: LabelConfig,
              llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None, gradient_checkpointing: bool = False,
-             teacher=None) -> list[dict]:
+             teacher=None, worked_examples: str = "") -> list[dict]:
     """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically.
-    `teacher` (rl.objective opd, rank 0): a backend whose `score` gives the teacher's log-probs of the student's tokens.
+    `teacher` (rl.objective opd, rank 0): a backend whose `score` gives the teacher's log-probs of the student's tokens,
+    read after `worked_examples` when given (rl.teacher_context: worked_examples).
 
     Several processes: rank 0 rolls out and scores each step exactly as one process would (the same seeds, so the same
     episodes) and hands the samples to every process; the PPO updates are split between them (Trainer.step). Rollouts
@@ -273,7 +274,9 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         if samples:
             attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision)
             if cfg.objective == "opd":
-                metrics |= add_teacher_advantages(samples, *trainer.from_main(teacher_logps(teacher, samples, tok) if trainer.is_main else None))
+                t_teacher = time.perf_counter()
+                metrics |= add_teacher_advantages(samples, *trainer.from_main(teacher_logps(teacher, samples, tok, worked_examples) if trainer.is_main else None))
+                metrics["teacher_s"] = time.perf_counter() - t_teacher
             if ref is not None:
                 attach_logprobs(ref, samples, "ref_logp", cfg, pad_id, trainer.device, trainer.precision)
             trainer.model.train()
@@ -339,5 +342,5 @@ def step_record(step: int, rows, episodes, rewards: dict, metrics: dict, kept_fr
            "response_tokens": mean(rewards["lengths"]), "kept_groups": kept_frac, "lr": lr}
     for key in ("pg_loss", "loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm"):
         rec[key] = metrics.get(key, 0.0)
-    rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens", "teacher_straddling") if key in metrics}  # rl.objective opd
+    rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens", "teacher_straddling", "teacher_s") if key in metrics}  # rl.objective opd
     return {**rec, **times, "step_s": sum(times.values())}
