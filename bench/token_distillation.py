@@ -148,7 +148,8 @@ def plot(rows: dict, path: Path) -> None:
     for name, r in rows.items():
         if r.get("kl_curve"):
             ax.plot(range(1, len(r["kl_curve"]) + 1), r["kl_curve"], marker="o", label=name)
-    ax.set_xlabel("step")
+    ax.set_xlabel("OPD step")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("reverse KL to the teacher (nats/token)")
     ax.legend()
     fig.tight_layout()

@@ -43,7 +43,7 @@ def main() -> None:
             gc.collect()  # the generating engine's memory, before the scoring one starts
             topk, figures = capture_topk(teacher_backend(params), rows, g.topk, progress=lambda line: print(line, flush=True))
             metrics.update(figures)
-        write_table(topk, TOPK_PATH, TEACHER_TOPK)  # empty without generate.topk: the output exists either way
+        write_table(topk, TOPK_PATH, TEACHER_TOPK, empty_ok=True)  # empty without generate.topk: the output exists either way
         if g.topk:
             metrics["topk_bytes_per_token"] = Path(TOPK_PATH).stat().st_size / max(1, metrics["topk_tokens"])
         write_table(rows, OUT, TRAJECTORY)

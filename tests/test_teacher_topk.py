@@ -111,3 +111,15 @@ def test_sft_records_cross_entropy_plus_the_weighted_divergence_computed_by_hand
                 n += 1
     assert first["nll"] == pytest.approx(nll / n, rel=1e-4) and first["kd"] == pytest.approx(kl / n, rel=1e-4)
     assert first["loss"] == pytest.approx(nll / n + weight * kl / n, rel=1e-4) and kl / n > 0.01
+
+
+def test_without_topk_generate_writes_an_empty_table_and_sft_refuses_it_by_name(tmp_path):
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "teacher_topk.parquet"
+    with pytest.raises(DataError, match="no rows"):
+        write_table([], path, TEACHER_TOPK)
+    write_table([], path, TEACHER_TOPK, empty_ok=True)  # generate.topk 0: the DVC output exists, with its schema
+    assert pq.read_table(path).num_rows == 0 and pq.read_schema(path).names == TEACHER_TOPK.names
+    with pytest.raises(DataError, match=r"teacher_topk.parquet: no rows"):
+        read_table(path, TEACHER_TOPK)

@@ -211,9 +211,11 @@ def remove_stale_temps(roots: Iterable[str | os.PathLike] = ("data", "models", "
     return removed
 
 
-def write_table(rows: list[dict], path: str | os.PathLike, schema: pa.Schema) -> None:
-    """Validate rows against `schema` and write them as parquet, atomically."""
-    validate_rows(rows, schema, path)
+def write_table(rows: list[dict], path: str | os.PathLike, schema: pa.Schema, empty_ok: bool = False) -> None:
+    """Validate rows against `schema` and write them as parquet, atomically; no rows is an error unless `empty_ok`
+    (an output that exists whatever the settings, e.g. generate's top-k at generate.topk 0)."""
+    if rows or not empty_ok:
+        validate_rows(rows, schema, path)
     table = pa.Table.from_pylist([{k: r[k] for k in schema.names} for r in rows], schema=schema)
     tmp = atomic_path(path)
     try:
