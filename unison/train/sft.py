@@ -131,10 +131,15 @@ def target_logits(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
     The LM head runs nowhere else (logits_to_keep): on the demo 2% of tokens are targets, and the head is a fifth of a
     135M model's compute plus a [batch, length, vocab] fp32 tensor and its log-softmax.
     """
-    keep = batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1)
+    targets = target_positions(batch)
     inputs = {n: t for n, t in batch.items() if n in MODEL_INPUTS}
-    logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
-    return logits, batch["input_ids"][:, keep + 1], batch["loss_mask"][:, keep + 1]
+    logits = model(**inputs, use_cache=False, logits_to_keep=targets - 1).logits
+    return logits, batch["input_ids"][:, targets], batch["loss_mask"][:, targets]
+
+
+def target_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The positions that are a target in some row (their logits come from the position before)."""
+    return batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1) + 1
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -197,8 +202,8 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
         nll = target_nll(logits, targets, mask)
         if "kd_ids" not in batch or not cfg.kd_weight:
             return nll, {}
-        keep = batch["loss_mask"][:, 1:].any(0).nonzero().squeeze(-1) + 1  # the target positions target_logits kept
-        kd = distill_loss(logits, batch["kd_ids"][:, keep], batch["kd_logps"][:, keep], mask, cfg.kd_loss)
+        targets = target_positions(batch)  # those target_logits kept
+        kd = distill_loss(logits, batch["kd_ids"][:, targets], batch["kd_logps"][:, targets], mask, cfg.kd_loss)
         return nll + cfg.kd_weight * kd, {"nll": nll.item(), "kd": kd.item()}
 
     def record(micros, _):
