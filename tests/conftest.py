@@ -83,5 +83,8 @@ def tiny_pipeline(tmp_path_factory, base_model_dir):
 
     project = copy_project(tmp_path_factory.mktemp("tiny-pipeline"), base_model_dir)
     (project / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    # DVC's cache as hard links, not copies of the five 517 MB models (the committed reflink-first setting copies on
+    # ext4): the suite's disk on a CI runner; no test writes one of this project's tracked files in place
+    (project / ".dvc" / "config.local").write_text("[cache]\n    type = hardlink,copy\n")
     run(project, "dvc", "repro", timeout=2400)
     return project

@@ -21,6 +21,17 @@ def tiny_params() -> dict:
     return merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
 
 
+def link_tree(src: Path, dst: Path) -> Path:
+    """`src` copied to `dst` as hard links (no stage or test writes a model file in place), plain copies across
+    filesystems: a 517 MB SmolLM2 placed twice in each project filled a CI runner's disk."""
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+    return Path(shutil.copytree(src, dst, copy_function=link_or_copy))
+
+
 def copy_project(dst: Path, model_dir: Path | None, skip: tuple[str, ...] = ()) -> Path:
     """The repo's files (tracked, and new ones git does not ignore; none under `skip`) as a fresh DVC project without
     dvc.lock, with `model_dir` placed as models/base and models/teacher."""
@@ -33,7 +44,7 @@ def copy_project(dst: Path, model_dir: Path | None, skip: tuple[str, ...] = ()) 
     (dst / "dvc.lock").unlink(missing_ok=True)
     if model_dir is not None:
         for model in ("base", "teacher"):
-            shutil.copytree(model_dir, dst / "models" / model)
+            link_tree(model_dir, dst / "models" / model)
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     return dst
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from unison.config import ROOT
 
 from .nonroot import delegated_user
 from .test_data_change import GIT, WORKFLOW
-from .projects import copy_project, tiny_params
+from .projects import copy_project, link_tree, tiny_params
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -126,7 +125,7 @@ def test_the_workflow_steps_run_in_order_as_a_non_root_user_in_a_fresh_clone(tmp
     with delegated_user(tmp_path) as user:
         clone = fresh_clone(user.home / "work" / "unison", base_model_dir)
         (clone / ".venv").symlink_to(ROOT / ".venv")
-        shutil.copytree(tiny_pipeline / ".dvc" / "cache", clone / ".dvc" / "cache")  # what actions/cache restores
+        link_tree(tiny_pipeline / ".dvc" / "cache", clone / ".dvc" / "cache")  # what actions/cache restores
         summary = user.home / "work" / "step_summary.md"
         summary.touch()
         subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", str(user.home)], check=True)
