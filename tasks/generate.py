@@ -1,6 +1,7 @@
 """Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each), or, with
 `generate.source` set, import SFT trajectories from that file instead (unison/agents/imports.py); with generate.topk > 0
-the teacher then scores every trajectory's assistant tokens (unison/teacher_topk.py)."""
+the teacher then scores every trajectory's assistant tokens (unison/teacher_topk.py), or, a chat API teacher, keeps the
+top log-probs it returned as it generated."""
 from __future__ import annotations
 
 import gc
@@ -16,7 +17,7 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
 from unison.llm import teacher_backend
-from unison.teacher_topk import TEACHER_TOPK, TOPK_PATH, capture_topk
+from unison.teacher_topk import TEACHER_TOPK, TOPK_PATH, capture_topk, generated_figures
 
 OUT = Path("data/trajectories/train.parquet")
 
@@ -38,8 +39,10 @@ def main() -> None:
             except Exception as error:  # a server gone for good: its retries and failures still reach MLflow
                 run.log_metrics(getattr(error, "counters", {}))
                 raise
-        topk = []
-        if g.topk:
+        topk = [r.pop("teacher_topk") for r in rows if "teacher_topk" in r]  # a chat teacher's, kept as it generated
+        if g.topk and params.teacher.chat:
+            metrics.update(generated_figures(topk, g.topk))
+        elif g.topk:
             gc.collect()  # the generating engine's memory, before the scoring one starts
             topk, figures = capture_topk(teacher_backend(params), rows, g.topk, progress=lambda line: print(line, flush=True))
             metrics.update(figures)

@@ -23,7 +23,7 @@ def test_stage_help_lists_its_settings_with_defaults_and_docs():
     assert "runs: python -m tasks.sft" in text and "models/sft" in text
     assert "    lr: 5.0e-05" in text and "precision: auto  # auto = bf16 autocast" in text
     assert "seed: 0" in text and "rl:" not in text  # only what the stage reads (dvc.yaml params)
-    assert "\n  prm.enabled: true" in stage_help("rl")  # a single field of another section
+    assert "\n  prm.enabled: false" in stage_help("rl")  # a single field of another section
 
 
 def test_unknown_command_and_extra_arguments_are_refused(capsys):

@@ -125,7 +125,8 @@ def test_a_chat_teacher_on_vllms_chat_server_named_tool_calls_then_auto_and_a_fo
     cache; then unscaffolded turns with tool_choice auto, whose yield is counted."""
     project, url = served
     set_params(project, {"teacher": {"api": "chat", "llm": {}},
-                         "generate": {"samples": 1, "max_tokens_per_turn": 96, "scaffold": {"qa": ["search", "answer"], "math": ["python", "answer"]}}})
+                         "generate": {"samples": 1, "max_tokens_per_turn": 96, "scaffold": {"qa": ["search", "answer"], "math": ["python", "answer"]},
+                                      "topk": 4}})  # the server's top_logprobs, kept for logit distillation
     before = served_requests(url)
     stages = ran(run(project, "dvc", "repro", "generate"))
     assert {"teacher", "generate"} <= set(stages), stages  # the teacher now keeps the student's tokenizer
@@ -144,11 +145,16 @@ def test_a_chat_teacher_on_vllms_chat_server_named_tool_calls_then_auto_and_a_fo
     assert called + stats["backend.teacher.malformed_tool_calls"] >= len(traj) and stats["backend.teacher.tool_calls"] >= called > 0
     assert stats["backend.teacher.prompt_tokens"] > 0 and stats["backend.teacher.completion_tokens"] > 0
     assert all(r["tokenizer"] for r in traj)  # the student's tokens: SFT reads them as they are
+    topk = pq.read_table(project / "data/trajectories/teacher_topk.parquet").to_pylist()
+    print(f"chat top_logprobs: {stats['topk_covered']:.0%} of {stats['topk_tokens']:.0f} assistant tokens have the teacher's top-4 "
+          f"(the answer turns' text; tool calls come without log-probs)")
+    assert [t["id"] for t in topk] == [r["id"] for r in traj] and stats["topk_tokens"] == sum(t["tokens"] for t in topk)
+    assert 0 < stats["topk_covered"] < 1 and stats["backend.teacher.top_logprob_tokens"] > 0
 
-    written = (project / "data/trajectories/train.parquet").read_bytes()
+    written = [(project / f).read_bytes() for f in ("data/trajectories/train.parquet", "data/trajectories/teacher_topk.parquet")]
     run(project, "dvc", "repro", "-f", "-s", "generate")
     assert served_requests(url) - before == sent  # the forced re-run sent nothing ...
-    assert (project / "data/trajectories/train.parquet").read_bytes() == written  # ... and wrote the same bytes
+    assert [(project / f).read_bytes() for f in ("data/trajectories/train.parquet", "data/trajectories/teacher_topk.parquet")] == written  # ... and wrote the same bytes
     assert json.loads((project / "reports/generate.json").read_text())["backend.teacher.cached"] == sent
 
     set_params(project, {"generate": {"scaffold": {}}})  # free turns: tool_choice auto

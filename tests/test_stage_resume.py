@@ -60,7 +60,7 @@ def tiny_params(model: Path) -> dict:
         "llm": {"backend": "transformers", "dtype": "float32"},
         "generate": {"method": "single", "samples": 2, "max_turns": 2, "max_tokens_per_turn": 12, "shard_size": 2, "episodes_in_flight": 2,
                      "topk": 4},  # the teacher's top-4 kept: sft distils them (logit distillation)
-        "prm": {"epochs": 1, "batch_size": 4, "max_length": 256},
+        "prm": {"enabled": True, "epochs": 1, "batch_size": 4, "max_length": 256},
         "sft": {"epochs": 2, "batch_size": 2, "max_length": 256, "checkpoint_every": 1, "kd_weight": 0.5},
         "pareto": {"k": 2, "min_groups": 2},
         "dpo": {"enabled": True, "epochs": 1, "batch_size": 2, "max_length": 256},

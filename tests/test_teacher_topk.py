@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,3 +124,165 @@ def test_without_topk_generate_writes_an_empty_table_and_sft_refuses_it_by_name(
     assert pq.read_table(path).num_rows == 0 and pq.read_schema(path).names == TEACHER_TOPK.names
     with pytest.raises(DataError, match=r"teacher_topk.parquet: no rows"):
         read_table(path, TEACHER_TOPK)
+
+
+# A chat API teacher's top log-probs (issue 25 point 5): token strings, carried over to the student's tokens by characters.
+ANSWER_TOKENS = [("The", [("The", -0.1), ("A", -2.4)]), (" ans", [(" ans", -0.3), (" reply", -1.6)]), ("wer", [("wer", -0.01)]),
+                 (" is", [(" is", -0.2), (" was", -1.8)]), (" Tar", [(" Tar", -0.2), (" Tarsk", -1.9), (" Paris", -2.5)]),
+                 ("sk", [("sk", -0.05), ("ask", -3.0)])]  # how a teacher of another vocabulary might cut "The answer is Tarsk"
+
+
+def fake_hosted_chat_api_with_logprobs(requests_seen: list):
+    """A fake hosted chat API (the boundary we cannot reach from here), in OpenAI's documented shapes: a search call
+    (tool_calls, which come with no log-probs) until a tool message is in the transcript, then the answer as plain
+    content with `logprobs.content` [{token, logprob, bytes, top_logprobs}]."""
+    def respond(req):
+        body = req["json"]
+        requests_seen.append(body)
+        usage = {"prompt_tokens": 40, "completion_tokens": 6}
+        if "tools" in body and not any(m["role"] == "tool" for m in body["messages"]):
+            message = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"query": "Zorvan Kelt"}'}}]}
+            return 200, {"model": "gpt-fake", "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls",
+                                                           "logprobs": {"content": []}}], "usage": usage}, None
+        content = [{"token": t, "logprob": alts[0][1], "bytes": list(t.encode()),
+                    "top_logprobs": [{"token": a, "logprob": lp, "bytes": list(a.encode())} for a, lp in alts[:body.get("top_logprobs", 0)]]}
+                   for t, alts in ANSWER_TOKENS]
+        message = {"role": "assistant", "content": "".join(t for t, _ in ANSWER_TOKENS)}
+        return 200, {"model": "gpt-fake", "choices": [{"index": 0, "message": message, "finish_reason": "stop",
+                                                       "logprobs": {"content": content}}], "usage": usage}, None
+    return respond
+
+
+def expected_top(tok, text: str, content_at: int, k: int) -> list:
+    """What each student token of `text` should get, worked out from the tokenizer's own offsets: where a student token
+    begins at a teacher token's first character, that token's alternatives by their first student token, summed."""
+    starts, at = {}, content_at
+    for t, alts in ANSWER_TOKENS:
+        starts[at] = alts[:k]
+        at += len(t)
+    out = []
+    for start, _ in tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]:
+        if start not in starts:
+            out.append(None)
+            continue
+        merged = {}
+        for a, lp in starts[start]:
+            first = tok(a, add_special_tokens=False)["input_ids"][0]
+            merged[first] = math.log(math.exp(merged[first]) + math.exp(lp)) if first in merged else lp
+        out.append(sorted(merged.items(), key=lambda kv: -kv[1]))
+    return out
+
+
+def test_a_chat_teachers_top_logprobs_land_on_the_student_tokens_where_both_tokenisations_break(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from tests.local_http import LocalServer
+    from unison.llm.base import Sampling
+    from unison.llm.openai_backend import OpenAIBackend
+
+    tok, seen = AutoTokenizer.from_pretrained(tiny_model_dir), []
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "Where?"}], tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    with LocalServer(fake_hosted_chat_api_with_logprobs(seen)) as api:
+        backend = OpenAIBackend(f"{api.url}/v1", "gpt-fake", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=30)
+        [c] = backend.generate([prompt], [Sampling(max_tokens=16, stop=["</answer>"], top_logprobs=2)])
+        [plain] = backend.generate([prompt], [Sampling(max_tokens=16, stop=["</answer>"])])
+    assert seen[0]["logprobs"] is True and seen[0]["top_logprobs"] == 2 and "logprobs" not in seen[1]
+    assert c.text == "<answer>The answer is Tarsk</answer>" and plain.top is None
+    want = expected_top(tok, c.text, len("<answer>"), 2)
+    assert c.top == [None if w is None else [(i, pytest.approx(lp)) for i, lp in w] for w in want]
+    assert c.top[0] is None and c.top[-1] is None  # the protocol's own tags: no teacher distribution
+    assert 3 <= sum(t is not None for t in c.top) < len(c.token_ids) and backend.stats["top_logprob_tokens"] == sum(t is not None for t in c.top)
+    covered = [tok.decode([i]) for i, t in zip(c.token_ids, c.top) if t]
+    assert "The" in covered and " is" in covered  # both vocabularies break there
+
+
+def test_a_chat_teachers_top_k_is_kept_beside_the_shard_and_sft_distils_only_the_covered_tokens(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.local_http import LocalServer
+    from unison.agents.generation import read_shard, write_shard
+    from unison.agents.methods import MethodContext, run_method
+    from unison.agents.runtime import EpisodeSettings
+    from unison.agents.toolbox import Toolbox
+    from unison.data.schemas import TRAJECTORY
+    from unison.llm.openai_backend import OpenAIBackend
+
+    class OnePassage:
+        def search(self, queries):
+            return [[{"title": "Zorvan Kelt", "text": "Zorvan Kelt was born in Tarsk."}] for _ in queries]
+
+    tok, k, seen = AutoTokenizer.from_pretrained(tiny_model_dir), 3, []
+    questions = [{"id": f"q{i}", "source": "builtin", "task": "qa", "question": f"Where was Zorvan Kelt {i} born?", "answers": ["Tarsk"],
+                  "meta": "{}"} for i in range(2)]
+    with LocalServer(fake_hosted_chat_api_with_logprobs(seen)) as api:
+        backend = OpenAIBackend(f"{api.url}/v1", "gpt-fake", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=30)
+        ctx = MethodContext(backend, Toolbox(OnePassage()), EpisodeSettings(temperature=0.0, max_turns=3, top_logprobs=k), "gpt-fake@api")
+        rows = run_method("single", questions, 1, ctx, 8)
+    assert all(body["top_logprobs"] == k for body in seen)
+    for r in rows:
+        assert [m["content"] for m in r["student"] if m["role"] == "assistant"] == ["<search>Zorvan Kelt</search>",
+                                                                                  "<answer>The answer is Tarsk</answer>"]
+    path = tmp_path / "shard-00000.parquet"
+    write_shard([dict(r) for r in rows], path)  # the trajectories, and beside them the top-k rows
+    back = read_shard(path)
+    assert (tmp_path / "shard-00000.topk.parquet").is_file() and all("teacher_topk" not in r for r in read_table(path, TRAJECTORY))
+    assert [b["teacher_topk"] for b in back] == [r["teacher_topk"] for r in rows]
+    table = [r["teacher_topk"] for r in rows]
+    for r, t in zip(rows, table):
+        ids, mask = token_view(tok, r["student"])
+        top_ids, top_logps = topk_arrays(t)
+        assert t["tokens"] == sum(mask) and t["k"] == k
+        answer = [m for m in r["student"] if m["role"] == "assistant"][1]
+        want = expected_top(tok, answer["content"], len("<answer>"), k)
+        covered = [j for j in range(t["tokens"]) if math.isfinite(top_logps[j, 0])]
+        search_tokens = t["tokens"] - len(answer["token_ids"])  # the call's tokens (and no log-probs for a tool call)
+        assert covered == [search_tokens + j for j, w in enumerate(want) if w]
+        for j, w in zip(covered, [w for w in want if w]):
+            assert top_ids[j, :len(w)].tolist() == [i for i, _ in w] and top_logps[j, :len(w)] == pytest.approx([lp for _, lp in w], abs=2e-3)
+            assert not np.isfinite(top_logps[j, len(w):]).any()  # the slots past its alternatives hold no token
+
+    examples, _ = build_examples(tok, [{**r, "correct": True} for r in rows], 1024, topk_for(tok, rows, table))
+    weight = 0.5
+    cfg = SFTConfig(epochs=1, batch_size=len(rows), lr=1e-3, warmup_ratio=0.0, kd_weight=weight, max_length=512)
+    first = train_sft(str(tiny_model_dir), examples, cfg, str(tmp_path / "out"))[0]
+    student = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    nll, n, kl, m = 0.0, 0, 0.0, 0
+    with torch.no_grad():
+        for ids, mask, (top_ids, top_logps) in examples:
+            logp = torch.log_softmax(student(torch.tensor([ids])).logits[0].float(), -1)
+            for j, t in enumerate(t for t, on in enumerate(mask) if on):
+                nll -= logp[t - 1, ids[t]].item()
+                n += 1
+                live = torch.from_numpy(top_logps[j]).isfinite()
+                if live[0]:  # a covered token: the divergence over the slots that hold a token
+                    p = torch.softmax(torch.from_numpy(top_logps[j])[live], -1)
+                    q = torch.softmax(logp[t - 1, torch.from_numpy(top_ids[j])[live]], -1)
+                    kl += (p * (p.log() - q.log())).sum().item()
+                    m += 1
+    assert 0 < m < n and first["nll"] == pytest.approx(nll / n, rel=1e-4) and first["kd"] == pytest.approx(kl / m, rel=1e-4)
+    assert first["loss"] == pytest.approx(nll / n + weight * kl / m, rel=1e-4)
+
+
+def test_generate_topk_with_a_chat_teacher_is_checked_when_params_load():
+    import yaml
+
+    from unison.agents.generation import shard_dir
+    from unison.config import ROOT, ParamsError, validate_params
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["teacher"].update(backend="openai", api="chat", base_url="http://127.0.0.1:9/v1")
+    raw["generate"]["topk"], raw["sft"]["kd_weight"] = 8, 0.5
+    assert validate_params(raw).teacher.chat  # its top_logprobs come with what it generates
+    raw["generate"]["topk"] = 21
+    with pytest.raises(ParamsError, match="generate.topk 21: a chat API teacher returns at most 20 top log-probs a token"):
+        validate_params(raw)
+    raw["generate"] |= {"topk": 8, "source": "local:imports/sft.jsonl"}
+    with pytest.raises(ParamsError, match=r"generate.topk with imported trajectories \(generate.source\) needs a teacher that scores"):
+        validate_params(raw)
+    raw["generate"]["source"] = ""
+    chat = [shard_dir(validate_params({**raw, "generate": {**raw["generate"], "topk": k}}), []) for k in (4, 8)]
+    raw["teacher"] = {"model": raw["teacher"]["model"], "backend": "transformers"}
+    local = [shard_dir(validate_params({**raw, "generate": {**raw["generate"], "topk": k}}), []) for k in (4, 8)]
+    assert chat[0] != chat[1] and local[0] == local[1]  # a chat teacher's k is generated with it; a local one re-scores

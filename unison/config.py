@@ -23,6 +23,7 @@ Precision = Literal["auto", "bf16", "fp32"]
 VERL_AGENT_LOOP = "unison_agent"  # the name unison's agent loop registers with verl (unison/train/verl_agent.py)
 MODEL_KINDS = ("builtin", "hf", "local")
 LOCAL_BACKENDS = ("vllm", "transformers")
+CHAT_TOP_LOGPROBS = 20  # the most top_logprobs a chat API returns a token (OpenAI's limit): generate.topk with a chat teacher
 
 
 class ParamsError(ValueError):
@@ -163,6 +164,11 @@ class TeacherConfig(Section):
     api_key_env: str = Field('OPENAI_API_KEY', description='openai: env var holding the API key, sent as a Bearer token when set; never logged')
     llm: dict = Field(default_factory=dict, description='overrides of llm.* for the teacher only, e.g. {max_concurrency: 64, vllm_extensions: false}')
 
+    @property
+    def chat(self) -> bool:
+        """A teacher behind a chat API: it sees messages, and cannot score given tokens."""
+        return self.backend == "openai" and self.api == "chat"
+
     @model_validator(mode="after")
     def _check(self):
         check_model_spec(self.model, "teacher.model")
@@ -285,7 +291,7 @@ class GenerateConfig(Section):
     demonstrations: str = Field('configs/demonstrations/builtin.txt', description='worked examples the teacher\'s acting agents see after the system prompt; students never see them, they learn to act alone (context distillation); "" = none')
     source: str = Field('', description='"" = the teacher runs generate.method | local:<file>: import SFT trajectories from a jsonl/json/parquet file under download.inputs (a DVC dependency of generate) instead: Alpaca with inline <observation>/<result>, ShareGPT with function_call/observation, OpenAI messages with tool_calls; each answers the train question with the same text')
     shard_size: int = Field(64, description='questions per resumable shard (a killed run keeps its finished shards)')
-    topk: int = Field(0, ge=0, le=64, description="> 0: the teacher scores every trajectory's assistant tokens and its top-k log-probs are kept (data/trajectories/teacher_topk.parquet) for sft.kd_weight; 0 = none")
+    topk: int = Field(0, ge=0, le=64, description="> 0: the teacher's top-k log-probs at every trajectory's assistant tokens are kept (data/trajectories/teacher_topk.parquet) for sft.kd_weight: a local or /completions teacher scores the trajectories; a chat API teacher returns its top_logprobs as it generates (at most 20); 0 = none")
     episodes_in_flight: int = Field(256, description='episodes (agents x samples of all running questions) the engine works on at once; each question is a flow of its own and the next starts whenever fewer are live (generate, evaluate, pareto). vLLM runs up to max_num_seqs (256 on CPU, 1024 on an H100) at once')
     roles: dict[str, dict] = Field(default_factory=dict, description='role -> its own model, e.g. {aggregator: {model: Qwen/Qwen2.5-7B-Instruct, backend: openai, base_url: "http://127.0.0.1:8000/v1"}}; other keys override the teacher\'s llm.*; {} = every role on the teacher')
     self_consistency: SelfConsistencyConfig = Field(default_factory=SelfConsistencyConfig, description='AgentArk self_consistency: parallel_num 5, then an aggregator')
@@ -342,7 +348,7 @@ class TrainingSettings(Section):
 
 
 class PRMConfig(TrainingSettings):
-    enabled: bool = Field(True, description='false = models/prm holds a marker only (then evaluate.rerank_samples 1, rl.prm_weight 0)')
+    enabled: bool = Field(False, description='false = models/prm holds a marker only (then evaluate.rerank_samples 1, rl.prm_weight 0)')
     separator: str = Field('\n', description='TRL/AgentArk step separator')
     freeze_backbone: bool = Field(False, description='AgentArk fix_llm: train only the head')
     epochs: int = Field(1, description="the demo's 100 trajectories: ~13 steps x 10 s on 2 cores")
@@ -560,11 +566,16 @@ class Params(Section):
             raise ValueError("rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
         if not self.prm.enabled and self.evaluate.rerank_samples > 1:
             raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
-        scoring = [what for what, on in (("rl.objective opd", self.rl.objective == "opd"), ("generate.topk > 0", self.generate.topk > 0)) if on]
-        if scoring and self.teacher.backend == "openai" and self.teacher.api == "chat":
-            raise ValueError(f"{' and '.join(scoring)}: the teacher ({self.teacher.model}) must score given tokens, and teacher.api "
+        if self.rl.objective == "opd" and self.teacher.chat:
+            raise ValueError(f"rl.objective opd: the teacher ({self.teacher.model}) must score given tokens, and teacher.api "
                              "chat cannot (a chat API returns no log-probs of given tokens): set teacher.api: completions with a "
                              "vLLM or SGLang server, or a local teacher (teacher.backend vllm | transformers)")
+        if self.generate.topk and self.teacher.chat and self.generate.source:
+            raise ValueError("generate.topk with imported trajectories (generate.source) needs a teacher that scores them, and "
+                             "teacher.api chat cannot: a chat API's top log-probs come only with what it generates itself")
+        if self.generate.topk > CHAT_TOP_LOGPROBS and self.teacher.chat:
+            raise ValueError(f"generate.topk {self.generate.topk}: a chat API teacher returns at most {CHAT_TOP_LOGPROBS} top "
+                             "log-probs a token (OpenAI's top_logprobs limit)")
         if self.rl.objective == "opd" and self.rl.teacher_context == "worked_examples" and not self.generate.demonstrations:
             raise ValueError("rl.teacher_context worked_examples puts generate.demonstrations in the teacher's prompt, but "
                              "generate.demonstrations is \"\": name the worked examples' file, or set rl.teacher_context: student")

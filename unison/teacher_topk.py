@@ -7,6 +7,11 @@ distribution in the very context the student is trained in. Stored compactly in 
 a row per trajectory: ids as little-endian int32 and log-probs as float16, k per token (6k bytes a token before
 parquet's compression; DistillKit's capture takes ~300). SFT reads them back per assistant token, in order
 (`topk_for`, `build_examples`), when the student's tokenizer is the one they were scored under.
+
+A chat API teacher cannot score given tokens: it returns `top_logprobs` (token strings) with what it generates, which
+the backend carries over to the student's tokens as it generates (llm/chat.py `student_top`); `generated_row` lays them
+out in this format. A position with no teacher distribution (a tag the protocol wrote, a tool call's arguments, a
+student token inside a teacher token) holds log-probs of -inf (MISSING), which `distill_loss` leaves out.
 """
 from __future__ import annotations
 
@@ -15,11 +20,12 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from .token_view import generated_by, token_view, tokenizer_fingerprint
+from .token_view import generated_by, token_view, tokenizer_fingerprint, turn_ids
 
 TOPK_PATH = "data/trajectories/teacher_topk.parquet"
 TEACHER_TOPK = pa.schema([("id", pa.string()), ("tokenizer", pa.string()), ("k", pa.int32()), ("tokens", pa.int32()),
                           ("top_ids", pa.binary()), ("top_logprobs", pa.binary())])
+MISSING = float("-inf")  # the log-prob of a top-k slot with no token (a chat teacher's position without its distribution)
 SCORE_BATCH = 8  # trajectories per `score` call (the backend splits a call further by its own token budget)
 
 
@@ -49,6 +55,30 @@ def capture_topk(backend, rows: list[dict], k: int, progress=print) -> tuple[lis
         progress(f"generate: teacher top-{k} of {done}/{len(rows)} trajectories ({rate:.1f}/s, ETA {(len(rows) - done) / rate:.0f} s)")
     tokens = sum(r["tokens"] for r in out)
     return out, {"topk_k": k, "topk_tokens": tokens, "topk_s": time.perf_counter() - t0}
+
+
+def generated_row(tok, row: dict, tops: dict[tuple, list], k: int) -> dict:
+    """The TEACHER_TOPK row of a chat teacher's trajectory: each assistant token of its token view gets the top-k the
+    teacher returned with it (`tops`: a generated segment's ids -> its Segment.top), padded with MISSING to k."""
+    ids, logps = [], []
+    for m, t in turn_ids(tok, row["student"], generated_by(tok, row)):
+        if m["role"] != "assistant":
+            continue
+        top = tops.get(tuple(t)) or []
+        for i in range(len(t)):
+            pairs = (top[i] if i < len(top) and top[i] else [])[:k]
+            ids.append([a for a, _ in pairs] + [0] * (k - len(pairs)))
+            logps.append([lp for _, lp in pairs] + [MISSING] * (k - len(pairs)))
+    return {"id": row["id"], "tokenizer": tokenizer_fingerprint(tok), "k": k, "tokens": len(ids),
+            "top_ids": np.asarray(ids, dtype="<i4").reshape(len(ids), k).tobytes(),
+            "top_logprobs": np.asarray(logps, dtype="<f2").reshape(len(ids), k).tobytes()}
+
+
+def generated_figures(table: list[dict], k: int) -> dict:
+    """What a chat teacher's top log-probs cover: the assistant tokens, and the share of them with a distribution."""
+    tokens = sum(r["tokens"] for r in table)
+    covered = sum(int(np.isfinite(topk_arrays(r)[1][:, 0]).sum()) for r in table)
+    return {"topk_k": k, "topk_tokens": tokens, "topk_covered": covered / max(1, tokens)}
 
 
 def topk_arrays(row: dict) -> tuple[np.ndarray, np.ndarray]:

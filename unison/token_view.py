@@ -35,16 +35,24 @@ def token_view(tok, student: list[dict], as_generated: bool = True) -> tuple[lis
     head = [{"role": m["role"], "content": m["content"]} for m in student[:2]]
     ids = chat_prompt(tok, head)
     mask = [0] * len(ids)
-    turns = student[2:]
-    for k, m in enumerate(turns):
-        t = list(m["token_ids"]) if as_generated else []
-        if not t:  # a rendered (not generated) turn: tokenise its text (as text: a "<|im_end|>" in it is no turn marker);
-            t = tok(m["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]  # the last assistant turn closes with eos
-            if m["role"] == "assistant" and k == len(turns) - 1:
-                t.append(tok.eos_token_id)
+    for m, t in turn_ids(tok, student, as_generated):
         ids += t
         mask += [1 if m["role"] == "assistant" else 0] * len(t)
     return ids, mask
+
+
+def turn_ids(tok, student: list[dict], as_generated: bool = True) -> list[tuple[dict, list[int]]]:
+    """Each turn after the prompt with its ids in the token view: as generated, or its text tokenised (a rendered turn,
+    or `as_generated` False; as text, so a "<|im_end|>" in it is no turn marker; the last assistant turn closes with eos)."""
+    turns, out = student[2:], []
+    for k, m in enumerate(turns):
+        t = list(m["token_ids"]) if as_generated else []
+        if not t:
+            t = tok(m["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            if m["role"] == "assistant" and k == len(turns) - 1:
+                t.append(tok.eos_token_id)
+        out.append((m, t))
+    return out
 
 
 def row_view(tok, row: dict) -> tuple[list[int], list[int]]:

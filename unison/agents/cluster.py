@@ -42,21 +42,21 @@ def load_workbench(params: Params, model_dir: str, teacher: bool = False, toolbo
 
 
 def system_context(params: Params, backend, toolbox, teacher: bool, model_id: str, temperature: float,
-                   roles: dict | None = None) -> MethodContext:
+                   roles: dict | None = None, top_logprobs: int = 0) -> MethodContext:
     """The teacher runs generate.method with its scaffold, method settings, roles and worked examples; a student runs
-    `single`, unscaffolded, without them."""
+    `single`, unscaffolded, without them. `top_logprobs`: a chat teacher's top log-probs kept with each trajectory."""
     g = params.generate
-    return MethodContext(backend, toolbox, episode_settings(params, temperature), teacher=model_id,
+    return MethodContext(backend, toolbox, episode_settings(params, temperature, top_logprobs), teacher=model_id,
                          scaffold=g.scaffold if teacher else {}, params=getattr(g, g.method, None) if teacher else None,
                          role_backends=roles or {}, tools=enabled_tools(params), protocol=g.method,
                          demonstrations=demonstrations(params) if teacher else "")
 
 
 def run_system(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str,
-               temperature: float) -> tuple[list[dict], dict]:
+               temperature: float, top_logprobs: int = 0) -> tuple[list[dict], dict]:
     """A system's trajectory rows on `questions` and what its networked pieces counted meanwhile (remote_counters)."""
     e, g = workbench, workbench.params.generate
-    ctx = system_context(e.params, e.backend, e.toolbox, teacher, model_id, temperature, e.roles)
+    ctx = system_context(e.params, e.backend, e.toolbox, teacher, model_id, temperature, e.roles, top_logprobs)
     before = remote_counters({"teacher": e.backend, **e.roles}, e.toolbox)
     rows = run_method(g.method if teacher else "single", questions, samples, ctx, g.episodes_in_flight)
     after = remote_counters({"teacher": e.backend, **e.roles}, e.toolbox)

@@ -104,4 +104,6 @@ def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: li
         "tool_stats": json.dumps(merge_tool_stats(episodes), sort_keys=True),
         "finish_reason": finish_reason,
         "tokenizer": "",  # run_method stamps the fingerprint of the backend's tokenizer
+        # a chat teacher's top log-probs by generated segment (in memory only: run_method lays them out, teacher_topk.py)
+        **({"teacher_tops": tops} if (tops := {tuple(s.ids): s.top for e in episodes for s in e.segments if s.top}) else {}),
     }

@@ -21,6 +21,7 @@ from ..config import SPENDING_LIMITS, Params
 from ..data.digest import file_digests
 from ..data.schemas import TRAJECTORY, read_table, write_table
 from ..llm import TEACHER_DIR, teacher_id
+from ..teacher_topk import TEACHER_TOPK
 from .cluster import Replicas, Workbench, run_system, sum_counters, system_context, workbench_or_replicas
 from .episodes import tool_totals
 from .methods import run_method
@@ -38,7 +39,8 @@ def shard_dir(params: Params, questions: list[dict]) -> Path:
     unison package) and the same index and teacher (every file of data/index, models/teacher and generate.roles' local
     model folders, by content): a shard made by other code or other weights is never reused."""
     settings = params.model_dump(include={"generate", "llm", "teacher", "tools", "seed"})
-    settings["generate"].pop("topk")  # scored after the trajectories: a new k re-scores them, never re-generates
+    if not params.teacher.chat:
+        settings["generate"].pop("topk")  # scored after the trajectories: a new k re-scores them, never re-generates
     for llm in (settings["llm"], settings["teacher"]["llm"]):  # a larger budget resumes from the shards a smaller one kept
         for name in SPENDING_LIMITS:
             llm.pop(name, None)
@@ -66,8 +68,26 @@ class ShardWriter:
         self.rows[k][i] = rows
         self.left[k] -= 1
         if not self.left[k]:
-            write_table([r for j in sorted(self.rows[k]) for r in self.rows[k].pop(j)], self.paths[k], TRAJECTORY)
+            write_shard([r for j in sorted(self.rows[k]) for r in self.rows[k].pop(j)], self.paths[k])
             print(f"generate: shard {k + 1}/{len(self.paths)} written", flush=True)
+
+
+def write_shard(rows: list[dict], path: Path) -> None:
+    """A shard's trajectories; first, beside them, the chat teacher's top-k rows they carry ("teacher_topk")."""
+    topk = [r.pop("teacher_topk") for r in rows if "teacher_topk" in r]
+    if topk:
+        write_table(topk, path.with_suffix(".topk.parquet"), TEACHER_TOPK)
+    write_table(rows, path, TRAJECTORY)
+
+
+def read_shard(path: Path) -> list[dict]:
+    """A shard's trajectories, each with its "teacher_topk" row when the shard has them (write_shard)."""
+    rows, beside = read_table(path, TRAJECTORY), path.with_suffix(".topk.parquet")
+    if beside.exists():
+        topk = {t["id"]: t for t in read_table(beside, TEACHER_TOPK)}
+        for r in rows:
+            r["teacher_topk"] = topk[r["id"]]
+    return rows
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -109,16 +129,23 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
             error.add_note("generate: " + ", ".join(faults + [f"{k}={v:g}" for k, v in error.counters.items() if k.endswith(SPENT)]))
             raise
         wall_s = time.perf_counter() - t0
-    rows = [r for path in paths for r in read_table(path, TRAJECTORY)]
+    rows = [r for path in paths for r in read_shard(path)]
     # timings live in the report, never in the data; a resumed run's report has the keys of an unkilled one's
     return rows, {**summarize(rows), "wall_s": wall_s, **counters}
+
+
+def chat_top_logprobs(params: Params) -> int:
+    """generate.topk for a chat API teacher, which returns its top log-probs as it generates (0 for a teacher that scores
+    the trajectories afterwards, teacher_topk.capture_topk)."""
+    return params.generate.topk if params.teacher.chat else 0
 
 
 def run_here(params: Params, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path]) -> dict:
     """The pending questions as flows on this process's engine, each shard written once its questions are done; the
     counters of the pieces behind a network (also on the error, when a server fails for good)."""
     g = params.generate
-    ctx = system_context(params, workbench.backend, workbench.toolbox, True, teacher_id(params), g.temperature, workbench.roles)
+    ctx = system_context(params, workbench.backend, workbench.toolbox, True, teacher_id(params), g.temperature, workbench.roles,
+                         chat_top_logprobs(params))
     try:
         run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight, on_question=ShardWriter(pending, paths))
     except Exception as error:
@@ -131,9 +158,10 @@ def run_on_cluster(params: Params, replicas: Replicas, shards: list[tuple[int, l
     """Each shard on a replica (cluster.address), written here as it comes back; the counters summed."""
     g, counters = params.generate, []
     with replicas:
-        for j, (rows, c) in replicas.map(run_system, [(qs, g.samples, True, teacher_id(params), g.temperature) for _, qs in shards]):
+        for j, (rows, c) in replicas.map(run_system, [(qs, g.samples, True, teacher_id(params), g.temperature, chat_top_logprobs(params))
+                                                      for _, qs in shards]):
             k = shards[j][0]
-            write_table(rows, paths[k], TRAJECTORY)
+            write_shard(rows, paths[k])
             counters.append(c)
             print(f"generate: shard {k + 1}/{len(paths)} written", flush=True)
     return sum_counters(counters)

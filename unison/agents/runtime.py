@@ -29,6 +29,7 @@ class Segment:
     text: str
     ids: list[int]
     n_prefill: int = 0  # leading ids the runtime prefilled (scaffold), not sampled
+    top: list | None = None  # a chat teacher's top log-probs per id (Completion.top; None past the sampled ids)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class EpisodeSettings:
     max_tokens_per_turn: int = _GENERATE["max_tokens_per_turn"].default
     max_tool_calls: int = _GENERATE["max_tool_calls"].default
     max_model_len: int = LLMConfig.model_fields["max_model_len"].default
+    top_logprobs: int = 0  # a chat API teacher returns its k likeliest tokens at each generated token (generate.topk)
 
 
 def _finish(e: Episode, reason: str, eos_id: int | None = None) -> None:
@@ -316,14 +318,14 @@ def _turn_request(e: Episode, tok, cfg: EpisodeSettings, prefills: bool = True) 
     budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
     sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
                         stop=[close, end] if close else stops_for(e.tools), seed=e.seed * 1009 + e.turn,
-                        forced="" if prefills else tag or "")
+                        forced="" if prefills else tag or "", top_logprobs=cfg.top_logprobs)
     return (e.ids + prefill_ids, sampling), (prefill, prefill_ids, close)
 
 
 def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, step_s: float) -> tuple[str, str] | None:
     """Append the generated segment and decide what happens next: the tool call to run and/or the episode's end."""
     prefill, prefill_ids, close = scaffold
-    seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids))
+    seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids), [None] * len(prefill_ids) + c.top if c.top else None)
     stop = c.stop
     if close and stop != close:  # the scaffold closes the tag the model left open
         seg.text += close

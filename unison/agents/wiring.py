@@ -42,10 +42,10 @@ def demonstrations(params: Params) -> str:
     return Path(path).read_text().strip()
 
 
-def episode_settings(params: Params, temperature: float) -> EpisodeSettings:
+def episode_settings(params: Params, temperature: float, top_logprobs: int = 0) -> EpisodeSettings:
     g = params.generate
     return EpisodeSettings(temperature=temperature, top_p=g.top_p, max_turns=g.max_turns, max_tokens_per_turn=g.max_tokens_per_turn,
-                     max_tool_calls=g.max_tool_calls, max_model_len=params.llm.max_model_len)
+                     max_tool_calls=g.max_tool_calls, max_model_len=params.llm.max_model_len, top_logprobs=top_logprobs)
 
 
 def make_role_backends(params: Params) -> dict:

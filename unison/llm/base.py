@@ -14,6 +14,7 @@ class Sampling:
     logprobs: bool = False  # return the sampled tokens' logprobs (RL needs them; they cost ~15% of decode on CPU)
     forced: str = ""  # the tag the scaffold opens this turn, for a backend that cannot prefill it (`prefills` False: chat)
     prompt_logprobs: int | None = None  # a scoring request (openai backend's `score`): the prompt tokens' log-probs, top k
+    top_logprobs: int = 0  # a chat API teacher (generate.topk): the k likeliest tokens at each generated token (Completion.top)
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Completion:
     stop: str | None = None  # the stop string that ended it, if any
     error: str | None = None  # an answer the backend could not use (a chat teacher's malformed tool call): the runtime's observation
     model: str | None = None  # the model name the server answered with (openai backend; None for a local engine)
+    top: list | None = None  # per token_ids position: the teacher's [(student token id, log-prob)] best first, or None (chat.student_top)
 
 
 @dataclass

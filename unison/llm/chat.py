@@ -12,6 +12,7 @@ A turn the scaffold forces (`Sampling.forced`: a chat API cannot prefill) become
 or an instruction (FORCED). `protocol_answer` turns the answer back into protocol text: tool calls through
 protocol.calls_as_tag (the conversion imported OpenAI records use), a plain last reply as the answer as a whole, a
 refusal as a finish of its own, and a malformed call as `error` (the runtime shows it to the model and counts it).
+`student_top` carries the API's `top_logprobs` (token strings) over to the student's tokens of that text, by characters.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from ..protocol import SCAFFOLD, TOOL_TAGS, calls_as_tag, parse_tool_call
+from ..token_alignment import char_spans
 
 PROBE = ("\x01S\x01", "\x01U\x01", "\x01A\x01", "\x01V\x01")
 RESULT = re.compile(r"\n<result>\n(.*?)\n</result>\n", re.DOTALL)  # protocol.observation's block
@@ -207,3 +209,40 @@ def protocol_answer(choice: dict, stop: list[str], forced: str, native: bool = T
     if length or not content.strip():
         return content, None, "length" if length else "stop", None
     return f"<answer>{content.strip()}</answer>", "</answer>", "stop", None  # a plain last reply is the answer as a whole
+
+
+def student_top(tok, text: str, ids: list[int], content: str, entries: list[dict]) -> list | None:
+    """The chat teacher's top log-probs (`logprobs.content`: {token, logprob, top_logprobs}) on the student's tokens `ids`
+    of the protocol text `text` made from its `content`: a student token that begins where a teacher token begins (both
+    tokenisations break there) gets that position's alternatives, each as the student's first token of its string, the
+    log-probs of strings sharing that first token summed: [(student id, log-prob)] best first. Other tokens (inside a
+    teacher token, the protocol's own tags, a tool call's arguments, which APIs give no log-probs for) get None. None
+    when the tokens do not spell `content` or `ids` do not spell `text`."""
+    import math
+    from difflib import SequenceMatcher
+
+    if "".join(e.get("token", "") for e in entries) != content or not content:
+        return None
+    decoded, spans = char_spans(tok, ids)
+    if decoded != text:
+        return None
+    a, b, size = SequenceMatcher(None, content, text, autojunk=False).find_longest_match(0, len(content), 0, len(text))
+    starts, at = {}, 0
+    for e in entries:
+        if a <= at < a + size:
+            starts[b + at - a] = e
+        at += len(e["token"])
+    out = []
+    for start, end in spans:
+        entry = starts.get(start) if end > start else None
+        if entry is None:
+            out.append(None)
+            continue
+        merged: dict[int, float] = {}
+        for alt in entry.get("top_logprobs") or [entry]:
+            first = tok(alt.get("token", ""), add_special_tokens=False)["input_ids"][:1]
+            if first and isinstance(alt.get("logprob"), (int, float)):
+                lp, old = float(alt["logprob"]), merged.get(first[0])
+                merged[first[0]] = lp if old is None else max(lp, old) + math.log1p(math.exp(-abs(lp - old)))
+        out.append(sorted(merged.items(), key=lambda kv: -kv[1]) or None)
+    return out

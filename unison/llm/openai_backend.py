@@ -52,7 +52,7 @@ from ..http_client import (
     with_retries,
 )
 from .base import Completion, Sampling, TokenScores, check_scorable, truncate_at_stop
-from .chat import Template, marked_text, messages, protocol_answer, request_fields
+from .chat import Template, marked_text, message_text, messages, protocol_answer, request_fields, student_top
 
 log = logging.getLogger(__name__)
 AVOID_S = 30.0  # a server whose attempt failed gets no new request for this long while another server is up
@@ -154,7 +154,7 @@ class OpenAIBackend:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.stats = {"requests": 0, "retries": 0, "failures": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0,
                       "cached": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0, "tool_calls": 0, "malformed_tool_calls": 0,
-                      "refusals": 0, "malformed_answers": 0}
+                      "refusals": 0, "malformed_answers": 0, "top_logprob_tokens": 0}
         if len(self.urls) > 1:
             self.stats |= {f"server{i}.{k}": 0 for i in range(len(self.urls)) for k in ("requests", "errors")}
         self._outstanding = [0] * len(self.urls)
@@ -206,8 +206,11 @@ class OpenAIBackend:
         if self.api == "chat":
             native = self.chat_tools == "native"
             msgs = messages(self.template.turns(marked_text(self.tokenizer, prompt)), self.eos_marker, native)
-            return {"model": self.model, **request_fields(msgs, s.stop, s.forced, native), "max_tokens": s.max_tokens,
+            body = {"model": self.model, **request_fields(msgs, s.stop, s.forced, native), "max_tokens": s.max_tokens,
                     "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+            if s.top_logprobs:
+                body |= {"logprobs": True, "top_logprobs": s.top_logprobs}
+            return body
         body = {"model": self.model, "prompt": prompt if tokens else self.tokenizer.decode(prompt), "max_tokens": s.max_tokens,
                 "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         if s.logprobs:
@@ -385,4 +388,11 @@ class OpenAIBackend:
         if finish == "refusal":
             self._count("refusals")
         ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # its words, never turn markers
-        return Completion(self.tokenizer.decode(ids, skip_special_tokens=True), ids, None, finish, stop, error, choice.get("unison_model"))
+        top = None
+        if s.top_logprobs:
+            entries = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+            top = student_top(self.tokenizer, text, ids, message_text(message.get("content")) if isinstance(message, dict) else "",
+                              entries) if isinstance(entries, list) and entries else None
+            self._count("top_logprob_tokens", sum(t is not None for t in top or []))
+        return Completion(self.tokenizer.decode(ids, skip_special_tokens=True), ids, None, finish, stop, error, choice.get("unison_model"),
+                          top)

@@ -4,6 +4,8 @@ The batches and the loss; the loop (accelerate, so a DeepSpeed config works on G
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import SFTConfig
@@ -155,16 +157,20 @@ def target_nll(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) 
 
 def distill_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logps: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
     """Mean over mask-1 positions of the divergence between the teacher's top-k distribution and the student's on the
-    same k tokens, both renormalised over them: forward KL(teacher || student), or the Jensen-Shannon divergence."""
-    mask = mask.float()
-    student = torch.log_softmax(torch.log_softmax(logits.float(), -1).gather(-1, top_ids), -1)
-    teacher = torch.log_softmax(top_logps.float(), -1)
+    same k tokens, both renormalised over them: forward KL(teacher || student), or the Jensen-Shannon divergence. Slots
+    of log-prob -inf hold no token (a chat teacher's, teacher_topk.MISSING): they weigh nothing on either side, and a
+    position without any is left out (kept finite, so that no NaN reaches the gradient)."""
+    slots = torch.isfinite(top_logps)
+    mask = mask.float() * slots[..., 0]
+    empty = torch.finfo(torch.float32).min / 4  # exp() = 0, and differences of two stay finite
+    student = torch.log_softmax(torch.log_softmax(logits.float(), -1).gather(-1, top_ids).masked_fill(~slots, empty), -1)
+    teacher = torch.log_softmax(top_logps.float().masked_fill(~slots, empty), -1)
     p = teacher.exp()
     if kind == "forward_kl":
         per_token = (p * (teacher - student)).sum(-1)
     else:
         q = student.exp()
-        m = torch.log((p + q) / 2)
+        m = torch.logaddexp(teacher, student) - math.log(2)
         per_token = 0.5 * (p * (teacher - m)).sum(-1) + 0.5 * (q * (student - m)).sum(-1)
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 

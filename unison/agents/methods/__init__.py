@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from ...protocol import DEFAULT_TOOLS, SCAFFOLD, system_prompt
+from ...teacher_topk import generated_row
 from ...token_view import tokenizer_fingerprint
 from ..episodes import start_episode
 from ..runtime import Episode, EpisodeSettings
@@ -72,13 +73,20 @@ def run_method(name: str, questions: list[dict], samples: int, ctx: MethodContex
                on_question: Callable[[int, list[dict]], None] | None = None) -> list[dict]:
     """Trajectory rows of a teacher method on the questions, each question a flow of its own on ctx's engine
     (`run_flows`): a question's next round starts as soon as its own agents finish, and the next question starts as
-    soon as fewer than `episodes_in_flight` episodes are live. `on_question(i, rows)` is called as question i finishes."""
+    soon as fewer than `episodes_in_flight` episodes are live. `on_question(i, rows)` is called as question i finishes.
+    A chat teacher asked for its top log-probs (settings.top_logprobs) gives each row its TEACHER_TOPK row, in memory
+    under "teacher_topk" (the shard writer stores it beside the trajectories)."""
     run = get_method(name)
 
-    fingerprint = tokenizer_fingerprint(ctx.backend.tokenizer)
+    tok, k = ctx.backend.tokenizer, ctx.settings.top_logprobs
+    fingerprint = tokenizer_fingerprint(tok)
 
     def flow(i: int, q: dict) -> list[dict]:
         rows = [{**r, "tokenizer": fingerprint} for r in run([q], samples, ctx)]
+        for r in rows:
+            tops = r.pop("teacher_tops", {})
+            if k:
+                r["teacher_topk"] = generated_row(tok, r, tops, k)
         if on_question:
             on_question(i, rows)
         return rows
