@@ -10,7 +10,7 @@ from pathlib import Path
 
 from unison import track
 from unison.agents.runtime import EpisodeSettings
-from unison.agents.wiring import demonstrations, enabled_tools, make_toolbox
+from unison.agents.wiring import demonstrations, enabled_tools, make_role_backends, make_toolbox
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
@@ -30,6 +30,8 @@ def main() -> None:
     if run_distributed("rl", params.train, cfg.deepspeed_config):
         return
     settings = {"seed": params.seed, **cfg.model_dump(), **params.model_dump(include={"llm", "tools", "label", "train"})}
+    if cfg.student_role == "agentflow_planner":  # the fixed modules and the flow change what the planner learns
+        settings |= {"roles": params.generate.roles, "agentflow": params.generate.agentflow.model_dump()}
     with track.stage_run("rl", settings) as run:
         paths = sorted(Path("data/rl").glob("stage*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
@@ -46,11 +48,16 @@ def main() -> None:
         worked_examples = demonstrations(params) if cfg.objective == "opd" and cfg.teacher_context == "worked_examples" else ""
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
-              f"{cfg.group_size} rollouts, objective {cfg.objective}, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}", flush=True)
+              f"{cfg.group_size} rollouts, objective {cfg.objective}, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}"
+              + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}" if cfg.student_role == "agentflow_planner" else ""),
+              flush=True)
         toolbox = make_toolbox(params) if is_main_process() else None
+        planner = cfg.student_role == "agentflow_planner" and is_main_process()
+        flow = (make_role_backends(params), params.generate.agentflow) if planner else None
         records = train_rl("models/sft", rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, "models/rl",
                            checkpoint_path("rl", {**settings, "worked_examples": worked_examples}, inputs), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
-                           gradient_checkpointing=params.train.gradient_checkpointing, teacher=teacher, worked_examples=worked_examples)
+                           gradient_checkpointing=params.train.gradient_checkpointing, teacher=teacher, worked_examples=worked_examples,
+                           flow=flow)
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return
         write_records_csv(records, CURVE_CSV)

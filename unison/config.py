@@ -23,6 +23,7 @@ Precision = Literal["auto", "bf16", "fp32"]
 VERL_AGENT_LOOP = "unison_agent"  # the name unison's agent loop registers with verl (unison/train/verl_agent.py)
 MODEL_KINDS = ("builtin", "hf", "local")
 LOCAL_BACKENDS = ("vllm", "transformers")
+FIXED_MODULES = ("executor", "verifier", "generator")  # AgentFlow's roles besides the planner (rl.student_role agentflow_planner)
 CHAT_TOP_LOGPROBS = 20  # the most top_logprobs a chat API returns a token (OpenAI's limit): generate.topk with a chat teacher
 
 
@@ -419,6 +420,7 @@ class RLConfig(TrainingSettings):
     outcome_weight: float = Field(0.0, ge=0.0, description='opd: weight of the verifiable-reward advantage beside the teacher term; 0 = pure distillation')
     teacher_context: Literal['student', 'worked_examples'] = Field('student', description="opd: what the teacher reads before the student's completion: student = the student's own prompt | worked_examples = that prompt with generate.demonstrations after the system prompt, as generate's teacher acts (context distillation)")
     estimator: Literal['grpo', 'dr_grpo', 'rloo', 'flow_grpo'] = Field('grpo', description='grpo | dr_grpo | rloo | flow_grpo (AgentFlow: every assistant turn a sample with the final reward)')
+    student_role: Literal['agent', 'agentflow_planner'] = Field('agent', description="agent = the student acts alone in each rollout | agentflow_planner = the student is the planner of AgentFlow's flow (generate.agentflow): its analysis and each step's sub-goal and tool are its turns, the only tokens in the loss; generate.roles' executor, verifier and generator, fixed modules (e.g. a chat API), do the rest (needs estimator flow_grpo)")
     group_size: int = Field(4, description='rollouts per prompt (seeds: 8)')
     prompts_per_step: int = Field(4, description='curriculum: data/rl stage 1 prompts first, then stage 2, ...')
     steps: int = Field(4)
@@ -465,6 +467,9 @@ class RLConfig(TrainingSettings):
                              "outcome term")
         if self.prm_weight > 0 and self.estimator == "flow_grpo":
             raise ValueError("rl.prm_weight > 0 needs a sequence estimator (grpo | dr_grpo | rloo), not flow_grpo")
+        if self.student_role == "agentflow_planner" and (self.estimator != "flow_grpo" or self.trainer != "unison"):
+            raise ValueError("rl.student_role agentflow_planner trains the planner's turns of a flow, each its own prompt: it needs "
+                             "rl.estimator flow_grpo on rl.trainer unison")
         if self.trainer == "verl":
             self._verl_rules()
         return self
@@ -579,6 +584,10 @@ class Params(Section):
         if self.rl.objective == "opd" and self.rl.teacher_context == "worked_examples" and not self.generate.demonstrations:
             raise ValueError("rl.teacher_context worked_examples puts generate.demonstrations in the teacher's prompt, but "
                              "generate.demonstrations is \"\": name the worked examples' file, or set rl.teacher_context: student")
+        if self.rl.student_role == "agentflow_planner" and (missing := [r for r in FIXED_MODULES if r not in self.generate.roles]):
+            raise ValueError(f"rl.student_role agentflow_planner: generate.roles has no {', '.join(missing)}: name the fixed modules "
+                             "that play them (e.g. {model: gpt-4o-mini, backend: openai, api: chat, base_url: ...}); without them the "
+                             "student would play them too")
         if self.sft.kd_weight > 0 and not self.generate.topk:
             raise ValueError("sft.kd_weight > 0 distils the teacher's top-k log-probs, but generate.topk is 0: set generate.topk "
                              "(e.g. 8) so generate keeps them")

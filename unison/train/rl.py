@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import LabelConfig, LLMConfig, RLConfig
+from ..config import AgentFlowConfig, LabelConfig, LLMConfig, RLConfig
 from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
@@ -26,7 +26,7 @@ from .loop import Trainer, autocast
 from .opd import add_teacher_advantages, length_collapse, teacher_logps
 from .policy_loss import policy_loss, token_logprobs
 from .rewards import efficiency_rewards, judge_response, prmvr_token_rewards, returns_to_go, sigma_factor
-from .rollout import View, check_colocated_memory, engine_sleeps, episode_view, make_rollout_backend, rollout, turn_views
+from .rollout import View, check_colocated_memory, engine_sleeps, episode_view, make_rollout_backend, planner_rollout, rollout, turn_views
 from .sft import save_model
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -84,7 +84,7 @@ def score_episodes(episodes, rows: list[dict], group_size: int, views: list[View
     judged = [judge_response(rows[g]["ability"], e.text, rows[g]["reward_model"]["ground_truth"], label, tools)
               for e, g in zip(episodes, groups)]
     s, fmt, calls = ([j[k] for j in judged] for k in ("verifiable", "format", "tool_calls"))
-    lengths = [sum(v.loss_mask) for v in views]
+    lengths = [v.sampled for v in views]
     factor = sigma_factor(step, cfg.steps) if cfg.sigma_decay else 1.0
     eff = efficiency_rewards(s, calls, lengths, fmt, groups, cfg.sigma_tool * factor, cfg.sigma_len * factor)
     efficiency = [si * (ft * fl - 1) for si, ft, fl in zip(s, eff["f_tool"], eff["f_len"])]
@@ -230,10 +230,11 @@ def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, 
 
 def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_settings, tools: tuple[str, ...], label: LabelConfig,
              llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None, gradient_checkpointing: bool = False,
-             teacher=None, worked_examples: str = "") -> list[dict]:
+             teacher=None, worked_examples: str = "", flow: tuple[dict, AgentFlowConfig] | None = None) -> list[dict]:
     """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically.
     `teacher` (rl.objective opd, rank 0): a backend whose `score` gives the teacher's log-probs of the student's tokens,
-    read after `worked_examples` when given (rl.teacher_context: worked_examples).
+    read after `worked_examples` when given (rl.teacher_context: worked_examples). `flow` (rl.student_role
+    agentflow_planner, rank 0): the fixed modules' backends by role and the flow's settings (planner_rollout).
 
     Several processes: rank 0 rolls out and scores each step exactly as one process would (the same seeds, so the same
     episodes) and hands the samples to every process; the PPO updates are split between them (Trainer.step). Rollouts
@@ -264,7 +265,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         backend.sync(policy)
     for step in range(start, cfg.steps):
         trainer.model.eval()
-        collected = collect_step(step, pos, rows, backend, toolbox, episode_settings, tools, cfg, label, prm) if trainer.is_main else None
+        collected = collect_step(step, pos, rows, backend, toolbox, episode_settings, tools, cfg, label, prm, flow) if trainer.is_main else None
         samples, rows_seen, episodes, rewards, kept, rounds, times = trainer.from_main(collected)
         pos += rounds * cfg.prompts_per_step
         t2 = time.perf_counter()
@@ -300,7 +301,8 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
     return trainer.records
 
 
-def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, episode_settings, tools, cfg: RLConfig, label: LabelConfig, prm):
+def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, episode_settings, tools, cfg: RLConfig, label: LabelConfig, prm,
+                 flow: tuple[dict, AgentFlowConfig] | None = None):
     """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills` more
     while fewer than prompts_per_step groups keep a reward spread. Returns the samples of the first prompts_per_step kept
     groups, the rows, episodes and rewards of every batch (groups numbered across batches), the share of groups with a
@@ -310,9 +312,13 @@ def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, episod
     while rounds == 0 or (cfg.dynamic_sampling and kept_groups < n and rounds <= cfg.max_refills):
         t0 = time.perf_counter()
         batch_rows = step_prompts(rows, pos + rounds * n, n, cfg.seed)
-        eps = rollout(batch_rows, cfg.group_size, backend, toolbox, episode_settings, tools, cfg.seed, pos // n + rounds)
+        if flow:
+            eps, views = planner_rollout(batch_rows, cfg.group_size, backend, flow[0], toolbox, episode_settings, tools, cfg.seed,
+                                         pos // n + rounds, flow[1])
+        else:
+            eps = rollout(batch_rows, cfg.group_size, backend, toolbox, episode_settings, tools, cfg.seed, pos // n + rounds)
+            views = [episode_view(e, batch_rows[i // cfg.group_size]["prompt"]) for i, e in enumerate(eps)]
         t1 = time.perf_counter()
-        views = [episode_view(e, batch_rows[i // cfg.group_size]["prompt"]) for i, e in enumerate(eps)]
         rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label, tools, step + 1, prm)
         new, kept_frac = build_samples(views, rewards, cfg, max_groups=max(0, n - kept_groups))
         times["rollout_s"] += t1 - t0

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..agents.episodes import stable_seed
 from ..agents.runtime import Episode, EpisodeSettings, run_episodes
 from ..agents.toolbox import Toolbox
-from ..config import EngineConfig, LLMConfig
+from ..config import AgentFlowConfig, EngineConfig, LLMConfig
 from ..llm import make_backend
 from ..llm.hf_backend import HFBackend
 from ..protocol import chat_prompt
@@ -61,12 +61,38 @@ def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: E
     return run_episodes(episodes, backend, toolbox, cfg, desc=f"rl rollout {step}")
 
 
+def planner_rollout(rows: list[dict], group_size: int, backend, roles: dict, toolbox: Toolbox, cfg: EpisodeSettings,
+                    tools: tuple[str, ...], seed: int, step: int, flow: AgentFlowConfig) -> tuple[list[Episode], list["View"]]:
+    """rl.student_role agentflow_planner: each RL row's question through AgentFlow's flow `group_size` times, the policy
+    (`backend`) its planner and `roles`' fixed executor, verifier and generator the rest. Per rollout: the flow's student
+    rendering as one Episode (what the reward judges: its tool calls and its <answer>), and a View whose turns are the
+    planner's turns alone, each after its own prompt (Flow-GRPO's samples; the other modules' outputs reach the planner
+    only as text in its later prompts)."""
+    from ..agents.methods import MethodContext
+    from ..agents.methods.agentflow import run_flows
+
+    questions = [{"id": f"rl{seed}/{step}/{k}", "task": "math" if row["ability"] == "math" else "qa",
+                  "question": row["extra_info"]["question"], "answers": []} for k, row in enumerate(rows)]
+    ctx = MethodContext(backend, toolbox, cfg, teacher="policy", params=flow, role_backends=roles, tools=tools, protocol="agentflow")
+    episodes, views = [], []
+    for f in run_flows(questions, group_size, ctx):
+        episodes.append(Episode(key=f"{f.q['id']}/{f.sample}", prompt_ids=[], seed=0, segments=f.segments, tools=tools))
+        views.append(View([], [], [], turns=[episode_view(e) for e in f.of("planner")]))
+    return episodes, views
+
+
 @dataclass
 class View:
     ids: list[int]
     loss_mask: list[int]
     turn_spans: list[tuple[int, int]]  # [start, end) of each generated turn's sampled tokens
     messages: list[dict] = field(default_factory=list)  # the prompt's messages (rendered into ids' prompt)
+    turns: list["View"] | None = None  # a flow's rollout: its policy turns, each a view of its own (planner_rollout)
+
+    @property
+    def sampled(self) -> int:
+        """The policy's tokens in the rollout."""
+        return sum(sum(t.loss_mask) for t in self.turns) if self.turns is not None else sum(self.loss_mask)
 
 
 def episode_view(e: Episode, messages: list[dict] = ()) -> View:
@@ -82,7 +108,10 @@ def episode_view(e: Episode, messages: list[dict] = ()) -> View:
 
 
 def turn_views(v: View) -> list[View]:
-    """Flow-GRPO: one view per generated turn, its context everything before it, only its own tokens in the loss."""
+    """Flow-GRPO: one view per generated turn, its context everything before it, only its own tokens in the loss (a
+    flow's rollout: its policy turns as they are)."""
+    if v.turns is not None:
+        return v.turns
     out = []
     for start, end in v.turn_spans:
         out.append(View(v.ids[:end], [0] * start + [1] * (end - start), [(start, end)], v.messages))

@@ -42,6 +42,11 @@ class Flow:
     segments: list[Segment] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     episodes: list[Episode] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)  # the role of each of `episodes`
+    answer: Episode | None = None  # the generator's
+
+    def of(self, role: str) -> list[Episode]:
+        return [e for e, r in zip(self.episodes, self.roles) if r == role]
 
     def prompt(self, template: str, **kw) -> str:
         return template.format(question=self.q["question"], analysis=self.analysis, memory=memory_text(self.memory), **kw)
@@ -92,6 +97,7 @@ def phase(flows: list[Flow], role: str, prompts: list[str], step: str, ctx, syst
     run_episodes(eps, ctx.backend_for(role), ctx.toolbox, replace(ctx.settings, max_turns=1), desc=f"agentflow {step}")
     for f, e in zip(flows, eps):
         f.episodes.append(e)
+        f.roles.append(role)
         f.messages += agent_messages(e, role)
     return eps
 
@@ -103,6 +109,15 @@ def own_ids(segments: list[Segment], ctx, role: str) -> list[Segment]:
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+    rows = []
+    for f in run_flows(questions, samples, ctx):
+        rows.append(trajectory_row(f.q, f.sample, "agentflow", ctx.teacher, f.messages, student_messages(f.q["question"], f.segments, ctx.system),
+                                   f.answer.answer, f.episodes, "answer" if f.answer.answer else "no_answer"))
+    return rows
+
+
+def run_flows(questions: list[dict], samples: int, ctx) -> list[Flow]:
+    """Every (question, sample)'s flow, run to its answer: its segments end with the generator's."""
     max_steps = (ctx.params or AgentFlowConfig()).max_steps
     tools, system = ctx.tools, ctx.system
     flows = [Flow(q, s, messages=[{"role": "user", "name": None, "content": q["question"]}]) for q in questions for s in range(samples)]
@@ -128,9 +143,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
             live = [f for f, e in zip(live, checks) if verdict(e.text) == "CONTINUE"]
     answers = phase(flows, "generator", [f.prompt(ANSWER) for f in flows], "answer", ctx, system,
                     [["answer"] if ctx.scaffold else [] for _ in flows])
-    rows = []
     for f, e in zip(flows, answers):
-        segments = f.segments + own_ids(e.segments, ctx, "generator")
-        rows.append(trajectory_row(f.q, f.sample, "agentflow", ctx.teacher, f.messages, student_messages(f.q["question"], segments, system),
-                                   e.answer, f.episodes, "answer" if e.answer else "no_answer"))
-    return rows
+        f.segments += own_ids(e.segments, ctx, "generator")
+        f.answer = e
+    return flows

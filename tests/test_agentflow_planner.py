@@ -1,0 +1,120 @@
+"""AgentFlow's recipe as the seed runs it (issue 25 point 7): the student is the planner of the flow and only its turns
+train (Flow-GRPO); the executor, verifier and generator are fixed modules behind a chat API. Here a fake hosted chat API
+(the boundary we cannot reach from here) plays them, and the tiny random model is the planner."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from unison.agents.runtime import EpisodeSettings
+from unison.agents.toolbox import Toolbox
+from unison.config import AgentFlowConfig, LLMConfig, ParamsError, validate_params
+from unison.llm.hf_backend import HFBackend
+from unison.llm.openai_backend import OpenAIBackend
+from unison.train.rl import collect_step, train_rl
+
+from .local_http import LocalServer
+from .test_rl import LABEL, make_rows, rl_config, state
+
+TOOLS = ("search", "python")
+
+
+class OnePassage:
+    def search(self, queries):
+        return [[{"title": "France", "text": "Paris is the capital of France."}] for _ in queries]
+
+
+def fake_hosted_fixed_modules(log: list):
+    """AgentFlow's fixed modules in OpenAI's documented chat shapes: the executor (its system prompt names the query it
+    serves) calls search with the sub-goal it is given; the verifier concludes STOP; the generator answers Paris when the
+    request's seed is even, else Rome, so a question's rollouts have mixed outcomes."""
+    def respond(req):
+        body = req["json"]
+        log.append(body)
+        messages = body["messages"]
+        user = next(m["content"] for m in messages if m["role"] == "user")
+        usage = {"prompt_tokens": 30, "completion_tokens": 4}
+        if "This step serves the query" in (messages[0]["content"] if messages[0]["role"] == "system" else ""):
+            role, message = "executor", {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": json.dumps({"query": user[:40]})}}]}
+        elif user.startswith("Task: Evaluate"):
+            role, message = "verifier", {"role": "assistant", "content": "The memory answers it. Conclusion: STOP"}
+        elif user.startswith("Actions Taken"):
+            role, message = "generator", {"role": "assistant", "content": "Paris" if body["seed"] % 2 == 0 else "Rome"}
+        else:
+            role, message = "unknown", {"role": "assistant", "content": "?"}
+        body["unison_test_role"] = role
+        return 200, {"model": "gpt-4o-mini-fake", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}], "usage": usage}, None
+    return respond
+
+
+def settings(cfg) -> EpisodeSettings:
+    return EpisodeSettings(temperature=cfg.temperature, top_p=1.0, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
+                           max_model_len=1024)
+
+
+def test_only_the_planners_turns_train_and_the_fixed_modules_answer_from_the_api(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = rl_config(estimator="flow_grpo", student_role="agentflow_planner", group_size=4, prompts_per_step=2, max_tokens_per_turn=12,
+                    lr=1e-3, format_weight=0.0)
+    rows, log = make_rows(), []
+    with LocalServer(fake_hosted_fixed_modules(log)) as api:
+        modules = OpenAIBackend(f"{api.url}/v1", "gpt-4o-mini", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=30)
+        flow = ({role: modules for role in ("executor", "verifier", "generator")}, AgentFlowConfig(max_steps=2))
+        policy = HFBackend(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer=tok)
+        samples, _, episodes, rewards, kept, rounds, _ = collect_step(0, 0, rows, policy, Toolbox(OnePassage()), settings(cfg), TOOLS,
+                                                                     cfg, LABEL, None, flow)
+        records = train_rl(str(tiny_model_dir), rows, cfg, Toolbox(OnePassage()), settings(cfg), TOOLS, LABEL, LLMConfig(max_model_len=1024),
+                           str(tmp_path / "out"), str(tmp_path / "ckpt"), flow=flow)
+
+    # 2 questions x 4 rollouts: per flow the executor, the verifier (STOP after step 1) and the generator asked the API
+    first_step = log[: len(log) // 2]
+    assert [b["unison_test_role"] for b in first_step].count("executor") == 8 and "unknown" not in {b["unison_test_role"] for b in log}
+    assert sorted(b["unison_test_role"] for b in first_step) == ["executor"] * 8 + ["generator"] * 8 + ["verifier"] * 8
+    assert len(episodes) == 8 and rounds == 1 and 0 < sum(rewards["correct"]) < 8  # mixed outcomes: something to learn
+    renderings = [e.text for e in episodes]
+    assert all("<search>" in t and "<result>" in t and t.rstrip().endswith("</answer>") for t in renderings)  # the flow as the student protocol
+
+    # 16 samples: each rollout's analysis and its one step's plan, the planner's prompt then its own tokens only
+    assert len(samples) == 16
+    for s in samples:
+        trained = tok.decode([t for t, m in zip(s["ids"][1:], s["loss_mask"]) if m])
+        context = tok.decode(s["ids"])
+        assert "Task: Analyze the given query" in context or "Task: Determine the optimal next step" in context
+        assert not any(w in trained for w in ("Conclusion: STOP", "<answer>", "<result>")), trained
+        assert sum(s["loss_mask"]) > 0 and len(s["ids"]) < 1024
+    # Flow-GRPO: both turns of a rollout carry its one advantage, of the sign of its reward against its question's mean
+    per_rollout = [{round(a, 5) for a, m in zip(s["advantages"], s["loss_mask"]) if m} for s in samples]
+    assert all(len(a) == 1 for a in per_rollout)
+    values = [a.pop() for a in per_rollout]
+    assert all(values[2 * i] == values[2 * i + 1] for i in range(8))
+    total, groups = rewards["total"], rewards["groups"]
+    mean = {g: sum(t for t, h in zip(total, groups) if h == g) / groups.count(g) for g in set(groups)}
+    signs = [(t > mean[g]) - (t < mean[g]) for t, g in zip(total, groups)]
+    assert [(v > 0) - (v < 0) for v in values[::2]] == signs and any(signs)
+
+    rec = records[0]
+    assert rec["samples"] == 16 and rec["episodes"] == 8
+    before, after = state(tiny_model_dir), state(tmp_path / "out")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_planner_role_needs_flow_grpo_and_the_three_fixed_modules_when_params_load():
+    import yaml
+
+    from unison.config import ROOT
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["rl"] |= {"student_role": "agentflow_planner"}
+    with pytest.raises(ParamsError, match="rl.student_role agentflow_planner .* needs rl.estimator flow_grpo"):
+        validate_params(raw)
+    raw["rl"]["estimator"] = "flow_grpo"
+    raw["generate"]["roles"] = {"executor": {"model": "gpt-4o-mini", "backend": "openai", "api": "chat", "base_url": "http://127.0.0.1:9/v1"}}
+    with pytest.raises(ParamsError, match="generate.roles has no verifier, generator: name the fixed modules"):
+        validate_params(raw)
+    raw["generate"]["roles"] |= {r: raw["generate"]["roles"]["executor"] for r in ("verifier", "generator")}
+    assert validate_params(raw).rl.student_role == "agentflow_planner"
