@@ -74,15 +74,16 @@ def run(project: Path, *cmd: str) -> float:
 
 def capture_teacher_topk(k: int) -> None:
     """In a copy: the teacher's top-k on the trajectories SFT trains on (generate's capture, on models/teacher)."""
+    from unison import layout
     from unison.config import load_params
     from unison.data.schemas import TRAJECTORY, read_table, write_table
     from unison.llm import teacher_backend
-    from unison.teacher_topk import TEACHER_TOPK, TOPK_PATH, capture_topk
+    from unison.teacher_topk import TEACHER_TOPK, capture_topk
 
-    rows = read_table("data/trajectories/train.parquet", TRAJECTORY)
+    rows = read_table(layout.TRAJECTORIES, TRAJECTORY)
     out, figures = capture_topk(teacher_backend(load_params()), rows, k, progress=lambda line: print(line, flush=True))
-    write_table(out, TOPK_PATH, TEACHER_TOPK)
-    print(json.dumps({**figures, "bytes_per_token": Path(TOPK_PATH).stat().st_size / max(1, figures["topk_tokens"])}), flush=True)
+    write_table(out, layout.TOPK, TEACHER_TOPK)
+    print(json.dumps({**figures, "bytes_per_token": Path(layout.TOPK).stat().st_size / max(1, figures["topk_tokens"])}), flush=True)
 
 
 def evaluate_student(model_dir: str) -> None:

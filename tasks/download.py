@@ -9,16 +9,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from unison import track
+from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data import models
 from unison.data.schemas import write_json
 from unison.data.splits import write_splits
 
-RAW = Path("data/raw")
-MODEL_DIR = Path("models/base")
-METRICS = Path("reports/download.json")
+RAW = Path(layout.RAW)
+MODEL_DIR = Path(layout.BASE)
+METRICS = Path(layout.report("download"))
 
 
 def main() -> None:

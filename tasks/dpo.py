@@ -7,17 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unison import track
+from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import atomic_dir, write_json
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 
-LABELED_PATH = "data/labeled/train.parquet"
-START = "models/sft"
-OUT = "models/dpo"
-LOSS_CSV = "reports/dpo_loss.csv"
+LABELED_PATH = layout.LABELED
+START = layout.SFT
+OUT = layout.DPO
+LOSS_CSV = layout.DPO_LOSS
 FIELDS = ["step", "epoch", "loss", "reward_chosen", "reward_rejected", "reward_margin", "accuracy", "grad_norm", "lr", "elapsed_s"]
 
 
@@ -32,7 +32,7 @@ def main() -> None:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False, "model": None, "start": START}, tmp / "dpo.json")
             write_records_csv([], LOSS_CSV, FIELDS)
-            write_json({"enabled": False}, "reports/dpo.json")
+            write_json({"enabled": False}, layout.report("dpo"))
             print("dpo: disabled (dpo.enabled: false); wrote the marker models/dpo/dpo.json", flush=True)
             return
         from transformers import AutoTokenizer  # only when enabled: the marker above is the demo's ~10 s stage otherwise
@@ -53,7 +53,7 @@ def main() -> None:
                    "final_loss": records[-1]["loss"], "final_reward_margin": records[-1]["reward_margin"],
                    "final_accuracy": records[-1]["accuracy"], "train_s": records[-1]["elapsed_s"],
                    "precision": resolve_precision(cfg.precision, "dpo.precision")}
-        write_json(metrics, "reports/dpo.json")
+        write_json(metrics, layout.report("dpo"))
         run.log_metrics(metrics)
 
 

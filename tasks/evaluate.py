@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from unison import registry, track
+from unison import layout, registry, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, QUESTION, atomic_dir, read_table, write_json, write_table
@@ -13,27 +13,27 @@ from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
 from unison.report.tables import headline_metrics
 from unison.train.prm import load_prm
 
-OUT = "reports/eval"
+OUT = layout.EVAL
 
 
 def main() -> None:
     params = load_params()
     p, g = params.evaluate, params.generate
     systems = systems_to_evaluate(params)
-    questions = read_table("data/raw/test.parquet", QUESTION)[: p.max_questions or None]
+    questions = read_table(layout.RAW_TEST, QUESTION)[: p.max_questions or None]
     metrics: dict[str, dict] = {}
     with track.stage_run("evaluate", {"seed": params.seed, **p.model_dump(), "teacher_method": g.method,
                                       "episodes_in_flight": g.episodes_in_flight, "teacher": params.teacher.model_dump(),
                                       "cluster": params.cluster.model_dump()}) as run:
         with atomic_dir(OUT) as out:  # reports/eval/ appears whole, with no system left over from an earlier run
-            for name, rows, m in evaluate_systems(params, systems, questions, partial(load_prm, "models/prm", params.prm.precision)):
+            for name, rows, m in evaluate_systems(params, systems, questions, partial(load_prm, layout.PRM, params.prm.precision)):
                 write_table(rows, out / f"{name}.parquet", LABELED)
                 metrics[name] = m
                 run.log_metrics({f"{name}.{k}": v for k, v in m.items()})
                 print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy ({params.label.judge} judge) "
                       f"{m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]", flush=True)
-        write_json(metrics, "reports/metrics.json")
-        run.log_artifact("reports/metrics.json")
+        write_json(metrics, layout.METRICS)
+        run.log_artifact(layout.METRICS)
         run.log_pipeline_metrics(headline_metrics(metrics))
         for name, model_dir, _ in systems:
             if name in registry.TRAINED:

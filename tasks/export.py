@@ -4,14 +4,14 @@ No model is loaded, only the student's tokenizer (models/base); the same inputs 
 """
 from __future__ import annotations
 
-from unison import track
+from unison import layout, track
 from unison.agents.wiring import enabled_tools
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
 from unison.exports import read_rl_prompts, write_export
 
-LABELED_PATH, RL_DIR, OUT, STUDENT = "data/labeled/train.parquet", "data/rl", "data/export", "models/base"
+LABELED_PATH, RL_DIR, OUT, STUDENT = layout.LABELED, layout.RL_DATA, layout.EXPORT, layout.BASE
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(STUDENT)
         with atomic_dir(OUT) as tmp:
             counts = write_export(tmp, labeled, rl, params, tools, tok, LABELED_PATH)
-        write_json(counts, "reports/export.json")
+        write_json(counts, layout.report("export"))
         run.log_metrics(counts)
         print(f"export: {counts['sft_conversations']} SFT conversations ({counts['sft_questions']} questions), "
               f"{counts['dpo_pairs']} DPO pairs, {counts['rl_prompts']} RL prompts in {counts['rl_stages']} stages -> {OUT}/", flush=True)

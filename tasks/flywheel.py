@@ -4,13 +4,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from unison import registry, track
+from unison import layout, registry, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
 from unison.train.flywheel import cache_dir, plot, publish_rounds, round_zero, run_rounds
 
-REPORT, PLOT = Path("reports/flywheel.json"), Path("reports/flywheel.png")
+REPORT, PLOT = Path(layout.FLYWHEEL_REPORT), Path(layout.FLYWHEEL_PLOT)
 
 
 def main() -> None:

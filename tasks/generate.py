@@ -9,7 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
-from unison import track
+from unison import layout, track
 from unison.agents.episode_traces import sample_traces
 from unison.agents.generation import generate_trajectories, shard_dir
 from unison.agents.imports import import_trajectories
@@ -17,15 +17,15 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
 from unison.llm import teacher_backend
-from unison.teacher_topk import TEACHER_TOPK, TOPK_PATH, capture_topk, generated_figures
+from unison.teacher_topk import TEACHER_TOPK, capture_topk, generated_figures
 
-OUT = Path("data/trajectories/train.parquet")
+OUT = Path(layout.TRAJECTORIES)
 
 
 def main() -> None:
     params = load_params()
     g = params.generate
-    questions = read_table("data/raw/train.parquet", QUESTION)
+    questions = read_table(layout.RAW_TRAIN, QUESTION)
     with track.stage_run("generate", {**g.model_dump(), **params.model_dump(include={"seed", "llm", "teacher", "tools", "cluster"})}) as run:
         shards = None
         if g.source:
@@ -46,11 +46,11 @@ def main() -> None:
             gc.collect()  # the generating engine's memory, before the scoring one starts
             topk, figures = capture_topk(teacher_backend(params), rows, g.topk, progress=lambda line: print(line, flush=True))
             metrics.update(figures)
-        write_table(topk, TOPK_PATH, TEACHER_TOPK, empty_ok=True)  # empty without generate.topk: the output exists either way
+        write_table(topk, layout.TOPK, TEACHER_TOPK, empty_ok=True)  # empty without generate.topk: the output exists either way
         if g.topk:
-            metrics["topk_bytes_per_token"] = Path(TOPK_PATH).stat().st_size / max(1, metrics["topk_tokens"])
+            metrics["topk_bytes_per_token"] = Path(layout.TOPK).stat().st_size / max(1, metrics["topk_tokens"])
         write_table(rows, OUT, TRAJECTORY)
-        write_json(metrics, "reports/generate.json")
+        write_json(metrics, layout.report("generate"))
         run.log_metrics(metrics)
         for ep in sample_traces(rows, n=3, seed=params.seed):
             track.trace_episode(ep)

@@ -1,14 +1,14 @@
 """Stage `label`: judge every trajectory's final answer (rules or an LLM) and label its steps (DESIGN §6)."""
 from __future__ import annotations
 
-from unison import track
+from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, TRAJECTORY, read_table, write_json, write_table
 from unison.labeling.judging import make_judge
 from unison.labeling.labels import check_step_labels, judge_identity, label_metrics, label_trajectories
 
-IN, OUT = "data/trajectories/train.parquet", "data/labeled/train.parquet"
+IN, OUT = layout.TRAJECTORIES, layout.LABELED
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
         check_step_labels(rows, OUT)
         write_table(rows, OUT, LABELED)
         metrics = label_metrics(rows, p, judge)
-        write_json({**metrics, **judged_by, "judge": p.judge, "step_labels": p.step_labels}, "reports/label.json")
+        write_json({**metrics, **judged_by, "judge": p.judge, "step_labels": p.step_labels}, layout.report("label"))
         run.log_metrics(metrics)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unison import track
+from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
@@ -15,7 +15,7 @@ from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 from unison.train.prm import check_train, evaluate_prm, split_by_question, train_prm
 
-IN, OUT, LOSS_CSV = "data/labeled/train.parquet", "models/prm", "reports/prm_loss.csv"
+IN, OUT, LOSS_CSV = layout.LABELED, layout.PRM, layout.PRM_LOSS
 LOSS_FIELDS = ["step", "epoch", "loss", "lr", "grad_norm", "elapsed_s"]
 
 
@@ -30,7 +30,7 @@ def main() -> None:
             with atomic_dir(OUT) as tmp:
                 write_json({"enabled": False}, tmp / "prm.json")
             write_records_csv([], LOSS_CSV, LOSS_FIELDS)
-            write_json({"enabled": False}, "reports/prm.json")
+            write_json({"enabled": False}, layout.report("prm"))
             print("prm: disabled (prm.enabled: false); wrote the marker models/prm/prm.json", flush=True)
             return
         rows = read_table(IN, LABELED)
@@ -38,8 +38,8 @@ def main() -> None:
         check_train(train, IN)
         print(f"prm: {len(train)} train / {len(held)} held-out trajectories "
               f"({len({r['question_id'] for r in held})} held-out questions)", flush=True)
-        checkpoint = checkpoint_path("prm", settings, [Path(IN), *sorted(Path("models/base").glob("*.safetensors"))])
-        prm, records = train_prm("models/base", train, cfg, OUT, gradient_checkpointing=params.train.gradient_checkpointing,
+        checkpoint = checkpoint_path("prm", settings, [Path(IN), *sorted(Path(layout.BASE).glob("*.safetensors"))])
+        prm, records = train_prm(layout.BASE, train, cfg, OUT, gradient_checkpointing=params.train.gradient_checkpointing,
                                  on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]),
                                  checkpoint_dir=checkpoint)
         if not is_main_process():  # another process of a launched run: rank 0 writes and evaluates
@@ -49,7 +49,7 @@ def main() -> None:
                    "eval_trajectories": len(held), "steps": len(records), "first_loss": records[0]["loss"],
                    "final_loss": records[-1]["loss"], "train_s": records[-1]["elapsed_s"],
                    "precision": resolve_precision(cfg.precision, "prm.precision"), **evaluate_prm(prm, held, cfg.batch_size)}
-        write_json(metrics, "reports/prm.json")
+        write_json(metrics, layout.report("prm"))
         run.log_metrics(metrics)
         print(f"prm: {metrics}", flush=True)
 

@@ -4,18 +4,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from unison import track
+from unison import layout, track
 from unison.cli import stage_main
 from unison.report.page import write_pages
 from unison.report.plots import PLOTS, make_plots
 
 
 def main() -> None:
-    metrics = json.loads(Path("reports/metrics.json").read_text())
+    metrics = json.loads(Path(layout.METRICS).read_text())
     with track.stage_run("report", {}) as run:
         plots = make_plots(metrics)
         print(write_pages(metrics, plots), flush=True)
-        run.log_artifact("reports/report.html")
+        run.log_artifact(layout.REPORT_HTML)
         run.log_artifact(str(PLOTS))
     track.end_pipeline_run()
     print("report: reports/report.html", flush=True)

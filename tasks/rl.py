@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unison import track
+from unison import layout, track
 from unison.agents.runtime import EpisodeSettings
 from unison.agents.wiring import demonstrations, enabled_tools, make_role_backends, make_toolbox
 from unison.cli import stage_main
@@ -18,8 +18,8 @@ from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, run_key, write_records_csv
 from unison.train.rl import load_rl_data, train_rl
 
-CURVE_CSV = Path("reports/rl_curve.csv")
-VERL_DATA, VERL_WORK = Path("data/export/verl"), Path("data/.cache/verl")
+CURVE_CSV = Path(layout.RL_CURVE)
+VERL_DATA, VERL_WORK = Path(layout.VERL_DATA), Path(layout.VERL_WORK)
 
 
 def main() -> None:
@@ -33,18 +33,18 @@ def main() -> None:
     if cfg.student_role == "agentflow_planner":  # the fixed modules and the flow change what the planner learns
         settings |= {"roles": params.generate.roles, "agentflow": params.generate.agentflow.model_dump()}
     with track.stage_run("rl", settings) as run:
-        paths = sorted(Path("data/rl").glob("stage*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
+        paths = sorted(Path(layout.RL_DATA).glob("stage*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
         prm = None
         if cfg.prm_weight > 0 and is_main_process():  # rank 0 rolls out and scores
             from unison.train.prm import load_prm  # only when asked: the stage runs without a PRM
 
-            prm = load_prm("models/prm", params.prm.precision)
+            prm = load_prm(layout.PRM, params.prm.precision)
         teacher = opd_teacher(params) if cfg.objective == "opd" and is_main_process() else None
         tools = enabled_tools(params)
         episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
-        model_dirs = ["models/sft"] + (["models/prm"] if cfg.prm_weight > 0 else []) + (["models/teacher"] if cfg.objective == "opd" else [])
+        model_dirs = [layout.SFT] + ([layout.PRM] if cfg.prm_weight > 0 else []) + ([layout.TEACHER] if cfg.objective == "opd" else [])
         worked_examples = demonstrations(params) if cfg.objective == "opd" and cfg.teacher_context == "worked_examples" else ""
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
@@ -54,7 +54,7 @@ def main() -> None:
         toolbox = make_toolbox(params) if is_main_process() else None
         planner = cfg.student_role == "agentflow_planner" and is_main_process()
         flow = (make_role_backends(params), params.generate.agentflow) if planner else None
-        records = train_rl("models/sft", rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, "models/rl",
+        records = train_rl(layout.SFT, rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, layout.RL,
                            checkpoint_path("rl", {**settings, "worked_examples": worked_examples}, inputs), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
                            gradient_checkpointing=params.train.gradient_checkpointing, teacher=teacher, worked_examples=worked_examples,
                            flow=flow)
@@ -68,7 +68,7 @@ def main() -> None:
                    **{f"{k}_total": sum(r[k] for r in records) for k in ("rollout_s", "reward_s", "train_s")},
                    **({"first_kl_teacher": first["kl_teacher"], "final_kl_teacher": last["kl_teacher"],
                        "teacher_tokens_total": sum(r["teacher_tokens"] for r in records)} if "kl_teacher" in last else {})}
-        write_json(metrics, "reports/rl.json")
+        write_json(metrics, layout.report("rl"))
         run.log_metrics(metrics)
 
 
@@ -91,16 +91,16 @@ def main_verl(params) -> None:
         paths = sorted(VERL_DATA.glob("stage*.parquet"))
         if not paths:
             raise FileNotFoundError(f"rl.trainer verl trains on {VERL_DATA}/stage*.parquet: run the export stage first")
-        key = run_key(settings, paths + sorted(q for q in Path("models/sft").iterdir() if q.is_file()))
+        key = run_key(settings, paths + sorted(q for q in Path(layout.SFT).iterdir() if q.is_file()))
         work = VERL_WORK / key
-        overrides = write_verl_config(params, [str(p.resolve()) for p in paths], str(Path("models/sft").resolve()), work, tools)
+        overrides = write_verl_config(params, [str(p.resolve()) for p in paths], str(Path(layout.SFT).resolve()), work, tools)
         print(f"rl: verl over {len(paths)} stage file(s), {params.rl.verl_nnodes} node(s) x {params.rl.verl_gpus_per_node} GPUs; "
               f"config in {work}", flush=True)
-        records = run_verl(overrides, work, params.rl.steps, "models/rl")
+        records = run_verl(overrides, work, params.rl.steps, layout.RL)
         write_records_csv(records, CURVE_CSV)
         metrics = {"trainer": "verl", "steps": len(records), "first_reward": records[0]["reward_total"],
                    "final_reward": records[-1]["reward_total"]}
-        write_json(metrics, "reports/rl.json")
+        write_json(metrics, layout.report("rl"))
         run.log_metrics({k: v for k, v in metrics.items() if k != "engine"})
 
 

@@ -6,16 +6,16 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from unison import track
+from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
-from unison.teacher_topk import TEACHER_TOPK, TOPK_PATH, topk_for
+from unison.teacher_topk import TEACHER_TOPK, topk_for
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 from unison.train.sft import build_examples, select_trajectories, train_sft
 
-LOSS_CSV = "reports/sft_loss.csv"
+LOSS_CSV = layout.SFT_LOSS
 LOSS_FIELDS = ["step", "epoch", "loss", "lr", "grad_norm", "tokens", "row_tokens", "real_tokens", "elapsed_s"]
 KD_FIELDS = ["nll", "kd"]  # the loss's two terms, with sft.kd_weight > 0
 
@@ -27,18 +27,18 @@ def main() -> None:
         return
     settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}  # a checkpoint resumes on the same processes
     with track.stage_run("sft", settings) as run:
-        rows = read_table("data/labeled/train.parquet", LABELED)
+        rows = read_table(layout.LABELED, LABELED)
         chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
         if not chosen:
-            raise DataError("data/labeled/train.parquet", "no correct trajectories to train on", field="correct")
-        tok = AutoTokenizer.from_pretrained("models/base")
-        topk = topk_for(tok, chosen, read_table(TOPK_PATH, TEACHER_TOPK)) if cfg.kd_weight else None
+            raise DataError(layout.LABELED, "no correct trajectories to train on", field="correct")
+        tok = AutoTokenizer.from_pretrained(layout.BASE)
+        topk = topk_for(tok, chosen, read_table(layout.TOPK, TEACHER_TOPK)) if cfg.kd_weight else None
         examples, stats = build_examples(tok, chosen, cfg.max_length, topk)
         print(f"sft: {len(chosen)} of {len(rows)} trajectories selected; drift: {stats['drifted_examples']} examples, "
               f"{stats['drift_tokens']} tokens", flush=True)
-        inputs = [Path("data/labeled/train.parquet"), *([Path(TOPK_PATH)] if cfg.kd_weight else []), *sorted(Path("models/base").glob("*.safetensors"))]
+        inputs = [Path(layout.LABELED), *([Path(layout.TOPK)] if cfg.kd_weight else []), *sorted(Path(layout.BASE).glob("*.safetensors"))]
         checkpoint = checkpoint_path("sft", settings, inputs)
-        records = train_sft("models/base", examples, cfg, "models/sft", checkpoint_dir=checkpoint,
+        records = train_sft(layout.BASE, examples, cfg, layout.SFT, checkpoint_dir=checkpoint,
                             on_step=lambda r: run.log_metrics({k: r[k] for k in ("loss", "lr", *KD_FIELDS) if k in r}, step=r["step"]),
                             gradient_checkpointing=params.train.gradient_checkpointing)
         if not is_main_process():  # another process of a launched run: rank 0 writes
@@ -49,7 +49,7 @@ def main() -> None:
                    "row_tokens": sum(r["row_tokens"] for r in records),
                    **({f"{when}_{k}": records[i][k] for when, i in (("first", 0), ("final", -1)) for k in KD_FIELDS} if cfg.kd_weight else {}),
                    "precision": resolve_precision(cfg.precision, "sft.precision")}  # tokens the model ran, pads included (packing cuts them)
-        write_json(metrics, "reports/sft.json")
+        write_json(metrics, layout.report("sft"))
         run.log_metrics(metrics)
 
 

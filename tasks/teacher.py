@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unison import track
+from unison import layout, track
 from unison.cli import stage_main
 from unison.config import TeacherConfig, load_params
 from unison.data import models
 from unison.llm import served_at
 
-OUT = Path("models/teacher")
+OUT = Path(layout.TEACHER)
 
 
 def teacher_info(t: TeacherConfig, student_model: str) -> dict:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from . import layout
 from .config import Params
 from .data.schemas import RL_ROW, DataError, read_table, write_json, write_jsonl, write_table
 from .train.dpo import build_pairs
@@ -118,7 +119,7 @@ def read_rl_prompts(rl_dir: str | Path) -> list[dict]:
 
 
 def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], params: Params, tools: tuple[str, ...], tok,
-                 path: str | Path = "data/labeled/train.parquet") -> dict:
+                 path: str | Path = layout.LABELED) -> dict:
     """Write every format under `out_dir` (module docstring), token views under the student's tokenizer `tok`; counts of
     what was written. `path` names `labeled` in errors."""
     out = Path(out_dir)

@@ -17,6 +17,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
+from . import layout
 from .data.schemas import atomic_path
 
 START = re.compile(r"^Running stage '([^']+)'")
@@ -93,9 +94,9 @@ def main() -> None:
             print("  not run: " + ", ".join(f"{stage} ({how})" for stage, how in skipped.items()))
         record = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": code, **m, "sandbox": box,
                   "stages": {k: round(v, 1) for k, v in times.items()}, "not_run": skipped, "total_s": round(total, 1)}
-        tmp = atomic_path("reports/stage_times.json")
+        tmp = atomic_path(layout.STAGE_TIMES)
         tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace("reports/stage_times.json")
+        tmp.replace(layout.STAGE_TIMES)
 
 
 if __name__ == "__main__":

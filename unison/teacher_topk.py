@@ -20,9 +20,9 @@ import time
 import numpy as np
 import pyarrow as pa
 
+from . import layout
 from .token_view import generated_by, token_view, tokenizer_fingerprint, turn_ids
 
-TOPK_PATH = "data/trajectories/teacher_topk.parquet"
 TEACHER_TOPK = pa.schema([("id", pa.string()), ("tokenizer", pa.string()), ("k", pa.int32()), ("tokens", pa.int32()),
                           ("top_ids", pa.binary()), ("top_logprobs", pa.binary())])
 MISSING = float("-inf")  # the log-prob of a top-k slot with no token (a chat teacher's position without its distribution)
@@ -88,7 +88,7 @@ def topk_arrays(row: dict) -> tuple[np.ndarray, np.ndarray]:
             np.frombuffer(row["top_logprobs"], dtype="<f2").reshape(shape).astype(np.float32))
 
 
-def topk_for(tok, rows: list[dict], table: list[dict], path: str = TOPK_PATH) -> list[tuple[np.ndarray, np.ndarray]]:
+def topk_for(tok, rows: list[dict], table: list[dict], path: str = layout.TOPK) -> list[tuple[np.ndarray, np.ndarray]]:
     """The stored top-k of each row (its assistant tokens' in order), checked against the student's tokenizer `tok`: a
     row missing, or scored under another tokenizer, is an error naming it (build_examples checks the token counts)."""
     from .data.schemas import DataError

@@ -32,12 +32,11 @@ from pathlib import Path
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import mlflow  # noqa: E402
+import yaml  # noqa: E402
 from mlflow.entities import Metric, Param, SpanType  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH  # noqa: E402
-
-import yaml  # noqa: E402
 
 from .config import validate_params  # noqa: E402
 from .data.schemas import atomic_path  # noqa: E402

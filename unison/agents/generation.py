@@ -17,15 +17,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from .. import layout
 from ..config import SPENDING_LIMITS, Params
 from ..data.digest import file_digests
 from ..data.schemas import TRAJECTORY, read_table, write_table
-from ..llm import TEACHER_DIR, teacher_id
+from ..llm import teacher_id
 from ..teacher_topk import TEACHER_TOPK
 from .cluster import Replicas, Workbench, run_system, sum_counters, system_context, workbench_or_replicas
 from .episodes import tool_totals
 from .methods import run_method
-from .wiring import INDEX_DIR, demonstrations, fault_counters, remote_counters
+from .wiring import demonstrations, fault_counters, remote_counters
 
 PACKAGE = Path(__file__).resolve().parents[1]  # unison/: its sources are part of the shards' key
 
@@ -48,10 +49,10 @@ def shard_dir(params: Params, questions: list[dict]) -> Path:
     key += demonstrations(params)  # the teacher's worked examples: the file's text, not only its name
     code = sorted(PACKAGE.rglob("*.py"))
     roles = [str(spec["model"]) for spec in params.generate.roles.values() if Path(str(spec.get("model", ""))).is_dir()]
-    data = [f for d in dict.fromkeys([INDEX_DIR, TEACHER_DIR, *roles]) for f in sorted(Path(d).rglob("*")) if f.is_file()]
+    data = [f for d in dict.fromkeys([layout.INDEX, layout.TEACHER, *roles]) for f in sorted(Path(d).rglob("*")) if f.is_file()]
     names = [str(f.relative_to(PACKAGE.parent)) for f in code] + [str(f) for f in data]
     key += json.dumps(dict(zip(names, file_digests(code + data))))
-    return Path("data/.cache/generate") / hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(layout.GENERATE_CACHE) / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class ShardWriter:
@@ -115,7 +116,7 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
             todo.append(k)
     counters, wall_s = fault_counters({}, None), 0.0  # the same keys whether this run generated or only reused shards
     if todo:  # start the engine only if some shard is left to do
-        where = workbench_or_replicas(params, TEACHER_DIR, teacher=True)
+        where = workbench_or_replicas(params, layout.TEACHER, teacher=True)
         pending = [(k, q) for k in todo for q in chunks[k]]
         print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples, {g.method}, "
               f"up to {g.episodes_in_flight} episodes in flight", flush=True)

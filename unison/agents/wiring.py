@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import layout
 from ..config import Params, engine_with, teacher_engine
 from ..protocol import DEFAULT_TOOLS
-from ..tools.web import CACHE_DIR, enabled_web_tools, make_web_tools
+from ..tools.web import enabled_web_tools, make_web_tools
 from .runtime import EpisodeSettings
 from .toolbox import Toolbox
 
-INDEX_DIR = "data/index"  # the `index` stage's output, searched in process unless tools.search_url is set
 
-def make_toolbox(params: Params, index_dir: str = INDEX_DIR, web_cache_dir: str = CACHE_DIR) -> Toolbox:
+def make_toolbox(params: Params, index_dir: str = layout.INDEX, web_cache_dir: str = layout.WEB_CACHE) -> Toolbox:
     """search + python, and the web tools params.yaml enables (tools.web_search_url, tools.crawl).
 
     Raises SandboxUnavailable (naming what is missing and tools.sandbox_isolation) when python code cannot be sandboxed
@@ -52,16 +52,16 @@ def make_role_backends(params: Params) -> dict:
     """generate.roles: {role: {model: <dir or served name>, backend: ..., <llm overrides>}} -> {role: backend}.
 
     Roles naming the same model and settings share one backend; a role without `model` runs the teacher's."""
-    from ..llm import TEACHER_DIR, make_backend
+    from ..llm import make_backend
 
     built, out = {}, {}
     for role, spec in params.generate.roles.items():
         spec = dict(spec)
-        model = spec.pop("model", TEACHER_DIR)
+        model = spec.pop("model", layout.TEACHER)
         key = repr((model, sorted(spec.items())))
         if key not in built:
             base = teacher_engine(params)
-            if model != TEACHER_DIR:  # a role's own served model is named by its `model`
+            if model != layout.TEACHER:  # a role's own served model is named by its `model`
                 base = engine_with(base, {"api_model": "", "tokenizer": ""})
             built[key] = make_backend(model, engine_with(base, spec), seed=params.seed)
         out[role] = built[key]

@@ -13,9 +13,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from .. import layout
 from .schemas import write_json
 
-MEMO = Path("data/.cache/digests.json")
+MEMO = Path(layout.DIGESTS)
 RACY_S = 2
 
 

@@ -16,13 +16,14 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
+from .. import layout
 from ..agents.cluster import Replicas, load_workbench, rollouts, system_context, workbench_or_replicas
 from ..agents.methods import run_method
 from ..agents.wiring import fault_counters, make_toolbox
 from ..config import LabelConfig, Params
 from ..judge.answers import judged_answer
 from ..judge.stats import auc
-from ..llm import TEACHER_DIR, teacher_id
+from ..llm import teacher_id
 from ..protocol import normalize_answer
 from .judging import label_rows, make_judge
 from .metrics import scoring_params, system_metrics
@@ -65,15 +66,15 @@ def systems_to_evaluate(params: Params) -> list[tuple[str, str, float]]:
     """(system, model dir, temperature) in evaluation order; systems sharing a model share one engine. Only the teacher
     runs on the teacher block (models/teacher or its server); every student is loaded from its trained weights."""
     p, g = params.evaluate, params.generate
-    systems = [("base", "models/base", p.temperature)]
+    systems = [("base", layout.BASE, p.temperature)]
     if p.teacher:
-        systems.append(("teacher", TEACHER_DIR, g.temperature))
-    systems.append(("sft", "models/sft", p.temperature))
+        systems.append(("teacher", layout.TEACHER, g.temperature))
+    systems.append(("sft", layout.SFT, p.temperature))
     if p.rerank_samples > 1:
-        systems.append(("prm_rerank", "models/sft", p.rerank_temperature))
+        systems.append(("prm_rerank", layout.SFT, p.rerank_temperature))
     if params.dpo.enabled:
-        systems.append(("dpo", "models/dpo", p.temperature))
-    systems.append(("rl", "models/rl", p.temperature))
+        systems.append(("dpo", layout.DPO, p.temperature))
+    systems.append(("rl", layout.RL, p.temperature))
     return systems
 
 

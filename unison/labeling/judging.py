@@ -5,6 +5,7 @@ pure functions of unison/judge.
 """
 from __future__ import annotations
 
+from .. import layout
 from ..config import EngineConfig, LabelConfig, Params, engine_with
 from .llm_judge import LLMJudge
 from .steps import rule_judge, student_steps
@@ -28,7 +29,7 @@ def label_backend(params: Params, model: str, cache: dict):
 
     if model not in cache:
         if model == "student":
-            cache[model] = student_backend("models/base", params)
+            cache[model] = student_backend(layout.BASE, params)
         elif model == "teacher":
             cache[model] = teacher_backend(params)
         else:

@@ -1,9 +1,8 @@
 """LLM backends behind one interface (DESIGN §4): `generate(token prompts, sampling) -> completions`."""
+from .. import layout
 from ..config import EngineConfig, Params, teacher_engine
 from ..http_client import redact
 from .base import Completion, Sampling
-
-RESPONSE_CACHE_DIR = "data/.cache/llm"  # a served model's answers by request (openai backend, llm.response_cache)
 
 
 def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode: bool = False):
@@ -28,23 +27,22 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
 
     if not engine.base_url:
         raise ValueError("params.yaml teacher.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
-    tokenizer = engine.tokenizer or (TEACHER_DIR if engine.api == "chat" else str(model_dir))  # chat: the transcript's, kept there
+    tokenizer = engine.tokenizer or (layout.TEACHER if engine.api == "chat" else str(model_dir))  # chat: the transcript's, kept there
     return OpenAIBackend(engine.base_url, engine.api_model or str(model_dir), tokenizer=tokenizer,
                          max_concurrency=engine.max_concurrency, timeout_s=engine.timeout_s, max_retries=engine.max_retries,
                          api_key_env=engine.api_key_env, token_prompts=engine.token_prompts, vllm_extensions=engine.vllm_extensions,
-                         cache_dir=RESPONSE_CACHE_DIR if engine.response_cache else None,
+                         cache_dir=layout.LLM_CACHE if engine.response_cache else None,
                          budget=Budget(engine.budget_tokens, engine.budget_usd, engine.price_input_per_million,
                                        engine.price_output_per_million),
                          rate_limit=RateLimit(engine.max_requests_per_minute, engine.max_tokens_per_minute),
                          api=engine.api, chat_tools=engine.chat_tools)
 
 
-TEACHER_DIR = "models/teacher"
 
 
 def teacher_backend(params: Params):
     """The teacher of the `teacher` block: models/teacher on this machine, or its server (tokenizer from models/teacher)."""
-    return make_backend(TEACHER_DIR, teacher_engine(params), seed=params.seed)
+    return make_backend(layout.TEACHER, teacher_engine(params), seed=params.seed)
 
 
 def teacher_id(params: Params) -> str:

@@ -7,6 +7,7 @@ import html
 import json
 from pathlib import Path
 
+from .. import layout
 from ..data.schemas import atomic_path
 from .tables import flywheel_rows, headline_rows, key_value_rows, markdown_table, rerank_rows, story
 
@@ -71,12 +72,12 @@ def summary_markdown(rows: list[dict], headline: str, rerank: list[dict], flywhe
 def write_pages(metrics: dict, plots: list[str]) -> str:
     """reports/report.html and reports/summary.md from `metrics` (reports/metrics.json), the stages' reports/<stage>.json,
     reports/flywheel.json when there and `plots`; the summary's markdown."""
-    stage_metrics = {s: json.loads(Path(f"reports/{s}.json").read_text()) for s in STAGES if Path(f"reports/{s}.json").exists()}
-    flywheel = flywheel_rows(json.loads(Path("reports/flywheel.json").read_text())) if Path("reports/flywheel.json").exists() else []
+    stage_metrics = {s: json.loads(Path(layout.report(s)).read_text()) for s in STAGES if Path(layout.report(s)).exists()}
+    flywheel = flywheel_rows(json.loads(Path(layout.FLYWHEEL_REPORT).read_text())) if Path(layout.FLYWHEEL_REPORT).exists() else []
     rows, headline, rerank = headline_rows(metrics), story(metrics), rerank_rows(metrics)
     summary = summary_markdown(rows, headline, rerank, flywheel)
-    for path, text in (("reports/report.html", render_html(rows, stage_metrics, plots, headline, rerank, flywheel)),
-                       ("reports/summary.md", summary)):
+    for path, text in ((layout.REPORT_HTML, render_html(rows, stage_metrics, plots, headline, rerank, flywheel)),
+                       (layout.SUMMARY, summary)):
         tmp = atomic_path(path)
         tmp.write_text(text)
         tmp.replace(path)

@@ -10,11 +10,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
+from .. import layout
 from ..data.schemas import atomic_dir
 from .tables import LABELS, teacher_first
 
-PLOTS = Path("reports/plots")
-LOSS_CURVES = {"sft_loss.csv": "SFT loss (masked CE)", "prm_loss.csv": "PRM loss (step CE)", "dpo_loss.csv": "DPO loss"}
+PLOTS = Path(layout.PLOTS)
+LOSS_CURVES = {layout.SFT_LOSS: "SFT loss (masked CE)", layout.PRM_LOSS: "PRM loss (step CE)", layout.DPO_LOSS: "DPO loss"}
 RL_PANELS = {"reward and accuracy": ("reward_total", "accuracy"),
              "reward terms": ("reward_verifiable", "reward_format", "reward_efficiency", "reward_prm"),
              "behaviour": ("tool_call_rate", "tool_calls_per_episode", "turns_per_episode"),
@@ -105,12 +106,13 @@ def make_plots(metrics: dict) -> list[str]:
         plot_accuracy_vs_tokens(metrics, out / "accuracy_vs_tokens.png")
         plot_per_task(metrics, out / "accuracy_per_task.png")
         plots = ["plots/accuracy_vs_tokens.png", "plots/accuracy_per_task.png"]
-        for name, title in LOSS_CURVES.items():
-            if Path(f"reports/{name}").exists() and read_csv(Path(f"reports/{name}")):
-                plot_loss(Path(f"reports/{name}"), out / name.replace(".csv", ".png"), title)
+        for csv_path, title in LOSS_CURVES.items():
+            name = Path(csv_path).name
+            if Path(csv_path).exists() and read_csv(Path(csv_path)):
+                plot_loss(Path(csv_path), out / name.replace(".csv", ".png"), title)
                 plots.append(f"plots/{name.replace('.csv', '.png')}")
-        if Path("reports/rl_curve.csv").exists() and read_csv(Path("reports/rl_curve.csv")):
-            plot_rl_curves(Path("reports/rl_curve.csv"), out / "rl_curves.png")
+        if Path(layout.RL_CURVE).exists() and read_csv(Path(layout.RL_CURVE)):
+            plot_rl_curves(Path(layout.RL_CURVE), out / "rl_curves.png")
             plots.append("plots/rl_curves.png")
-    return plots + [p for p in ("pareto_front.png", "flywheel.png") if Path(f"reports/{p}").exists()]
+    return plots + [Path(p).name for p in (layout.PARETO_FRONT, layout.FLYWHEEL_PLOT) if Path(p).exists()]
 

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .. import layout
 from .retrieval import Retriever
 
 MAX_TOPK = 50
@@ -169,7 +170,7 @@ def loopback(host: str) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--index", default="data/index", help="index directory written by the index stage")
+    parser.add_argument("--index", default=layout.INDEX, help="index directory written by the index stage")
     parser.add_argument("--host", default="127.0.0.1", help="an address other than loopback needs --token-env")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--topk", type=int, default=3, help="default k when a request gives none")

@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from urllib.parse import urlparse
 
+from .. import layout
 from ..config import ToolsConfig
 from ..http_client import HTTPFailure, ResponseCache, with_retries
 from ..protocol import split_queries
 from .web_fetch import ANY_ADDRESS, Answer, Blocked, fetch
 
-CACHE_DIR = "data/.cache/web"
 HTML_TYPES = ("text/html", "application/xhtml+xml")
 TEXT_TYPES = HTML_TYPES + ("text/plain", "text/markdown", "text/csv", "text/xml", "application/xml", "application/json")
 
@@ -197,7 +197,7 @@ def enabled_web_tools(tools: ToolsConfig) -> tuple[str, ...]:
     return (("web_search",) if tools.web_search_url else ()) + (("crawl",) if tools.crawl else ())
 
 
-def make_web_tools(t: ToolsConfig, cache_dir: str | os.PathLike = CACHE_DIR) -> dict:
+def make_web_tools(t: ToolsConfig, cache_dir: str | os.PathLike = layout.WEB_CACHE) -> dict:
     """Toolbox handlers for the enabled web tools (name -> fn(arg)), sharing one cache."""
     cache = ResponseCache(cache_dir)
     common = {"timeout_s": t.web_timeout_s, "max_bytes": t.web_max_bytes, "cache": cache}

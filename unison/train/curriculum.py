@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from .. import layout
 from ..agents.cluster import Replicas, Workbench, rollouts, workbench_or_replicas
 from ..agents.wiring import enabled_tools
 from ..config import LabelConfig, Params, ParetoConfig
@@ -23,9 +24,9 @@ from ..labeling.judging import label_rows
 from ..protocol import system_prompt
 from .pareto import mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts, split_stages
 
-STUDENT = "models/sft"
-ROLLOUTS = "reports/pareto_rollouts.parquet"
-PLOT = "reports/pareto_front.png"  # not under reports/plots: that folder is the report stage's out
+STUDENT = layout.SFT
+ROLLOUTS = layout.PARETO_ROLLOUTS
+PLOT = layout.PARETO_FRONT  # not under reports/plots: that folder is the report stage's out
 
 
 def student_rollouts(questions: list[dict], k: int, where: Workbench | Replicas, temperature: float, label: LabelConfig) -> list[dict]:

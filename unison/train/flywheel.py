@@ -24,6 +24,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from .. import layout
 from ..agents.wiring import demonstrations, make_toolbox
 from ..config import Params
 from ..data.schemas import LABELED, QUESTION, DataError, atomic_dir, atomic_path, read_table, write_json, write_table
@@ -33,8 +34,8 @@ from ..labeling.metrics import scoring_params, system_metrics
 from ..llm import student_backend, teacher_id
 from .sft import build_examples, select_trajectories, train_sft
 
-FIRST_STUDENT = "models/rl"
-DATA, MODELS = Path("data/flywheel"), Path("models/flywheel")
+FIRST_STUDENT = layout.RL
+DATA, MODELS = Path(layout.FLYWHEEL_DATA), Path(layout.FLYWHEEL)
 KEPT = ("em", "em_lo", "em_hi", "subem", "tokens_per_question")  # per system in a round's row of reports/flywheel.json
 
 
@@ -43,13 +44,13 @@ def cache_dir(params: Params) -> Path:
     h = hashlib.sha256(json.dumps(params.model_dump(include={"seed", "flywheel", "generate", "label", "sft", "evaluate", "llm", "tools"}),
                                   sort_keys=True).encode())
     h.update(demonstrations(params).encode())  # the teacher's worked examples: the file's text, not only its name
-    files = ["data/raw/train.parquet", "data/raw/test.parquet", *sorted(map(str, Path("models/base").glob("*.safetensors"))),
+    files = [layout.RAW_TRAIN, layout.RAW_TEST, *sorted(map(str, Path(layout.BASE).glob("*.safetensors"))),
              *sorted(map(str, Path(FIRST_STUDENT).glob("*.safetensors")))]
     for path in files:
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 h.update(chunk)
-    return Path("data/.cache/flywheel") / h.hexdigest()[:16]
+    return Path(layout.FLYWHEEL_CACHE) / h.hexdigest()[:16]
 
 
 def flat(prefix: str, m: dict) -> dict:
@@ -60,7 +61,7 @@ def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Pa
     """Round k in `work` (trajectories, student, round.json written last as the round's completion mark); its report row."""
     g, e, seed = params.generate, params.evaluate, params.seed
     cfg = params.sft.model_copy(update={"epochs": params.flywheel.sft_epochs or params.sft.epochs})
-    train, test = read_table("data/raw/train.parquet", QUESTION), read_table("data/raw/test.parquet", QUESTION)
+    train, test = read_table(layout.RAW_TRAIN, QUESTION), read_table(layout.RAW_TEST, QUESTION)
     test = test[: e.max_questions or None]
     label, eval_label = params.label, scoring_params(params).label
     print(f"flywheel: round {k}: {teacher_dir} teaches ({g.method}, scaffolded) on {len(train)} train questions", flush=True)
@@ -75,8 +76,8 @@ def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Pa
         raise DataError(work / "train.parquet", f"round {k}: the teacher got no train question right; nothing to distil", field="correct")
     from transformers import AutoTokenizer
 
-    examples, _ = build_examples(AutoTokenizer.from_pretrained("models/base"), chosen, cfg.max_length)
-    records = train_sft("models/base", examples, cfg, str(work / "student"))
+    examples, _ = build_examples(AutoTokenizer.from_pretrained(layout.BASE), chosen, cfg.max_length)
+    records = train_sft(layout.BASE, examples, cfg, str(work / "student"))
     student_rows, student_s = run_judged(student_backend(str(work / "student"), params), str(work / "student"), test, 1,
                                          e.temperature, params, toolbox, False, judge, eval_label)
     gc.collect()
@@ -93,7 +94,7 @@ def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Pa
 def round_zero(params: Params) -> tuple[dict, dict]:
     """(the pipeline's own round from reports/metrics.json: its teacher (when evaluate.teacher ran it) and its RL student,
     the base student's metrics)."""
-    metrics = json.loads(Path("reports/metrics.json").read_text())
+    metrics = json.loads(Path(layout.METRICS).read_text())
     return {"round": 0, "teacher": teacher_id(params), "student": FIRST_STUDENT, **flat("teacher", metrics.get("teacher", {})),
             **flat("student", metrics["rl"])}, flat("base", metrics["base"])
 

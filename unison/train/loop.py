@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from .. import layout
 from ..config import TrainingSettings
 from ..data.schemas import atomic_dir, atomic_path
 
@@ -308,7 +309,7 @@ def run_key(params: dict, files: Iterable[Path]) -> str:
 def checkpoint_path(stage: str, settings: dict, files: Iterable[Path]) -> str:
     """Where a stage's run keeps the checkpoint a re-run after a kill resumes from: data/.cache/<stage>-checkpoint/<key>,
     the key hashing `settings` and the bytes of the input `files` (run_key)."""
-    return f"data/.cache/{stage}-checkpoint/{run_key(settings, files)}"
+    return f"{layout.CACHE}/{stage}-checkpoint/{run_key(settings, files)}"
 
 
 def write_records_csv(records: list[dict], path: str | Path, fields: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .. import layout
 from ..config import AgentFlowConfig, LabelConfig, LLMConfig, RLConfig
 from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
@@ -34,7 +35,7 @@ from .sft import save_model
 def load_rl_data(paths: list[str | Path]) -> list[dict]:
     """RL rows of every stage file (schema RL_ROW), checked beyond types, in curriculum order (stage, then file order)."""
     if not paths:
-        raise DataError("data/rl", "no stage*.parquet files")
+        raise DataError(layout.RL_DATA, "no stage*.parquet files")
     rows = []
     for path in paths:
         for i, r in enumerate(read_table(path, RL_ROW)):
