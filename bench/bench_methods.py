@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.methods.split(","):
         ctx = MethodContext(backend, toolbox, episode_settings(params, g.temperature), teacher=teacher_id(params), scaffold=g.scaffold,
                             params=getattr(g, name, None), role_backends=make_role_backends(params), tools=enabled_tools(params),
-                            protocol=name, demonstrations=demonstrations(params))
+                            taught_by=name, demonstrations=demonstrations(params))
         print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)
         t0 = time.perf_counter()
         rows = label_rows(run_method(name, questions, 1, ctx, g.episodes_in_flight), params.label)

@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
     method_params = getattr(g, args.method, None)
     scaffold = json.loads(args.scaffold) if args.scaffold else g.scaffold
     ctx = MethodContext(backend, toolbox, cfg, teacher="models/teacher", scaffold=scaffold, params=method_params,
-                        tools=enabled_tools(params), protocol=args.method)
+                        tools=enabled_tools(params), taught_by=args.method)
     llm = backend.backend.llm
 
     # warm up once (first-call costs: the sandbox probe, the encoder's first batch, the engine's first step)

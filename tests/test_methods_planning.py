@@ -84,11 +84,11 @@ def check_student(tok, student: list[dict]) -> None:
 
 def check_student_system(student: list[dict], method: str, tag: str) -> None:
     """The rendering's system prompt tells the role tags, and is the one a student of `method` is prompted with after
-    (evaluate, pareto and rl take it from a context with protocol=method); the teacher's own rules are not in it."""
+    (evaluate, pareto and rl take it from a context with taught_by=method); the teacher's own rules are not in it."""
     system = student[0]["content"]
     assert tag in system and system != SYSTEM_PROMPT and "chain of agents" not in system and "'T1: description'" not in system
-    assert system == MethodContext(None, Toolbox(), EpisodeSettings(), "x", protocol=method).system
-    assert MethodContext(None, Toolbox(), EpisodeSettings(), "x", protocol="debate").system == SYSTEM_PROMPT
+    assert system == MethodContext(None, Toolbox(), EpisodeSettings(), "x", taught_by=method).system
+    assert MethodContext(None, Toolbox(), EpisodeSettings(), "x", taught_by="debate").system == SYSTEM_PROMPT
 
 
 def test_plan_parsing_and_topological_levels():

@@ -48,7 +48,7 @@ def system_context(params: Params, backend, toolbox, teacher: bool, model_id: st
     g = params.generate
     return MethodContext(backend, toolbox, episode_settings(params, temperature, top_logprobs), teacher=model_id,
                          scaffold=g.scaffold if teacher else {}, params=getattr(g, g.method, None) if teacher else None,
-                         role_backends=roles or {}, tools=enabled_tools(params), protocol=g.method,
+                         role_backends=roles or {}, tools=enabled_tools(params), taught_by=g.method,
                          demonstrations=demonstrations(params) if teacher else "")
 
 

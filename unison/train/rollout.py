@@ -73,7 +73,7 @@ def planner_rollout(rows: list[dict], group_size: int, backend, roles: dict, too
 
     questions = [{"id": f"rl{seed}/{step}/{k}", "task": "math" if row["ability"] == "math" else "qa",
                   "question": row["extra_info"]["question"], "answers": []} for k, row in enumerate(rows)]
-    ctx = MethodContext(backend, toolbox, cfg, teacher="policy", params=flow, role_backends=roles, tools=tools, protocol="agentflow")
+    ctx = MethodContext(backend, toolbox, cfg, teacher="policy", params=flow, role_backends=roles, tools=tools, taught_by="agentflow")
     episodes, views = [], []
     for f in run_flows(questions, group_size, ctx):
         episodes.append(Episode(key=f"{f.q['id']}/{f.sample}", prompt_ids=[], seed=0, segments=f.segments, tools=tools))

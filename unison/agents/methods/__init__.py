@@ -25,7 +25,7 @@ class MethodContext:
     params: BaseModel | None = None  # the method's own settings (e.g. generate.debate); None = its defaults
     role_backends: dict = field(default_factory=dict)  # role -> backend, for roles with their own model (generate.roles)
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools acting agents may call (the stages pass context.enabled_tools(params))
-    protocol: str = ""  # the teacher method whose students this context prompts (generate.method): their role tags
+    taught_by: str = ""  # the teacher method whose students this context prompts (generate.method): their role tags
     demonstrations: str = ""  # worked examples the acting agents see after the system prompt; never in the student rendering
 
     def __post_init__(self):
@@ -40,7 +40,7 @@ class MethodContext:
     @property
     def system(self) -> str:
         """The student protocol's system prompt for this context's tools and teacher method."""
-        return system_prompt(self.tools, self.protocol)
+        return system_prompt(self.tools, self.taught_by)
 
     def with_demonstrations(self, system: str) -> str:
         """An acting agent's system prompt followed by the teacher's demonstrations (the student learns to act without them:
