@@ -30,6 +30,7 @@ from unison.protocol import DEFAULT_TOOLS, final_answer, observation
 from unison.tools.retrieval import Retriever, build_index, make_retriever
 from unison.tools.search_server import create_app
 from unison.train.rl import load_rl_data, score_episodes
+from unison.train.rollout import View
 from unison.train.verl_reward import compute_score
 from unison.train.verl_tools import CLASS_NAME, run_tool, tool_config
 from unison.train.verl_trainer import write_verl_config
@@ -139,7 +140,7 @@ def test_the_verl_reward_on_verls_call_signature_equals_the_in_house_reward(expo
         ours = [reward_fn(data_source=row["data_source"], solution_str=text, ground_truth=row["reward_model"]["ground_truth"],
                           extra_info=dict(row["extra_info"]), **kwargs) for text in responses]
         episodes = [SimpleNamespace(text=t, answer=final_answer(t)) for t in responses]
-        views = [SimpleNamespace(loss_mask=[1] * len(t)) for t in responses]
+        views = [View([0] * len(t), [1] * len(t), []) for t in responses]
         theirs = score_episodes(episodes, [in_house[qid]], len(responses), views, params.rl, params.label, DEFAULT_TOOLS, step=1)
         assert [r["score"] for r in ours] == theirs["total"]
         assert [r["format"] for r in ours] == theirs["format"] and [r["verifiable"] for r in ours] == theirs["verifiable"]
