@@ -218,8 +218,9 @@ def student_top(tok, text: str, ids: list[int], content: str, entries: list[dict
     log-probs of strings sharing that first token summed: [(student id, log-prob)] best first. Other tokens (inside a
     teacher token, the protocol's own tags, a tool call's arguments, which APIs give no log-probs for) get None. None
     when the tokens do not spell `content` or `ids` do not spell `text`."""
-    import math
     from difflib import SequenceMatcher
+
+    import numpy as np
 
     if "".join(e.get("token", "") for e in entries) != content or not content:
         return None
@@ -243,6 +244,6 @@ def student_top(tok, text: str, ids: list[int], content: str, entries: list[dict
             first = tok(alt.get("token", ""), add_special_tokens=False)["input_ids"][:1]
             if first and isinstance(alt.get("logprob"), (int, float)):
                 lp, old = float(alt["logprob"]), merged.get(first[0])
-                merged[first[0]] = lp if old is None else max(lp, old) + math.log1p(math.exp(-abs(lp - old)))
+                merged[first[0]] = lp if old is None else float(np.logaddexp(lp, old))
         out.append(sorted(merged.items(), key=lambda kv: -kv[1]) or None)
     return out

@@ -389,10 +389,10 @@ class OpenAIBackend:
             self._count("refusals")
         ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # its words, never turn markers
         top = None
-        if s.top_logprobs:
-            entries = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
-            top = student_top(self.tokenizer, text, ids, message_text(message.get("content")) if isinstance(message, dict) else "",
-                              entries) if isinstance(entries, list) and entries else None
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if s.top_logprobs and isinstance(entries, list) and isinstance(message, dict):
+            top = student_top(self.tokenizer, text, ids, message_text(message.get("content")), entries)
             self._count("top_logprob_tokens", sum(t is not None for t in top or []))
         return Completion(self.tokenizer.decode(ids, skip_special_tokens=True), ids, None, finish, stop, error, choice.get("unison_model"),
                           top)

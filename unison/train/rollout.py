@@ -71,8 +71,8 @@ def planner_rollout(rows: list[dict], group_size: int, backend, roles: dict, too
     from ..agents.methods import MethodContext
     from ..agents.methods.agentflow import run_flows
 
-    questions = [{"id": f"rl{seed}/{step}/{k}", "task": "math" if row["ability"] == "math" else "qa",
-                  "question": row["extra_info"]["question"], "answers": []} for k, row in enumerate(rows)]
+    questions = [{"id": f"rl{seed}/{step}/{k}", "task": row["ability"], "question": row["extra_info"]["question"], "answers": []}
+                 for k, row in enumerate(rows)]
     ctx = MethodContext(backend, toolbox, cfg, teacher="policy", params=flow, role_backends=roles, tools=tools, taught_by="agentflow")
     episodes, views = [], []
     for f in run_flows(questions, group_size, ctx):
