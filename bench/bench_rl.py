@@ -25,7 +25,7 @@ def rl_data(n: int) -> list[dict]:
     from unison.train.pareto import rl_rows
     from unison.train.rl import load_rl_data
 
-    paths = sorted(Path("data/rl").glob("stage*.parquet"))
+    paths = sorted(Path("data/rl").glob("level*.parquet"))
     if paths:
         return load_rl_data(paths)
     qs = [q for q in read_table("data/raw/train.parquet", QUESTION) if q["task"] in ("qa", "math")][:n]

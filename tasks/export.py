@@ -30,7 +30,7 @@ def main() -> None:
         write_json(counts, layout.report("export"))
         run.log_metrics(counts)
         print(f"export: {counts['sft_conversations']} SFT conversations ({counts['sft_questions']} questions), "
-              f"{counts['dpo_pairs']} DPO pairs, {counts['rl_prompts']} RL prompts in {counts['rl_stages']} stages -> {OUT}/", flush=True)
+              f"{counts['dpo_pairs']} DPO pairs, {counts['rl_prompts']} RL prompts in {counts['rl_levels']} curriculum levels -> {OUT}/", flush=True)
 
 
 if __name__ == "__main__":

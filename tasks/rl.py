@@ -1,4 +1,4 @@
-"""Stage `rl`: GRPO-family RL of the SFT student on the Pareto-selected prompts (data/rl/stage*.parquet), live rollouts.
+"""Stage `rl`: GRPO-family RL of the SFT student on the Pareto-selected prompts (data/rl/level*.parquet), live rollouts.
 
 A killed run resumes from data/.cache/rl-checkpoint/<key>, the key hashing every setting and input that changes results.
 rl.trainer verl hands the stage to verl's trainer over the export's data/export/verl parquet (unison/train/verl_trainer.py);
@@ -33,7 +33,7 @@ def main() -> None:
     if cfg.student_role == "agentflow_planner":  # the fixed modules and the flow change what the planner learns
         settings |= {"roles": params.generate.roles, "agentflow": params.generate.agentflow.model_dump()}
     with track.stage_run("rl", settings) as run:
-        paths = sorted(Path(layout.RL_DATA).glob("stage*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
+        paths = sorted(Path(layout.RL_DATA).glob("level*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
         prm = None
         if cfg.prm_weight > 0 and is_main_process():  # rank 0 rolls out and scores
@@ -47,7 +47,7 @@ def main() -> None:
         model_dirs = [layout.SFT] + ([layout.PRM] if cfg.prm_weight > 0 else []) + ([layout.TEACHER] if cfg.objective == "opd" else [])
         worked_examples = demonstrations(params) if cfg.objective == "opd" and cfg.teacher_context == "worked_examples" else ""
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
-        print(f"rl: {len(rows)} prompts in {len(paths)} stage file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
+        print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, objective {cfg.objective}, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}"
               + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}" if cfg.student_role == "agentflow_planner" else ""),
               flush=True)
@@ -88,13 +88,13 @@ def main_verl(params) -> None:
     tools = enabled_tools(params)
     settings = {"seed": params.seed, **params.rl.model_dump(), **params.model_dump(include={"llm", "tools", "label", "export"})}
     with track.stage_run("rl", settings) as run:
-        paths = sorted(VERL_DATA.glob("stage*.parquet"))
+        paths = sorted(VERL_DATA.glob("level*.parquet"))
         if not paths:
-            raise FileNotFoundError(f"rl.trainer verl trains on {VERL_DATA}/stage*.parquet: run the export stage first")
+            raise FileNotFoundError(f"rl.trainer verl trains on {VERL_DATA}/level*.parquet: run the export stage first")
         key = run_key(settings, paths + sorted(q for q in Path(layout.SFT).iterdir() if q.is_file()))
         work = VERL_WORK / key
         overrides = write_verl_config(params, [str(p.resolve()) for p in paths], str(Path(layout.SFT).resolve()), work, tools)
-        print(f"rl: verl over {len(paths)} stage file(s), {params.rl.verl_nnodes} node(s) x {params.rl.verl_gpus_per_node} GPUs; "
+        print(f"rl: verl over {len(paths)} level file(s), {params.rl.verl_nnodes} node(s) x {params.rl.verl_gpus_per_node} GPUs; "
               f"config in {work}", flush=True)
         records = run_verl(overrides, work, params.rl.steps, layout.RL)
         write_records_csv(records, CURVE_CSV)

@@ -154,7 +154,7 @@ def test_two_processes_give_the_one_process_rl_curve(tmp_path, monkeypatch, answ
     params["llm"] |= {"max_model_len": 512, "kv_cache_gb": 1}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     shutil.copytree(answerer, tmp_path / "models" / "sft")
-    write_table(make_rows(4, stages=(1,)), tmp_path / "data/rl/stage1.parquet", RL_ROW)
+    write_table(make_rows(4, levels=(1,)), tmp_path / "data/rl/level1.parquet", RL_ROW)
     write_table([{"id": "p0", "title": "Paris", "text": "Paris is the capital of France."}], tmp_path / "corpus.parquet", CORPUS)
     build_index(tmp_path / "corpus.parquet", tmp_path / "data/index", encoder="hash:64")
     enter_project(tmp_path, monkeypatch, tracking_uri, request.node.name)

@@ -66,7 +66,7 @@ def test_full_pipeline_runs_and_reports(project):
     rl = json.loads((project / "reports/rl.json").read_text())
     assert rl["steps"] == 1 and (project / "models/rl/config.json").exists()
     assert (project / "reports/plots/rl_curves.png").stat().st_size > 1000
-    assert list((project / "data/rl").glob("stage*.parquet"))
+    assert list((project / "data/rl").glob("level*.parquet"))
     import pyarrow.parquet as pq
 
     traj = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()

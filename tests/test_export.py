@@ -52,7 +52,7 @@ def labeled_row(qid: str, sample: int, correct: bool, turns: list[tuple[str, str
 @pytest.fixture
 def project(tmp_path, monkeypatch, tiny_model_dir):
     """A project dir as cwd: the repo's params, the student (its tokenizer is what export reads), labeled trajectories,
-    and two curriculum stages of RL prompts written by pareto's own writer; its own MLflow store."""
+    and two curriculum levels of RL prompts written by pareto's own writer; its own MLflow store."""
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     shutil.copytree(tiny_model_dir, tmp_path / "models/base")
     monkeypatch.chdir(tmp_path)
@@ -91,10 +91,10 @@ def test_the_stage_writes_every_format_the_same_bytes_twice_and_keeps_the_last_e
     export.main()
     first = files(project / "data/export")
     assert sorted(first) == ["llamafactory/dataset_info.json", "llamafactory/dpo.jsonl", "llamafactory/sft.jsonl", "trl/sft.jsonl",
-                             "trl/sft_tokenized.jsonl", "verl/stage1.parquet", "verl/stage2.parquet"]
+                             "trl/sft_tokenized.jsonl", "verl/level1.parquet", "verl/level2.parquet"]
     report = json.loads((project / "reports/export.json").read_text())
     train_tokens = report.pop("sft_train_tokens")
-    assert report == {"sft_conversations": 2, "sft_questions": 2, "dpo_pairs": 2, "dpo_questions": 1, "rl_prompts": 3, "rl_stages": 2,
+    assert report == {"sft_conversations": 2, "sft_questions": 2, "dpo_pairs": 2, "dpo_questions": 1, "rl_prompts": 3, "rl_levels": 2,
                       "tools": ["search", "python"]}
     assert train_tokens == sum(sum(json.loads(line)["assistant_masks"]) for line in
                                (project / "data/export/trl/sft_tokenized.jsonl").read_text().splitlines())
@@ -143,9 +143,9 @@ def test_verl_reads_the_rl_parquet_as_its_dataset_and_tool_agent_loop_do(exporte
     (tools_kwargs[name]["create_kwargs"]); agent_name picks the registered loop ("tool_agent")."""
     from datasets import load_dataset
 
-    for stage, n in ((1, 2), (2, 1)):
-        rows = load_dataset("parquet", data_files=str(exported / f"verl/stage{stage}.parquet"))["train"]
-        source = read_table(f"data/rl/stage{stage}.parquet", RL_ROW)
+    for level, n in ((1, 2), (2, 1)):
+        rows = load_dataset("parquet", data_files=str(exported / f"verl/level{level}.parquet"))["train"]
+        source = read_table(f"data/rl/level{level}.parquet", RL_ROW)
         assert len(rows) == len(source) == n
         for row, src in zip(rows, source):
             assert {k: row[k] for k in RL_ROW.names if k != "extra_info"} == {k: src[k] for k in RL_ROW.names if k != "extra_info"}

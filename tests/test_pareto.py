@@ -14,7 +14,7 @@ from unison.train.pareto import (
     rl_rows,
     rollout_groups,
     select_fronts,
-    split_stages,
+    split_levels,
     write_rl_data,
 )
 
@@ -98,12 +98,12 @@ def test_pareto_sample_selects_then_keeps_mixed_outcomes():
     assert [g["question_id"] for g in pareto_sample(GROUPS, 2)] == ["q0"]
 
 
-def test_split_stages_easy_first():
-    # mean correctness 0.5, 0.9, 0.1, 0.7, 0.3 -> order 1, 3, 0, 4, 2; 2 stages of 3 and 2
+def test_split_levels_easy_first():
+    # mean correctness 0.5, 0.9, 0.1, 0.7, 0.3 -> order 1, 3, 0, 4, 2; 2 levels of 3 and 2
     groups = [{"correctness": [c]} for c in (0.5, 0.9, 0.1, 0.7, 0.3)]
-    assert split_stages(groups, 2) == [1, 1, 2, 1, 2]
-    # never more stages than groups
-    assert split_stages(groups[:2], 10) == [2, 1]
+    assert split_levels(groups, 2) == [1, 1, 2, 1, 2]
+    # never more levels than groups
+    assert split_levels(groups[:2], 10) == [2, 1]
 
 
 def test_rollout_groups_from_labeled_rows():
@@ -116,16 +116,16 @@ def test_rollout_groups_from_labeled_rows():
     ]
 
 
-def test_rl_rows_written_per_stage(tmp_path):
+def test_rl_rows_written_per_level(tmp_path):
     questions = {q: {"id": q, "source": "builtin", "task": t, "question": f"Question {q}?", "answers": [f"ans {q}"], "meta": "{}"}
                  for q, t in (("q0", "math"), ("q2", "qa"))}
     kept = pareto_sample(GROUPS, 3)
-    rows = rl_rows(kept, split_stages(kept, 2), questions, system="SYS")
+    rows = rl_rows(kept, split_levels(kept, 2), questions, system="SYS")
     paths = write_rl_data(rows, tmp_path / "rl")
-    assert [p.name for p in paths] == ["stage1.parquet", "stage2.parquet"]
-    # q2 (mean correctness 0.55) is easier than q0 (0.5): q2 is stage 1, q0 stage 2
+    assert [p.name for p in paths] == ["level1.parquet", "level2.parquet"]
+    # q2 (mean correctness 0.55) is easier than q0 (0.5): q2 is level 1, q0 level 2
     back = read_table(paths[0], RL_ROW)
-    assert len(back) == 1 and back[0]["stage"] == 1
+    assert len(back) == 1 and back[0]["level"] == 1
     row = back[0]
     assert row["data_source"] == "builtin" and row["ability"] == "qa"
     assert row["prompt"] == [{"role": "system", "content": "SYS"}, {"role": "user", "content": "Question q2?"}]

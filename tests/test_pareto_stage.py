@@ -25,18 +25,18 @@ def rollouts(groups=GROUPS) -> list[dict]:
 
 
 def params(**over) -> ParetoConfig:
-    return ParetoConfig(**{"k": 4, "counts": 5, "qa_threshold": 0.75, "stages": 2, "min_groups": 0, **over})
+    return ParetoConfig(**{"k": 4, "counts": 5, "qa_threshold": 0.75, "levels": 2, "min_groups": 0, **over})
 
 
 def test_all_mixed_groups_kept_in_pareto_order_and_split_easiest_first(tmp_path):
     rows, groups, m = build_rl(rollouts(), QUESTIONS, params(), system="SYS")
     assert [r["extra_info"]["question_id"] for r in rows] == ["q0", "q1", "q4"]  # q2, q3: unanimous
-    # stages by mean correctness, easiest first: q0 0.5, q1 0.5 -> stage 1; q4 0.25 -> stage 2
-    assert [r["stage"] for r in rows] == [1, 1, 2]
+    # levels by mean correctness, easiest first: q0 0.5, q1 0.5 -> level 1; q4 0.25 -> level 2
+    assert [r["level"] for r in rows] == [1, 1, 2]
     assert [r["extra_info"]["front"] for r in rows] == [0, 1, 1]
     assert [g["chosen"] for g in groups] == [True, True, False, False, True]
     assert m["questions"] == 5 and m["mixed_groups"] == 3 and m["kept_groups"] == 3 and m["fallback_groups"] == 0
-    assert m["kept_stage1"] == 2 and m["kept_stage2"] == 1
+    assert m["kept_level1"] == 2 and m["kept_level2"] == 1
     assert m["student_pass1"] == pytest.approx(9 / 20) and m["student_passk"] == pytest.approx(4 / 5)
     assert m["tool_calls_per_rollout"] == pytest.approx(28 / 20)
     r = rows[0]  # verl's row: system + user prompt, rule reward on the gold answers
@@ -46,10 +46,10 @@ def test_all_mixed_groups_kept_in_pareto_order_and_split_easiest_first(tmp_path)
     assert r["extra_info"]["score_tool"] == 1.25 and r["extra_info"]["score_corr"] == 0.25
     with atomic_dir(tmp_path / "rl") as tmp:
         write_rl_data(rows, tmp)
-    assert sorted(p.name for p in (tmp_path / "rl").iterdir()) == ["stage1.parquet", "stage2.parquet"]
-    table = pq.read_table(tmp_path / "rl" / "stage1.parquet")
+    assert sorted(p.name for p in (tmp_path / "rl").iterdir()) == ["level1.parquet", "level2.parquet"]
+    table = pq.read_table(tmp_path / "rl" / "level1.parquet")
     assert table.column_names[:5] == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
-    assert [r["extra_info"]["question_id"] for r in read_table(tmp_path / "rl" / "stage1.parquet", RL_ROW)] == ["q0", "q1"]
+    assert [r["extra_info"]["question_id"] for r in read_table(tmp_path / "rl" / "level1.parquet", RL_ROW)] == ["q0", "q1"]
 
 
 def test_counts_select_before_the_mixed_filter():

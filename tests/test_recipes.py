@@ -74,7 +74,7 @@ SEED_FACTS = {  # research/seeds.md, section by section
     "afm": {"generate.method": "chain_of_agents", "generate.chain_of_agents.accept_score": 3, "dpo.enabled": True, "dpo.lr": 1e-6,
             "dpo.epochs": 4, "rl.estimator": "grpo", "label.qa_metric": "em", "label.first_only": False, "rl.format_weight": 0.0,
             "tools.search_topk": 3, "index.encoder": "intfloat/e5-base-v2"},
-    "et_agent": {"generate.method": "single", "pareto.k": 8, "pareto.counts": 8000, "pareto.qa_threshold": 0.75, "pareto.stages": 3,
+    "et_agent": {"generate.method": "single", "pareto.k": 8, "pareto.counts": 8000, "pareto.qa_threshold": 0.75, "pareto.levels": 3,
                  "pareto.min_groups": 0, "rl.efficiency_weight": 1.0, "rl.format_weight": 1.0, "rl.verifiable_weight": 1.0,
                  "rl.sigma_tool": 0.2, "rl.sigma_len": 0.5, "rl.sigma_decay": True, "rl.group_size": 16, "rl.kl_coef": 0.0,
                  "sft.lr": 5e-6, "sft.max_length": 10000, "tools.search_topk": 4, "tools.search_max_chars": 1200},

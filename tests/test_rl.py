@@ -19,18 +19,29 @@ from unison.data.schemas import RL_ROW, DataError, write_table
 from unison.protocol import chat_prompt, question_messages
 from unison.train.pareto import rl_rows
 from unison.train.policy_loss import token_logprobs
-from unison.train.rl import RLConfig, batch_loss, build_samples, collate, load_rl_data, logprobs_of, score_episodes, step_prompts, train_rl
+from unison.train.rl import (
+    RLConfig,
+    batch_loss,
+    build_samples,
+    collate,
+    load_rl_data,
+    logprobs_of,
+    needs_old_logp,
+    score_episodes,
+    step_prompts,
+    train_rl,
+)
 from unison.train.rollout import episode_view
 
 LABEL = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
 QUESTION = "What is the capital of France?"
 
 
-def make_rows(n: int = 2, stages=(1, 2)) -> list[dict]:
+def make_rows(n: int = 2, levels=(1, 2)) -> list[dict]:
     groups = [{"question_id": f"q{i}", "task": "qa", "tool_calls": [0, 1], "correctness": [0.0, 1.0], "score_tool": 0.25,
                "score_corr": 0.25, "front": 0, "crowding": 1.0} for i in range(n)]
     questions = {f"q{i}": {"id": f"q{i}", "source": "test", "task": "qa", "question": QUESTION, "answers": ["Paris"]} for i in range(n)}
-    return rl_rows(groups, [stages[i % len(stages)] for i in range(n)], questions)
+    return rl_rows(groups, [levels[i % len(levels)] for i in range(n)], questions)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +163,14 @@ def test_tool_observations_get_no_gradient_but_later_tokens_keep_the_advantage()
     assert grad[[0, 1, 4, 5, 6]].tolist() == [0, 0, 0, 0, 0]  # prompt and observation targets: no gradient
     assert (grad[[2, 3, 7, 8]] > 0).all()  # sampled tokens before and after the observation both learn
     assert (logits.grad[1, 4:] == 0).all() and (logits.grad[1, 2:4] != 0).any()  # the second row's padding never counts
+    # one update per step (needs_old_logp false): no old_logp in the batch, the loss's own log-probs stand in, detached
+    on_policy = logits.detach().clone().requires_grad_(True)
+    loss_without, metrics = batch_loss(on_policy[:, :-1], {k: v for k, v in batch.items() if k != "old_logp"}, rl_config())
+    loss_without.backward()
+    assert loss_without.item() == pytest.approx(loss.item(), abs=1e-7) and metrics["approx_kl"] == 0.0
+    assert torch.allclose(on_policy.grad, logits.grad, atol=1e-7)
+    assert not needs_old_logp(rl_config()) and needs_old_logp(rl_config(ppo_epochs=2)) and needs_old_logp(rl_config(mini_batches=2))
+    assert needs_old_logp(rl_config(objective="opd"))
 
 
 def test_padding_never_counts(tiny_model_dir):
@@ -223,7 +242,7 @@ def test_dynamic_sampling_refills_until_enough_groups_keep_a_reward_spread(answe
     assert rounds > 1 and len(episodes) == 4 * rounds and len(seen) == 2 * rounds  # this seed's first batch keeps < 2 groups
     assert sum(spread[:-2]) < 2 and (sum(spread) >= 2 or rounds == 5)  # refilled only while short, stopped when enough
     assert len(samples) == 2 * min(2, sum(spread)) and kept == pytest.approx(sum(spread) / (2 * rounds))  # trimmed to 2 groups
-    assert [r["stage"] for r in seen] == [r["stage"] for r in step_prompts(rows, 0, 2 * rounds, seed=0)]  # curriculum order
+    assert [r["level"] for r in seen] == [r["level"] for r in step_prompts(rows, 0, 2 * rounds, seed=0)]  # curriculum order
     assert collect(max_refills=0)[5] == 1
 
 
@@ -262,18 +281,18 @@ def test_rewards_are_combined_as_configured(tiny_model_dir):
 
 
 def test_curriculum_takes_stage_one_first():
-    rows = make_rows(6, stages=(2, 1, 3))
+    rows = make_rows(6, levels=(2, 1, 3))
     first = step_prompts(rows, 0, 2, seed=0) + step_prompts(rows, 2, 2, seed=0) + step_prompts(rows, 4, 2, seed=0)
-    assert [r["stage"] for r in first] == [1, 1, 2, 2, 3, 3] and first == step_prompts(rows, 0, 6, seed=0)
+    assert [r["level"] for r in first] == [1, 1, 2, 2, 3, 3] and first == step_prompts(rows, 0, 6, seed=0)
     assert sorted(map(id, step_prompts(rows, 6, 6, seed=0))) == sorted(map(id, first))
 
 
 def test_bad_rl_data_names_file_row_and_field(tmp_path):
     rows = make_rows(3)
-    path = tmp_path / "stage1.parquet"
+    path = tmp_path / "level1.parquet"
     rows[2]["reward_model"] = {"ground_truth": [], "style": "rule"}
     write_table(rows, path, RL_ROW)
-    with pytest.raises(DataError, match=r"stage1.parquet, row 2, field 'reward_model'"):
+    with pytest.raises(DataError, match=r"level1.parquet, row 2, field 'reward_model'"):
         load_rl_data([path])
     rows = make_rows(2)
     rows[1]["ability"] = "poetry"
@@ -281,7 +300,7 @@ def test_bad_rl_data_names_file_row_and_field(tmp_path):
     with pytest.raises(DataError, match=r"row 1, field 'ability'"):
         load_rl_data([path])
     pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "x"}]]}), path)
-    with pytest.raises(DataError, match=r"stage1.parquet.*missing column"):
+    with pytest.raises(DataError, match=r"level1.parquet.*missing column"):
         load_rl_data([path])
-    with pytest.raises(DataError, match="no stage"):
+    with pytest.raises(DataError, match="no level"):
         load_rl_data([])

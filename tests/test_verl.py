@@ -67,7 +67,7 @@ def parsed(overrides: list[str]) -> dict:
 
 def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_cannot_do(exported):
     params = verl_params(exported.parent.parent, verl_nnodes=2, verl_gpus_per_node=4, estimator="dr_grpo", kl_coef=0.001)
-    files = [str(p) for p in sorted((exported / "verl").glob("stage*.parquet"))]
+    files = [str(p) for p in sorted((exported / "verl").glob("level*.parquet"))]
     overrides = parsed(write_verl_config(params, files, "models/sft", "work", DEFAULT_TOOLS))
     unknown = [k for k in overrides if not k.startswith("+") and k not in VERL_KEYS]
     assert not unknown, f"keys verl 0.9.1 does not have: {unknown}"
@@ -124,10 +124,10 @@ def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_canno
 
 def test_the_verl_reward_on_verls_call_signature_equals_the_in_house_reward(exported):
     params = verl_params(exported.parent.parent)
-    files = [str(p) for p in sorted((exported / "verl").glob("stage*.parquet"))]
+    files = [str(p) for p in sorted((exported / "verl").glob("level*.parquet"))]
     kwargs = parsed(write_verl_config(params, files, "models/sft", "work", DEFAULT_TOOLS))["+reward.custom_reward_function.reward_kwargs"]
     verl_rows = {r["extra_info"]["question_id"]: r for r in datasets.load_dataset("parquet", data_files=files)["train"]}  # RLHFDataset
-    in_house = {r["extra_info"]["question_id"]: r for r in load_rl_data(sorted(Path("data/rl").glob("stage*.parquet")))}
+    in_house = {r["extra_info"]["question_id"]: r for r in load_rl_data(sorted(Path("data/rl").glob("level*.parquet")))}
     reward_fn = compute_score
     if VERL:  # through verl's own loader, reward_kwargs merged as verl merges them
         from verl.trainer.ppo.reward import get_custom_reward_fn

@@ -125,7 +125,7 @@ class BuiltinWorldConfig(Section):
     n_orgs: int = Field(30)
     n_cities: int = Field(24)
     n_countries: int = Field(8)
-    train_size: int = Field(100)
+    train_size: int = Field(50, description='the demo: 50 (issue 24: a 20-minute demo on a 2-core AVX2 CPU)')
     test_size: int = Field(200, description='>= 200, so a 95% interval is narrow enough to tell systems apart')
     mix: dict[str, float] = Field(default_factory=lambda: {'hop1': 0.5, 'hop2': 0.25, 'math': 0.25})
 
@@ -237,7 +237,7 @@ class ToolsConfig(Section):
 
 
 class SelfConsistencyConfig(Section):
-    samples: int = Field(5)
+    samples: int = Field(3, description='paths (AgentArk parallel_num: 5, the agentark recipe sets it; the demo takes 3 for its time budget)')
     aggregator: Literal['vote', 'llm'] = Field('vote', description="vote (free-form majority) | llm (AgentArk's aggregator prompt)")
 
 
@@ -283,7 +283,7 @@ class GAPConfig(Section):
 class GenerateConfig(Section):
     method: Literal['single', 'self_consistency', 'debate', 'dylan', 'agentverse', 'mav', 'chain_of_agents', 'agentflow', 'gap'] = Field('self_consistency', description='single | self_consistency | debate | dylan | agentverse | mav | chain_of_agents | agentflow | gap  (defaults below from the seed systems, research/seeds.md)')
     samples: int = Field(1)
-    temperature: float = Field(0.3, description='the demo teacher (5 paths + vote, with worked examples): 11% EM at 0.3 on 100 test questions; debate at 0.7 got 3% (README Results)')
+    temperature: float = Field(0.3, description='the demo teacher (paths + vote, with worked examples; README Results); debate at 0.7 got 3%')
     top_p: float = Field(1.0, description='< 1 costs ~20% of decode time on CPU (vLLM sorts the vocabulary per request)')
     max_turns: int = Field(4)
     max_tokens_per_turn: int = Field(96)
@@ -295,7 +295,7 @@ class GenerateConfig(Section):
     topk: int = Field(0, ge=0, le=64, description="> 0: the teacher's top-k log-probs at every trajectory's assistant tokens are kept (data/trajectories/teacher_topk.parquet) for sft.kd_weight: a local or /completions teacher scores the trajectories; a chat API teacher returns its top_logprobs as it generates (at most 20); 0 = none")
     episodes_in_flight: int = Field(256, description='episodes (agents x samples of all running questions) the engine works on at once; each question is a flow of its own and the next starts whenever fewer are live (generate, evaluate, pareto). vLLM runs up to max_num_seqs (256 on CPU, 1024 on an H100) at once')
     roles: dict[str, dict] = Field(default_factory=dict, description='role -> its own model, e.g. {aggregator: {model: Qwen/Qwen2.5-7B-Instruct, backend: openai, base_url: "http://127.0.0.1:8000/v1"}}; other keys override the teacher\'s llm.*; {} = every role on the teacher')
-    self_consistency: SelfConsistencyConfig = Field(default_factory=SelfConsistencyConfig, description='AgentArk self_consistency: parallel_num 5, then an aggregator')
+    self_consistency: SelfConsistencyConfig = Field(default_factory=SelfConsistencyConfig, description='AgentArk self_consistency: parallel paths, then an aggregator')
     debate: DebateConfig = Field(default_factory=DebateConfig, description='AgentArk llm_debate')
     dylan: DylanConfig = Field(default_factory=DylanConfig, description='AgentArk DyLAN: 4 agents, 3 rounds, listwise top-2 from round 3, 2/3 consensus exit')
     agentverse: AgentVerseConfig = Field(default_factory=AgentVerseConfig, description='AgentArk AgentVerse: 2 agents (solver + critic), 3 turns, up to 3 critique rounds')
@@ -352,7 +352,7 @@ class PRMConfig(TrainingSettings):
     enabled: bool = Field(False, description='false = models/prm holds a marker only (then evaluate.rerank_samples 1, rl.prm_weight 0)')
     separator: str = Field('\n', description='TRL/AgentArk step separator')
     freeze_backbone: bool = Field(False, description='AgentArk fix_llm: train only the head')
-    epochs: int = Field(1, description="the demo's 100 trajectories: ~13 steps x 10 s on 2 cores")
+    epochs: int = Field(1, description="passes over the trajectories (batch_size 8: ~10 s a step on 2 cores)")
     batch_size: int = Field(8)
     max_length: int = Field(1024, description='training examples are cut here (steps past it lose their labels)')
     eval_fraction: float = Field(0.2, description='held-out share of questions (split by question id) for reports/prm.json')
@@ -364,11 +364,11 @@ class SFTConfig(TrainingSettings):
     lora: bool = Field(False)
     lora_r: int = Field(16)
     lora_alpha: int = Field(32)
-    epochs: int = Field(4, description="the demo's ~20 correct teacher trajectories: ~24 optimizer steps")
+    epochs: int = Field(4, description="passes over the correct teacher trajectories (the demo: ~10, ~12 optimiser steps)")
     batch_size: int = Field(4)
     grad_accum: int = Field(1, ge=1, description='micro-batches per optimiser step (with DeepSpeed: its gradient accumulation)')
     max_length: int = Field(768)
-    warmup_ratio: float = Field(0.05, ge=0.0, le=1.0, description="1 of the demo's 24 steps")
+    warmup_ratio: float = Field(0.05, ge=0.0, le=1.0, description="share of the optimiser steps with a linear warm-up (the demo: its first step)")
     packing: bool = Field(False, description='true = several examples per row of up to max_length (positions restart, attention never crosses examples; same token-mean loss), fewer pad tokens')
     kd_weight: float = Field(0.0, ge=0.0, description="> 0: logit distillation, loss = cross-entropy + kd_weight x divergence from the teacher's top-k (needs generate.topk > 0)")
     kd_loss: Literal['forward_kl', 'jsd'] = Field('forward_kl', description="forward_kl (teacher || student) | jsd, both over the teacher's top-k tokens renormalised")
@@ -379,7 +379,7 @@ class ParetoConfig(Section):
     temperature: float = Field(0.7, description='ET-Agent: 1.0; the demo student at 1.0: pass@1 1%, 4 mixed groups of 100; at 0.7: 10%, 30')
     counts: int = Field(64, description='groups taken by Pareto front + crowding before the mixed-outcome filter (ET-Agent: 8000)')
     qa_threshold: float = Field(0.75, description="a QA rollout counts as solved at this score (ET-Agent's post-filter)")
-    stages: int = Field(2, description='curriculum stages for rl, easiest (highest mean correctness) first')
+    levels: int = Field(2, description='curriculum levels for rl, easiest (highest mean correctness) first')
     min_groups: int = Field(8, description='fewer mixed groups -> top up with Pareto-selected unmixed ones; 0 = none (then none mixed = error)')
     max_questions: int = Field(0, description='0 = the whole train split')
 
@@ -422,11 +422,11 @@ class RLConfig(TrainingSettings):
     estimator: Literal['grpo', 'dr_grpo', 'rloo', 'flow_grpo'] = Field('grpo', description='grpo | dr_grpo | rloo | flow_grpo (AgentFlow: every assistant turn a sample with the final reward)')
     student_role: Literal['agent', 'agentflow_planner'] = Field('agent', description="agent = the student acts alone in each rollout | agentflow_planner = the student is the planner of AgentFlow's flow (generate.agentflow): its analysis and each step's sub-goal and tool are its turns, the only tokens in the loss; generate.roles' executor, verifier and generator, fixed modules (e.g. a chat API), do the rest (needs estimator flow_grpo)")
     group_size: int = Field(4, description='rollouts per prompt (seeds: 8)')
-    prompts_per_step: int = Field(4, description='curriculum: data/rl stage 1 prompts first, then stage 2, ...')
-    steps: int = Field(4)
-    lr: float = Field(1e-05, description="the demo's 135M student over 4 steps; GAP/AgentFlow 1e-6, AgentArk 5e-7 at 3-7B")
+    prompts_per_step: int = Field(4, description='curriculum: data/rl level 1 prompts first, then level 2, ...')
+    steps: int = Field(2, description='optimiser steps (the demo: 2; RL moved the demo\'s EM by 0.5 points in 4)')
+    lr: float = Field(1e-05, description="the demo's 135M student over 2 steps; GAP/AgentFlow 1e-6, AgentArk 5e-7 at 3-7B")
     schedule: Literal['linear', 'constant'] = Field('constant')
-    warmup_ratio: float = Field(0.75, ge=0.0, le=1.0, description="the demo's first 3 of 4 steps")
+    warmup_ratio: float = Field(0.5, ge=0.0, le=1.0, description="the demo's first of 2 steps")
     weight_decay: float = Field(0.1, ge=0.0)
     clip_low: float = Field(0.2, description='DAPO clip-higher: 0.2 / 0.28')
     clip_high: float = Field(0.28)

@@ -6,7 +6,7 @@
     data/export/trl/sft.jsonl                    {messages: [{role, content}]}: system, user, assistant, tool, assistant, ...
     data/export/trl/sft_tokenized.jsonl          {input_ids, assistant_masks}: sft's token views under the student's
                                                  tokenizer, the mask 1 where sft trains (what TRL's SFTTrainer trains)
-    data/export/verl/stage<k>.parquet            data/rl's rows + agent_name and extra_info.{ability, need_tools_kwargs, tools_kwargs}
+    data/export/verl/level<k>.parquet            data/rl's rows + agent_name and extra_info.{ability, need_tools_kwargs, tools_kwargs}
 
 The conversations are the student renderings `sft` trains on (sft.select_trajectories, same settings), with the same
 system prompt and the same tool protocol: tool calls stay the tags the student writes (<search>q</search>), each
@@ -111,10 +111,10 @@ def verl_rows(rows: list[dict], tools: tuple[str, ...], agent: str) -> list[dict
 
 
 def read_rl_prompts(rl_dir: str | Path) -> list[dict]:
-    """Every row of `rl_dir`/stage*.parquet (schema RL_ROW)."""
-    paths = sorted(Path(rl_dir).glob("stage*.parquet"))
+    """Every row of `rl_dir`/level*.parquet (schema RL_ROW)."""
+    paths = sorted(Path(rl_dir).glob("level*.parquet"))
     if not paths:
-        raise DataError(rl_dir, "no stage*.parquet files (run the pareto stage)")
+        raise DataError(rl_dir, "no level*.parquet files (run the pareto stage)")
     return [r for p in paths for r in read_table(p, RL_ROW)]
 
 
@@ -134,10 +134,10 @@ def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], param
     write_jsonl([{"messages": chat(r, path)} for r in chosen], out / "trl/sft.jsonl")
     examples, _ = build_examples(tok, chosen, params.sft.max_length)
     write_jsonl([{"input_ids": ids, "assistant_masks": mask} for ids, mask in examples], out / "trl/sft_tokenized.jsonl")
-    stages = sorted({r["stage"] for r in rl})
-    for stage in stages:
-        write_table(verl_rows([r for r in rl if r["stage"] == stage], tools, params.export.verl_agent),
-                    out / f"verl/stage{stage}.parquet", verl_schema(tools))
+    levels = sorted({r["level"] for r in rl})
+    for level in levels:
+        write_table(verl_rows([r for r in rl if r["level"] == level], tools, params.export.verl_agent),
+                    out / f"verl/level{level}.parquet", verl_schema(tools))
     return {"sft_conversations": len(chosen), "sft_questions": len({r["question_id"] for r in chosen}),
             "sft_train_tokens": sum(sum(mask) for _, mask in examples), "dpo_pairs": len(pairs), "dpo_questions": len({c["question_id"] for c, _ in pairs}),
-            "rl_prompts": len(rl), "rl_stages": len(stages), "tools": list(tools)}
+            "rl_prompts": len(rl), "rl_levels": len(levels), "tools": list(tools)}

@@ -87,7 +87,7 @@ LABELED = pa.schema(
     ]
 )
 
-# One RL prompt (`data/rl/stage*.parquet`, written by `pareto`): verl's row layout plus the curriculum stage.
+# One RL prompt (`data/rl/level*.parquet`, written by `pareto`): verl's row layout plus the curriculum level.
 RL_ROW = pa.schema(
     [
         ("data_source", pa.string()),
@@ -99,7 +99,7 @@ RL_ROW = pa.schema(
             ("score_tool", pa.float64()), ("score_corr", pa.float64()), ("front", pa.int32()),
             ("crowding", pa.float64()), ("mean_correctness", pa.float64()),
         ])),
-        ("stage", pa.int32()),
+        ("level", pa.int32()),
     ]
 )
 

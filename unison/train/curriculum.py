@@ -3,8 +3,8 @@ prompts.
 
 The student runs as in `evaluate` (method `single`, unscaffolded, real tools, the batched runtime) but samples at
 `pareto.temperature`. Its labeled rollouts become one group per question (pareto.py); `pareto.counts` groups
-are taken by Pareto rank and crowding and those with mixed outcomes kept, easiest first split into `pareto.stages`
-curriculum stages, and written as verl parquet under data/rl/ (one DVC out, swapped in atomically).
+are taken by Pareto rank and crowding and those with mixed outcomes kept, easiest first split into `pareto.levels`
+curriculum levels, and written as verl parquet under data/rl/ (one DVC out, swapped in atomically).
 
 Fallback: a weak student can leave few groups with mixed outcomes. When fewer than `pareto.min_groups` are kept, the
 Pareto-selected groups without mixed outcomes are added in selection order until there are `min_groups`, so `rl` still
@@ -22,7 +22,7 @@ from ..config import LabelConfig, Params, ParetoConfig
 from ..data.schemas import LABELED, DataError, atomic_path, write_table
 from ..labeling.judging import label_rows
 from ..protocol import system_prompt
-from .pareto import mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts, split_stages
+from .pareto import mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts, split_levels
 
 STUDENT = layout.SFT
 ROLLOUTS = layout.PARETO_ROLLOUTS
@@ -54,9 +54,9 @@ def build_rl(rollouts: list[dict], questions: list[dict], p: ParetoConfig, syste
     if not kept:
         raise DataError(path, f"no question of {len(groups)} has mixed outcomes over its {p.k} rollouts "
                         "(all right or all wrong); raise pareto.k or pareto.temperature, or set pareto.min_groups > 0", field="score")
-    stages = split_stages(kept, p.stages)
+    levels = split_levels(kept, p.levels)
     by_id = {q["id"]: q for q in questions}
-    rows = rl_rows(kept, stages, by_id, system)
+    rows = rl_rows(kept, levels, by_id, system)
     chosen = {g["question_id"] for g in kept}
     for g in groups:
         g["score_tool"], g["score_corr"] = objectives(g["tool_calls"], g["correctness"])
@@ -65,7 +65,7 @@ def build_rl(rollouts: list[dict], questions: list[dict], p: ParetoConfig, syste
     metrics = {"questions": len(groups), "rollouts": n, "k": p.k,
                "mixed_groups": sum(mixed_outcome(g["correctness"], g["task"], p.qa_threshold) for g in groups),
                "kept_groups": len(kept), "fallback_groups": filled,
-               **{f"kept_stage{s}": stages.count(s) for s in sorted(set(stages))},
+               **{f"kept_level{s}": levels.count(s) for s in sorted(set(levels))},
                "student_pass1": sum(r["correct"] for r in rollouts) / n,
                "student_passk": len({r["question_id"] for r in rollouts if r["correct"]}) / len(groups),
                "tool_calls_per_rollout": sum(r["n_tool_calls"] for r in rollouts) / n,

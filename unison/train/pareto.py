@@ -3,7 +3,7 @@
 A group is one question's K rollouts by the current student: their tool-call counts and correctness scores. Each group
 gets two objectives, both maximised: the population variance of its tool-call counts and of its correctness. Groups
 are ranked by NSGA-II non-dominated sorting and taken front by front until `counts` are chosen; the front that
-overflows is cut by crowding distance. The chosen groups with mixed outcomes become RL prompts, split into stages.
+overflows is cut by crowding distance. The chosen groups with mixed outcomes become RL prompts, split into curriculum levels.
 """
 from __future__ import annotations
 
@@ -115,28 +115,28 @@ def pareto_sample(groups: list[dict], counts: int, threshold: float = QA_THRESHO
     return kept
 
 
-def split_stages(groups: list[dict], n_stages: int) -> list[int]:
-    """Curriculum stage (1-based) of each group: easiest first by mean correctness, then equal consecutive chunks.
+def split_levels(groups: list[dict], n_levels: int) -> list[int]:
+    """Curriculum level (1-based) of each group: easiest first by mean correctness, then equal consecutive chunks.
 
-    The seeds give no rule (ET-Agent re-samples each stage with the newer policy), so difficulty decides; the first
-    len % n chunks get one group more; never more stages than groups.
+    The seeds give no rule (ET-Agent re-samples each of its curriculum stages with the newer policy), so difficulty
+    decides; the first len % n chunks get one group more; never more levels than groups.
     """
-    n = max(1, min(n_stages, len(groups)))
+    n = max(1, min(n_levels, len(groups)))
     order = sorted(range(len(groups)), key=lambda i: -sum(groups[i]["correctness"]) / max(1, len(groups[i]["correctness"])))
     size, extra = divmod(len(groups), n)
-    stage, start = [0] * len(groups), 0
+    level, start = [0] * len(groups), 0
     for s in range(n):
         end = start + size + (s < extra)
         for i in order[start:end]:
-            stage[i] = s + 1
+            level[i] = s + 1
         start = end
-    return stage
+    return level
 
 
-def rl_rows(groups: list[dict], stages: list[int], questions: dict[str, dict], system: str | None = SYSTEM_PROMPT) -> list[dict]:
-    """verl-compatible RL rows (data_source, prompt, ability, reward_model{ground_truth, style}, extra_info) + stage."""
+def rl_rows(groups: list[dict], levels: list[int], questions: dict[str, dict], system: str | None = SYSTEM_PROMPT) -> list[dict]:
+    """verl-compatible RL rows (data_source, prompt, ability, reward_model{ground_truth, style}, extra_info) + the curriculum level."""
     rows = []
-    for index, (g, stage) in enumerate(zip(groups, stages)):
+    for index, (g, level) in enumerate(zip(groups, levels)):
         q = questions[g["question_id"]]
         rows.append({
             "data_source": q["source"],
@@ -147,16 +147,16 @@ def rl_rows(groups: list[dict], stages: list[int], questions: dict[str, dict], s
                            "score_tool": g["score_tool"], "score_corr": g["score_corr"], "front": g["front"],
                            "crowding": g["crowding"],
                            "mean_correctness": sum(g["correctness"]) / max(1, len(g["correctness"]))},
-            "stage": stage,
+            "level": level,
         })
     return rows
 
 
 def write_rl_data(rows: list[dict], out_dir: str | Path) -> list[Path]:
-    """Write rows as `stage{k}.parquet` under `out_dir`, one file per stage present (atomic, schema RL_ROW)."""
+    """Write rows as `level{k}.parquet` under `out_dir`, one file per curriculum level present (atomic, schema RL_ROW)."""
     paths = []
-    for stage in sorted({r["stage"] for r in rows}):
-        path = Path(out_dir) / f"stage{stage}.parquet"
-        write_table([r for r in rows if r["stage"] == stage], path, RL_ROW)
+    for level in sorted({r["level"] for r in rows}):
+        path = Path(out_dir) / f"level{level}.parquet"
+        write_table([r for r in rows if r["level"] == level], path, RL_ROW)
         paths.append(path)
     return paths

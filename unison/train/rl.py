@@ -1,6 +1,6 @@
 """RL: the GRPO family on multi-turn tool rollouts with the live policy (DESIGN §7; research/seeds.md §1.5, §3.5, §4.5, §5.2).
 
-One step: take the next prompts of the curriculum (stage 1 rows first), roll out `group_size` episodes per prompt with
+One step: take the next prompts of the curriculum (level 1 rows first), roll out `group_size` episodes per prompt with
 the current policy and real tools, score every reward component, drop groups whose rewards are all equal and roll out
 the next prompts while too few are kept (DAPO dynamic sampling), turn rewards into group-relative advantages, then
 PPO-style epochs of the clipped token-level loss (old log-probs from the policy before the update, optional k3 KL to
@@ -33,9 +33,9 @@ from .sft import save_model
 # ------------------------------------------------------------------------------------------------------------ data
 
 def load_rl_data(paths: list[str | Path]) -> list[dict]:
-    """RL rows of every stage file (schema RL_ROW), checked beyond types, in curriculum order (stage, then file order)."""
+    """RL rows of every level file (schema RL_ROW), checked beyond types, in curriculum order (level, then file order)."""
     if not paths:
-        raise DataError(layout.RL_DATA, "no stage*.parquet files")
+        raise DataError(layout.RL_DATA, "no level*.parquet files")
     rows = []
     for path in paths:
         for i, r in enumerate(read_table(path, RL_ROW)):
@@ -45,19 +45,19 @@ def load_rl_data(paths: list[str | Path]) -> list[dict]:
                 raise DataError(path, "no ground-truth answers", i, "reward_model")
             if r["ability"] not in SCORERS:
                 raise DataError(path, f"ability must be one of {sorted(SCORERS)} (a judged task), got {r['ability']!r}", i, "ability")
-            if r["stage"] < 1:
-                raise DataError(path, f"stage must be >= 1, got {r['stage']}", i, "stage")
+            if r["level"] < 1:
+                raise DataError(path, f"level must be >= 1, got {r['level']}", i, "level")
             rows.append(r)
-    return sorted(rows, key=lambda r: r["stage"])
+    return sorted(rows, key=lambda r: r["level"])
 
 
 def step_prompts(rows: list[dict], start: int, n: int, seed: int) -> list[dict]:
-    """Prompts `start`..`start+n-1` of the curriculum: a pass is stage 1 rows (shuffled), then stage 2, ...; passes repeat."""
+    """Prompts `start`..`start+n-1` of the curriculum: a pass is level 1 rows (shuffled), then level 2, ...; passes repeat."""
     out = []
     for pos in range(start, start + n):
         epoch, i = divmod(pos, len(rows))
         rng = random.Random(f"{seed}/{epoch}")
-        order = sorted(range(len(rows)), key=lambda k: (rows[k]["stage"], rng.random()))
+        order = sorted(range(len(rows)), key=lambda k: (rows[k]["level"], rng.random()))
         out.append(rows[order[i]])
     return out
 
@@ -186,8 +186,16 @@ def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, t
 def batch_loss(logits: torch.Tensor, batch: dict, cfg: RLConfig, max_len: int | None = None) -> tuple[torch.Tensor, dict]:
     """policy_loss of a collated batch from its (scaled) logits: clipped PG on loss_mask tokens, + k3 KL if configured."""
     logp = token_logprobs(logits, batch["input_ids"][:, 1:])
-    return policy_loss(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], cfg.clip_low, cfg.clip_high,
+    old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()  # one update: the sampling policy is this one
+    return policy_loss(logp, old_logp, batch["advantages"], batch["loss_mask"], cfg.clip_low, cfg.clip_high,
                        cfg.dual_clip, batch.get("ref_logp"), cfg.kl_coef, cfg.loss_agg, max_len, logits=logits)
+
+
+def needs_old_logp(cfg: RLConfig) -> bool:
+    """Whether the loss needs the sampling policy's log-probs from a forward pass of their own. With one update per step
+    (one PPO epoch, one mini-batch) and no teacher term, the policy being trained is the one that sampled, so rho = 1 and
+    its log-probs are the loss's own, detached (TRL's num_iterations == 1): a quarter of the step's compute saved."""
+    return cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.objective == "opd"
 
 
 @torch.no_grad()
@@ -274,7 +282,8 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         if sleeps:
             backend.sleep()
         if samples:
-            attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision)
+            if needs_old_logp(cfg):
+                attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision)
             if cfg.objective == "opd":
                 t_teacher = time.perf_counter()
                 metrics |= add_teacher_advantages(samples, *trainer.from_main(teacher_logps(teacher, samples, tok, worked_examples) if trainer.is_main else None))
@@ -340,7 +349,7 @@ def step_record(step: int, rows, episodes, rewards: dict, metrics: dict, kept_fr
     """One row of reports/rl_curve.csv: reward components, behaviour, loss terms, timings."""
     n = len(episodes)
     mean = lambda xs: sum(xs) / max(1, len(xs))
-    rec = {"step": step, "stage": mean([r["stage"] for r in rows]), "episodes": n, "samples": n_samples,
+    rec = {"step": step, "level": mean([r["level"] for r in rows]), "episodes": n, "samples": n_samples,
            "reward_total": mean(rewards["total"]), "reward_verifiable": mean(rewards["verifiable"]),
            "reward_format": mean(rewards["format"]), "reward_efficiency": mean(rewards["efficiency"]),
            "reward_prm": mean([mean(s) for s in rewards["prm_steps"]]) if "prm_steps" in rewards else 0.0,
