@@ -47,15 +47,15 @@ def main(argv: list[str] | None = None) -> dict:
     from unison.llm import teacher_backend, teacher_id
 
     params = load_params()
-    g = params.generate
+    g, systems = params.generate, params.system_settings()
     questions = read_table(f"data/raw/{args.split}.parquet", QUESTION)[: args.questions]
-    backend = teacher_backend(params)
-    toolbox = make_toolbox(params)
+    backend = teacher_backend(systems)
+    toolbox = make_toolbox(params.tools)
     figures = {}
     for name in args.methods.split(","):
-        ctx = MethodContext(backend, toolbox, episode_settings(params, g.temperature), teacher=teacher_id(params), scaffold=g.scaffold,
-                            params=getattr(g, name, None), role_backends=make_role_backends(params), tools=enabled_tools(params),
-                            taught_by=name, demonstrations=demonstrations(params))
+        ctx = MethodContext(backend, toolbox, episode_settings(g, params.llm.max_model_len, g.temperature), teacher=teacher_id(systems),
+                            scaffold=g.scaffold, params=getattr(g, name, None), role_backends=make_role_backends(g.roles, systems.teacher_engine, params.seed),
+                            tools=enabled_tools(params.tools), taught_by=name, demonstrations=demonstrations(g))
         print(f"bench_methods: {name} on {len(questions)} {args.split} questions", flush=True)
         t0 = time.perf_counter()
         rows = label_rows(run_method(name, questions, 1, ctx, g.episodes_in_flight), params.label)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = format_table(figures)
     print(table)
     TABLE.parent.mkdir(parents=True, exist_ok=True)
-    TABLE.write_text(f"{len(questions)} {args.split} questions of the demo benchmark, teacher = {teacher_id(params)} with the scaffold, "
+    TABLE.write_text(f"{len(questions)} {args.split} questions of the demo benchmark, teacher = {teacher_id(systems)} with the scaffold, "
                      f"temperature {g.temperature}\n\n{table}\n")
     save_report({"split": args.split, "questions": len(questions), "git_commit": git_commit(), "methods": figures}, key="methods")
     return figures

@@ -113,7 +113,7 @@ def timed_generate(params, questions: list[dict], shards: Path) -> tuple[list[di
     from unison.agents.generation import generate_trajectories
 
     t0 = time.perf_counter()
-    rows, _ = generate_trajectories(params, questions, shards)
+    rows, _ = generate_trajectories(params.system_settings(), params.cluster, questions, shards)
     wall = time.perf_counter() - t0
     tokens = sum(r["n_tokens"] for r in rows)
     return rows, {"wall_s": wall, "questions_per_s": len(questions) / wall, "tokens_per_s": tokens / wall, "tokens": tokens}

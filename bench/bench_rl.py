@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not Path(needed).exists():
             raise SystemExit(f"bench_rl: {needed} is missing; run `dvc repro sft` first (from the project root)")
     rows = rl_data(args.prompts * args.steps)
-    toolbox, tools = make_toolbox(params), enabled_tools(params)
+    toolbox, tools = make_toolbox(params.tools), enabled_tools(params.tools)
     p = params.rl
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(), "model": model_dir,
               "machine": {"cpus_usable": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),

@@ -369,14 +369,14 @@ def main(argv: list[str] | None = None) -> dict:
     load_start = os.getloadavg()
 
     t0 = time.perf_counter()
-    backend = TimedStreamingBackend(teacher_backend(params))
+    backend = TimedStreamingBackend(teacher_backend(params.system_settings()))
     engine_start_s = time.perf_counter() - t0
-    toolbox = TimedToolbox(make_toolbox(params))
-    cfg = episode_settings(params, g.temperature)
+    toolbox = TimedToolbox(make_toolbox(params.tools))
+    cfg = episode_settings(g, params.llm.max_model_len, g.temperature)
     method_params = getattr(g, args.method, None)
     scaffold = json.loads(args.scaffold) if args.scaffold else g.scaffold
     ctx = MethodContext(backend, toolbox, cfg, teacher="models/teacher", scaffold=scaffold, params=method_params,
-                        tools=enabled_tools(params), taught_by=args.method)
+                        tools=enabled_tools(params.tools), taught_by=args.method)
     llm = backend.backend.llm
 
     # warm up once (first-call costs: the sandbox probe, the encoder's first batch, the engine's first step)

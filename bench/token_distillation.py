@@ -81,7 +81,7 @@ def capture_teacher_topk(k: int) -> None:
     from unison.teacher_topk import TEACHER_TOPK, capture_topk
 
     rows = read_table(layout.TRAJECTORIES, TRAJECTORY)
-    out, figures = capture_topk(teacher_backend(load_params()), rows, k, progress=lambda line: print(line, flush=True))
+    out, figures = capture_topk(teacher_backend(load_params().system_settings()), rows, k, progress=lambda line: print(line, flush=True))
     write_table(out, layout.TOPK, TEACHER_TOPK)
     print(json.dumps({**figures, "bytes_per_token": Path(layout.TOPK).stat().st_size / max(1, figures["topk_tokens"])}), flush=True)
 
@@ -91,10 +91,13 @@ def evaluate_student(model_dir: str) -> None:
     from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table, write_json
     from unison.labeling.evaluation import evaluate_systems
+    from unison.labeling.metrics import scoring_label
 
     params = load_params()
     questions = read_table("data/raw/test.parquet", QUESTION)[: params.evaluate.max_questions or None]
-    [(_, _, metrics)] = list(evaluate_systems(params, [("student", model_dir, params.evaluate.temperature)], questions, load_prm=None))
+    [(_, _, metrics)] = list(evaluate_systems(params.system_settings(), params.evaluate, scoring_label(params.label, params.evaluate),
+                                                params.cluster, [("student", model_dir, params.evaluate.temperature)], questions,
+                                                load_prm=None))
     write_json(metrics, "reports/bench_eval.json")
 
 

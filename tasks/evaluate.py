@@ -10,6 +10,7 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, QUESTION, atomic_dir, read_table, write_json, write_table
 from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
+from unison.labeling.metrics import scoring_label
 from unison.report.tables import headline_metrics
 from unison.train.prm import load_prm
 
@@ -19,14 +20,16 @@ OUT = layout.EVAL
 def main() -> None:
     params = load_params()
     p, g = params.evaluate, params.generate
-    systems = systems_to_evaluate(params)
+    systems = systems_to_evaluate(p, g.temperature, params.dpo.enabled)
     questions = read_table(layout.RAW_TEST, QUESTION)[: p.max_questions or None]
     metrics: dict[str, dict] = {}
     with track.stage_run("evaluate", {"seed": params.seed, **p.model_dump(), "teacher_method": g.method,
                                       "episodes_in_flight": g.episodes_in_flight, "teacher": params.teacher.model_dump(),
                                       "cluster": params.cluster.model_dump()}) as run:
         with atomic_dir(OUT) as out:  # reports/eval/ appears whole, with no system left over from an earlier run
-            for name, rows, m in evaluate_systems(params, systems, questions, partial(load_prm, layout.PRM, params.prm.precision)):
+            scoring = scoring_label(params.label, p)
+            for name, rows, m in evaluate_systems(params.system_settings(), p, scoring, params.cluster, systems, questions,
+                                                  partial(load_prm, layout.PRM, params.prm.precision)):
                 write_table(rows, out / f"{name}.parquet", LABELED)
                 metrics[name] = m
                 run.log_metrics({f"{name}.{k}": v for k, v in m.items()})

@@ -16,7 +16,7 @@ LABELED_PATH, RL_DIR, OUT, STUDENT = layout.LABELED, layout.RL_DATA, layout.EXPO
 
 def main() -> None:
     params = load_params()
-    tools = enabled_tools(params)
+    tools = enabled_tools(params.tools)
     settings = {**params.export.model_dump(), "sft.max_per_question": params.sft.max_per_question, "sft.dedupe": params.sft.dedupe,
                 "sft.max_length": params.sft.max_length,
                 "dpo.max_pairs_per_question": params.dpo.max_pairs_per_question, "tools": ",".join(tools)}
@@ -26,7 +26,7 @@ def main() -> None:
         labeled, rl = read_table(LABELED_PATH, LABELED), read_rl_prompts(RL_DIR)
         tok = AutoTokenizer.from_pretrained(STUDENT)
         with atomic_dir(OUT) as tmp:
-            counts = write_export(tmp, labeled, rl, params, tools, tok, LABELED_PATH)
+            counts = write_export(tmp, labeled, rl, params.export, params.sft, params.dpo, tools, tok, LABELED_PATH)
         write_json(counts, layout.report("export"))
         run.log_metrics(counts)
         print(f"export: {counts['sft_conversations']} SFT conversations ({counts['sft_questions']} questions), "

@@ -15,12 +15,13 @@ REPORT, PLOT = Path(layout.FLYWHEEL_REPORT), Path(layout.FLYWHEEL_PLOT)
 
 def main() -> None:
     params = load_params()
-    n = params.flywheel.rounds
+    n, systems = params.flywheel.rounds, params.system_settings()
+    sections = (params.flywheel, systems, params.label, params.sft, params.evaluate)
     with track.stage_run("flywheel", {**params.flywheel.model_dump(), "teacher_method": params.generate.method}) as run:
-        first, base = round_zero(params)
-        rounds, work = [first], cache_dir(params) if n else None  # hashing the models costs seconds: only when rounds run
+        first, base = round_zero(systems)
+        rounds, work = [first], cache_dir(*sections) if n else None  # hashing the models costs seconds: only when rounds run
         children = []
-        for k, row in enumerate(run_rounds(params, work), start=1):
+        for k, row in enumerate(run_rounds(*sections, work), start=1):
             rounds.append(row)
             with track.child_run(run, f"flywheel round {k}", {"round": k, "teacher": row["teacher"]}) as child:
                 child.log_metrics({key: v for key, v in row.items() if isinstance(v, (int, float))})

@@ -13,6 +13,7 @@ from unison import layout, track
 from unison.agents.episode_traces import sample_traces
 from unison.agents.generation import generate_trajectories, shard_dir
 from unison.agents.imports import import_trajectories
+from unison.agents.wiring import enabled_tools
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
@@ -24,27 +25,27 @@ OUT = Path(layout.TRAJECTORIES)
 
 def main() -> None:
     params = load_params()
-    g = params.generate
+    g, systems = params.generate, params.system_settings()
     questions = read_table(layout.RAW_TRAIN, QUESTION)
     with track.stage_run("generate", {**g.model_dump(), **params.model_dump(include={"seed", "llm", "teacher", "tools", "cluster"})}) as run:
         shards = None
         if g.source:
             t0 = time.perf_counter()
-            rows, metrics = import_trajectories(params, questions)
+            rows, metrics = import_trajectories(g, enabled_tools(params.tools), params.download.dataset, questions)
             metrics["wall_s"] = time.perf_counter() - t0
         else:
-            shards = shard_dir(params, questions)
+            shards = shard_dir(systems, questions)
             try:
-                rows, metrics = generate_trajectories(params, questions, shards)
+                rows, metrics = generate_trajectories(systems, params.cluster, questions, shards)
             except Exception as error:  # a server gone for good: its retries and failures still reach MLflow
                 run.log_metrics(getattr(error, "counters", {}))
                 raise
         topk = [r.pop("teacher_topk") for r in rows if "teacher_topk" in r]  # a chat teacher's, kept as it generated
-        if g.topk and params.teacher.chat:
+        if systems.chat_top_logprobs:
             metrics.update(generated_figures(topk, g.topk))
         elif g.topk:
             gc.collect()  # the generating engine's memory, before the scoring one starts
-            topk, figures = capture_topk(teacher_backend(params), rows, g.topk, progress=lambda line: print(line, flush=True))
+            topk, figures = capture_topk(teacher_backend(systems), rows, g.topk, progress=lambda line: print(line, flush=True))
             metrics.update(figures)
         write_table(topk, layout.TOPK, TEACHER_TOPK, empty_ok=True)  # empty without generate.topk: the output exists either way
         if g.topk:

@@ -13,12 +13,12 @@ IN, OUT = layout.TRAJECTORIES, layout.LABELED
 
 def main() -> None:
     params = load_params()
-    p = params.label
+    p, systems = params.label, params.system_settings()
     backends: dict = {}
-    judge = make_judge(params, backends)
+    judge = make_judge(p, systems, backends)
     judged_by = judge_identity(p, judge)
     with track.stage_run("label", {"seed": params.seed, **p.model_dump(), **judged_by, "cluster": params.cluster.model_dump()}) as run:
-        rows = label_trajectories(read_table(IN, TRAJECTORY), params, judge, backends)
+        rows = label_trajectories(read_table(IN, TRAJECTORY), p, systems, params.cluster, judge, backends)
         check_step_labels(rows, OUT)
         write_table(rows, OUT, LABELED)
         metrics = label_metrics(rows, p, judge)

@@ -17,7 +17,7 @@ def main() -> None:
     questions = read_table(layout.RAW_TRAIN, QUESTION)[: p.max_questions or None]
     with track.stage_run("pareto", {"seed": params.seed, **p.model_dump(), "episodes_in_flight": params.generate.episodes_in_flight,
                                     "cluster": params.cluster.model_dump()}) as run:
-        rows, groups, metrics = rl_curriculum(params, questions)
+        rows, groups, metrics = rl_curriculum(p, params.system_settings(), params.label, params.cluster, questions)
         with atomic_dir(OUT) as tmp:
             write_rl_data(rows, tmp)
         plot_front(groups)

@@ -41,19 +41,19 @@ def main() -> None:
 
             prm = load_prm(layout.PRM, params.prm.precision)
         teacher = opd_teacher(params) if cfg.objective == "opd" and is_main_process() else None
-        tools = enabled_tools(params)
+        tools = enabled_tools(params.tools)
         episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
         model_dirs = [layout.SFT] + ([layout.PRM] if cfg.prm_weight > 0 else []) + ([layout.TEACHER] if cfg.objective == "opd" else [])
-        worked_examples = demonstrations(params) if cfg.objective == "opd" and cfg.teacher_context == "worked_examples" else ""
+        worked_examples = demonstrations(params.generate) if cfg.objective == "opd" and cfg.teacher_context == "worked_examples" else ""
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, objective {cfg.objective}, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}"
               + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}" if cfg.student_role == "agentflow_planner" else ""),
               flush=True)
-        toolbox = make_toolbox(params) if is_main_process() else None
+        toolbox = make_toolbox(params.tools) if is_main_process() else None
         planner = cfg.student_role == "agentflow_planner" and is_main_process()
-        flow = (make_role_backends(params), params.generate.agentflow) if planner else None
+        flow = (make_role_backends(params.generate.roles, params.teacher_engine(), params.seed), params.generate.agentflow) if planner else None
         records = train_rl(layout.SFT, rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, layout.RL,
                            checkpoint_path("rl", {**settings, "worked_examples": worked_examples}, inputs), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
                            gradient_checkpointing=params.train.gradient_checkpointing, teacher=teacher, worked_examples=worked_examples,
@@ -77,7 +77,7 @@ def opd_teacher(params):
     student's vocabulary, else the student's text through the character alignment (unison/token_alignment.py)."""
     from unison.llm import teacher_backend
 
-    return teacher_backend(params)
+    return teacher_backend(params.system_settings())
 
 
 def main_verl(params) -> None:
@@ -85,7 +85,7 @@ def main_verl(params) -> None:
     from unison.train.verl_trainer import require_verl, run_verl, write_verl_config
 
     require_verl()
-    tools = enabled_tools(params)
+    tools = enabled_tools(params.tools)
     settings = {"seed": params.seed, **params.rl.model_dump(), **params.model_dump(include={"llm", "tools", "label", "export"})}
     with track.stage_run("rl", settings) as run:
         paths = sorted(VERL_DATA.glob("level*.parquet"))
@@ -93,7 +93,8 @@ def main_verl(params) -> None:
             raise FileNotFoundError(f"rl.trainer verl trains on {VERL_DATA}/level*.parquet: run the export stage first")
         key = run_key(settings, paths + sorted(q for q in Path(layout.SFT).iterdir() if q.is_file()))
         work = VERL_WORK / key
-        overrides = write_verl_config(params, [str(p.resolve()) for p in paths], str(Path(layout.SFT).resolve()), work, tools)
+        overrides = write_verl_config(params.rl, params.llm, params.label, params.tools, params.export.verl_agent,
+                                      [str(p.resolve()) for p in paths], str(Path(layout.SFT).resolve()), work, tools)
         print(f"rl: verl over {len(paths)} level file(s), {params.rl.verl_nnodes} node(s) x {params.rl.verl_gpus_per_node} GPUs; "
               f"config in {work}", flush=True)
         records = run_verl(overrides, work, params.rl.steps, layout.RL)

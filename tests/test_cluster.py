@@ -104,6 +104,13 @@ def on_ray(project: dict, address: str, overrides: dict | None = None):
     return here, validate_params(merge(project, {**(overrides or {}), **cluster}))
 
 
+def evaluation(params) -> tuple:
+    """evaluate_systems' settings, as the evaluate stage takes them out of `params`."""
+    from unison.labeling.metrics import scoring_label
+
+    return params.system_settings(), params.evaluate, scoring_label(params.label, params.evaluate), params.cluster
+
+
 @pytest.mark.nightly  # CI's 45 minutes: Ray's path runs nightly (make test-nightly), as label and pareto on it do
 def test_generate_and_evaluate_on_a_ray_cluster_equal_the_in_process_run(cluster, project, capfd):
     """generate (an actor killed mid-run) and evaluate: shards of one question, so each actor often decodes one request
@@ -118,11 +125,11 @@ def test_generate_and_evaluate_on_a_ray_cluster_equal_the_in_process_run(cluster
     questions = read_table("data/raw/train.parquet", QUESTION)
     assert len(questions) == 4
 
-    rows, metrics = generate_trajectories(here, questions, Path("here"))
+    rows, metrics = generate_trajectories(here.system_settings(), here.cluster, questions, Path("here"))
     killed: list[int] = []
     watcher = threading.Thread(target=kill_a_replica_after_the_first_shard, args=(Path("ray"), groups, killed), daemon=True)
     watcher.start()
-    ray_rows, ray_metrics = generate_trajectories(ray, questions, Path("ray"))
+    ray_rows, ray_metrics = generate_trajectories(ray.system_settings(), ray.cluster, questions, Path("ray"))
     watcher.join(timeout=5)
     assert killed, "no actor was running when the first shard was written"
     assert "actor died, running it again" in capfd.readouterr().out
@@ -133,8 +140,8 @@ def test_generate_and_evaluate_on_a_ray_cluster_equal_the_in_process_run(cluster
     # 64-token turns at temperature 1: without the batch-invariant engine 3 of these 4 answers came apart
     here, ray = on_ray(project, address, {"generate": {"max_tokens_per_turn": 64}})
     systems = [("sft", STUDENT, 1.0)]
-    [(_, evaluated, _)] = evaluate_systems(here, systems, questions, lambda: None)
-    [(_, evaluated_on_ray, _)] = evaluate_systems(ray, systems, questions, lambda: None)
+    [(_, evaluated, _)] = evaluate_systems(*evaluation(here), systems, questions, lambda: None)
+    [(_, evaluated_on_ray, _)] = evaluate_systems(*evaluation(ray), systems, questions, lambda: None)
     assert evaluated_on_ray == evaluated
     assert_replicas_gone(groups)
 
@@ -152,15 +159,15 @@ def test_label_montecarlo_and_pareto_rollouts_on_a_ray_cluster_equal_the_in_proc
     address, groups = cluster
     here, ray = on_ray(project, address, {"label": {"step_labels": "montecarlo", "mc_rollouts": 2}})
     questions = read_table("data/raw/train.parquet", QUESTION)
-    rows, _ = generate_trajectories(here, questions, Path("label-here"))
-    engine = workbench_or_replicas(here, STUDENT)
+    rows, _ = generate_trajectories(here.system_settings(), here.cluster, questions, Path("label-here"))
+    engine = workbench_or_replicas(here.system_settings(), here.cluster, STUDENT)
     rollouts = student_rollouts(questions[:4], 2, engine, 1.0, here.label)
     del engine
-    with workbench_or_replicas(ray, STUDENT) as replicas:
+    with workbench_or_replicas(ray.system_settings(), ray.cluster, STUDENT) as replicas:
         assert student_rollouts(questions[:4], 2, replicas, 1.0, here.label) == rollouts
 
-    labeled = label_trajectories(rows, here, make_judge(here, {}), {})
-    assert label_trajectories(rows, ray, make_judge(ray, {}), {}) == labeled
+    labeled = label_trajectories(rows, here.label, here.system_settings(), here.cluster, make_judge(here.label, here.system_settings(), {}), {})
+    assert label_trajectories(rows, ray.label, ray.system_settings(), ray.cluster, make_judge(ray.label, ray.system_settings(), {}), {}) == labeled
     assert sum(max(len(r["steps"]) - 1, 0) for r in labeled) > 0  # some step prefixes were completed (all but the last)
     assert_replicas_gone(groups)
 

@@ -8,7 +8,7 @@ import pytest
 from unison.config import EvaluateConfig, LabelConfig, Params, ParamsError, validate_params
 from unison.labeling.evaluation import prm_rerank
 from unison.labeling.judging import label_rows
-from unison.labeling.metrics import scoring_params, system_metrics
+from unison.labeling.metrics import scoring_label, system_metrics
 from unison.labeling.steps import student_steps
 from unison.train.prm import build_prm
 
@@ -94,8 +94,8 @@ def test_system_metrics_lead_with_em_and_count_cost_per_correct_answer():
 
 def test_evaluate_first_only_defaults_to_the_label_rule_and_may_override_it():
     params = Params(label=LabelConfig(first_only=False, qa_metric="em"))
-    assert params.evaluate.first_only is None and scoring_params(params).label.first_only is False
+    assert params.evaluate.first_only is None and scoring_label(params.label, params.evaluate).first_only is False
     gap = params.model_copy(update={"evaluate": EvaluateConfig(first_only=True)})
-    assert scoring_params(gap).label == LabelConfig(first_only=True, qa_metric="em") and params.label.first_only is False
+    assert scoring_label(gap.label, gap.evaluate) == LabelConfig(first_only=True, qa_metric="em") and params.label.first_only is False
     with pytest.raises(ParamsError, match="evaluate.first_only"):
         validate_params({"teacher": {}, "student": {}, "evaluate": {"first_only": "sometimes"}}, "overlay.yaml")

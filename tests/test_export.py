@@ -67,6 +67,11 @@ def project(tmp_path, monkeypatch, tiny_model_dir):
     return tmp_path
 
 
+def export_sections(params) -> tuple:
+    """write_export's settings, as the export stage takes them out of `params`."""
+    return params.export, params.sft, params.dpo
+
+
 def files(root: Path) -> dict[str, str]:
     return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(root.rglob("*")) if f.is_file()}
 
@@ -74,7 +79,7 @@ def files(root: Path) -> dict[str, str]:
 @pytest.fixture
 def exported(project):
     """The library's export of the project (the stage itself, MLflow and all, is the first test's)."""
-    write_export("data/export", read_table("data/labeled/train.parquet", LABELED), read_rl_prompts("data/rl"), load_params(), DEFAULT_TOOLS,
+    write_export("data/export", read_table("data/labeled/train.parquet", LABELED), read_rl_prompts("data/rl"), *export_sections(load_params()), DEFAULT_TOOLS,
                  student_tokenizer())
     return project / "data/export"
 
@@ -198,7 +203,7 @@ def test_a_rendering_without_an_assistant_turn_or_with_a_stray_role_is_refused()
 
 def test_without_pairs_there_is_no_dpo_dataset_and_a_bad_name_fails_at_load(project):
     rows = [r for r in read_table("data/labeled/train.parquet", LABELED) if r["correct"] or r["question_id"] == "q2"]
-    counts = write_export("data/export", rows, read_rl_prompts("data/rl"), load_params(), DEFAULT_TOOLS, student_tokenizer())
+    counts = write_export("data/export", rows, read_rl_prompts("data/rl"), *export_sections(load_params()), DEFAULT_TOOLS, student_tokenizer())
     assert (counts["sft_conversations"], counts["dpo_pairs"]) == (2, 0)
     assert not (project / "data/export/llamafactory/dpo.jsonl").exists()
     assert list(json.loads((project / "data/export/llamafactory/dataset_info.json").read_text())) == ["unison_sft"]

@@ -54,7 +54,7 @@ def project(tracked_project, tiny_model_dir, monkeypatch):
     build_index("data/raw/corpus.parquet", "data/index", encoder="hash:64", seed=p.seed)
     (root / "reports").mkdir()
     (root / "reports/metrics.json").write_text(json.dumps({"base": SYSTEM, "rl": SYSTEM}))
-    monkeypatch.setattr(flywheel, "make_judge", lambda params, backends: every_other_answer_right)
+    monkeypatch.setattr(flywheel, "make_judge", lambda label, settings, backends: every_other_answer_right)
     return root
 
 

@@ -107,7 +107,7 @@ def test_evaluate_engine_per_process_gives_the_rows_of_one_process(tiny_model_di
     runs = {}
     for per_process in (False, True):
         params = validate_params(merge(raw, {"evaluate": {"engine_per_process": per_process}}))
-        runs[per_process] = list(evaluate_systems(params, systems[:2], questions, partial(load_prm, "models/prm", "fp32")))
+        runs[per_process] = list(evaluate_systems(params.system_settings(), params.evaluate, params.label, params.cluster, systems[:2], questions, partial(load_prm, "models/prm", "fp32")))
     drop_wall = lambda m: {k: v for k, v in m.items() if "wall" not in k}
     assert [(n, rows, drop_wall(m)) for n, rows, m in runs[True]] == [(n, rows, drop_wall(m)) for n, rows, m in runs[False]]
     assert [n for n, _, _ in runs[True]] == ["base", "sft"] and all(len(rows) == 2 for _, rows, _ in runs[True])

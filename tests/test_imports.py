@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from unison.agents.imports import import_trajectories, protocol_text
+from unison.agents.wiring import enabled_tools
 from unison.config import ROOT, Params, ParamsError, validate_params
 from unison.data import adapters
 from unison.data.schemas import LABELED, QUESTION, TRAJECTORY, DataError, read_table, write_table
@@ -39,7 +40,8 @@ def train_questions() -> list[dict]:
 
 def imported(name: str, questions=None, **settings) -> tuple[list[dict], dict]:
     params = Params(generate={"source": f"local:imports/{name}"}, **settings)
-    return import_trajectories(params, train_questions() if questions is None else questions)
+    return import_trajectories(params.generate, enabled_tools(params.tools), params.download.dataset,
+                               train_questions() if questions is None else questions)
 
 
 def turns(row: dict) -> list[tuple[str, str]]:

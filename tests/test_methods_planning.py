@@ -210,8 +210,9 @@ def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
     every other agentflow role on SmolLM2; each backend gets exactly its roles' calls."""
     from unison.agents.wiring import make_role_backends
 
-    roles = make_role_backends(Params(llm=LLMConfig(dtype="float32"),
-                                      generate=GenerateConfig(roles={"verifier": {"model": str(tiny_model_dir), "backend": "transformers"}})))
+    params = Params(llm=LLMConfig(dtype="float32"),
+                    generate=GenerateConfig(roles={"verifier": {"model": str(tiny_model_dir), "backend": "transformers"}}))
+    roles = make_role_backends(params.generate.roles, params.teacher_engine(), params.seed)
     verifier = roles["verifier"]
     assert isinstance(verifier, HFBackend) and verifier.tokenizer is not smol.tokenizer
     calls = {"main": 0, "verifier": 0}

@@ -69,7 +69,7 @@ def test_generate_shards_are_not_reused_after_the_teachers_examples_change(tmp_p
     examples = tmp_path / "examples.txt"
     params = Params(generate=GenerateConfig(demonstrations=str(examples)))
     examples.write_text("Question: a?\n<answer>b</answer>")
-    before = shard_dir(params, QUESTIONS)
-    assert shard_dir(params, QUESTIONS) == before
+    before = shard_dir(params.system_settings(), QUESTIONS)
+    assert shard_dir(params.system_settings(), QUESTIONS) == before
     examples.write_text("Question: a?\n<answer>c</answer>")  # same file name, other text
-    assert shard_dir(params, QUESTIONS) != before
+    assert shard_dir(params.system_settings(), QUESTIONS) != before

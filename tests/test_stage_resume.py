@@ -417,16 +417,16 @@ def test_generate_shards_are_not_reused_after_the_teacher_the_index_or_the_code_
         path.write_text(text)
         os.utime(path, (hour_ago, hour_ago))  # files written a while ago: their hashes are remembered
     params = Params(generate=GenerateConfig(demonstrations=""))
-    first = generation.shard_dir(params, QUESTIONS)
+    first = generation.shard_dir(params.system_settings(), QUESTIONS)
     hashed = []
     monkeypatch.setattr(digest, "sha256_file", lambda path, real=digest.sha256_file: hashed.append(str(path)) or real(path))
-    assert generation.shard_dir(params, QUESTIONS) == first and hashed == []  # nothing changed: nothing read again
+    assert generation.shard_dir(params.system_settings(), QUESTIONS) == first and hashed == []  # nothing changed: nothing read again
 
     for path, other in ((weights, "weights 2"), (index, "vectors 2"), (code, code.read_text() + "# edited\n")):
         before = path.read_text()
         path.write_text(other)  # the weights and the index keep their size
-        assert generation.shard_dir(params, QUESTIONS) != first, path
+        assert generation.shard_dir(params.system_settings(), QUESTIONS) != first, path
         path.write_text(before)
-        assert generation.shard_dir(params, QUESTIONS) == first, path  # content, not the file's date, is the identity
+        assert generation.shard_dir(params.system_settings(), QUESTIONS) == first, path  # content, not the file's date, is the identity
     assert set(hashed) == {str(weights), str(index), str(code)}  # only the files written since were read again
-    assert generation.shard_dir(params, QUESTIONS[:2]) != first and generation.shard_dir(Params(seed=1, generate=params.generate), QUESTIONS) != first
+    assert generation.shard_dir(params.system_settings(), QUESTIONS[:2]) != first and generation.shard_dir(Params(seed=1, generate=params.generate).system_settings(), QUESTIONS) != first

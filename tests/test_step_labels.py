@@ -98,7 +98,7 @@ def test_montecarlo_labels_through_the_runtime(tiny):
     cfg = EpisodeSettings(temperature=1.0, top_p=1.0, max_turns=2, max_tokens_per_turn=8)
 
     def run():
-        return montecarlo_labels(rows, Workbench(Params(), tiny, Toolbox(CorpusRetriever())), cfg, rule_judge(PARAMS), rollouts=3, seed=0,
+        return montecarlo_labels(rows, Workbench(Params().system_settings(), tiny, Toolbox(CorpusRetriever())), cfg, rule_judge(PARAMS), rollouts=3, seed=0,
                                  scaffold={"qa": ["search", "answer"]}, tools=("search", "python"))
 
     first = run()
@@ -121,7 +121,7 @@ def test_montecarlo_completions_are_judged(tiny):
         return [(bool(pred), float(bool(pred)), "has-answer") for _, _, pred, _ in items]
 
     cfg = EpisodeSettings(temperature=1.0, top_p=0.95, max_turns=1, max_tokens_per_turn=6)
-    ((_, labels),) = montecarlo_labels([r], Workbench(Params(), tiny, Toolbox(CorpusRetriever())), cfg, judge, rollouts=4, seed=0,
+    ((_, labels),) = montecarlo_labels([r], Workbench(Params().system_settings(), tiny, Toolbox(CorpusRetriever())), cfg, judge, rollouts=4, seed=0,
                                        scaffold={"qa": ["search", "answer"]}, tools=("search", "python"))
     assert len(judge_calls) == 4  # one prefix (step 0) x 4 rollouts; the last step needs none
     answered = sum(bool(pred) for _, _, pred, _ in judge_calls)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from unison.config import ROOT, ParamsError, load_params, teacher_engine, validate_params
+from unison.config import ROOT, ParamsError, load_params, validate_params
 
 DEFAULTS = yaml.safe_load((ROOT / "params.yaml").read_text())
 # Another chat template: a different role header, the same eos closing each turn (what the runtime needs)
@@ -55,13 +55,13 @@ def test_a_params_file_without_the_teacher_block_is_refused(tmp_path):
 
 
 def test_a_served_teacher_gets_its_server_name_and_key_variable_never_the_key():
-    engine = teacher_engine(validate_params(with_(teacher={"model": "hf:Qwen/Qwen2.5-72B-Instruct", "backend": "openai",
-                                                           "base_url": "http://h:8000/v1", "served_name": "qwen72", "api_key_env": "MY_KEY",
-                                                           "llm": {"max_concurrency": 64}})))
+    engine = validate_params(with_(teacher={"model": "hf:Qwen/Qwen2.5-72B-Instruct", "backend": "openai",
+                                            "base_url": "http://h:8000/v1", "served_name": "qwen72", "api_key_env": "MY_KEY",
+                                            "llm": {"max_concurrency": 64}})).teacher_engine()
     assert (engine.backend, engine.api_model, engine.base_url, engine.api_key_env) == ("openai", "qwen72", "http://h:8000/v1", "MY_KEY")
     assert engine.max_concurrency == 64 and engine.dtype == DEFAULTS["llm"]["dtype"]  # overrides on top of llm.*
     served = validate_params(with_(teacher={"model": "hf:org/m", "backend": "openai", "base_url": "http://u/v1"}))
-    assert teacher_engine(served).api_model == "org/m"
+    assert served.teacher_engine().api_model == "org/m"
 
 
 # ------------------------------------------------------------------ a teacher with another tokenizer and chat template

@@ -282,7 +282,7 @@ def test_generate_topk_with_a_chat_teacher_is_checked_when_params_load():
     with pytest.raises(ParamsError, match=r"generate.topk with imported trajectories \(generate.source\) needs a teacher that scores"):
         validate_params(raw)
     raw["generate"]["source"] = ""
-    chat = [shard_dir(validate_params({**raw, "generate": {**raw["generate"], "topk": k}}), []) for k in (4, 8)]
+    chat = [shard_dir(validate_params({**raw, "generate": {**raw["generate"], "topk": k}}).system_settings(), []) for k in (4, 8)]
     raw["teacher"] = {"model": raw["teacher"]["model"], "backend": "transformers"}
-    local = [shard_dir(validate_params({**raw, "generate": {**raw["generate"], "topk": k}}), []) for k in (4, 8)]
+    local = [shard_dir(validate_params({**raw, "generate": {**raw["generate"], "topk": k}}).system_settings(), []) for k in (4, 8)]
     assert chat[0] != chat[1] and local[0] == local[1]  # a chat teacher's k is generated with it; a local one re-scores

@@ -60,6 +60,11 @@ def verl_params(project_dir: Path, search_url: str = "http://127.0.0.1:9", **rl)
     return load_params()
 
 
+def verl_sections(params) -> tuple:
+    """write_verl_config's settings, as the rl stage takes them out of `params`."""
+    return params.rl, params.llm, params.label, params.tools, params.export.verl_agent
+
+
 def parsed(overrides: list[str]) -> dict:
     """{key: value} as Hydra parses main_ppo's command line (a grammar error raises); `+` keys keep their +."""
     return {("+" if o.is_add() else "") + o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(overrides)}
@@ -68,7 +73,7 @@ def parsed(overrides: list[str]) -> dict:
 def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_cannot_do(exported):
     params = verl_params(exported.parent.parent, verl_nnodes=2, verl_gpus_per_node=4, estimator="dr_grpo", kl_coef=0.001)
     files = [str(p) for p in sorted((exported / "verl").glob("level*.parquet"))]
-    overrides = parsed(write_verl_config(params, files, "models/sft", "work", DEFAULT_TOOLS))
+    overrides = parsed(write_verl_config(*verl_sections(params), files, "models/sft", "work", DEFAULT_TOOLS))
     unknown = [k for k in overrides if not k.startswith("+") and k not in VERL_KEYS]
     assert not unknown, f"keys verl 0.9.1 does not have: {unknown}"
     rl = params.rl
@@ -125,7 +130,7 @@ def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_canno
 def test_the_verl_reward_on_verls_call_signature_equals_the_in_house_reward(exported):
     params = verl_params(exported.parent.parent)
     files = [str(p) for p in sorted((exported / "verl").glob("level*.parquet"))]
-    kwargs = parsed(write_verl_config(params, files, "models/sft", "work", DEFAULT_TOOLS))["+reward.custom_reward_function.reward_kwargs"]
+    kwargs = parsed(write_verl_config(*verl_sections(params), files, "models/sft", "work", DEFAULT_TOOLS))["+reward.custom_reward_function.reward_kwargs"]
     verl_rows = {r["extra_info"]["question_id"]: r for r in datasets.load_dataset("parquet", data_files=files)["train"]}  # RLHFDataset
     in_house = {r["extra_info"]["question_id"]: r for r in load_rl_data(sorted(Path("data/rl").glob("level*.parquet")))}
     reward_fn = compute_score

@@ -9,7 +9,7 @@ import pytest
 
 from security.web import drip
 from unison.agents.wiring import enabled_tools, make_toolbox, remote_counters
-from unison.config import Params, ToolsConfig
+from unison.config import ToolsConfig
 from unison.protocol import SYSTEM_PROMPT, system_prompt
 from unison.http_client import ResponseCache
 from unison.tools.web import Crawl, WebSearch, html_to_text
@@ -125,16 +125,16 @@ def test_crawl_strips_html_truncates_and_caches(server, cache):
     assert tool("file:///etc/passwd") == ("error: not an http(s) URL: 'file:///etc/passwd'", "error")
 
 
-def _params(server_url: str, **tools) -> Params:
-    return Params(tools=ToolsConfig(search_url="http://127.0.0.1:9", search_topk=2, search_max_chars=300, python_timeout_s=5,
-                                    python_memory_mb=512, python_max_output_chars=512, **tools))
+def _tools(server_url: str, **tools) -> ToolsConfig:
+    return ToolsConfig(search_url="http://127.0.0.1:9", search_topk=2, search_max_chars=300, python_timeout_s=5,
+                       python_memory_mb=512, python_max_output_chars=512, **tools)
 
 
 def test_web_tools_are_off_by_default_and_opt_in(server, tmp_path):
-    off = _params(server.url, web_search_url="", crawl=False)
+    off = _tools(server.url, web_search_url="", crawl=False)
     assert enabled_tools(off) == ("search", "python") and system_prompt(enabled_tools(off)) == SYSTEM_PROMPT
     assert set(make_toolbox(off, web_cache_dir=tmp_path).handlers) == {"search", "python"}
-    on = _params(server.url, web_search_url=server.url + "/search", crawl=True, web_topk=1)
+    on = _tools(server.url, web_search_url=server.url + "/search", crawl=True, web_topk=1)
     assert enabled_tools(on) == ("search", "python", "web_search", "crawl")
     assert "<web_search>" in system_prompt(enabled_tools(on)) and "<crawl>" in system_prompt(enabled_tools(on))
     box = make_toolbox(on, web_cache_dir=tmp_path)
@@ -143,7 +143,7 @@ def test_web_tools_are_off_by_default_and_opt_in(server, tmp_path):
     box.call("web_search", "Tarsk")  # answered from the shared cache
     no_faults = dict.fromkeys(("teacher_retries", "teacher_failures", "search_requests", "search_retries", "search_failures"), 0.0)
     assert remote_counters({}, box) == {**no_faults, "web_cache.hits": 1.0, "web_cache.misses": 2.0}
-    local = make_toolbox(_params(server.url, crawl=True, web_allow_networks=list(LOCAL)), web_cache_dir=tmp_path)
+    local = make_toolbox(_tools(server.url, crawl=True, web_allow_networks=list(LOCAL)), web_cache_dir=tmp_path)
     assert local.call("crawl", f"{server.url}/notes.txt")[0].endswith("plain notes")
     assert remote_counters({}, make_toolbox(off, web_cache_dir=tmp_path)) == no_faults
 
@@ -153,12 +153,12 @@ def test_episode_calls_web_search_through_the_toolbox(server, base_model_dir, tm
     from unison.agents.runtime import EpisodeSettings, run_episodes
     from unison.llm.hf_backend import HFBackend
 
-    params = _params(server.url, web_search_url=server.url + "/search", web_topk=2)
-    tools = enabled_tools(params)
+    tools_cfg = _tools(server.url, web_search_url=server.url + "/search", web_topk=2)
+    tools = enabled_tools(tools_cfg)
     smol = HFBackend(str(base_model_dir), dtype="float32")
     e = start_episode(smol.tokenizer, "q0", "In which country is Tarsk?", seed=0, scaffold=["web_search", "answer"],
                       system=system_prompt(tools), tools=tools)
-    run_episodes([e], smol, make_toolbox(params, web_cache_dir=tmp_path), EpisodeSettings(temperature=0.0, max_tokens_per_turn=16))
+    run_episodes([e], smol, make_toolbox(tools_cfg, web_cache_dir=tmp_path), EpisodeSettings(temperature=0.0, max_tokens_per_turn=16))
     assert e.segments[0].text.startswith("<web_search>") and e.segments[0].text.endswith("</web_search>")
     assert e.segments[1].kind == "obs" and "Doc 1 (Title: " in e.segments[1].text and "(https://example.org/1)" in e.segments[1].text
     assert e.tool_stats["web_search"]["calls"] == 1 and server.requests[0]["path"] == "/search"
@@ -178,7 +178,7 @@ def test_enabled_web_tools_reach_acting_agents_and_their_student_rendering(base_
     class Backend:
         tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
 
-    tools = enabled_tools(Params(tools=ToolsConfig(web_search_url="http://127.0.0.1:9", crawl=True)))
+    tools = enabled_tools(ToolsConfig(web_search_url="http://127.0.0.1:9", crawl=True))
     ctx = MethodContext(Backend(), Toolbox(), EpisodeSettings(), "t", scaffold={"qa": ["search", "answer"]}, tools=tools)
     e = ctx.solver_episode("q/0", "Who founded Orlen?", 1, "qa")
     assert e.tools == ("search", "python", "web_search", "crawl") and e.scaffold == ["search", "answer"]

@@ -79,7 +79,7 @@ SPENDING_LIMITS = ("response_cache", "max_requests_per_minute", "max_tokens_per_
 
 class EngineConfig(LLMConfig):
     """What builds one model's backend: the llm.* engine settings, plus, for a server, where it is and what it calls
-    the model. Not a params.yaml section: `teacher_engine`, `student_engine` and the role overrides make them."""
+    the model. Not a params.yaml section: `Params.teacher_engine`, `Params.system_settings` and the role overrides make them."""
     backend: Literal["vllm", "transformers", "openai"] = "vllm"
     base_url: str | list[str] = Field("", description="openai: the server's /v1 URL, or a list of servers of the same model (balanced)")
     api: Literal["chat", "completions"] = Field("chat", description="openai: chat = POST /chat/completions with messages (any server, hosted APIs); completions = /completions with token prompts in the model's own tokenizer")
@@ -619,6 +619,37 @@ class Params(Section):
         """One stage's section (e.g. params.stage("sft") is params.sft)."""
         return getattr(self, name)
 
+    def teacher_engine(self) -> EngineConfig:
+        """The teacher's engine: the shared llm.* settings, the teacher's overrides, its backend and server."""
+        t = self.teacher
+        return EngineConfig(**{**self.llm.model_dump(), **t.llm, "backend": t.backend, "base_url": t.base_url, "api": t.api,
+                               "api_model": t.served_name or t.model.partition(":")[2], "api_key_env": t.api_key_env})
+
+    def system_settings(self) -> SystemSettings:
+        """What running a system needs, taken out of these params (stages call this; the library never sees Params)."""
+        return SystemSettings(generate=self.generate, tools=self.tools, student_engine=EngineConfig(**self.llm.model_dump()),
+                              teacher_engine=self.teacher_engine(), teacher_model=self.teacher.model, seed=self.seed)
+
+
+class SystemSettings(BaseModel):
+    """What running a system needs, the teacher's method with its roles or a student alone: the generate and tools
+    sections, both engines, the teacher's model spec and the seed. Built by `Params.system_settings()` in a stage;
+    picklable, so Ray replicas build their Workbench from it."""
+    model_config = ConfigDict(frozen=True)
+    generate: GenerateConfig
+    tools: ToolsConfig
+    student_engine: EngineConfig
+    teacher_engine: EngineConfig
+    teacher_model: str
+    seed: int
+
+    @property
+    def chat_top_logprobs(self) -> int:
+        """generate.topk for a chat API teacher, which returns its top log-probs as it generates (0 for a teacher that
+        scores the trajectories afterwards, teacher_topk.capture_topk)."""
+        e = self.teacher_engine
+        return self.generate.topk if e.backend == "openai" and e.api == "chat" else 0
+
 
 def load_params(path: str | os.PathLike | None = None) -> Params:
     """All settings from params.yaml (in the working directory unless `path`), validated."""
@@ -658,13 +689,6 @@ def describe_error(err: dict, where) -> str:
         model = field.annotation
     hint = f"; {field.description}" if field is not None and field.description else ""
     return f"{where} {key}: {err['msg']} (got {err['input']!r}){hint}"
-
-
-def teacher_engine(params: Params) -> EngineConfig:
-    """The teacher's engine: the shared llm.* settings, the teacher's overrides, its backend and server."""
-    t = params.teacher
-    return EngineConfig(**{**params.llm.model_dump(), **t.llm, "backend": t.backend, "base_url": t.base_url, "api": t.api,
-                           "api_model": t.served_name or t.model.partition(":")[2], "api_key_env": t.api_key_env})
 
 
 def engine_with(base: EngineConfig, overrides: dict) -> EngineConfig:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from . import layout
-from .config import Params
+from .config import DPOConfig, ExportConfig, SFTConfig
 from .data.schemas import RL_ROW, DataError, read_table, write_json, write_jsonl, write_table
 from .train.dpo import build_pairs
 from .train.sft import build_examples, select_trajectories
@@ -118,25 +118,25 @@ def read_rl_prompts(rl_dir: str | Path) -> list[dict]:
     return [r for p in paths for r in read_table(p, RL_ROW)]
 
 
-def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], params: Params, tools: tuple[str, ...], tok,
-                 path: str | Path = layout.LABELED) -> dict:
+def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], export: ExportConfig, sft: SFTConfig, dpo: DPOConfig,
+                 tools: tuple[str, ...], tok, path: str | Path = layout.LABELED) -> dict:
     """Write every format under `out_dir` (module docstring), token views under the student's tokenizer `tok`; counts of
     what was written. `path` names `labeled` in errors."""
     out = Path(out_dir)
-    chosen = select_trajectories(labeled, params.sft.max_per_question, params.sft.dedupe)
+    chosen = select_trajectories(labeled, sft.max_per_question, sft.dedupe)
     if not chosen:
         raise DataError(path, "no correct trajectories to export", field="correct")
-    pairs = build_pairs(labeled, params.dpo.max_pairs_per_question)
+    pairs = build_pairs(labeled, dpo.max_pairs_per_question)
     write_jsonl(llamafactory_sft(chosen, path), out / "llamafactory/sft.jsonl")
     if pairs:
         write_jsonl(llamafactory_dpo(pairs, path), out / "llamafactory/dpo.jsonl")
-    write_json(dataset_info(params.export.name, bool(pairs)), out / "llamafactory/dataset_info.json")
+    write_json(dataset_info(export.name, bool(pairs)), out / "llamafactory/dataset_info.json")
     write_jsonl([{"messages": chat(r, path)} for r in chosen], out / "trl/sft.jsonl")
-    examples, _ = build_examples(tok, chosen, params.sft.max_length)
+    examples, _ = build_examples(tok, chosen, sft.max_length)
     write_jsonl([{"input_ids": ids, "assistant_masks": mask} for ids, mask in examples], out / "trl/sft_tokenized.jsonl")
     levels = sorted({r["level"] for r in rl})
     for level in levels:
-        write_table(verl_rows([r for r in rl if r["level"] == level], tools, params.export.verl_agent),
+        write_table(verl_rows([r for r in rl if r["level"] == level], tools, export.verl_agent),
                     out / f"verl/level{level}.parquet", verl_schema(tools))
     return {"sft_conversations": len(chosen), "sft_questions": len({r["question_id"] for r in chosen}),
             "sft_train_tokens": sum(sum(mask) for _, mask in examples), "dpo_pairs": len(pairs), "dpo_questions": len({c["question_id"] for c, _ in pairs}),

@@ -125,7 +125,7 @@ def pipeline_params(project_dir: str | os.PathLike | None = None) -> dict[str, s
     out = {**flatten_params(raw), "params_hash": params_hash(raw), "recipe": recipe_of(text)}
     if "teacher" in raw and "student" in raw:
         params = validate_params(raw, path)
-        out |= {"teacher": teacher_id(params), "student": redact(params.student.model)}
+        out |= {"teacher": teacher_id(params.system_settings()), "student": redact(params.student.model)}
     return out
 
 

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..config import ROOT, ClusterConfig, Params
+from ..config import ROOT, ClusterConfig, SystemSettings
 from .methods import MethodContext, run_method
 from .wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox, remote_counters
 
@@ -27,36 +27,37 @@ from .wiring import demonstrations, enabled_tools, episode_settings, make_role_b
 @dataclass
 class Workbench:
     """What a system runs on: one model's backend, the tools, and (the teacher) its roles' own backends."""
-    params: Params
+    settings: SystemSettings
     backend: object
     toolbox: object
     roles: dict = field(default_factory=dict)
 
 
-def load_workbench(params: Params, model_dir: str, teacher: bool = False, toolbox=None) -> Workbench:
+def load_workbench(s: SystemSettings, model_dir: str, teacher: bool = False, toolbox=None) -> Workbench:
     """The teacher (the `teacher` block) or the student trained into `model_dir`, with `toolbox` (default: new tools)."""
     from ..llm import student_backend, teacher_backend
 
-    backend = teacher_backend(params) if teacher else student_backend(model_dir, params)
-    return Workbench(params, backend, toolbox or make_toolbox(params), make_role_backends(params) if teacher else {})
+    backend = teacher_backend(s) if teacher else student_backend(model_dir, s)
+    roles = make_role_backends(s.generate.roles, s.teacher_engine, s.seed) if teacher else {}
+    return Workbench(s, backend, toolbox or make_toolbox(s.tools), roles)
 
 
-def system_context(params: Params, backend, toolbox, teacher: bool, model_id: str, temperature: float,
+def system_context(s: SystemSettings, backend, toolbox, teacher: bool, model_id: str, temperature: float,
                    roles: dict | None = None, top_logprobs: int = 0) -> MethodContext:
     """The teacher runs generate.method with its scaffold, method settings, roles and worked examples; a student runs
     `single`, unscaffolded, without them. `top_logprobs`: a chat teacher's top log-probs kept with each trajectory."""
-    g = params.generate
-    return MethodContext(backend, toolbox, episode_settings(params, temperature, top_logprobs), teacher=model_id,
+    g = s.generate
+    return MethodContext(backend, toolbox, episode_settings(g, s.student_engine.max_model_len, temperature, top_logprobs), teacher=model_id,
                          scaffold=g.scaffold if teacher else {}, params=getattr(g, g.method, None) if teacher else None,
-                         role_backends=roles or {}, tools=enabled_tools(params), taught_by=g.method,
-                         demonstrations=demonstrations(params) if teacher else "")
+                         role_backends=roles or {}, tools=enabled_tools(s.tools), taught_by=g.method,
+                         demonstrations=demonstrations(g) if teacher else "")
 
 
 def run_system(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str,
                temperature: float, top_logprobs: int = 0) -> tuple[list[dict], dict]:
     """A system's trajectory rows on `questions` and what its networked pieces counted meanwhile (remote_counters)."""
-    e, g = workbench, workbench.params.generate
-    ctx = system_context(e.params, e.backend, e.toolbox, teacher, model_id, temperature, e.roles, top_logprobs)
+    e, g = workbench, workbench.settings.generate
+    ctx = system_context(e.settings, e.backend, e.toolbox, teacher, model_id, temperature, e.roles, top_logprobs)
     before = remote_counters({"teacher": e.backend, **e.roles}, e.toolbox)
     rows = run_method(g.method if teacher else "single", questions, samples, ctx, g.episodes_in_flight)
     after = remote_counters({"teacher": e.backend, **e.roles}, e.toolbox)
@@ -154,11 +155,11 @@ class Replicas:
         self.close()
 
 
-def workbench_or_replicas(params: Params, model_dir: str, teacher: bool = False) -> Workbench | Replicas:
+def workbench_or_replicas(s: SystemSettings, cluster: ClusterConfig, model_dir: str, teacher: bool = False) -> Workbench | Replicas:
     """The system's Workbench in this process (cluster.address "") or its replicas on the cluster."""
-    if not params.cluster.address:
-        return load_workbench(params, model_dir, teacher)
-    return Replicas(params.cluster, params.llm.tensor_parallel_size, load_workbench, params, model_dir, teacher)
+    if not cluster.address:
+        return load_workbench(s, model_dir, teacher)
+    return Replicas(cluster, s.student_engine.tensor_parallel_size, load_workbench, s, model_dir, teacher)
 
 
 def rollouts(where: Workbench | Replicas, questions: list[dict], samples: int, teacher: bool, model_id: str,

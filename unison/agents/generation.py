@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from .. import layout
-from ..config import SPENDING_LIMITS, Params
+from ..config import SPENDING_LIMITS, ClusterConfig, SystemSettings
 from ..data.digest import file_digests
 from ..data.schemas import TRAJECTORY, read_table, write_table
 from ..llm import teacher_id
@@ -35,20 +35,20 @@ FAULTS = ("teacher_", "search_")  # the counters an error's note repeats, with w
 SPENT = (".prompt_tokens", ".completion_tokens", ".cost_usd")
 
 
-def shard_dir(params: Params, questions: list[dict]) -> Path:
+def shard_dir(s: SystemSettings, questions: list[dict]) -> Path:
     """Shards are valid only for the same settings (less the spending limits and topk), questions and worked examples, the same code (every .py file of the
     unison package) and the same index and teacher (every file of data/index, models/teacher and generate.roles' local
     model folders, by content): a shard made by other code or other weights is never reused."""
-    settings = params.model_dump(include={"generate", "llm", "teacher", "tools", "seed"})
-    if not params.teacher.chat:
+    settings = s.model_dump()
+    if not s.chat_top_logprobs:
         settings["generate"].pop("topk")  # scored after the trajectories: a new k re-scores them, never re-generates
-    for llm in (settings["llm"], settings["teacher"]["llm"]):  # a larger budget resumes from the shards a smaller one kept
+    for llm in (settings["student_engine"], settings["teacher_engine"]):  # a larger budget resumes from the shards a smaller one kept
         for name in SPENDING_LIMITS:
             llm.pop(name, None)
     key = json.dumps([settings, [q["id"] for q in questions]], sort_keys=True)
-    key += demonstrations(params)  # the teacher's worked examples: the file's text, not only its name
+    key += demonstrations(s.generate)  # the teacher's worked examples: the file's text, not only its name
     code = sorted(PACKAGE.rglob("*.py"))
-    roles = [str(spec["model"]) for spec in params.generate.roles.values() if Path(str(spec.get("model", ""))).is_dir()]
+    roles = [str(spec["model"]) for spec in s.generate.roles.values() if Path(str(spec.get("model", ""))).is_dir()]
     data = [f for d in dict.fromkeys([layout.INDEX, layout.TEACHER, *roles]) for f in sorted(Path(d).rglob("*")) if f.is_file()]
     names = [str(f.relative_to(PACKAGE.parent)) for f in code] + [str(f) for f in data]
     key += json.dumps(dict(zip(names, file_digests(code + data))))
@@ -100,10 +100,10 @@ def summarize(rows: list[dict]) -> dict:
             **{f"finish_{k}": v / n for k, v in Counter(r["finish_reason"] for r in rows).items()}, **tool_totals(rows)}
 
 
-def generate_trajectories(params: Params, questions: list[dict], shards: Path) -> tuple[list[dict], dict]:
+def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: list[dict], shards: Path) -> tuple[list[dict], dict]:
     """Every question's trajectories, shard by shard in `shards` (finished shards reused; the engine starts only when some
     shard is left to do), in this process or over the replicas of cluster.address; (rows in question order, metrics)."""
-    g = params.generate
+    g = s.generate
     shards.mkdir(parents=True, exist_ok=True)
     size = g.shard_size
     chunks = [questions[i : i + size] for i in range(0, len(questions), size)]
@@ -116,14 +116,14 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
             todo.append(k)
     counters, wall_s = fault_counters({}, None), 0.0  # the same keys whether this run generated or only reused shards
     if todo:  # start the engine only if some shard is left to do
-        where = workbench_or_replicas(params, layout.TEACHER, teacher=True)
+        where = workbench_or_replicas(s, cluster, layout.TEACHER, teacher=True)
         pending = [(k, q) for k in todo for q in chunks[k]]
         print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples, {g.method}, "
               f"up to {g.episodes_in_flight} episodes in flight", flush=True)
         t0 = time.perf_counter()
         try:
-            counters = (run_here(params, where, pending, paths) if isinstance(where, Workbench) else
-                        run_on_cluster(params, where, [(k, chunks[k]) for k in todo], paths))
+            counters = (run_here(s, where, pending, paths) if isinstance(where, Workbench) else
+                        run_on_cluster(s, where, [(k, chunks[k]) for k in todo], paths))
         except Exception as error:  # a server gone for good: the finished shards stay; the stage logs the counters
             error.counters = getattr(error, "counters", counters)
             faults = [f"{k}={v:g}" for k, v in error.counters.items() if k.startswith(FAULTS)]
@@ -135,18 +135,12 @@ def generate_trajectories(params: Params, questions: list[dict], shards: Path) -
     return rows, {**summarize(rows), "wall_s": wall_s, **counters}
 
 
-def chat_top_logprobs(params: Params) -> int:
-    """generate.topk for a chat API teacher, which returns its top log-probs as it generates (0 for a teacher that scores
-    the trajectories afterwards, teacher_topk.capture_topk)."""
-    return params.generate.topk if params.teacher.chat else 0
-
-
-def run_here(params: Params, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path]) -> dict:
+def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path]) -> dict:
     """The pending questions as flows on this process's engine, each shard written once its questions are done; the
     counters of the pieces behind a network (also on the error, when a server fails for good)."""
-    g = params.generate
-    ctx = system_context(params, workbench.backend, workbench.toolbox, True, teacher_id(params), g.temperature, workbench.roles,
-                         chat_top_logprobs(params))
+    g = s.generate
+    ctx = system_context(s, workbench.backend, workbench.toolbox, True, teacher_id(s), g.temperature, workbench.roles,
+                         s.chat_top_logprobs)
     try:
         run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight, on_question=ShardWriter(pending, paths))
     except Exception as error:
@@ -155,11 +149,11 @@ def run_here(params: Params, workbench: Workbench, pending: list[tuple[int, dict
     return remote_counters({"teacher": workbench.backend, **workbench.roles}, workbench.toolbox)
 
 
-def run_on_cluster(params: Params, replicas: Replicas, shards: list[tuple[int, list[dict]]], paths: list[Path]) -> dict:
+def run_on_cluster(s: SystemSettings, replicas: Replicas, shards: list[tuple[int, list[dict]]], paths: list[Path]) -> dict:
     """Each shard on a replica (cluster.address), written here as it comes back; the counters summed."""
-    g, counters = params.generate, []
+    g, counters = s.generate, []
     with replicas:
-        for j, (rows, c) in replicas.map(run_system, [(qs, g.samples, True, teacher_id(params), g.temperature, chat_top_logprobs(params))
+        for j, (rows, c) in replicas.map(run_system, [(qs, g.samples, True, teacher_id(s), g.temperature, s.chat_top_logprobs)
                                                       for _, qs in shards]):
             k = shards[j][0]
             write_shard(rows, paths[k])

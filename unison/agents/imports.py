@@ -32,14 +32,13 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from ..config import Params
+from ..config import GenerateConfig
 from ..data.adapters import read_rows
 from ..data.schemas import DataError
 from ..data.seed_rows import question_after_marker
 from ..protocol import FUNCTION_TOOLS, TOOL_TAGS, calls_as_tag, normalize_answer, observation, parse_tool_call, system_prompt
 from .episodes import trajectory_row
 from .generation import summarize
-from .wiring import enabled_tools
 
 OBSERVATION = re.compile(r"\s*<(observation|result|information)>(.*?)</\1>\s*", re.DOTALL)
 RENAMED = re.compile(r"<(/?)(wiki_search|crawl_page|code)>")
@@ -207,14 +206,14 @@ def checked_turns(turns: list[list[str]], tools: tuple[str, ...], path, row: int
     return merged
 
 
-def import_trajectories(params: Params, questions: list[dict]) -> tuple[list[dict], dict]:
-    """TRAJECTORY rows of the records in generate.source that ask a train question (`questions`), and the metrics."""
-    spec = params.generate.source
+def import_trajectories(g: GenerateConfig, tools: tuple[str, ...], dataset: str, questions: list[dict]) -> tuple[list[dict], dict]:
+    """TRAJECTORY rows of the records in generate.source that ask a train question (`questions`, of download.dataset
+    `dataset`) calling only `tools` (the enabled ones), and the metrics."""
+    spec = g.source
     path = Path(spec.partition(":")[2])
     records = read_rows(path)
     kind = trajectory_format(records[0], path)
-    tools = enabled_tools(params)
-    system = system_prompt(tools, params.generate.method)
+    system = system_prompt(tools, g.method)
     asked: dict[str, dict] = {}
     for q in questions:
         asked.setdefault(normalize_answer(q["question"]), q)
@@ -234,7 +233,7 @@ def import_trajectories(params: Params, questions: list[dict]) -> tuple[list[dic
         samples[q["id"]] += 1
     if not rows:
         raise DataError(path, f"none of its {len(records)} {kind} records asks a train question of download.dataset "
-                              f"({params.download.dataset}): generate.source's trajectories must answer questions download materialises")
+                              f"({dataset}): generate.source's trajectories must answer questions download materialises")
     print(f"generate: imported {len(rows)} {kind} trajectories for {len(samples)} train questions from {path}; "
           f"{unmatched} records ask no train question", flush=True)
     return rows, {**summarize(rows), "import_records": len(records), "import_unmatched": unmatched}

@@ -1,17 +1,17 @@
-"""Tools and run settings from params.yaml, shared by the generate and evaluate stages."""
+"""Tools and run settings from their sections of params.yaml, shared by the stages that run systems."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from .. import layout
-from ..config import Params, engine_with, teacher_engine
+from ..config import EngineConfig, GenerateConfig, ToolsConfig, engine_with
 from ..protocol import DEFAULT_TOOLS
 from ..tools.web import enabled_web_tools, make_web_tools
 from .runtime import EpisodeSettings
 from .toolbox import Toolbox
 
 
-def make_toolbox(params: Params, index_dir: str = layout.INDEX, web_cache_dir: str = layout.WEB_CACHE) -> Toolbox:
+def make_toolbox(t: ToolsConfig, index_dir: str = layout.INDEX, web_cache_dir: str = layout.WEB_CACHE) -> Toolbox:
     """search + python, and the web tools params.yaml enables (tools.web_search_url, tools.crawl).
 
     Raises SandboxUnavailable (naming what is missing and tools.sandbox_isolation) when python code cannot be sandboxed
@@ -19,22 +19,21 @@ def make_toolbox(params: Params, index_dir: str = layout.INDEX, web_cache_dir: s
     from ..tools.python_sandbox import start_sandbox
     from ..tools.retrieval import make_retriever
 
-    t = params.tools
     print(start_sandbox(t.sandbox_isolation, t.python_memory_mb, t.python_total_memory_mb), flush=True)
     python = {"timeout_s": t.python_timeout_s, "memory_mb": t.python_memory_mb, "max_output_chars": t.python_max_output_chars}
     return Toolbox(make_retriever(index_dir, t), python_params=python, search_max_chars=t.search_max_chars,
                    extra=make_web_tools(t, web_cache_dir), call_deadline_s=t.call_deadline_s)
 
 
-def enabled_tools(params: Params) -> tuple[str, ...]:
+def enabled_tools(t: ToolsConfig) -> tuple[str, ...]:
     """The tools an acting episode may call: the defaults plus the enabled web tools (for start_episode's `tools`, and
     protocol.system_prompt(tools) for its `system`)."""
-    return DEFAULT_TOOLS + enabled_web_tools(params.tools)
+    return DEFAULT_TOOLS + enabled_web_tools(t)
 
 
-def demonstrations(params: Params) -> str:
+def demonstrations(g: GenerateConfig) -> str:
     """The teacher's worked examples (the file generate.demonstrations names; "" = none)."""
-    path = params.generate.demonstrations
+    path = g.demonstrations
     if not path:
         return ""
     if not Path(path).is_file():
@@ -42,28 +41,28 @@ def demonstrations(params: Params) -> str:
     return Path(path).read_text().strip()
 
 
-def episode_settings(params: Params, temperature: float, top_logprobs: int = 0) -> EpisodeSettings:
-    g = params.generate
+def episode_settings(g: GenerateConfig, max_model_len: int, temperature: float, top_logprobs: int = 0) -> EpisodeSettings:
+    """An episode's sampling and limits: generate's, at `temperature` (the teacher's, a student's, a completer's)."""
     return EpisodeSettings(temperature=temperature, top_p=g.top_p, max_turns=g.max_turns, max_tokens_per_turn=g.max_tokens_per_turn,
-                     max_tool_calls=g.max_tool_calls, max_model_len=params.llm.max_model_len, top_logprobs=top_logprobs)
+                           max_tool_calls=g.max_tool_calls, max_model_len=max_model_len, top_logprobs=top_logprobs)
 
 
-def make_role_backends(params: Params) -> dict:
+def make_role_backends(roles: dict, teacher: EngineConfig, seed: int) -> dict:
     """generate.roles: {role: {model: <dir or served name>, backend: ..., <llm overrides>}} -> {role: backend}.
 
     Roles naming the same model and settings share one backend; a role without `model` runs the teacher's."""
     from ..llm import make_backend
 
     built, out = {}, {}
-    for role, spec in params.generate.roles.items():
+    for role, spec in roles.items():
         spec = dict(spec)
         model = spec.pop("model", layout.TEACHER)
         key = repr((model, sorted(spec.items())))
         if key not in built:
-            base = teacher_engine(params)
+            base = teacher
             if model != layout.TEACHER:  # a role's own served model is named by its `model`
                 base = engine_with(base, {"api_model": "", "tokenizer": ""})
-            built[key] = make_backend(model, engine_with(base, spec), seed=params.seed)
+            built[key] = make_backend(model, engine_with(base, spec), seed=seed)
         out[role] = built[key]
     return out
 

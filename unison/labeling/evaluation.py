@@ -20,13 +20,13 @@ from .. import layout
 from ..agents.cluster import Replicas, load_workbench, rollouts, system_context, workbench_or_replicas
 from ..agents.methods import run_method
 from ..agents.wiring import fault_counters, make_toolbox
-from ..config import LabelConfig, Params
+from ..config import ClusterConfig, EvaluateConfig, LabelConfig, SystemSettings
 from ..judge.answers import judged_answer
 from ..judge.stats import auc
 from ..llm import teacher_id
 from ..protocol import normalize_answer
 from .judging import label_rows, make_judge
-from .metrics import scoring_params, system_metrics
+from .metrics import system_metrics
 from .steps import student_steps
 
 COST_FIELDS = ("n_llm_calls", "n_tokens", "n_tool_calls", "tool_errors")
@@ -62,28 +62,28 @@ def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
                     "prm_outcome_auc": auc([s for g in groups.values() for _, s in g], [r["correct"] for g in groups.values() for r, _ in g])}
 
 
-def systems_to_evaluate(params: Params) -> list[tuple[str, str, float]]:
+def systems_to_evaluate(p: EvaluateConfig, teacher_temperature: float, dpo: bool) -> list[tuple[str, str, float]]:
     """(system, model dir, temperature) in evaluation order; systems sharing a model share one engine. Only the teacher
-    runs on the teacher block (models/teacher or its server); every student is loaded from its trained weights."""
-    p, g = params.evaluate, params.generate
+    runs on the teacher block (models/teacher or its server), at `teacher_temperature` (generate's); every student is
+    loaded from its trained weights (`dpo`: models/dpo is one)."""
     systems = [("base", layout.BASE, p.temperature)]
     if p.teacher:
-        systems.append(("teacher", layout.TEACHER, g.temperature))
+        systems.append(("teacher", layout.TEACHER, teacher_temperature))
     systems.append(("sft", layout.SFT, p.temperature))
     if p.rerank_samples > 1:
         systems.append(("prm_rerank", layout.SFT, p.rerank_temperature))
-    if params.dpo.enabled:
+    if dpo:
         systems.append(("dpo", layout.DPO, p.temperature))
     systems.append(("rl", layout.RL, p.temperature))
     return systems
 
 
-def run_judged(backend, model_id: str, questions: list[dict], samples: int, temperature: float, params: Params, toolbox,
+def run_judged(backend, model_id: str, questions: list[dict], samples: int, temperature: float, s: SystemSettings, toolbox,
                teacher: bool, judge, label: LabelConfig, role_backends: dict | None = None) -> tuple[list[dict], float]:
     """A system run on `questions` (cluster.system_context: the teacher's method or a student's `single`) and judged:
     (labeled rows, wall seconds)."""
-    ctx = system_context(params, backend, toolbox, teacher, model_id, temperature, role_backends)
-    g = params.generate
+    ctx = system_context(s, backend, toolbox, teacher, model_id, temperature, role_backends)
+    g = s.generate
     t0 = time.perf_counter()
     rows = label_rows(run_method(g.method if teacher else "single", questions, samples, ctx, g.episodes_in_flight), label, judge)
     return rows, time.perf_counter() - t0
@@ -106,16 +106,18 @@ def engine_groups(systems: list[tuple[str, str, float]]) -> list[list[tuple[str,
     return groups
 
 
-def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict],
-                     load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
-    """Each system run on `questions` and judged, one engine at a time (or one set of Ray replicas on cluster.address):
+def evaluate_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluster: ClusterConfig, systems: list[tuple[str, str, float]],
+                     questions: list[dict], load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
+    """Each system run on `questions` and judged by `label` (evaluate's scoring, metrics.scoring_label), one engine at a
+    time (or one set of Ray replicas on cluster.address):
     (system, labeled rows, metrics) as each finishes. The judge runs here. With evaluate.engine_per_process each engine lives in its own spawned process, which gives all its memory back when it
     exits; `load_prm` must then be picklable (a module-level function or a partial of one). `load_prm()` gives the PRM
     that prm_rerank scores with (loaded only when that system's turn comes)."""
     import torch
 
-    if params.cluster.address or not engine_per_process(params.evaluate.engine_per_process, torch.cuda.is_available()):
-        yield from run_systems(params, systems, questions, load_prm)
+    settings = (s, p, label, cluster)
+    if cluster.address or not engine_per_process(p.engine_per_process, torch.cuda.is_available()):
+        yield from run_systems(*settings, systems, questions, load_prm)
         return
     import multiprocessing
 
@@ -123,7 +125,7 @@ def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], ques
     for group in engine_groups(systems):
         receive, send = spawn.Pipe(duplex=False)
         # a plain (non-daemon) process: vLLM with tensor_parallel_size > 1 starts worker processes of its own
-        child = spawn.Process(target=send_systems, args=(send, params, group, questions, load_prm), name=f"evaluate-{group[0][0]}")
+        child = spawn.Process(target=send_systems, args=(send, settings, group, questions, load_prm), name=f"evaluate-{group[0][0]}")
         child.start()
         send.close()
         try:
@@ -137,24 +139,23 @@ def evaluate_systems(params: Params, systems: list[tuple[str, str, float]], ques
         yield from result
 
 
-def send_systems(send, params: Params, systems: list[tuple[str, str, float]], questions: list[dict], load_prm: Callable) -> None:
-    """A child process of evaluate_systems: run_systems whole, sent back as (True, results) or (False, the traceback)."""
+def send_systems(send, settings: tuple, systems: list[tuple[str, str, float]], questions: list[dict], load_prm: Callable) -> None:
+    """A child process of evaluate_systems: run_systems whole (`settings`: its first four arguments), sent back as
+    (True, results) or (False, the traceback)."""
     import traceback
 
     try:
-        send.send((True, list(run_systems(params, systems, questions, load_prm))))
+        send.send((True, list(run_systems(*settings, systems, questions, load_prm))))
     except BaseException:
         send.send((False, traceback.format_exc()))
         raise
 
 
-def run_systems(params: Params, systems: list[tuple[str, str, float]], questions: list[dict],
-                load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
+def run_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluster: ClusterConfig, systems: list[tuple[str, str, float]],
+                questions: list[dict], load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
     """evaluate_systems in this process."""
-    p = params.evaluate
-    scored = scoring_params(params)
-    label, judge = scored.label, make_judge(scored, {})
-    toolbox = None if params.cluster.address else make_toolbox(params)  # in process, one toolbox serves every system
+    judge = make_judge(label, s, {})
+    toolbox = None if cluster.address else make_toolbox(s.tools)  # in process, one toolbox serves every system
     engine, loaded = None, None
     try:
         for name, model_dir, temperature in systems:
@@ -164,18 +165,18 @@ def run_systems(params: Params, systems: list[tuple[str, str, float]], questions
                     engine.close()
                 engine = None  # free the engine before the next one starts
                 gc.collect()
-                engine = (workbench_or_replicas(params, model_dir, teacher) if toolbox is None else
-                          load_workbench(params, model_dir, teacher, toolbox))
+                engine = (workbench_or_replicas(s, cluster, model_dir, teacher) if toolbox is None else
+                          load_workbench(s, model_dir, teacher, toolbox))
                 loaded = model_dir
-            print(f"evaluate: {name} ({params.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
+            print(f"evaluate: {name} ({s.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
             t0 = time.perf_counter()
             n = p.rerank_samples if name == "prm_rerank" else 1
-            rows, counters = rollouts(engine, questions, n, teacher, teacher_id(params) if teacher else model_dir, temperature)
+            rows, counters = rollouts(engine, questions, n, teacher, teacher_id(s) if teacher else model_dir, temperature)
             rows = label_rows(rows, label, judge)
             rows, extra = prm_rerank(rows, load_prm()) if name == "prm_rerank" else (rows, {})
             wall = time.perf_counter() - t0
             faults = {k: counters.get(k, 0.0) for k in fault_counters({}, None)}  # this system's, the toolbox's included
-            yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, params.seed), **extra, **faults}
+            yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, s.seed), **extra, **faults}
     finally:
         if isinstance(engine, Replicas):
             engine.close()

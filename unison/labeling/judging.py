@@ -6,7 +6,7 @@ pure functions of unison/judge.
 from __future__ import annotations
 
 from .. import layout
-from ..config import EngineConfig, LabelConfig, Params, engine_with
+from ..config import LabelConfig, SystemSettings, engine_with
 from .llm_judge import LLMJudge
 from .steps import rule_judge, student_steps
 
@@ -22,24 +22,23 @@ def label_rows(rows: list[dict], label: LabelConfig, judge=None) -> list[dict]:
     return out
 
 
-def label_backend(params: Params, model: str, cache: dict):
+def label_backend(label: LabelConfig, s: SystemSettings, model: str, cache: dict):
     """A backend for `model`: "student" (models/base, local), "teacher" (the teacher block), else a dir or served name
     with llm.* overridden by label.llm; one per model (`cache`)."""
     from ..llm import make_backend, student_backend, teacher_backend
 
     if model not in cache:
         if model == "student":
-            cache[model] = student_backend(layout.BASE, params)
+            cache[model] = student_backend(layout.BASE, s)
         elif model == "teacher":
-            cache[model] = teacher_backend(params)
+            cache[model] = teacher_backend(s)
         else:
-            cache[model] = make_backend(model, engine_with(EngineConfig(**params.llm.model_dump()), params.label.llm), seed=params.seed)
+            cache[model] = make_backend(model, engine_with(s.student_engine, label.llm), seed=s.seed)
     return cache[model]
 
 
-def make_judge(params: Params, backends: dict):
+def make_judge(label: LabelConfig, s: SystemSettings, backends: dict):
     """label.judge: rule | llm (label.judge_model at label.judge_temperature); `backends` caches backends by model."""
-    p = params.label
-    if p.judge == "rule":
-        return rule_judge(p)
-    return LLMJudge(label_backend(params, p.judge_model, backends), p.judge_model, p.judge_temperature, seed=params.seed)
+    if label.judge == "rule":
+        return rule_judge(label)
+    return LLMJudge(label_backend(label, s, label.judge_model, backends), label.judge_model, label.judge_temperature, seed=s.seed)

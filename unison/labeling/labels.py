@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..config import LabelConfig, Params
+from ..config import ClusterConfig, LabelConfig, SystemSettings
 from ..data.schemas import DataError
 from .judging import label_backend, label_rows
 from .llm_judge import PROMPT_SHA256
@@ -52,10 +52,10 @@ def judge_identity(label: LabelConfig, judge) -> dict:
     return {"judge_model": judge.model, "judge_prompt_sha256": PROMPT_SHA256, "judge_temperature": judge.temperature}
 
 
-def label_trajectories(trajectories: list[dict], params: Params, judge, backends: dict) -> list[dict]:
-    """Each trajectory judged by `judge` and its steps labeled as label.step_labels says; `backends` caches the backends
-    by model (the judge's among them)."""
-    p = params.label
+def label_trajectories(trajectories: list[dict], p: LabelConfig, s: SystemSettings, cluster: ClusterConfig, judge,
+                       backends: dict) -> list[dict]:
+    """Each trajectory judged by `judge` and its steps labeled as label.step_labels (`p`) says, Monte Carlo completions
+    in this process or on `cluster`; `backends` caches the backends by model (the judge's among them)."""
     rows = label_rows(trajectories, p, judge)
     if p.step_labels == "agent":
         rows = with_steps(rows, agent_labels(rows, judge))
@@ -63,12 +63,12 @@ def label_trajectories(trajectories: list[dict], params: Params, judge, backends
         from ..agents.cluster import Replicas, Workbench
         from ..agents.wiring import enabled_tools, episode_settings, make_toolbox
 
-        scaffold = params.generate.scaffold if p.mc_scaffold else {}
-        where = (Replicas(params.cluster, params.llm.tensor_parallel_size, completer, params) if params.cluster.address else
-                 Workbench(params, label_backend(params, p.mc_model, backends), make_toolbox(params)))
+        scaffold = s.generate.scaffold if p.mc_scaffold else {}
+        where = (Replicas(cluster, s.student_engine.tensor_parallel_size, completer, p, s) if cluster.address else
+                 Workbench(s, label_backend(p, s, p.mc_model, backends), make_toolbox(s.tools)))
         try:
-            labeled = montecarlo_labels(rows, where, episode_settings(params, p.mc_temperature), judge, p.mc_rollouts, params.seed,
-                                        scaffold, enabled_tools(params))
+            labeled = montecarlo_labels(rows, where, episode_settings(s.generate, s.student_engine.max_model_len, p.mc_temperature),
+                                        judge, p.mc_rollouts, s.seed, scaffold, enabled_tools(s.tools))
         finally:
             if isinstance(where, Replicas):
                 where.close()
@@ -76,12 +76,12 @@ def label_trajectories(trajectories: list[dict], params: Params, judge, backends
     return rows
 
 
-def completer(params: Params):
+def completer(label: LabelConfig, s: SystemSettings):
     """label.mc_model on its backend with the tools (an agents.cluster Workbench), on a replica (cluster.address)."""
     from ..agents.cluster import Workbench
     from ..agents.wiring import make_toolbox
 
-    return Workbench(params, label_backend(params, params.label.mc_model, {}), make_toolbox(params))
+    return Workbench(s, label_backend(label, s, label.mc_model, {}), make_toolbox(s.tools))
 
 
 def label_metrics(rows: list[dict], label: LabelConfig, judge) -> dict:

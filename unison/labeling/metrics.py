@@ -4,7 +4,7 @@ intervals, F1 with a bootstrap interval, answer length, cost per question and pe
 from __future__ import annotations
 
 from ..agents.episodes import tool_totals
-from ..config import LabelConfig, Params
+from ..config import EvaluateConfig, LabelConfig
 from ..judge import score
 from ..judge.answers import judged_answer
 from ..judge.stats import bootstrap_ci, wilson_interval
@@ -59,9 +59,8 @@ def system_metrics(rows: list[dict], wall_s: float, label: LabelConfig, n_boot: 
     return out
 
 
-def scoring_params(params: Params) -> Params:
-    """`params` with label.first_only replaced by evaluate.first_only unless that is null (GAP: train on all, score the first)."""
-    first_only = params.evaluate.first_only
-    if first_only is None:
-        return params
-    return params.model_copy(update={"label": params.label.model_copy(update={"first_only": first_only})})
+def scoring_label(label: LabelConfig, evaluate: EvaluateConfig) -> LabelConfig:
+    """`label` with first_only replaced by evaluate.first_only unless that is null (GAP: train on all, score the first)."""
+    if evaluate.first_only is None:
+        return label
+    return label.model_copy(update={"first_only": evaluate.first_only})

@@ -1,6 +1,6 @@
 """LLM backends behind one interface (DESIGN §4): `generate(token prompts, sampling) -> completions`."""
 from .. import layout
-from ..config import EngineConfig, Params, teacher_engine
+from ..config import EngineConfig, SystemSettings
 from ..http_client import redact
 from .base import Completion, Sampling
 
@@ -40,16 +40,16 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
 
 
 
-def teacher_backend(params: Params):
+def teacher_backend(s: SystemSettings):
     """The teacher of the `teacher` block: models/teacher on this machine, or its server (tokenizer from models/teacher)."""
-    return make_backend(layout.TEACHER, teacher_engine(params), seed=params.seed)
+    return make_backend(layout.TEACHER, s.teacher_engine, seed=s.seed)
 
 
-def teacher_id(params: Params) -> str:
+def teacher_id(s: SystemSettings) -> str:
     """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote (`served_at`:
     credentials redacted, several servers in sorted order)."""
-    engine = teacher_engine(params)
-    return f"{engine.api_model}@{served_at(engine.base_url)}" if engine.backend == "openai" else params.teacher.model
+    engine = s.teacher_engine
+    return f"{engine.api_model}@{served_at(engine.base_url)}" if engine.backend == "openai" else s.teacher_model
 
 
 def served_at(base_url: str | list[str]) -> str:
@@ -59,14 +59,14 @@ def served_at(base_url: str | list[str]) -> str:
     return redact(base_url) if isinstance(base_url, str) else ",".join(sorted(redact(url) for url in base_url))
 
 
-def student_backend(model_dir: str, params: Params):
+def student_backend(model_dir: str, s: SystemSettings):
     """A student the pipeline trained (or its base), always loaded from `model_dir` on this machine (llm.backend is
     vllm | transformers by type: no setting makes a student run on a server)."""
     from pathlib import Path
 
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no trained student weights there (config.json missing)")
-    return make_backend(model_dir, EngineConfig(**params.llm.model_dump()), seed=params.seed)
+    return make_backend(model_dir, s.student_engine, seed=s.seed)
 
 
 __all__ = ["Completion", "Sampling", "make_backend", "served_at", "student_backend", "teacher_backend", "teacher_id"]

@@ -18,7 +18,7 @@ import time
 from .. import layout
 from ..agents.cluster import Replicas, Workbench, rollouts, workbench_or_replicas
 from ..agents.wiring import enabled_tools
-from ..config import LabelConfig, Params, ParetoConfig
+from ..config import ClusterConfig, LabelConfig, ParetoConfig, SystemSettings
 from ..data.schemas import LABELED, DataError, atomic_path, write_table
 from ..labeling.judging import label_rows
 from ..protocol import system_prompt
@@ -93,20 +93,20 @@ def plot_front(groups: list[dict], path: str = PLOT) -> None:
     tmp.replace(path)
 
 
-def rl_curriculum(params: Params, questions: list[dict]) -> tuple[list[dict], list[dict], dict]:
-    """The student's rollouts on `questions` (written to ROLLOUTS before build_rl can refuse them), then build_rl;
-    (RL rows, groups, metrics with the rollouts' wall seconds)."""
-    p = params.pareto
-    where = workbench_or_replicas(params, STUDENT)
+def rl_curriculum(p: ParetoConfig, s: SystemSettings, label: LabelConfig, cluster: ClusterConfig,
+                  questions: list[dict]) -> tuple[list[dict], list[dict], dict]:
+    """The student's rollouts on `questions` (written to ROLLOUTS before build_rl can refuse them), judged by `label`,
+    then build_rl; (RL rows, groups, metrics with the rollouts' wall seconds)."""
+    where = workbench_or_replicas(s, cluster, STUDENT)
     print(f"pareto: {p.k} rollouts x {len(questions)} questions with {STUDENT} at temperature {p.temperature}", flush=True)
     t0 = time.perf_counter()
     try:
-        labeled = student_rollouts(questions, p.k, where, p.temperature, params.label)
+        labeled = student_rollouts(questions, p.k, where, p.temperature, label)
     finally:
         if isinstance(where, Replicas):
             where.close()
     wall = time.perf_counter() - t0
     write_table(labeled, ROLLOUTS, LABELED)
-    rows, groups, metrics = build_rl(labeled, questions, p, system_prompt(enabled_tools(params), params.generate.method))
+    rows, groups, metrics = build_rl(labeled, questions, p, system_prompt(enabled_tools(s.tools), s.generate.method))
     metrics["rollout_s"] = wall
     return rows, groups, metrics

@@ -21,8 +21,6 @@ from ..token_view import row_view
 from .loop import Trainer, autocast, epoch_batches, fit, split_batch
 from .sft import collate, load_student, save_model, target_logits
 
-LOSSES = ("sigmoid", "ipo")
-
 
 def build_pairs(rows: list[dict], max_per_question: int) -> list[tuple[dict, dict]]:
     """(correct, wrong) renderings of one question, correct x wrong in sample order, at most `max_per_question` each;
@@ -80,12 +78,7 @@ def dpo_loss(pol_c: torch.Tensor, pol_r: torch.Tensor, ref_c: torch.Tensor, ref_
     sigmoid: -log sigmoid(beta h) (Rafailov et al.); ipo: (h - 1/(2 beta))^2 (Azar et al.); rewards = beta * log-ratio.
     """
     h = (pol_c - ref_c) - (pol_r - ref_r)
-    if kind == "sigmoid":
-        loss = -F.logsigmoid(beta * h)
-    elif kind == "ipo":
-        loss = (h - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"params.yaml dpo.loss: unknown loss {kind!r} (one of {LOSSES})")
+    loss = -F.logsigmoid(beta * h) if kind == "sigmoid" else (h - 1 / (2 * beta)) ** 2  # dpo.loss: sigmoid | ipo
     return loss, beta * (pol_c - ref_c).detach(), beta * (pol_r - ref_r).detach()
 
 

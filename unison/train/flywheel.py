@@ -26,11 +26,11 @@ from pathlib import Path
 
 from .. import layout
 from ..agents.wiring import demonstrations, make_toolbox
-from ..config import Params
+from ..config import EvaluateConfig, FlywheelConfig, LabelConfig, SFTConfig, SystemSettings
 from ..data.schemas import LABELED, QUESTION, DataError, atomic_dir, atomic_path, read_table, write_json, write_table
 from ..labeling.evaluation import run_judged
 from ..labeling.judging import make_judge
-from ..labeling.metrics import scoring_params, system_metrics
+from ..labeling.metrics import scoring_label, system_metrics
 from ..llm import student_backend, teacher_id
 from .sft import build_examples, select_trajectories, train_sft
 
@@ -39,11 +39,10 @@ DATA, MODELS = Path(layout.FLYWHEEL_DATA), Path(layout.FLYWHEEL)
 KEPT = ("em", "em_lo", "em_hi", "subem", "tokens_per_question")  # per system in a round's row of reports/flywheel.json
 
 
-def cache_dir(params: Params) -> Path:
+def cache_dir(fly: FlywheelConfig, s: SystemSettings, label: LabelConfig, sft: SFTConfig, e: EvaluateConfig) -> Path:
     """Finished rounds are valid only for the same settings and the same first student, base model and questions."""
-    h = hashlib.sha256(json.dumps(params.model_dump(include={"seed", "flywheel", "generate", "label", "sft", "evaluate", "llm", "tools"}),
-                                  sort_keys=True).encode())
-    h.update(demonstrations(params).encode())  # the teacher's worked examples: the file's text, not only its name
+    h = hashlib.sha256(json.dumps([section.model_dump() for section in (fly, s, label, sft, e)], sort_keys=True).encode())
+    h.update(demonstrations(s.generate).encode())  # the teacher's worked examples: the file's text, not only its name
     files = [layout.RAW_TRAIN, layout.RAW_TEST, *sorted(map(str, Path(layout.BASE).glob("*.safetensors"))),
              *sorted(map(str, Path(FIRST_STUDENT).glob("*.safetensors")))]
     for path in files:
@@ -57,18 +56,19 @@ def flat(prefix: str, m: dict) -> dict:
     return {f"{prefix}_{k}": m[k] for k in KEPT if k in m}
 
 
-def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Path) -> dict:
+def run_round(k: int, teacher_dir: str, fly: FlywheelConfig, s: SystemSettings, label: LabelConfig, sft: SFTConfig, e: EvaluateConfig,
+              toolbox, judge, work: Path) -> dict:
     """Round k in `work` (trajectories, student, round.json written last as the round's completion mark); its report row."""
-    g, e, seed = params.generate, params.evaluate, params.seed
-    cfg = params.sft.model_copy(update={"epochs": params.flywheel.sft_epochs or params.sft.epochs})
+    g, seed = s.generate, s.seed
+    cfg = sft.model_copy(update={"epochs": fly.sft_epochs or sft.epochs})
     train, test = read_table(layout.RAW_TRAIN, QUESTION), read_table(layout.RAW_TEST, QUESTION)
     test = test[: e.max_questions or None]
-    label, eval_label = params.label, scoring_params(params).label
+    eval_label = scoring_label(label, e)
     print(f"flywheel: round {k}: {teacher_dir} teaches ({g.method}, scaffolded) on {len(train)} train questions", flush=True)
-    backend = student_backend(teacher_dir, params)  # one engine for the teacher's train answers and its test score
-    rows, _ = run_judged(backend, teacher_dir, train, g.samples, g.temperature, params, toolbox, True, judge, label)
+    backend = student_backend(teacher_dir, s)  # one engine for the teacher's train answers and its test score
+    rows, _ = run_judged(backend, teacher_dir, train, g.samples, g.temperature, s, toolbox, True, judge, label)
     write_table(rows, work / "train.parquet", LABELED)
-    teacher_rows, teacher_s = run_judged(backend, teacher_dir, test, 1, g.temperature, params, toolbox, True, judge, eval_label)
+    teacher_rows, teacher_s = run_judged(backend, teacher_dir, test, 1, g.temperature, s, toolbox, True, judge, eval_label)
     del backend
     gc.collect()  # free the engine before training
     chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
@@ -78,8 +78,8 @@ def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Pa
 
     examples, _ = build_examples(AutoTokenizer.from_pretrained(layout.BASE), chosen, cfg.max_length)
     records = train_sft(layout.BASE, examples, cfg, str(work / "student"))
-    student_rows, student_s = run_judged(student_backend(str(work / "student"), params), str(work / "student"), test, 1,
-                                         e.temperature, params, toolbox, False, judge, eval_label)
+    student_rows, student_s = run_judged(student_backend(str(work / "student"), s), str(work / "student"), test, 1,
+                                         e.temperature, s, toolbox, False, judge, eval_label)
     gc.collect()
     teacher_m = system_metrics(teacher_rows, teacher_s, eval_label, e.bootstrap, seed)
     student_m = system_metrics(student_rows, student_s, eval_label, e.bootstrap, seed)
@@ -91,11 +91,11 @@ def run_round(k: int, teacher_dir: str, params: Params, toolbox, judge, work: Pa
     return row
 
 
-def round_zero(params: Params) -> tuple[dict, dict]:
+def round_zero(s: SystemSettings) -> tuple[dict, dict]:
     """(the pipeline's own round from reports/metrics.json: its teacher (when evaluate.teacher ran it) and its RL student,
     the base student's metrics)."""
     metrics = json.loads(Path(layout.METRICS).read_text())
-    return {"round": 0, "teacher": teacher_id(params), "student": FIRST_STUDENT, **flat("teacher", metrics.get("teacher", {})),
+    return {"round": 0, "teacher": teacher_id(s), "student": FIRST_STUDENT, **flat("teacher", metrics.get("teacher", {})),
             **flat("student", metrics["rl"])}, flat("base", metrics["base"])
 
 
@@ -125,12 +125,13 @@ def plot(rounds: list[dict], base: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-def run_rounds(params: Params, work: Path | None) -> Iterator[dict]:
+def run_rounds(fly: FlywheelConfig, s: SystemSettings, label: LabelConfig, sft: SFTConfig, e: EvaluateConfig,
+               work: Path | None) -> Iterator[dict]:
     """Rounds 1..flywheel.rounds in `work` (a finished round is reused), each one's report row as it finishes."""
-    if not params.flywheel.rounds:  # no toolbox: loading the search encoder costs seconds
+    if not fly.rounds:  # no toolbox: loading the search encoder costs seconds
         return
-    toolbox, judge = make_toolbox(params), make_judge(params, {})
-    for k in range(1, params.flywheel.rounds + 1):
+    toolbox, judge = make_toolbox(s.tools), make_judge(label, s, {})
+    for k in range(1, fly.rounds + 1):
         done = work / f"round-{k}" / "round.json"
         if done.exists():
             print(f"flywheel: round {k} already done, reusing", flush=True)
@@ -138,7 +139,7 @@ def run_rounds(params: Params, work: Path | None) -> Iterator[dict]:
         else:
             (work / f"round-{k}").mkdir(parents=True, exist_ok=True)
             teacher_dir = FIRST_STUDENT if k == 1 else str(work / f"round-{k - 1}" / "student")
-            yield run_round(k, teacher_dir, params, toolbox, judge, work / f"round-{k}")
+            yield run_round(k, teacher_dir, fly, s, label, sft, e, toolbox, judge, work / f"round-{k}")
 
 
 def publish_rounds(work: Path | None, n: int) -> None:

@@ -33,7 +33,6 @@ from .. import layout
 from ..config import TrainingSettings
 from ..data.schemas import atomic_dir, atomic_path
 
-PRECISIONS = ("auto", "bf16", "fp32")
 SHOWN = ("loss", "reward_total", "accuracy", "tool_calls_per_episode", "kept_groups", "lr")  # on the progress line
 
 LossFn = Callable[[object], "tuple[torch.Tensor, dict]"]  # micro-batch -> (loss, metrics of that micro-batch)
@@ -52,9 +51,7 @@ def bf16_supported() -> bool:
 
 
 def resolve_precision(precision: str, param: str) -> str:
-    """"bf16" or "fp32" for a setting of auto | bf16 | fp32; `param` names the setting in errors."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"params.yaml {param}: unknown precision {precision!r} (one of {PRECISIONS})")
+    """"bf16" or "fp32" for a setting of auto | bf16 | fp32 (the config's Literal); `param` names the setting in errors."""
     if precision == "fp32":
         return "fp32"
     if bf16_supported():

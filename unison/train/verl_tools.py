@@ -15,7 +15,7 @@ import asyncio
 from ..agents.runtime import timed_call
 from ..agents.toolbox import Toolbox
 from ..agents.wiring import make_toolbox
-from ..config import Params, ToolsConfig
+from ..config import ToolsConfig
 from ..protocol import observation
 
 # Each tool's one argument as the student writes it inside its tag, and what it is.
@@ -71,7 +71,7 @@ if BaseTool is not None:
 
         def __init__(self, config: dict, tool_schema):
             super().__init__(config, tool_schema)
-            self.toolbox = make_toolbox(Params(tools=ToolsConfig(**config["tools"])))
+            self.toolbox = make_toolbox(ToolsConfig(**config["tools"]))
 
         async def execute(self, instance_id: str, parameters: dict, **kwargs) -> tuple[ToolResponse, float, dict]:
             text, error = await asyncio.to_thread(run_tool, self.toolbox, self.name, parameters)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import Params
+from ..config import LabelConfig, LLMConfig, RLConfig, ToolsConfig
 from ..data.schemas import atomic_dir
 from .verl_agent import NAME as AGENT_LOOP
 from .verl_tools import tool_config
@@ -49,15 +49,14 @@ def hydra_value(value) -> str:
     return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
 
 
-def verl_overrides(params: Params, train_files: list[str], model_dir: str, tool_config_path: str, agent_loop_path: str,
-                   checkpoint_dir: str, tools: tuple[str, ...]) -> list[str]:
-    """main_ppo's overrides for params.yaml's rl section (and llm's engine memory, label's judge settings)."""
-    cfg, llm = params.rl, params.llm
+def verl_overrides(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, verl_agent: str, train_files: list[str], model_dir: str,
+                   tool_config_path: str, agent_loop_path: str, checkpoint_dir: str, tools: tuple[str, ...]) -> list[str]:
+    """main_ppo's overrides for params.yaml's rl section (and llm's engine memory, label's judge settings, export's agent loop)."""
     estimator, norm_by_std = ESTIMATORS[cfg.estimator]
     settings = {
         "data.train_files": list(train_files), "data.val_files": list(train_files), "data.prompt_key": "prompt",
         "data.train_batch_size": cfg.prompts_per_step, "data.max_prompt_length": cfg.verl_max_prompt_length,
-        "data.max_response_length": cfg.verl_max_response_length, "data.seed": params.seed, "data.return_raw_chat": True,
+        "data.max_response_length": cfg.verl_max_response_length, "data.seed": cfg.seed, "data.return_raw_chat": True,
         "actor_rollout_ref.model.path": model_dir,
         "actor_rollout_ref.actor.optim.lr": cfg.lr, "actor_rollout_ref.actor.optim.weight_decay": cfg.weight_decay,
         "actor_rollout_ref.actor.optim.lr_warmup_steps": cfg.warmup_steps(cfg.steps), "actor_rollout_ref.actor.optim.clip_grad": cfg.max_grad_norm,
@@ -71,14 +70,14 @@ def verl_overrides(params: Params, train_files: list[str], model_dir: str, tool_
         "actor_rollout_ref.actor.checkpoint.save_contents": ["model", "optimizer", "extra", "hf_model"],
         "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.mode": "async",
         "actor_rollout_ref.rollout.n": cfg.group_size, "actor_rollout_ref.rollout.temperature": cfg.temperature,
-        "actor_rollout_ref.rollout.top_p": cfg.top_p, "actor_rollout_ref.rollout.seed": params.seed,
+        "actor_rollout_ref.rollout.top_p": cfg.top_p, "actor_rollout_ref.rollout.seed": cfg.seed,
         "actor_rollout_ref.rollout.gpu_memory_utilization": llm.gpu_memory_utilization,
         "actor_rollout_ref.rollout.tensor_model_parallel_size": llm.tensor_parallel_size,
         "actor_rollout_ref.rollout.multi_turn.enable": True,
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": cfg.max_turns,
         "actor_rollout_ref.rollout.multi_turn.max_user_turns": cfg.max_tool_calls,
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": tool_config_path,
-        "actor_rollout_ref.rollout.agent.default_agent_loop": params.export.verl_agent,
+        "actor_rollout_ref.rollout.agent.default_agent_loop": verl_agent,
         "actor_rollout_ref.rollout.agent.agent_loop_config_path": agent_loop_path,
         "algorithm.adv_estimator": estimator, "algorithm.norm_adv_by_std_in_grpo": norm_by_std,
         "algorithm.use_kl_in_reward": False,
@@ -94,20 +93,21 @@ def verl_overrides(params: Params, train_files: list[str], model_dir: str, tool_
     if llm.max_num_seqs:
         settings["actor_rollout_ref.rollout.max_num_seqs"] = llm.max_num_seqs
     reward_kwargs = {"verifiable_weight": cfg.verifiable_weight, "format_weight": cfg.format_weight,
-                     "label": params.label.model_dump(), "tools": list(tools)}
+                     "label": label.model_dump(), "tools": list(tools)}
     return ([f"{k}={hydra_value(v)}" for k, v in settings.items()]
             + [f"+reward.custom_reward_function.reward_kwargs={hydra_value(reward_kwargs)}"])
 
 
-def write_verl_config(params: Params, train_files: list[str], model_dir: str, out_dir: str | Path, tools: tuple[str, ...]) -> list[str]:
+def write_verl_config(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, t: ToolsConfig, verl_agent: str, train_files: list[str],
+                      model_dir: str, out_dir: str | Path, tools: tuple[str, ...]) -> list[str]:
     """Write out_dir/tool_config.yaml, agent_loops.yaml (unison_agent) and overrides.txt (one override a line); the overrides."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tool_config.yaml").write_text(yaml.safe_dump(tool_config(tools, params.tools), sort_keys=False))
+    (out / "tool_config.yaml").write_text(yaml.safe_dump(tool_config(tools, t), sort_keys=False))
     loop = {"name": AGENT_LOOP, "_target_": "unison.train.verl_agent.UnisonAgentLoop",
-            "max_tokens_per_turn": params.rl.max_tokens_per_turn}
+            "max_tokens_per_turn": cfg.max_tokens_per_turn}
     (out / "agent_loops.yaml").write_text(yaml.safe_dump([loop], sort_keys=False))
-    overrides = verl_overrides(params, train_files, model_dir, str((out / "tool_config.yaml").resolve()),
+    overrides = verl_overrides(cfg, llm, label, verl_agent, train_files, model_dir, str((out / "tool_config.yaml").resolve()),
                                str((out / "agent_loops.yaml").resolve()), str((out / "checkpoints").resolve()), tools)
     (out / "overrides.txt").write_text("\n".join(overrides) + "\n")
     return overrides
