@@ -19,12 +19,14 @@ def factors(settings: TrainingSettings, total: int) -> list[float]:
 
 def test_each_trainers_defaults_give_the_lr_factors_it_had_before_the_settings_were_shared():
     """The formulas each trainer wrote inline before: sft warm-up then linear decay (warm-up max(1, 5% of steps)), prm a
-    linear decay from step 0, dpo constant, rl 3 warm-up steps then constant."""
+    linear decay from step 0, dpo constant, rl 3 warm-up steps then constant (the 100-question demo's warmup_ratio 0.75 of
+    4 steps; the smaller demo's one step has none)."""
     assert factors(SFTConfig(), 24) == [min((s + 1) / 1, max(0.0, (24 - s) / 23)) for s in range(24)]
     assert factors(SFTConfig(), 60) == [min((s + 1) / 3, max(0.0, (60 - s) / 57)) for s in range(60)]
     assert factors(PRMConfig(), 13) == pytest.approx([max(0.0, 1 - s / 13) for s in range(13)], rel=1e-15)
     assert factors(DPOConfig(), 7) == [1.0] * 7
-    assert factors(RLConfig(), 4) == [1 / 3, 2 / 3, 1.0, 1.0]
+    assert factors(RLConfig(warmup_ratio=0.75), 4) == [1 / 3, 2 / 3, 1.0, 1.0]
+    assert factors(RLConfig(), 1) == [1.0]  # the demo's one step at the full lr
     assert factors(RLConfig(warmup_ratio=0.015), 200)[:4] == [1 / 3, 2 / 3, 1.0, 1.0]  # gap and afm's 3 of 200
 
 
