@@ -20,11 +20,11 @@ from . import attempt
 STAGE_SCRIPT = """
 import sys
 from unison.agents.wiring import make_toolbox
-from unison.config import Params, ToolsConfig
+from unison.config import ToolsConfig
 from unison.tools.python_sandbox import SandboxUnavailable
 
 try:
-    box = make_toolbox(Params(tools=ToolsConfig(search_url="http://127.0.0.1:9", sandbox_isolation=sys.argv[1])))
+    box = make_toolbox(ToolsConfig(search_url="http://127.0.0.1:9", sandbox_isolation=sys.argv[1]))
 except SandboxUnavailable as e:
     print("REFUSED:", e)
     sys.exit(3)
@@ -111,13 +111,13 @@ def a_tool_call_that_never_answers():
     from unison.agents.episodes import start_episode
     from unison.agents.runtime import EpisodeSettings, run_episodes
     from unison.agents.wiring import make_toolbox
-    from unison.config import Params, ToolsConfig
+    from unison.config import ToolsConfig
 
     hung, folder = HungServer(), tempfile.mkdtemp(prefix="unison-security-model-")
     try:
         backend = tiny_backend(folder)
         with contextlib.redirect_stdout(io.StringIO()):  # make_toolbox's sandbox line
-            box = make_toolbox(Params(tools=ToolsConfig(search_url=hung.url, search_timeout_s=10, call_deadline_s=1.0)))
+            box = make_toolbox(ToolsConfig(search_url=hung.url, search_timeout_s=10, call_deadline_s=1.0))
         episode = start_episode(backend.tokenizer, "hang", "Where is Tarsk?", 1, ["search", "answer"])
         start = time.monotonic()
         with contextlib.redirect_stderr(io.StringIO()):  # the episodes' progress bar
