@@ -118,6 +118,8 @@ def trajectories(project) -> list[dict]:
     return pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
 
 
+@pytest.mark.nightly  # ~230 s (CI's 45 minutes): the chat API's requests, tool calls, top log-probs and response cache run
+# against fake hosted APIs in make test (test_chat_teacher, test_teacher_topk); vLLM's server stays there for scoring
 @pytest.mark.timeout(1200)
 def test_a_chat_teacher_on_vllms_chat_server_named_tool_calls_then_auto_and_a_forced_rerun_sends_nothing(served):
     """teacher.api chat against vLLM's /v1/chat/completions (hermes tool parser): the scaffold's search turn is a named
