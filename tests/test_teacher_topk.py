@@ -245,7 +245,7 @@ def test_a_chat_teachers_top_k_is_kept_beside_the_shard_and_sft_distils_only_the
 
     examples, _ = build_examples(tok, [{**r, "correct": True} for r in rows], 1024, topk_for(tok, rows, table))
     weight = 0.5
-    cfg = SFTConfig(epochs=1, batch_size=len(rows), lr=1e-3, warmup_ratio=0.0, kd_weight=weight, max_length=512)
+    cfg = SFTConfig(epochs=1, batch_size=len(rows), lr=1e-3, warmup_ratio=0.0, kd_weight=weight, max_length=512, precision="fp32")
     first = train_sft(str(tiny_model_dir), examples, cfg, str(tmp_path / "out"))[0]
     student = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     nll, n, kl, m = 0.0, 0, 0.0, 0
@@ -274,7 +274,7 @@ def test_generate_topk_with_a_chat_teacher_is_checked_when_params_load():
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["teacher"].update(backend="openai", api="chat", base_url="http://127.0.0.1:9/v1")
     raw["generate"]["topk"], raw["sft"]["kd_weight"] = 8, 0.5
-    assert validate_params(raw).teacher.chat  # its top_logprobs come with what it generates
+    assert validate_params(raw).teacher_engine().chat  # its top_logprobs come with what it generates
     raw["generate"]["topk"] = 21
     with pytest.raises(ParamsError, match="generate.topk 21: a chat API teacher returns at most 20 top log-probs a token"):
         validate_params(raw)

@@ -85,6 +85,11 @@ class EngineConfig(LLMConfig):
     api: Literal["chat", "completions"] = Field("chat", description="openai: chat = POST /chat/completions with messages (any server, hosted APIs); completions = /completions with token prompts in the model's own tokenizer")
     api_model: str = Field("", description="openai: the served model's name; \"\" = the model dir")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key, sent as a Bearer token; never logged")
+
+    @property
+    def chat(self) -> bool:
+        """A model behind a chat API: it sees messages, and cannot score given tokens."""
+        return self.backend == "openai" and self.api == "chat"
     tokenizer: str = Field("", description="openai: the tokenizer that renders prompts; \"\" = the model dir")
 
 
@@ -164,11 +169,6 @@ class TeacherConfig(Section):
     tokenizer: str = Field('', description='openai: spec of the tokenizer that renders prompts; "" = teacher.model\'s (api chat: the student\'s, in whose tokens a chat teacher\'s turns are kept)')
     api_key_env: str = Field('OPENAI_API_KEY', description='openai: env var holding the API key, sent as a Bearer token when set; never logged')
     llm: dict = Field(default_factory=dict, description='overrides of llm.* for the teacher only, e.g. {max_concurrency: 64, vllm_extensions: false}')
-
-    @property
-    def chat(self) -> bool:
-        """A teacher behind a chat API: it sees messages, and cannot score given tokens."""
-        return self.backend == "openai" and self.api == "chat"
 
     @model_validator(mode="after")
     def _check(self):
@@ -570,14 +570,15 @@ class Params(Section):
             raise ValueError("rl.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
         if not self.prm.enabled and self.evaluate.rerank_samples > 1:
             raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
-        if self.rl.objective == "opd" and self.teacher.chat:
+        chat_teacher = self.teacher_engine().chat
+        if self.rl.objective == "opd" and chat_teacher:
             raise ValueError(f"rl.objective opd: the teacher ({self.teacher.model}) must score given tokens, and teacher.api "
                              "chat cannot (a chat API returns no log-probs of given tokens): set teacher.api: completions with a "
                              "vLLM or SGLang server, or a local teacher (teacher.backend vllm | transformers)")
-        if self.generate.topk and self.teacher.chat and self.generate.source:
+        if self.generate.topk and chat_teacher and self.generate.source:
             raise ValueError("generate.topk with imported trajectories (generate.source) needs a teacher that scores them, and "
                              "teacher.api chat cannot: a chat API's top log-probs come only with what it generates itself")
-        if self.generate.topk > CHAT_TOP_LOGPROBS and self.teacher.chat:
+        if self.generate.topk > CHAT_TOP_LOGPROBS and chat_teacher:
             raise ValueError(f"generate.topk {self.generate.topk}: a chat API teacher returns at most {CHAT_TOP_LOGPROBS} top "
                              "log-probs a token (OpenAI's top_logprobs limit)")
         if self.rl.objective == "opd" and self.rl.teacher_context == "worked_examples" and not self.generate.demonstrations:
@@ -646,8 +647,7 @@ class SystemSettings(BaseModel):
     def chat_top_logprobs(self) -> int:
         """generate.topk for a chat API teacher, which returns its top log-probs as it generates (0 for a teacher that
         scores the trajectories afterwards, teacher_topk.capture_topk)."""
-        e = self.teacher_engine
-        return self.generate.topk if e.backend == "openai" and e.api == "chat" else 0
+        return self.generate.topk if self.teacher_engine.chat else 0
 
 
 def load_params(path: str | os.PathLike | None = None) -> Params:
