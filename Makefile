@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_HOME := $(CURDIR)/.prefect
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m tasks.<stage>` with the venv's python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)  # dvc runs each stage's `python -m stages.<stage>` with the venv's python
 
 .PHONY: setup demo test security test-recipes test-fast test-nightly ui pipeline bench clean recipe remote pull push diff setup-gpu lock-gpu gpu-smoke device-check runner-setup apparmor-bwrap
 

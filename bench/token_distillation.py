@@ -29,7 +29,7 @@ from pathlib import Path
 from bench.bench_rollout import git_commit, save_report
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("unison", "tasks", "configs", "bench")  # this checkout's, linked into each copy
+CODE = ("unison", "stages", "configs", "bench")  # this checkout's, linked into each copy
 ROWS = ("sft_rl", "sft_opd", "sft_kd_opd", "base_opd")
 
 
@@ -133,11 +133,11 @@ def row(name: str, demo: Path, work: Path, teacher: Path, kd_weight: float, topk
     if name == "sft_kd_opd":
         set_params(project, {"generate.topk": topk, "sft.kd_weight": kd_weight})
         train_s += run(project, py, "-c", f"from bench.token_distillation import capture_teacher_topk; capture_teacher_topk({topk})")
-        train_s += run(project, py, "-m", "tasks.sft")
+        train_s += run(project, py, "-m", "stages.sft")
         run(project, py, "-c", "from bench.token_distillation import evaluate_student; evaluate_student('models/sft')")
         sft = json.loads((project / "reports/bench_eval.json").read_text())
         extra = {"sft_kd_em": sft["em"], "sft_kd_em_lo": sft["em_lo"], "sft_kd_em_hi": sft["em_hi"]}
-    train_s += run(project, py, "-m", "tasks.rl")
+    train_s += run(project, py, "-m", "stages.rl")
     run(project, py, "-c", "from bench.token_distillation import evaluate_student; evaluate_student('models/rl')")
     return measured(project, train_s, extra)
 

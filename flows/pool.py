@@ -15,8 +15,9 @@ import argparse
 import os
 from pathlib import Path
 
-from flows.pipeline import STAGE_DEPLOYMENT, pool_commit, read_dag, served_project, stream  # first: sets PREFECT_HOME
 from prefect import flow, get_run_logger
+
+from flows.pipeline import STAGE_DEPLOYMENT, pool_commit, read_dag, served_project, stream  # first: sets PREFECT_HOME
 from unison import storage
 
 

@@ -13,8 +13,8 @@ from contextlib import closing
 from functools import cache
 
 from tests.local_http import LocalServer, RawServer
-from unison.tools import web_fetch
 from unison.http_client import ResponseCache
+from unison.tools import web_fetch
 from unison.tools.web import Crawl, WebSearch
 
 from . import CLEANUP, attempt

@@ -5,4 +5,4 @@ import sys
 
 if __name__ == "__main__":  # rl's vLLM engine starts in a spawned process, which imports this module again
     for stage in sys.argv[1:]:
-        importlib.import_module(f"tasks.{stage}").main()
+        importlib.import_module(f"stages.{stage}").main()

@@ -19,7 +19,6 @@ from pathlib import Path
 import requests
 import uvicorn
 
-
 DROP = "drop"  # what `respond` returns to close the connection without answering (a server that died mid-request)
 
 

@@ -373,7 +373,7 @@ def test_materialized_model_generates_like_the_gguf(base_model_dir):
 # ---- the stage ------------------------------------------------------------------------------------------
 
 def test_download_stage_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
-    from tasks import download
+    from stages import download
 
     params = yaml.safe_load((Path(__file__).parent.parent / "params.yaml").read_text())
     params["download"] |= {"builtin": SMALL_WORLD, "max_test": 20}

@@ -48,7 +48,7 @@ def test_editing_a_local_dataset_or_corpus_makes_dvc_report_download_changed(tmp
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["download"]
     stage["cmd"] = "mkdir -p data/raw models/base reports && touch data/raw/x models/base/y && echo {} > reports/download.json"
     project = dvc_project(tmp_path / "project", {"stages": {"download": stage}})
-    for dep in ("tasks/download.py", "unison/data/__init__.py"):
+    for dep in ("stages/download.py", "unison/data/__init__.py"):
         (project / dep).parent.mkdir(parents=True, exist_ok=True)
         (project / dep).write_text("# stub\n")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())

@@ -85,10 +85,10 @@ def test_two_processes_give_the_one_process_loss_curves_of_sft_and_prm(project, 
     """sft (LoRA) and prm run here (one process), then in the 2 CPU processes (gloo) of one `accelerate launch` with
     train.num_processes: 2 and gradient checkpointing (which must not change the results either): the launch command
     the stages build (launch_command), each process running sft's and prm's own main() one after the other
-    (tests/launched_stages.py), as `python -m tasks.<stage>` does once launched."""
+    (tests/launched_stages.py), as `python -m stages.<stage>` does once launched."""
     from mlflow.tracking import MlflowClient
 
-    from tasks import prm, sft
+    from stages import prm, sft
 
     sft.main()
     prm.main()
@@ -97,8 +97,8 @@ def test_two_processes_give_the_one_process_loss_curves_of_sft_and_prm(project, 
         shutil.rmtree(f"models/{stage}")
     set_train(project, num_processes=2, main_process_port=free_port(), gradient_checkpointing=True)
     command = launch_command("sft", load_params().train)
-    assert command[-2:] == ["-m", "tasks.sft"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the launched processes import this checkout's tasks and unison
+    assert command[-2:] == ["-m", "stages.sft"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the launched processes import this checkout's stages and unison
     proc = subprocess.run([*command[:-1], "tests.launched_stages", "sft", "prm"], env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -144,7 +144,7 @@ def test_two_processes_give_the_one_process_rl_curve(tmp_path, monkeypatch, answ
     2 steps of 2 prompts x 4 rollouts, 2 sequences a micro-batch, so each process takes half of every step. Rank 0 rolls
     out exactly as one process does (the same seeds and weights), so the rewards are equal and the losses equal to
     float noise; only rank 0 writes the model, the curve and reports/rl.json."""
-    from tasks import rl
+    from stages import rl
     from unison.data.schemas import CORPUS, RL_ROW
     from unison.tools.retrieval import build_index
 
@@ -184,7 +184,7 @@ def test_two_processes_give_the_one_process_rl_curve(tmp_path, monkeypatch, answ
 def test_the_launch_command_for_processes_deepspeed_and_a_hostfile(tmp_path):
     assert launch_command("sft", TrainConfig()) is None  # one process: train in this one, as before
     cmd = launch_command("prm", TrainConfig(num_processes=4, main_process_port=0))
-    assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"] and cmd[-2:] == ["-m", "tasks.prm"]
+    assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"] and cmd[-2:] == ["-m", "stages.prm"]
     flags = " ".join(cmd[3:-2])
     assert flags == "--multi_gpu --num_processes 4 --num_machines 1 --main_process_port 0 --mixed_precision no --dynamo_backend no"
     zero3 = str(ROOT / "configs/deepspeed/zero3.json")

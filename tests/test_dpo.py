@@ -118,7 +118,7 @@ def set_enabled(project: Path, enabled: bool) -> None:
 
 
 def test_stage_disabled_marker_enabled_training_and_no_pairs(project):
-    from tasks import dpo
+    from stages import dpo
 
     dpo.main()  # disabled by default: a marker, no model
     assert json.loads(Path("models/dpo/dpo.json").read_text())["enabled"] is False

@@ -29,13 +29,13 @@ def project(tiny_pipeline):
 
 
 def kill_when(project: Path, stage: str, done, seconds: int) -> None:
-    """Run `python -m tasks.<stage>` and SIGKILL its process group as soon as `done()` holds. Its output goes to a file
+    """Run `python -m stages.<stage>` and SIGKILL its process group as soon as `done()` holds. Its output goes to a file
     (a pipe nobody reads would fill and stall it); the test fails with the output's tail if the stage ends or the time
     runs out first."""
     log = project.parent / f"{stage}-killed.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", f"tasks.{stage}"], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", f"stages.{stage}"], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.time() + seconds
     try:

@@ -91,7 +91,7 @@ def student_tokenizer():
 
 
 def test_the_stage_writes_every_format_the_same_bytes_twice_and_keeps_the_last_export_when_it_fails(project):
-    from tasks import export
+    from stages import export
 
     export.main()
     first = files(project / "data/export")

@@ -1,4 +1,4 @@
-"""Faults and secrets through a real stage process (`python -m tasks.generate`) in a tiny project, against a stand-in
+"""Faults and secrets through a real stage process (`python -m stages.generate`) in a tiny project, against a stand-in
 OpenAI completions server (a boundary fake of a hosted API, hence the `fake_openai_server` test names) that drops
 connections, answers 500 and stalls, a real search server that goes down mid-run, and a stand-in Serper endpoint.
 Every credential is a made-up value, recognisable, set in the environment or in a URL of params.yaml; none may reach
@@ -19,7 +19,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tasks.teacher import teacher_info
+from stages.teacher import teacher_info
 from unison.config import ROOT, load_params
 from unison.data.schemas import QUESTION, write_table
 from unison.tools.retrieval import Retriever, build_index
@@ -102,7 +102,7 @@ def run_stage(project: Path, stage: str) -> subprocess.CompletedProcess:
     env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
     for name in ("MLFLOW_TRACKING_URI", "UNISON_PARENT_RUN_ID", "UNISON_EXPERIMENT"):  # the project's own store
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", f"tasks.{stage}"], cwd=project, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=project, env=env, capture_output=True, text=True,
                           timeout=600)
 
 

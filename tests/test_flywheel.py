@@ -62,7 +62,7 @@ def project(tracked_project, tiny_model_dir, monkeypatch):
 def test_a_flywheel_run_killed_in_round_2_resumes_from_round_1_and_publishes_both(project, monkeypatch, capsys):
     import mlflow
 
-    import tasks.flywheel
+    import stages.flywheel
     import unison.train.flywheel as flywheel
 
     trained = []
@@ -76,14 +76,14 @@ def test_a_flywheel_run_killed_in_round_2_resumes_from_round_1_and_publishes_bot
 
     monkeypatch.setattr(flywheel, "train_sft", dies_in_round_2)
     with pytest.raises(RuntimeError, match="killed in round 2"):
-        tasks.flywheel.main()
+        stages.flywheel.main()
     (work,) = Path("data/.cache/flywheel").iterdir()
     assert (work / "round-1/round.json").is_file() and not (work / "round-2/round.json").exists()
     assert not Path("reports/flywheel.json").exists() and not Path("models/flywheel").exists()
 
     monkeypatch.setattr(flywheel, "train_sft", real_train_sft)
     capsys.readouterr()
-    tasks.flywheel.main()
+    stages.flywheel.main()
     out = capsys.readouterr().out
     assert "flywheel: round 1 already done, reusing" in out and "round 2: " in out
     rounds = json.loads(Path("reports/flywheel.json").read_text())["rounds"]

@@ -203,7 +203,7 @@ def test_download_generate_label_sft_on_imported_trajectories(workdir, tiny_mode
     answers, sft builds its examples with every tool result masked token-exactly and trains the tiny model on them."""
     from transformers import AutoTokenizer
 
-    from tasks import download, generate, label, sft
+    from stages import download, generate, label, sft
     from unison.train.sft import build_examples, select_trajectories
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())

@@ -92,15 +92,15 @@ def check_student_system(student: list[dict], method: str, tag: str) -> None:
 
 
 def test_plan_parsing_and_topological_levels():
-    tasks = parse_plan("T1: Zorvan Kelt birthplace\n- Dependencies: none\nT2: Tarsk country - Dependencies: T1\n**T3:** Velmora\n"
+    subtasks = parse_plan("T1: Zorvan Kelt birthplace\n- Dependencies: none\nT2: Tarsk country - Dependencies: T1\n**T3:** Velmora\n"
                        "T4: compare\n- Dependencies: T2, T3, T9")
-    assert tasks == {"T1": ("Zorvan Kelt birthplace", []), "T2": ("Tarsk country", ["T1"]), "T3": ("Velmora", []),
+    assert subtasks == {"T1": ("Zorvan Kelt birthplace", []), "T2": ("Tarsk country", ["T1"]), "T3": ("Velmora", []),
                      "T4": ("compare", ["T2", "T3", "T9"])}
-    assert topological_levels(tasks) == [["T1", "T3"], ["T2"], ["T4"]]  # the unknown T9 is dropped
+    assert topological_levels(subtasks) == [["T1", "T3"], ["T2"], ["T4"]]  # the unknown T9 is dropped
     cyclic = "T1: a\n- Dependencies: T2\nT2: b\n- Dependencies: T1"
     assert topological_levels(parse_plan(cyclic)) is None
-    assert plan_levels(cyclic, "Q?") == [[("T1", "a"), ("T2", "b")]]  # a cycle: one level of all tasks
-    assert plan_levels("I will look it up.", "Q?") == [[("T1", "Q?")]]  # no tasks: the question itself
+    assert plan_levels(cyclic, "Q?") == [[("T1", "a"), ("T2", "b")]]  # a cycle: one level of all subtasks
+    assert plan_levels("I will look it up.", "Q?") == [[("T1", "Q?")]]  # no subtasks: the question itself
     assert plan_levels("T1:\n- Dependencies: T1", "Q?") == [[("T1", "Q?")]]  # self dependency dropped, empty task = question
     assert parse_plan("<plan>T1: a\nT1: b\n- Dependencies: T7</plan>") == {"T1": ("a", [])}  # a repeated id keeps its first
     assert query_of("<search>Zorvan Kelt | Tarsk\nmore</search>", "fb") == "Zorvan Kelt Tarsk"

@@ -148,7 +148,7 @@ def test_disabled_stage_writes_a_marker_and_the_stages_that_read_it_refuse(tmp_p
 
     import yaml
 
-    from tasks import evaluate, prm, rl
+    from stages import evaluate, prm, rl
 
     params = yaml.safe_load((Path(__file__).parent.parent / "params.yaml").read_text())
     params["prm"]["enabled"] = False

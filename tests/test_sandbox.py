@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from security.runtime import start_a_stage
 from security.host import make_a_user_namespace
+from security.runtime import start_a_stage
 from security.sandbox import two_spinning_processes_vs_cpu_quota
 from unison.config import ROOT as PROJECT_ROOT
 from unison.tools import python_sandbox

@@ -47,7 +47,7 @@ def project(tmp_path, monkeypatch, tiny_model_dir):
 
 
 def test_rerunning_generate_and_label_writes_identical_bytes(project):
-    from tasks import generate, label
+    from stages import generate, label
 
     hashes = []
     for _ in range(2):

@@ -5,11 +5,10 @@ stage has started. Generate's shards are keyed by the code, the index and the te
 
 A module fixture builds one tiny project -- the 2-layer random model (conftest `tiny_model_dir`) as student and teacher on
 the transformers backend, 6 one-hop train and 2 test questions, the real faiss index and tools -- and runs every stage
-once, in DAG order, as `python -m tasks.<stage>`: the reference (each stage's outputs read right after it ran). Beside
+once, in DAG order, as `python -m stages.<stage>`: the reference (each stage's outputs read right after it ran). Beside
 that chain, a copy of the project as it was before each stage gets that stage started, SIGKILLed at a seeded random
 moment of the span the reference worked in (from its first printed line to its last), and run again. `make test` kills
-generate, label and sft (IN_MAKE_TEST), the reference chain running only them and the stages they need; `make test-nightly`
-kills the rest.
+generate (IN_MAKE_TEST), the reference chain running only it and the stages it needs; `make test-nightly` kills the rest.
 
 `teacher` is not run: like download's models/base it copies a local model (atomic_dir). The random teacher answers
 nothing right, and sft, prm and dpo refuse to train without correct answers, so the fixture marks sample 0 of every
@@ -120,7 +119,7 @@ def temps(project: Path) -> list[str]:
 
 
 def command(stage: str) -> list[str]:
-    return [sys.executable, "-m", f"tasks.{stage}"]
+    return [sys.executable, "-m", f"stages.{stage}"]
 
 
 def start(project: Path, stage: str, env: dict) -> tuple[subprocess.Popen, list[tuple[float, str]], threading.Thread]:
@@ -287,10 +286,9 @@ class Runs:
 
 
 TEST = "test_a_stage_killed_at_a_random_moment_then_run_again_writes_what_an_unkilled_run_writes"
-# killed in `make test`: generate and sft, which resume (shards, a checkpoint), and label, which writes several outputs;
-# `make test-nightly` kills the rest (rl's, prm's, dpo's and the flywheel's resume run in process in make test: test_rl,
-# test_opd, test_training_settings, test_flywheel)
-IN_MAKE_TEST = {"generate", "label", "sft"}
+# killed in `make test`: generate, which resumes from its shards; `make test-nightly` kills the rest (sft's, rl's, prm's,
+# dpo's and the flywheel's resume run in process in make test: test_training_settings, test_rl, test_opd, test_flywheel)
+IN_MAKE_TEST = {"generate"}
 
 
 def needed(selected: set[str]) -> list[str]:
@@ -302,7 +300,7 @@ def needed(selected: set[str]) -> list[str]:
         stage = todo.pop()
         if stage not in keep:
             keep.add(stage)
-            todo += [writer_of[d] for d in stages[stage].get("deps", []) if d in writer_of]
+            todo += [name for d in stages[stage].get("deps", []) for out, name in writer_of.items() if d == out or d.startswith(out + "/")]
     return [s for s in STAGES if s in keep]
 
 

@@ -16,10 +16,11 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="unison-test-prefe
 os.environ.pop("PREFECT_API_URL", None)
 os.environ["UNISON_PREFECT_PORT"] = "9"
 
-from flows.pipeline import SERVED_PROJECT, DvcError, check_pool, pipeline  # noqa: E402  (first: it gives the temporary server time to start)
-from flows.pool import create_pool, deploy, pool_stage  # noqa: E402
 from prefect.logging.handlers import APILogHandler  # noqa: E402
 from prefect.server.api.server import SubprocessASGIServer  # noqa: E402
+
+from flows.pipeline import SERVED_PROJECT, DvcError, check_pool, pipeline  # noqa: E402  (first: it gives the temporary server time to start)
+from flows.pool import create_pool, deploy, pool_stage  # noqa: E402
 from unison import storage  # noqa: E402
 from unison.config import ROOT, ParamsError, load_params  # noqa: E402
 

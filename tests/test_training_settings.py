@@ -44,20 +44,24 @@ def test_the_settings_rules_live_in_the_model():
         RLConfig(trainer="verl", dual_clip=None)
 
 
-def test_prm_and_dpo_resume_from_their_checkpoint_after_a_kill(tiny_model_dir, tmp_path):
+def test_sft_prm_and_dpo_resume_from_their_checkpoint_after_a_kill(tiny_model_dir, tmp_path):
     """Killed in step 3's record, a re-run reads the checkpoint of step 2 and does only steps 3.. : the same losses as a
     run never killed, with 2 steps fewer done."""
     from transformers import AutoTokenizer
 
     from unison.train.dpo import pair_views, train_dpo
     from unison.train.prm import train_prm
+    from unison.train.sft import build_examples, train_sft
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     pairs = [(labeled(q, 0, True, "Tarsk"), labeled(q, 1, False, "Velmora")) for q in "abcd"]
     views, _ = pair_views(tok, pairs, max_length=256)
-    runs = {"prm": lambda cfg, **kw: train_prm(str(tiny_model_dir), prm_rows(), cfg, **kw)[1],
+    examples, _ = build_examples(tok, [labeled(q, 0, True, "Tarsk") for q in "abcd"], max_length=256)
+    runs = {"sft": lambda cfg, **kw: train_sft(str(tiny_model_dir), examples, cfg, str(tmp_path / "sft-out"), **kw),
+            "prm": lambda cfg, **kw: train_prm(str(tiny_model_dir), prm_rows(), cfg, **kw)[1],
             "dpo": lambda cfg, **kw: train_dpo(str(tiny_model_dir), views, cfg, str(tmp_path / "dpo-out"), **kw)}
-    configs = {"prm": PRMConfig(epochs=2, lr=1e-3, batch_size=4, precision="fp32", checkpoint_every=1),
+    configs = {"sft": SFTConfig(epochs=2, lr=1e-3, batch_size=1, precision="fp32", checkpoint_every=1),
+               "prm": PRMConfig(epochs=2, lr=1e-3, batch_size=4, precision="fp32", checkpoint_every=1),
                "dpo": DPOConfig(enabled=True, epochs=2, lr=1e-3, batch_size=2, precision="fp32", checkpoint_every=1)}
 
     class Killed(Exception):

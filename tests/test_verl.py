@@ -1,6 +1,6 @@
 """rl.trainer verl (unison/train/verl_trainer.py, verl_reward.py, verl_tools.py): what of verl's path runs without a GPU.
 
-The config tasks/rl.py writes is parsed with Hydra's own override parser, and every key it sets is one of verl 0.9.1's
+The config stages/rl.py writes is parsed with Hydra's own override parser, and every key it sets is one of verl 0.9.1's
 (tests/fixtures/verl/ppo_trainer_keys.txt, the leaves of its _generated_ppo_trainer.yaml); the tool config is loaded
 with OmegaConf as verl's initialize_tools_from_config loads it; the reward function is called on verl's call signature
 (its naive reward manager's keywords) with rows of the export's verl parquet loaded as verl's RLHFDataset loads them, and
@@ -120,11 +120,11 @@ def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_canno
     with pytest.raises(ValueError, match=r"tools\.search_url"):
         tool_config(DEFAULT_TOOLS, ToolsConfig())
     if not VERL:  # the stage fails at once, naming the setting and the install command
-        import tasks.rl
+        import stages.rl
 
         verl_params(exported.parent.parent)
         with pytest.raises(RuntimeError, match=r"rl\.trainer is verl.*pip install verl"):
-            tasks.rl.main()
+            stages.rl.main()
 
 
 def test_the_verl_reward_on_verls_call_signature_equals_the_in_house_reward(exported):

@@ -31,8 +31,8 @@ import yaml
 from unison.config import ROOT
 
 from .nonroot import delegated_user
-from .test_data_change import GIT, WORKFLOW
 from .projects import copy_project, link_tree, tiny_params
+from .test_data_change import GIT, WORKFLOW
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -7,7 +7,7 @@
     unison demo                   the whole pipeline (`dvc repro`), each stage's time, then the results table
     unison recipe afm [--tiny]    params.yaml <- a seed system's recipe (configs/recipes)
 
-Every stage is also `python -m tasks.<stage>`; with --help it prints the same settings and runs nothing.
+Every stage is also `python -m stages.<stage>`; with --help it prints the same settings and runs nothing.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def stages() -> dict[str, dict]:
 
 
 def summary(stage: str) -> str:
-    """The first line of tasks/<stage>.py's docstring, without the `Stage <name>:` prefix."""
+    """The first line of stages/<stage>.py's docstring, without the `Stage <name>:` prefix."""
     import ast
 
-    doc = ast.get_docstring(ast.parse((ROOT / "tasks" / f"{stage}.py").read_text())) or ""
+    doc = ast.get_docstring(ast.parse((ROOT / "stages" / f"{stage}.py").read_text())) or ""
     first = doc.split("\n", 1)[0]
     return first.split(":", 1)[1].strip() if first.lower().startswith(("stage", stage)) and ":" in first else first
 
@@ -76,14 +76,14 @@ def outs(entry: dict) -> list[str]:
 
 
 def stage_main(stage: str, main) -> None:
-    """`python -m tasks.<stage>` [--help]: print the stage's settings and run nothing, or run it (after deleting the temps
+    """`python -m stages.<stage>` [--help]: print the stage's settings and run nothing, or run it (after deleting the temps
     that a killed run of any stage left under data/, models/ and reports/)."""
     args = sys.argv[1:]
     if args and args[0] in ("-h", "--help"):
         print(stage_help(stage))
         return
     if args:
-        sys.exit(f"python -m tasks.{stage}: takes no arguments (settings live in params.yaml; --help lists them), got {args}")
+        sys.exit(f"python -m stages.{stage}: takes no arguments (settings live in params.yaml; --help lists them), got {args}")
     for path in remove_stale_temps():
         print(f"{stage}: removed {path}, left by a killed run", flush=True)
     main()

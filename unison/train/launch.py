@@ -2,7 +2,7 @@
 
 With train.num_processes > 1 or a train.hostfile, the stage's first process runs
 
-    accelerate launch --multi_gpu --num_processes N ... -m tasks.<stage>                  (plain DDP: gloo on CPU, nccl on GPUs)
+    accelerate launch --multi_gpu --num_processes N ... -m stages.<stage>                  (plain DDP: gloo on CPU, nccl on GPUs)
     accelerate launch --use_deepspeed --deepspeed_config_file <stage>.deepspeed_config ...  (ZeRO-2/3; several machines
                                                                                           through the hostfile, over ssh)
 
@@ -53,7 +53,7 @@ def read_hostfile(path: str) -> dict[str, int]:
 
 
 def launch_command(stage: str, train: TrainConfig, deepspeed_config: str = "") -> list[str] | None:
-    """The `accelerate launch` command that runs tasks.<stage> on several processes; None for one process."""
+    """The `accelerate launch` command that runs stages.<stage> on several processes; None for one process."""
     if train.num_processes == 1 and not train.hostfile:
         return None
     if deepspeed_config and not Path(deepspeed_config).is_file():
@@ -73,11 +73,11 @@ def launch_command(stage: str, train: TrainConfig, deepspeed_config: str = "") -
     engine = ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config] if deepspeed_config else ["--multi_gpu"]
     return [sys.executable, "-m", "accelerate.commands.launch", *engine, "--num_processes", str(processes),
             "--num_machines", str(machines), *where, "--main_process_port", str(train.main_process_port),
-            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", f"tasks.{stage}"]
+            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", f"stages.{stage}"]
 
 
 def run_distributed(stage: str, train: TrainConfig, deepspeed_config: str = "") -> bool:
-    """Run tasks.<stage> through `accelerate launch` when train asks for several processes and this process is not
+    """Run stages.<stage> through `accelerate launch` when train asks for several processes and this process is not
     already one of them: True once they finished (the caller returns), SystemExit with their status if they failed.
     False: train here, in this process."""
     command = None if launched() else launch_command(stage, train, deepspeed_config)

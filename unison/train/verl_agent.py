@@ -6,7 +6,7 @@ turn with the tool close tags and </answer> as stop strings. It runs the call th
 UnisonTool entries of the tool config, so unison's Toolbox) and appends the observation block's tokens with
 response_mask 0. An answer closes the turn with EOS. An unparsable call is answered with an error observation. The
 episode ends at max_turns, max_tool_calls, a turn without a call, or the response budget.
-tasks/rl.py registers it as `unison_agent` (actor_rollout_ref.rollout.agent.agent_loop_config_path); rows whose
+stages/rl.py registers it as `unison_agent` (actor_rollout_ref.rollout.agent.agent_loop_config_path); rows whose
 agent_name is unison_agent (params.yaml export.verl_agent) run it.
 """
 from __future__ import annotations

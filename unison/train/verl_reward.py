@@ -3,10 +3,10 @@
 
 verl calls compute_score(data_source=, solution_str=, ground_truth=, extra_info=) with the row's reward_model.ground_truth
 and extra_info (unison's verl export puts the task in extra_info.ability), plus `reward.custom_reward_function.reward_kwargs`
-as keyword arguments: the weights and judge settings that tasks/rl.py copies from params.yaml. The reward is the in-house
+as keyword arguments: the weights and judge settings that stages/rl.py copies from params.yaml. The reward is the in-house
 loop's r = verifiable_weight * s + format_weight * f_fmt (unison.train.rl.score_episodes) for the same response. The
 ET-Agent efficiency term and the PRM are relative to a response's group, which a per-response call does not see, so
-tasks/rl.py refuses rl.efficiency_weight or rl.prm_weight > 0 with rl.trainer verl.
+stages/rl.py refuses rl.efficiency_weight or rl.prm_weight > 0 with rl.trainer verl.
 """
 from __future__ import annotations
 

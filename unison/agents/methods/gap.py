@@ -3,8 +3,8 @@ none" or "- Dependencies: T1"), then runs the plan level by level: each topologi
 its queries (one per task, written by the model after the earlier levels' results) joined by " | "; then the answer.
 
 Unlike GAP, which leaves the plan to the model and only runs one turn's `|`-joined queries in parallel, we parse the
-plan into a DAG and schedule its levels (a cyclic plan is one level of all its tasks; a plan without tasks is one
-task, the question). A level keeps its first `max_parallel` tasks; at most `max_levels` levels run.
+plan into a DAG and schedule its levels (a cyclic plan is one level of all its sub-tasks; a plan without sub-tasks is one
+task, the question). A level keeps its first `max_parallel` sub-tasks; at most `max_levels` levels run.
 
 Student rendering: the plan, each level's parallel search turn as issued (parallel stays parallel), the answer.
 """
@@ -28,27 +28,27 @@ _DEPS = re.compile(r"[\s(-]*dependenc(?:y|ies)\b\W*(.*)$", re.I)
 
 
 def parse_plan(plan: str) -> dict[str, tuple[str, list[str]]]:
-    """The plan's tasks in order: {"T1": (description, ["T2", ...])}; a repeated task id keeps its first definition,
+    """The plan's sub-tasks in order: {"T1": (description, ["T2", ...])}; a repeated task id keeps its first definition,
     lines that are neither a task nor its dependencies are ignored."""
-    tasks: dict[str, tuple[str, list[str]]] = {}
+    subtasks: dict[str, tuple[str, list[str]]] = {}
     cur = None
     for line in re.sub(r"</?\w+>", "\n", plan).splitlines():  # tags (<plan>) start no task
         m = _TASK.match(line)
         if m:
-            cur = None if f"T{int(m.group(1))}" in tasks else f"T{int(m.group(1))}"
+            cur = None if f"T{int(m.group(1))}" in subtasks else f"T{int(m.group(1))}"
             line = m.group(2)
         d = _DEPS.search(line)
         if cur and m:
-            tasks[cur] = ((line[: d.start()] if d else line).strip(" -*"), [])
+            subtasks[cur] = ((line[: d.start()] if d else line).strip(" -*"), [])
         if cur and d:
-            tasks[cur][1].extend(re.findall(r"T\d+", d.group(1)))
-    return tasks
+            subtasks[cur][1].extend(re.findall(r"T\d+", d.group(1)))
+    return subtasks
 
 
-def topological_levels(tasks: dict[str, tuple[str, list[str]]]) -> list[list[str]] | None:
-    """Level 0: tasks without dependencies; level i: tasks whose dependencies are all in earlier levels. Unknown and
+def topological_levels(subtasks: dict[str, tuple[str, list[str]]]) -> list[list[str]] | None:
+    """Level 0: sub-tasks without dependencies; level i: sub-tasks whose dependencies are all in earlier levels. Unknown and
     self dependencies are dropped; None if the plan has a cycle."""
-    deps = {t: {f"T{int(d[1:])}" for d in ds} & set(tasks) - {t} for t, (_, ds) in tasks.items()}
+    deps = {t: {f"T{int(d[1:])}" for d in ds} & set(subtasks) - {t} for t, (_, ds) in subtasks.items()}
     levels, done = [], set()
     while len(done) < len(deps):
         level = [t for t in deps if t not in done and deps[t] <= done]
@@ -60,11 +60,11 @@ def topological_levels(tasks: dict[str, tuple[str, list[str]]]) -> list[list[str
 
 
 def plan_levels(plan: str, question: str) -> list[list[tuple[str, str]]]:
-    """The plan's levels of (task, description); a cyclic plan is one level, a plan without tasks the question alone."""
-    tasks = parse_plan(plan)
-    if not tasks:
+    """The plan's levels of (task, description); a cyclic plan is one level, a plan without sub-tasks the question alone."""
+    subtasks = parse_plan(plan)
+    if not subtasks:
         return [[("T1", question)]]
-    return [[(t, tasks[t][0] or question) for t in level] for level in topological_levels(tasks) or [list(tasks)]]
+    return [[(t, subtasks[t][0] or question) for t in level] for level in topological_levels(subtasks) or [list(subtasks)]]
 
 
 def query_of(text: str, fallback: str) -> str:
@@ -112,12 +112,12 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         live = [c for c in chains if c.finish_reason is None and k < len(levels[c.key]) and ctx.settings.max_model_len - len(c.ids) >= room]
         if not live:
             break
-        tasks = [(c, t, desc) for c in live for t, desc in levels[c.key][k][:max_parallel]]
+        subtasks = [(c, t, desc) for c in live for t, desc in levels[c.key][k][:max_parallel]]
         writers = [continue_episode(tok, c, f"{c.key}/L{k}/{t}", writer_prompt(t, desc), stable_seed(c.key, k, t),
-                                    ["search"] if ctx.scaffold else [], tools=()) for c, t, desc in tasks]
+                                    ["search"] if ctx.scaffold else [], tools=()) for c, t, desc in subtasks]
         run_episodes(writers, ctx.backend_for("query_writer"), ctx.toolbox, ctx.settings, desc=f"gap level {k + 1} queries")
         queries: dict[str, list[str]] = {}
-        for (c, t, desc), w in zip(tasks, writers):
+        for (c, t, desc), w in zip(subtasks, writers):
             queries.setdefault(c.key, []).append(query_of(w.text, desc))
             c.messages.append({"role": "user", "name": "scheduler", "content": writer_prompt(t, desc)})
             absorb(c, w, "query_writer", None, join=False)

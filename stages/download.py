@@ -1,7 +1,7 @@
 """download: materialise the questions, the retrieval corpus and the base model.
 
 Outputs: data/raw/{train,test,corpus}.parquet (unison/data/splits.py), models/base/ (the student's starting weights,
-`student.model`), metrics reports/download.json. The teacher has a stage of its own (tasks/teacher.py), so changing it
+`student.model`), metrics reports/download.json. The teacher has a stage of its own (stages/teacher.py), so changing it
 never re-runs this one.
 """
 from __future__ import annotations
