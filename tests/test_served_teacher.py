@@ -24,7 +24,6 @@ from .local_http import served_requests, vllm_openai_server
 from .projects import copy_project, merge, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-BF16_SCORE_TOLERANCE = 0.1  # to be measured
 SECRET = f"sk-unison-{uuid.uuid4().hex}"  # made at run time (so no copied source holds it); the server refuses requests without it
 
 SERVED = {
@@ -96,8 +95,9 @@ def test_a_served_teacher_on_completions_with_vllms_token_ids(served):
 def test_vllms_server_scores_given_tokens_as_the_in_process_engine_does(served, base_model_dir):
     """`score` through /v1/completions with vLLM's prompt_logprobs (what token-level distillation asks of a served
     teacher) against the same model scored here in the server's dtype: in fp32 by transformers, whose scores equal the
-    in-process vLLM engine's (tests/test_scoring.py), within 1e-4; in bf16 (AVX512-BF16 CPUs) by the in-process vLLM
-    engine, within BF16_SCORE_TOLERANCE (measured, docs/scale.md)."""
+    in-process vLLM engine's (tests/test_scoring.py); in bf16 (AVX512-BF16 CPUs) by the in-process vLLM engine itself
+    (transformers' bf16 kernels differ from vLLM's by up to 0.12 nats here). Within 1e-4 in both: the bf16 difference
+    measured on 2026-11-28 (AVX512-BF16 EPYC) was 0.0 (docs/scale.md)."""
     from transformers import AutoTokenizer
 
     from unison.llm.base import cpu_dtype
@@ -112,15 +112,14 @@ def test_vllms_server_scores_given_tokens_as_the_in_process_engine_does(served, 
     completions = [ids("<search>Zorvan Kelt</search>"), ids(" Paris.")]
     server = OpenAIBackend(url, "smol-teacher", tokenizer=tok, api_key_env="UNISON_TEACHER_KEY").score(prompts, completions, top_k=2)
     if cpu_dtype() == "float32":
-        local, tol = HFBackend(str(base_model_dir), dtype="float32").score(prompts, completions, top_k=2), 1e-4
+        local = HFBackend(str(base_model_dir), dtype="float32").score(prompts, completions, top_k=2)
     else:
-        engine = VLLMBackend(str(base_model_dir), dtype=cpu_dtype(), max_model_len=512, kv_cache_gb=1)
-        local, tol = engine.score(prompts, completions, top_k=2), BF16_SCORE_TOLERANCE
+        local = VLLMBackend(str(base_model_dir), dtype=cpu_dtype(), max_model_len=512, kv_cache_gb=1).score(prompts, completions, top_k=2)
     gap = max(abs(x - y) for a, b in zip(server, local) for x, y in zip(a.logprobs + sum(a.top_logprobs, []), b.logprobs + sum(b.top_logprobs, [])))
     print(f"server against in-process, {cpu_dtype()}: largest |difference| of a log-prob {gap:.2e}")
     for a, b in zip(server, local):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=tol) and a.top_ids == b.top_ids
-        assert [x for r in a.top_logprobs for x in r] == pytest.approx([x for r in b.top_logprobs for x in r], abs=tol)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4) and a.top_ids == b.top_ids
+        assert [x for r in a.top_logprobs for x in r] == pytest.approx([x for r in b.top_logprobs for x in r], abs=1e-4)
 
 
 def trajectories(project) -> list[dict]:
