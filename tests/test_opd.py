@@ -95,7 +95,7 @@ def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():
     raw["teacher"].update(backend="openai", api="chat", base_url="http://127.0.0.1:9/v1")
     with pytest.raises(ParamsError, match="rl.objective opd: the teacher .* must score given tokens, and teacher.api chat cannot"):
         validate_params(raw)
-    raw["teacher"]["api"] = "completions"  # a vLLM / SGLang server scores (prompt_logprobs)
+    raw["teacher"]["api"] = "completions"  # a vLLM server scores (prompt_logprobs)
     assert validate_params(raw).rl.objective == "opd"
     raw["rl"]["teacher_context"], raw["generate"]["demonstrations"] = "worked_examples", ""
     with pytest.raises(ParamsError, match="rl.teacher_context worked_examples puts generate.demonstrations in the teacher's prompt"):

@@ -29,6 +29,7 @@ from unison.train.rl import (
     needs_old_logp,
     score_episodes,
     step_prompts,
+    train_on,
     train_rl,
 )
 from unison.train.rollout import episode_view
@@ -304,3 +305,35 @@ def test_bad_rl_data_names_file_row_and_field(tmp_path):
         load_rl_data([path])
     with pytest.raises(DataError, match="no level"):
         load_rl_data([])
+
+
+def test_the_loss_rl_records_is_the_token_mean_of_the_policy_loss_and_kl_on_masked_tokens_by_hand(tiny_model_dir):
+    """`train_on`, the loop of rl's optimiser steps, on two hand-built samples of different lengths in micro-batches of
+    one, with advantages also where the mask is 0 (they must not count) and a fixed reference log-prob for the k3 term.
+    One update per step, so rho = 1: each masked token costs -A + kl_coef * k3(logp, ref); the recorded loss is their
+    mean over both samples' masked tokens (a mean of the two micro-batches' means would differ), with logp from a
+    forward pass done here."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from unison.train.loop import Trainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = rl_config(micro_batch_size=1, kl_coef=0.5, precision="fp32")
+    ref = -11.0  # about log(1 / 49,152): the reference's log-prob of every target token
+    samples = [{"ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 1, 0, 1], "advantages": [0.9, 1.0, 0.5, 0.7, -1.0]},
+               {"ids": [11, 12, 13], "loss_mask": [0, 1], "advantages": [2.0, -0.5]}]
+    for s in samples:
+        s["ref_logp"] = [ref] * (len(s["ids"]) - 1)
+    terms = []
+    with torch.no_grad():
+        for s in samples:
+            logp = torch.log_softmax(model(torch.tensor([s["ids"]])).logits[0, :-1].float(), -1)
+            for t, (on, a) in enumerate(zip(s["loss_mask"], s["advantages"])):
+                if on:
+                    d = ref - logp[t, s["ids"][t + 1]].item()
+                    terms.append(-a + 0.5 * (math.exp(d) - d - 1))
+    record = train_on(Trainer("rl", model, 1, cfg), samples, cfg, pad_id=0, rng=random.Random(0))
+    assert len(terms) == 4 and record["loss"] == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    assert record["loss"] != pytest.approx((sum(terms[:3]) / 3 + terms[3]) / 2, rel=1e-3)  # not a mean of micro-batch means

@@ -74,3 +74,42 @@ def test_a_chat_api_and_a_server_without_prompt_logprobs_cannot_score_fake_serve
         with pytest.raises(ValueError, match="a chat API gives no log-probs of given tokens"):
             chat.score([[5, 6]], [[7]])
         assert len(server.requests) == 1
+
+
+def fake_sglang_generate(model: HFBackend, shift: int = 0):
+    """SGLang's native POST /generate as its source answers it (sgl-project/sglang: the scheduler's input log-probs, the
+    tokenizer manager's meta_info), the scores computed by `model`: no SGLang build runs on this machine's CPU, so it is
+    faked at that boundary. With logprob_start_len 0, input_token_logprobs[j] = [log p(token j | tokens < j), id j, null]
+    (entry 0: no log-prob), input_top_logprobs[j] = the top_logprobs_num best [log-prob, id, null] (entry 0: null).
+    `shift` > 0: the entries moved that many positions, as a server aligned otherwise would answer."""
+    def respond(req):
+        ids, k = req["json"]["input_ids"], req["json"]["top_logprobs_num"]
+        [scores] = model.score([ids[:1]], [ids[1:]], top_k=max(k, 1))
+        chosen = [[None, ids[0], None]] + [[lp, t, None] for lp, t in zip(scores.logprobs, ids[1:])]
+        tops = [None] + [[[lp, i, None] for lp, i in zip(lps, top)][:k] for lps, top in zip(scores.top_logprobs, scores.top_ids)]
+        chosen, tops = chosen[shift:] + chosen[:shift], tops[shift:] + tops[:shift]
+        return 200, {"text": " x", "meta_info": {"prompt_tokens": len(ids), "input_token_logprobs": chosen,
+                                                 "input_top_logprobs": tops}}, None
+    return respond
+
+
+def test_an_sglang_server_scores_through_its_native_generate_fake_server(tiny):
+    """`llm.scoring: sglang_generate`: one POST /generate a pair at the server's root, the scores read from meta_info
+    equal to the model's own; an answer aligned otherwise fails naming the server and the position."""
+    prompts, completions = [[5, 6, 7], [9]], [[8, 10], [11, 12, 13]]
+    want = tiny.score(prompts, completions, top_k=2)
+    with LocalServer(fake_sglang_generate(tiny)) as server:
+        sglang = OpenAIBackend(f"{server.url}/v1", "m", tokenizer=tiny.tokenizer, scoring="sglang_generate", backoff_s=0.01, timeout_s=30)
+        got = sglang.score(prompts, completions, top_k=2)
+        assert sorted(r["path"] for r in server.requests) == ["/generate"] * 2
+        sent = sorted((r["json"] for r in server.requests), key=lambda b: len(b["input_ids"]))
+        assert [b["input_ids"] for b in sent] == [[9, 11, 12, 13], [5, 6, 7, 8, 10]]
+        assert all(b["logprob_start_len"] == 0 and b["return_logprob"] and b["top_logprobs_num"] == 2 for b in sent)
+        assert [s.logprobs for s in sglang.score(prompts, completions)] == [s.logprobs for s in got]  # top_k 0: no top lists
+    for a, b in zip(got, want):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6) and a.top_ids == b.top_ids
+        assert a.top_logprobs == [pytest.approx(r, abs=1e-6) for r in b.top_logprobs]
+    with LocalServer(fake_sglang_generate(tiny, shift=1)) as server:
+        shifted = OpenAIBackend(f"{server.url}/v1", "m", tokenizer=tiny.tokenizer, scoring="sglang_generate", backoff_s=0.01, timeout_s=30)
+        with pytest.raises(ValueError, match=rf"{server.url}/generate: input_token_logprobs\[3\] is .* not the log-prob of token 8"):
+            shifted.score(prompts[:1], completions[:1])

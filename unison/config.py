@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .redaction import redact
+
 ROOT = Path(__file__).resolve().parent.parent
 Precision = Literal["auto", "bf16", "fp32"]
 VERL_AGENT_LOOP = "unison_agent"  # the name unison's agent loop registers with verl (unison/train/verl_agent.py)
@@ -57,6 +59,7 @@ class LLMConfig(Section):
     max_retries: int = Field(3, description='on connection errors, timeouts, 429 and 5xx, with exponential backoff (with several base URLs, on another server; one that failed is avoided for 30 s)')
     token_prompts: bool = Field(True, description="openai backend: prompt as token ids; false = decoded text (auto-fallback if the server rejects ids)")
     vllm_extensions: bool = Field(True, description="openai backend: ask for token ids/stop reason (vLLM); false = plain OpenAI, completions re-tokenised here")
+    scoring: Literal["prompt_logprobs", "sglang_generate"] = Field("prompt_logprobs", description="openai backend, api completions: how the server scores given tokens (on-policy distillation, logit distillation): prompt_logprobs = POST /completions with vLLM's prompt_logprobs extension (vLLM's server); sglang_generate = SGLang's native POST /generate (input_ids, return_logprob, logprob_start_len 0, top_logprobs_num), whose /v1/completions ignores prompt_logprobs")
     chat_tools: Literal["native", "text"] = Field("native", description="openai backend, api chat: native = the server's tool calling (tools, tool_calls, tool messages); text = the tag protocol in plain messages (auto-fallback if the server rejects tools)")
     response_cache: bool = Field(True, description="openai backend: keep each answer under data/.cache/llm by a hash of the request (model, prompt, sampling, request format); a re-run with the same params sends no request")
     max_requests_per_minute: int = Field(0, ge=0, description='client-side rate limits (0 = none); 429 + Retry-After are honoured within timeout_s')
@@ -108,7 +111,6 @@ def check_llm_overrides(overrides: dict, key: str, allow_backend: bool) -> dict:
 
 def check_base_url(value, key: str) -> None:
     """One server's http(s) URL, or a non-empty list of them with none twice (replicas of one served model)."""
-    from .http_client import redact  # the same floor; imported here so that reading params does not import requests
 
     example = "e.g. http://127.0.0.1:8000/v1 or [http://10.0.0.1:8000/v1, http://10.0.0.2:8000/v1]"
     urls = [value] if isinstance(value, str) else value
@@ -574,7 +576,7 @@ class Params(Section):
         if self.rl.objective == "opd" and chat_teacher:
             raise ValueError(f"rl.objective opd: the teacher ({self.teacher.model}) must score given tokens, and teacher.api "
                              "chat cannot (a chat API returns no log-probs of given tokens): set teacher.api: completions with a "
-                             "vLLM or SGLang server, or a local teacher (teacher.backend vllm | transformers)")
+                             "vLLM server, or a local teacher (teacher.backend vllm | transformers)")
         if self.generate.topk and chat_teacher and self.generate.source:
             raise ValueError("generate.topk with imported trajectories (generate.source) needs a teacher that scores them, and "
                              "teacher.api chat cannot: a chat API's top log-probs come only with what it generates itself")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import socket
 import threading
 import time
@@ -16,20 +15,10 @@ import urllib3
 import urllib3.connection
 
 from .data.schemas import atomic_path
+from .redaction import redact
 
 MAX_RETRY_AFTER_S = 60.0
 MAX_BODY_BYTES = 64 << 20  # an LLM completion or a search answer; a server sending more is broken or hostile
-
-_USERINFO = re.compile(r"(\w[\w+.-]*://)[^/\s@]*@")
-_SECRET_QUERY = re.compile(r"([?&;][^=&;\s]*(?:key|token|secret|password|passwd|pwd|auth|sig|credential)[^=&;\s]*=)[^&;\s'\"#]*",
-                           re.IGNORECASE)
-
-
-def redact(text: str) -> str:
-    """`text` with every URL's user:password@ and every secret-looking query value (key, token, secret, password, auth,
-    sig, credential in the name) replaced by ***; for anything logged, recorded or raised that may hold a URL."""
-    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
-
 
 class HTTPFailure(RuntimeError):
     """A request that failed for good; `kind` is "timeout" or "error" (the tool error kinds), the message names the URL

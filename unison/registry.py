@@ -32,7 +32,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.file_utils import local_file_uri_to_path
 
 from . import track
-from .http_client import redact
+from .redaction import redact
 
 CHAMPION = "champion"
 TRAINED = ("sft", "dpo", "rl")  # evaluate's systems that are trained students (base is not trained; prm_rerank is sft)

@@ -40,9 +40,9 @@ from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH,
 
 from .config import validate_params  # noqa: E402
 from .data.schemas import atomic_path  # noqa: E402
-from .http_client import redact  # noqa: E402
 from .llm import teacher_id  # noqa: E402
 from .recipes import recipe_of  # noqa: E402
+from .redaction import redact  # noqa: E402
 from .train.launch import is_main_process  # noqa: E402
 
 PARENT_RECORD = Path(".unison") / "parent_run.json"

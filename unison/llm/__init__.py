@@ -1,7 +1,7 @@
 """LLM backends behind one interface (DESIGN §4): `generate(token prompts, sampling) -> completions`."""
 from .. import layout
 from ..config import EngineConfig, SystemSettings
-from ..http_client import redact
+from ..redaction import redact
 from .base import Completion, Sampling
 
 
@@ -35,7 +35,7 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
                          budget=Budget(engine.budget_tokens, engine.budget_usd, engine.price_input_per_million,
                                        engine.price_output_per_million),
                          rate_limit=RateLimit(engine.max_requests_per_minute, engine.max_tokens_per_minute),
-                         api=engine.api, chat_tools=engine.chat_tools)
+                         api=engine.api, chat_tools=engine.chat_tools, scoring=engine.scoring)
 
 
 

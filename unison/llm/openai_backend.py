@@ -45,12 +45,12 @@ from ..http_client import (
     HTTPFailure,
     ResponseCache,
     post_json_once,
-    redact,
     retryable,
     shared_deadlines,
     watched_session,
     with_retries,
 )
+from ..redaction import redact
 from .base import Completion, Sampling, TokenScores, check_scorable, truncate_at_stop
 from .chat import Template, marked_text, message_text, messages, protocol_answer, request_fields, student_top
 
@@ -127,7 +127,8 @@ class OpenAIBackend:
     def __init__(self, base_url: str | list[str], model: str, tokenizer=None, max_concurrency: int = 8, timeout_s: float = 120.0,
                  max_retries: int = 3, api_key_env: str = "OPENAI_API_KEY", token_prompts: bool = True,
                  vllm_extensions: bool = True, backoff_s: float = 0.5, cache_dir: str | os.PathLike | None = None,
-                 budget: Budget = Budget(), rate_limit: RateLimit | None = None, api: str = "completions", chat_tools: str = "native"):
+                 budget: Budget = Budget(), rate_limit: RateLimit | None = None, api: str = "completions", chat_tools: str = "native",
+                 scoring: str = "prompt_logprobs"):
         """`base_url`: a server's /v1 URL or a list of servers of the same model; `tokenizer`: a tokenizer or a local dir /
         hub name to load one from (default: `model`)."""
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
@@ -135,13 +136,15 @@ class OpenAIBackend:
 
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or model))
         self.tokenizer = tokenizer
-        self.api, self.chat_tools = api, chat_tools
+        self.api, self.chat_tools, self.scoring = api, chat_tools, scoring
         self.prefills = api != "chat"
         self.template = Template.probe(tokenizer) if api == "chat" else None
         eos = tokenizer.eos_token_id if api == "chat" else None
         self.eos_marker = marked_text(tokenizer, [eos]) if eos is not None else ""  # how a chat turn's end reads as text
         path = "/chat/completions" if api == "chat" else "/completions"
-        self.urls = [url.rstrip("/") + path for url in ([base_url] if isinstance(base_url, str) else base_url)]
+        bases = [url.rstrip("/") for url in ([base_url] if isinstance(base_url, str) else base_url)]
+        self.urls = [url + path for url in bases]
+        self.generate_urls = [url.removesuffix("/v1") + "/generate" for url in bases]  # SGLang's native API (scoring)
         self.label = self.urls[0] if len(self.urls) == 1 else "any of " + ", ".join(self.urls)  # for errors (redacted there)
         self.model = model
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
@@ -170,13 +173,16 @@ class OpenAIBackend:
         return list(self._pool.map(self._complete, prompts, sampling))
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], top_k: int = 0) -> list[TokenScores]:
-        """Each completion's token log-probs after its prompt, and the top_k alternatives: one /completions request per
-        pair with vLLM's / SGLang's `prompt_logprobs` (cached, retried and budgeted like generate's). A chat API cannot
-        score given tokens, nor can a server without that extension: a ValueError names the server."""
+        """Each completion's token log-probs after its prompt, and the top_k alternatives: one request per pair, cached,
+        retried and budgeted like generate's: /completions with vLLM's `prompt_logprobs` extension, or SGLang's native
+        /generate (`scoring: sglang_generate`; SGLang's /v1/completions ignores prompt_logprobs). A chat API cannot score
+        given tokens, nor can a server without the extension: a ValueError names the server."""
         check_scorable(prompts, completions)
         if self.api == "chat":
             raise ValueError(f"openai backend {redact(self.label)}: a chat API gives no log-probs of given tokens; scoring needs a "
-                             "/completions server with vLLM's or SGLang's prompt_logprobs (teacher.api: completions)")
+                             "/completions server with vLLM's prompt_logprobs, or SGLang's /generate (teacher.api: completions)")
+        if self.scoring == "sglang_generate":
+            return list(self._pool.map(lambda pair: self._sglang_score(*pair, top_k), zip(prompts, completions)))
         s = Sampling(max_tokens=1, prompt_logprobs=top_k)
         choices = list(self._pool.map(lambda seq: self._post(seq, s)[0], [p + c for p, c in zip(prompts, completions)]))
         return [self._token_scores(ch, len(p), c, top_k) for ch, p, c in zip(choices, prompts, completions)]
@@ -185,7 +191,7 @@ class OpenAIBackend:
         positions = (choice.get("prompt_logprobs") or [])[start : start + len(completion)]
         if len(positions) != len(completion) or not all(isinstance(d, dict) for d in positions):
             raise ValueError(f"openai backend {redact(self.label)}: the answer has no prompt_logprobs for the scored tokens: the "
-                             "server cannot score (vLLM and SGLang return them on /completions)")
+                             "server cannot score (vLLM's server returns them on /completions; SGLang's ignores the field)")
         chosen, top_ids, top_lps = [], [], []
         for d, token in zip(positions, completion):
             entries = {int(k): v for k, v in d.items()}  # token id (a JSON key) -> {logprob, rank, decoded_token}
@@ -194,6 +200,49 @@ class OpenAIBackend:
             top_ids.append([k for _, k, _ in ranked])
             top_lps.append([lp for _, _, lp in ranked])
         return TokenScores(chosen, top_ids, top_lps) if top_k else TokenScores(chosen)
+
+    def _sglang_score(self, prompt: list[int], completion: list[int], top_k: int) -> TokenScores:
+        """One pair scored by SGLang's POST /generate: with logprob_start_len 0, meta_info.input_token_logprobs[j] is
+        [log p(token j | tokens < j), token j's id, text] (entry 0 has no log-prob), input_top_logprobs[j] the top_k
+        such triples. The ids are checked against the tokens sent, so an answer aligned otherwise fails loudly."""
+        seq = prompt + completion
+        body = {"input_ids": seq, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_logprob": True,
+                "logprob_start_len": 0, "top_logprobs_num": top_k}
+        key = json.dumps({"generate": body}, sort_keys=True)
+        if self.cache is not None and (hit := self.cache.get("sglang_generate", self.model, key)) is not None:
+            self._count("cached")
+            meta = hit
+        else:
+            self._check_budget()
+            self._count("requests")
+            try:
+                answer = self._retried(body, self.generate_urls)
+            except HTTPFailure as e:
+                self._count("failures")
+                raise RuntimeError(f"openai backend: {e}") from None
+            meta = answer.get("meta_info") if isinstance(answer, dict) else None
+            meta = {k: meta.get(k) for k in ("input_token_logprobs", "input_top_logprobs", "prompt_tokens")} if isinstance(meta, dict) else {}
+            self._spend({"prompt_tokens": meta.get("prompt_tokens") or len(seq), "completion_tokens": 1})
+            if self.cache is not None:
+                self.cache.put("sglang_generate", self.model, key, meta)
+        where = redact(self.generate_urls[0])
+        chosen, tops = meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []
+        start = len(prompt)
+        if len(chosen) != len(seq) or (top_k and len(tops) != len(seq)):
+            raise ValueError(f"sglang backend {where}: input_token_logprobs has {len(chosen)} entries for {len(seq)} tokens sent "
+                             "(a server that is not SGLang's, or one that ignored logprob_start_len 0)")
+        logprobs, top_ids, top_lps = [], [], []
+        for j in range(start, len(seq)):
+            entry = chosen[j]
+            if not (isinstance(entry, list) and len(entry) >= 2 and entry[1] == seq[j] and isinstance(entry[0], (int, float))):
+                raise ValueError(f"sglang backend {where}: input_token_logprobs[{j}] is {entry!r}, not the log-prob of token "
+                                 f"{seq[j]} (the answer is aligned otherwise than SGLang's)")
+            logprobs.append(float(entry[0]))
+            if top_k:
+                ranked = sorted(((float(lp), int(i)) for lp, i, *_ in tops[j] or []), key=lambda t: -t[0])[:top_k]
+                top_ids.append([i for _, i in ranked])
+                top_lps.append([lp for lp, _ in ranked])
+        return TokenScores(logprobs, top_ids, top_lps) if top_k else TokenScores(logprobs)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -215,7 +264,7 @@ class OpenAIBackend:
                 "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         if s.logprobs:
             body["logprobs"] = 0  # the sampled token's logprob only
-        if s.prompt_logprobs is not None:  # vLLM's and SGLang's extension: score the prompt
+        if s.prompt_logprobs is not None:  # vLLM's extension: score the prompt
             body["prompt_logprobs"] = s.prompt_logprobs
         if ext:
             body.update(stop=list(s.stop), include_stop_str_in_output=True, return_token_ids=True)
@@ -255,22 +304,13 @@ class OpenAIBackend:
         """The first choice of the server's answer, whether the vLLM extensions were on, and the usage it reported;
         steps the request format down while the server is unprobed."""
         self._check_budget()
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = watched_session()
         while True:
             mode = (self.vllm_extensions, self.token_prompts, self.chat_tools)
             self._count("requests")
             body = self._body(prompt, s, *mode[:2])
             entry = self.rate_limit.acquire(len(prompt) + s.max_tokens)
-            deadline = time.monotonic() + self.timeout_s  # the request's, retries included
-            # one server: each attempt may use all the time left (a long answer is not cut to a share); several
-            # replicas: equal shares, so a hung one leaves time for the retry on another
-            attempts = shared_deadlines(deadline, self.max_retries + 1) if len(self.urls) > 1 else itertools.repeat(deadline)
             try:
-                answer = with_retries("POST", self.label, lambda: self._attempt(body, session, next(attempts)),
-                                      retries=self.max_retries, backoff_s=self.backoff_s, deadline=deadline,
-                                      on_retry=lambda: self._count("retries"))
+                answer = self._retried(body, self.urls)
             except HTTPFailure as e:
                 self.rate_limit.settle(entry, 0)
                 if e.status in (400, 422) and self._step_down(mode, e):
@@ -289,11 +329,25 @@ class OpenAIBackend:
             served = {"unison_model": answer["model"]} if isinstance(answer.get("model"), str) else {}  # kept in the cache too
             return {**choices[0], **served}, mode[0], usage
 
-    def _attempt(self, body: dict, session, deadline: float):
-        """One POST of `body` to the server `_pick` chooses by `deadline`, counted against it while outstanding."""
+    def _retried(self, body: dict, urls: list[str]):
+        """The decoded answer to POSTing `body` (to each server's URL in `urls`), retried with backoff within timeout_s;
+        HTTPFailure when it fails for good."""
+        if getattr(self._local, "session", None) is None:
+            self._local.session = watched_session()  # one per worker thread: its connection pool
+        deadline = time.monotonic() + self.timeout_s  # the request's, retries included
+        # one server: each attempt may use all the time left (a long answer is not cut to a share); several
+        # replicas: equal shares, so a hung one leaves time for the retry on another
+        attempts = shared_deadlines(deadline, self.max_retries + 1) if len(urls) > 1 else itertools.repeat(deadline)
+        return with_retries("POST", self.label, lambda: self._attempt(body, self._local.session, next(attempts), urls),
+                            retries=self.max_retries, backoff_s=self.backoff_s, deadline=deadline,
+                            on_retry=lambda: self._count("retries"))
+
+    def _attempt(self, body: dict, session, deadline: float, urls: list[str]):
+        """One POST of `body` to the server `_pick` chooses by `deadline`, at its URL in `urls`, counted against it while
+        outstanding."""
         i = self._pick()
         try:
-            answer = post_json_once(self.urls[i], body, deadline=deadline, session=session, headers=self.headers)
+            answer = post_json_once(urls[i], body, deadline=deadline, session=session, headers=self.headers)
         except AttemptFailed as failure:
             if not self._probed and (failure.status or 0) >= 500 and REJECTED_FIELDS.search(failure.detail):
                 raise AttemptFailed("error", failure.detail + " (read as a rejection of the request's fields)", 422) from None
@@ -301,7 +355,7 @@ class OpenAIBackend:
                 with self._lock:
                     self._avoid_until[i] = time.monotonic() + AVOID_S
                     self.stats[f"server{i}.errors"] += 1
-                failure.detail += f" (at {self.urls[i]})"
+                failure.detail += f" (at {urls[i]})"
             raise
         finally:
             with self._lock:
