@@ -12,7 +12,9 @@ Wilson 95% interval, training wall time (the training stages' processes), studen
 scored, and the reverse-KL curve (reports/token_distillation.png). Figures merge into reports/bench.json under
 "token_distillation".
 
-    python -m bench.token_distillation --project /path/to/demo [--rows sft_opd,base_opd] [--work DIR]
+    python -m bench.token_distillation --project /path/to/demo [--rows sft_opd,base_opd] [--work DIR] [--set rl.steps=8 ...]
+
+`--set` changes a param of every row the bench trains (the demo's own sft_rl row is read, never re-run).
 """
 from __future__ import annotations
 
@@ -118,14 +120,14 @@ def measured(project: Path, train_s: float, extra: dict | None = None) -> dict:
             **rl_figures(project), **(extra or {})}
 
 
-def row(name: str, demo: Path, work: Path, teacher: Path, kd_weight: float, topk: int) -> dict:
+def row(name: str, demo: Path, work: Path, teacher: Path, kd_weight: float, topk: int, overrides: dict) -> dict:
     if name == "sft_rl":  # the demo's own SFT -> RL
         m = json.loads((demo / "reports/metrics.json").read_text())["rl"]
         stages = json.loads((demo / "reports/stage_times.json").read_text())["stages"]
         return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], "train_wall_s": stages["rl"], **rl_figures(demo)}
     project = copy_project(demo, work / name, teacher)
     py = sys.executable
-    set_params(project, {"rl.objective": "opd", "rl.outcome_weight": 0.0})
+    set_params(project, {"rl.objective": "opd", "rl.outcome_weight": 0.0, **overrides})
     train_s, extra = 0.0, {}
     if name == "base_opd":
         shutil.rmtree(project / "models/sft")
@@ -168,14 +170,18 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/unison-token-distillation"))
     ap.add_argument("--kd-weight", type=float, default=0.5)
     ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a param of every trained row (YAML value)")
     args = ap.parse_args()
+    import yaml
+
+    overrides = {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.set)}
     demo = args.project.resolve()
     teacher = (args.teacher or demo / "models/rl").resolve()
     stages = json.loads((demo / "reports/stage_times.json").read_text())
     results = {}
     for name in args.rows.split(","):
         t0 = time.perf_counter()
-        results[name] = row(name, demo, args.work.resolve(), teacher, args.kd_weight, args.topk)
+        results[name] = row(name, demo, args.work.resolve(), teacher, args.kd_weight, args.topk, overrides)
         print(f"token_distillation: {name}: {json.dumps(results[name])} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"\n{'row':<12} {'EM':>6} {'95% CI':>15} {'train s':>8} {'student tok':>11} {'teacher tok':>11}  KL curve")
     for name, r in results.items():
@@ -185,6 +191,7 @@ def main() -> None:
     plot(results, Path("reports/token_distillation.png"))
     save_report({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(), "demo_commit": stages.get("commit"),
                  "cpu_kind": stages.get("cpu_kind"), "teacher": str(teacher), "kd_weight": args.kd_weight, "topk": args.topk,
+                 "overrides": overrides,
                  "rows": results}, key="token_distillation")
 
 

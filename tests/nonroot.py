@@ -109,7 +109,7 @@ def delegated_user(tmp_dir: Path) -> Iterator[NonRootUser]:
     try:
         for d in delegated.dirs:
             d.mkdir()
-            delegation = ("cgroup.procs", "stages") if version == 1 else ("cgroup.procs", "cgroup.threads", "cgroup.subtree_control")
+            delegation = ("cgroup.procs", "tasks") if version == 1 else ("cgroup.procs", "cgroup.threads", "cgroup.subtree_control")
             for path in [d, *(d / name for name in delegation)]:  # as systemd delegates: not the cgroup's own limits
                 os.chown(path, account.pw_uid, account.pw_gid)
         yield NonRootUser(USER, account.pw_uid, account.pw_gid, home, delegated.dirs, mounts)

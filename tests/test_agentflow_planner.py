@@ -55,6 +55,7 @@ def settings(cfg) -> EpisodeSettings:
                            max_model_len=1024)
 
 
+@pytest.mark.slow
 def test_only_the_planners_turns_train_and_the_fixed_modules_answer_from_the_api(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

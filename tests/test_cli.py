@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from unison.cli import main, stage_help
@@ -31,6 +32,7 @@ def test_unknown_command_and_extra_arguments_are_refused(capsys):
     assert main(["sft", "now"]) == 2 and "unison run sft" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_stage_module_help_prints_and_runs_nothing(tmp_path):
     """In an empty directory (no params.yaml, no data) --help still answers, and nothing is written."""
     p = subprocess.run([sys.executable, "-m", "stages.sft", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=300,

@@ -392,6 +392,7 @@ def test_download_stage_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     assert os.listdir("models") == ["base"]
 
 
+@pytest.mark.slow
 def test_the_builtin_model_is_dequantised_once_then_copied_from_the_cache(base_model_dir, tmp_path, monkeypatch):
     import transformers
 

@@ -43,6 +43,7 @@ def changed(project: Path) -> dict:
     return json.loads(sh(project, sys.executable, "-m", "dvc", "status", "--json") or "{}")
 
 
+@pytest.mark.slow
 def test_editing_a_local_dataset_or_corpus_makes_dvc_report_download_changed(tmp_path, monkeypatch):
     """The project's own download stage (its deps and params from dvc.yaml; the command stubbed) over local files."""
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["download"]
@@ -96,6 +97,7 @@ open(f"{name}.txt", "w").write(str(n))
 """
 
 
+@pytest.mark.slow
 def test_make_diff_reports_params_and_metrics_against_the_base_branch(tmp_path):
     """`make diff` on a toy DVC project whose metrics are not in git, as this project's are: the base is reproduced, its
     stage that the change left alone from DVC's run cache."""

@@ -7,11 +7,14 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from unison.config import ROOT
 
 BLOCKED = ("dvc", "mlflow", "prefect", "vllm", "faiss", "datasets", "sentence_transformers", "math_verify", "fastapi", "uvicorn", "ray")
 
 
+@pytest.mark.slow
 def test_device_check_trains_sft_prm_and_an_rl_step_with_tools_without_the_orchestration_packages(base_model_dir, tmp_path):
     out = tmp_path / "device_check.json"
     block = "; ".join(f"sys.modules[{m!r}] = None" for m in BLOCKED)  # `import m` then raises ImportError

@@ -80,6 +80,7 @@ def loss_csv(stage: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_processes_give_the_one_process_loss_curves_of_sft_and_prm(project, monkeypatch, request):
     """sft (LoRA) and prm run here (one process), then in the 2 CPU processes (gloo) of one `accelerate launch` with

@@ -104,6 +104,7 @@ def executed(project) -> list[tuple[str, str]]:
     return [tuple(line.split()) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+@pytest.mark.slow
 def test_first_run_runs_all_stages_in_order_then_nothing(toy):
     state = pipeline(project_dir=str(toy), return_state=True)
     assert state.result() == ["a", "b", "c"]
@@ -125,6 +126,7 @@ def test_first_run_runs_all_stages_in_order_then_nothing(toy):
     assert len(executed(toy)) == 3
 
 
+@pytest.mark.slow
 def test_changes_rerun_only_what_they_affect(toy):
     pipeline(project_dir=str(toy))
     set_params(toy, c={"n": 30})
@@ -151,6 +153,7 @@ def test_failing_stage_fails_the_flow_with_its_error(toy):
     assert parent.info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_data_change_flow_runs_the_pipeline_only_when_sources_change(toy):
     assert rerun_on_data_change(project_dir=str(toy)) == ["a", "b", "c"]  # never ran: a's inputs are new
     assert rerun_on_data_change(project_dir=str(toy)) == []

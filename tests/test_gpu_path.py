@@ -76,6 +76,7 @@ def test_vllm_sleep_frees_gpu_memory_and_wakes_with_the_new_weights(base_model_d
     assert engine.generate(prompt, greedy)[0].token_ids != first
 
 
+@pytest.mark.slow
 def test_evaluate_engine_per_process_gives_the_rows_of_one_process(tiny_model_dir, tmp_path, monkeypatch):
     """Two systems sharing one engine, run in this process and in a spawned child: the same rows and metrics (wall time
     aside). Also the setting's choice: auto = a child per engine on CUDA only."""
@@ -113,6 +114,7 @@ def test_evaluate_engine_per_process_gives_the_rows_of_one_process(tiny_model_di
     assert [n for n, _, _ in runs[True]] == ["base", "sft"] and all(len(rows) == 2 for _, rows, _ in runs[True])
 
 
+@pytest.mark.slow
 def test_gpu_smoke_refuses_without_a_gpu_and_times_stages_in_a_copy_with_allow_cpu(tiny_model_dir, tmp_path, capsys):
     """`make gpu-smoke`'s plumbing on CPU: no GPU -> a clear refusal; --allow-cpu runs the stages in a temporary copy with
     the tiny overlay (the workspace untouched) and times each; a failing stage (label without generate's trajectories)

@@ -232,6 +232,7 @@ def test_download_generate_label_sft_on_imported_trajectories(workdir, tiny_mode
     assert (Path("models/sft") / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_editing_the_imported_file_reruns_generate_under_dvc(tmp_path):
     """Real DVC on a copy of the project: `dvc repro` of generate with generate.source set imports the file; editing that file
     makes generate stale (imports/ is its dependency) and the next repro imports the new content."""

@@ -121,6 +121,7 @@ def test_mav_verdicts_aspects_and_best_solution():
     assert len({tuple(aspects_for(f"q{i}", 2)) for i in range(20)}) > 1  # drawn per question
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aggregator", ["vote", "llm"])
 def test_self_consistency(smol, aggregator):
     samples = 2 if aggregator == "vote" else 1
@@ -138,6 +139,7 @@ def test_self_consistency(smol, aggregator):
             assert "Given the task and all the above solutions" in prompt and "Solution 3:" in prompt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, params", [("debate", {"agents": 2, "rounds": 2}), ("self_consistency", {"samples": 2})])
 def test_llm_aggregator_runs_on_its_role_backend_without_tools(smol, method, params):
     aggregator = Scripted(smol.tokenizer, "Tarsk")
@@ -150,6 +152,7 @@ def test_llm_aggregator_runs_on_its_role_backend_without_tools(smol, method, par
     assert row["final_answer"] == "Tarsk"  # the aggregator's answer, not the vote
 
 
+@pytest.mark.slow
 def test_dylan_ranker_picks_the_agents_of_round_3(smol):
     ranker = Scripted(smol.tokenizer, "Solutions 3 and 1 are best: [3, 1]")
     (row,) = run_method(smol, "dylan", {"agents": 3, "rounds": 3, "top_k": 2, "consensus": 1.0}, roles={"ranker": ranker})
@@ -178,6 +181,7 @@ def test_agentverse_stops_when_critics_agree_and_the_evaluator_approves(smol):
     assert row["final_answer"] == (answers_of(row, ["solver"])[0] or "")
 
 
+@pytest.mark.slow
 def test_agentverse_revises_with_critiques_and_advice(smol):
     critic = Scripted(smol.tokenizer, "The city is wrong.")
     evaluator = Scripted(smol.tokenizer, "Correctness: 0\nResponse: search the birthplace")
@@ -189,12 +193,14 @@ def test_agentverse_revises_with_critiques_and_advice(smol):
     assert row["final_answer"] == (answers_of(row, ["solver"])[0] or "")
 
 
+@pytest.mark.slow
 def test_agentverse_with_two_real_critics(smol):
     (row,) = run_method(smol, "agentverse", {"agents": 3, "turns": 2, "critic_rounds": 1})
     names = speakers(row)
     assert names[:4] == ["solver", "solver", "critic1", "critic2"] and row["n_llm_calls"] <= 2 + 3 + 1 + 1 + 3
 
 
+@pytest.mark.slow
 def test_mav_verifies_each_solution_on_its_aspects(smol):
     (row,) = run_method(smol, "mav", {"solutions": 2, "verifiers": 2, "verifier_temperature": 0.0})
     assert row["n_llm_calls"] == 2 * 2 + 2 * 2 * 2  # 2 tool-using solutions; per (solution, aspect) an analysis and a verdict
@@ -203,6 +209,7 @@ def test_mav_verifies_each_solution_on_its_aspects(smol):
     assert row["final_answer"] in [a or "" for a in answers_of(row, ["generator0", "generator1"])]
 
 
+@pytest.mark.slow
 def test_mav_rejected_solutions_fall_back_to_the_first_and_verifiers_run_greedy(smol):
     verifier = Scripted(smol.tokenizer, "Wrong. FINAL VERIFICATION ANSWER: False")
     (row,) = run_method(smol, "mav", {"solutions": 2, "verifiers": 3, "verifier_temperature": 0.0}, roles={"verifier": verifier})

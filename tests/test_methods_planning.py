@@ -145,6 +145,7 @@ def test_chain_of_agents_is_one_trajectory_that_replans_on_a_low_double_check(sm
         check_student_system(student, "chain_of_agents", "<double_check>")
 
 
+@pytest.mark.slow
 def test_agentflow_roles_memory_and_student_rendering(smol):
     ctx = context(smol, AgentFlowConfig(max_steps=3), scripted={"verifier": "The memory answers the query.\nConclusion: STOP"})
     (row,) = get_method("agentflow")([Q], 1, ctx)
@@ -157,6 +158,7 @@ def test_agentflow_roles_memory_and_student_rendering(smol):
     check_student(smol.tokenizer, student)
 
 
+@pytest.mark.slow
 def test_gap_runs_each_plan_level_as_one_parallel_search_turn(smol):
     retriever = Recording()
     ctx = context(smol, GAPConfig(max_levels=3, max_parallel=4), scripted={"plan": PLAN}, retriever=retriever)
@@ -193,6 +195,7 @@ def test_a_gap_search_turn_past_the_call_deadline_is_a_timeout_and_the_chain_goe
 
 @pytest.mark.parametrize("method,params", [("chain_of_agents", ChainOfAgentsConfig(max_cycles=1)), ("agentflow", AgentFlowConfig(max_steps=2)),
                                            ("gap", GAPConfig())])
+@pytest.mark.slow
 def test_unscaffolded_methods_survive_garbage(tiny_model_dir, method, params):
     """A random 2-layer model (SmolLM2's tokenizer) writes garbage: every role output falls back, every row ends."""
     tiny = HFBackend(str(tiny_model_dir), dtype="float32")
@@ -205,6 +208,7 @@ def test_unscaffolded_methods_survive_garbage(tiny_model_dir, method, params):
         assert tiny.tokenizer.eos_token_id not in ids[prompt_len(tiny.tokenizer, row["student"]) : -1]  # one assistant turn
 
 
+@pytest.mark.slow
 def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
     """generate.roles with two real models at once: the verifier on a second model (the tiny random one, transformers),
     every other agentflow role on SmolLM2; each backend gets exactly its roles' calls."""
@@ -236,6 +240,7 @@ def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
     check_student(smol.tokenizer, row["student"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,params", [("single", None), ("chain_of_agents", ChainOfAgentsConfig(max_cycles=1)), ("gap", GAPConfig())])
 def test_the_teachers_demonstrations_reach_its_acting_agents_never_the_student(tiny_model_dir, method, params):
     """generate.demonstrations follow the acting agent's system prompt (context distillation); the student's rendering,

@@ -57,6 +57,7 @@ def test_length_collapse_warns_when_episodes_shorten_as_the_kl_rises():
                                                                          {"response_tokens": 20, "kl_teacher": 0.2}])
 
 
+@pytest.mark.slow
 def test_opd_moves_the_student_toward_its_teacher_and_resumes_after_a_kill(tiny_model_dir, tmp_path):
     """The student was taught Paris and Rome, the teacher Paris only; the teacher scores the student's tokens. After one
     OPD update (no outcome term) the next step's rollouts are closer to the teacher: their reverse KL falls (0.84 -> 0.61

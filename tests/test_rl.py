@@ -118,6 +118,7 @@ def test_one_step_moves_the_policy_toward_the_rewarded_answer(answerer, tmp_path
     assert p_paris(tmp_path / "one" / "out") > p_paris(answerer)
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_gives_the_same_weights(answerer, tmp_path):
     cfg = rl_config(steps=2)
     straight = run(answerer, cfg, tmp_path, "straight")

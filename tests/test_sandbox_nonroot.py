@@ -172,6 +172,7 @@ def test_the_sandbox_starts_strict_for_a_non_root_user_and_its_runs_sit_in_the_d
     assert not [p for d in user.cgroup_dirs for p in d.glob("unison-sandbox-*")]  # removed when the process ended
 
 
+@pytest.mark.slow
 def test_memory_process_and_cpu_attacks_are_contained_for_a_non_root_user(user):
     memory = ["memfd_files_outside_rlimit_as", "sysv_shared_memory_outside_rlimit_as", "forked_children_each_under_rlimit_as"]
     report = as_user(user, ATTACKS, ",".join([*memory, "fork_bomb", "thread_bomb", "spin@1", "spin@0.1"]), SPIN, timeout=300)

@@ -46,6 +46,7 @@ def project(tmp_path, monkeypatch, tiny_model_dir):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_rerunning_generate_and_label_writes_identical_bytes(project):
     from stages import generate, label
 

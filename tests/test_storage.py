@@ -127,6 +127,7 @@ def test_the_remote_comes_from_params_or_env_into_the_local_config_only(tmp_path
     assert storage.configure(project) == "" and dvc(project, "remote", "list").strip() == ""
 
 
+@pytest.mark.slow
 def test_a_stage_computed_in_one_clone_is_pulled_not_recomputed_in_another(tmp_path, monkeypatch):
     """The flow a pool's worker runs (flows/pool.py pool_stage), in clone A then clone B: B restores A's stages from the
     shared directory remote (B reaches it through its own mount path, UNISON_DVC_REMOTE) and runs no command."""

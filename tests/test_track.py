@@ -222,3 +222,19 @@ def test_a_recorded_parent_is_not_reused_once_params_change(project):
     with track.stage_run("report", {}) as third:
         pass
     assert third.pipeline_run_id == new
+
+
+def test_a_stage_run_leaves_no_tracking_uri_behind_for_the_next_projects_stage(tmp_path, monkeypatch):
+    """MLflow 3's set_tracking_uri also exports MLFLOW_TRACKING_URI; a stage run puts the environment back, so the next
+    stage run in this process (tests, flows) and its subprocesses use their own project's store, not the first one's."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("UNISON_PARENT_RUN_ID", raising=False)
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        with track.stage_run("download"):
+            assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / name / 'mlflow.db'}"
+        assert "MLFLOW_TRACKING_URI" not in os.environ
+    for name in ("first", "second"):
+        runs = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}").search_runs(["1"])
+        assert sorted(r.info.run_name for r in runs if r.data.tags.get("stage")) == ["download"], name

@@ -276,20 +276,27 @@ def stage_run(stage: str, params: dict | None = None):
         return
     project = Path.cwd().resolve()
     uri = tracking_uri(project)
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    experiment = experiment_id(client, project)
-    mlflow.set_experiment(experiment_id=experiment)
-    parent = _parent_run_id(client, project)
-    tags = {"stage": stage, **git_tags(project)}
-    with mlflow.start_run(experiment_id=experiment, run_name=stage, parent_run_id=parent, tags=tags) as active:
-        run = StageRun(client, active.info.run_id, parent)
-        run.log_params(flatten_params(params or {}, prefix=stage))
-        try:
-            yield run
-        finally:
-            run.flush()
-            mlflow.flush_trace_async_logging()
+    exported = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)  # MLflow 3 exports it as MLFLOW_TRACKING_URI too, which tracking_uri() would then prefer
+    try:
+        client = MlflowClient(uri)
+        experiment = experiment_id(client, project)
+        mlflow.set_experiment(experiment_id=experiment)
+        parent = _parent_run_id(client, project)
+        tags = {"stage": stage, **git_tags(project)}
+        with mlflow.start_run(experiment_id=experiment, run_name=stage, parent_run_id=parent, tags=tags) as active:
+            run = StageRun(client, active.info.run_id, parent)
+            run.log_params(flatten_params(params or {}, prefix=stage))
+            try:
+                yield run
+            finally:
+                run.flush()
+                mlflow.flush_trace_async_logging()
+    finally:  # the environment as it was: a later stage run in this process (tests, flows) finds its own project's store
+        if exported is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = exported
 
 
 @contextmanager
