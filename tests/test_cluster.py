@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -26,7 +27,6 @@ from .projects import merge
 
 pytestmark = pytest.mark.slow
 
-PORT = 26391  # this module's own ports (bench_ray's start_cluster keeps off Ray's defaults)
 TINY = {
     "student": {"model": "builtin:smollm2-135m-instruct"}, "teacher": {"model": "builtin:smollm2-135m-instruct"},
     "download": {"builtin": {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 4, "test_size": 2,
@@ -37,13 +37,33 @@ TINY = {
 }
 
 
+def free_block(size: int, first: int = 20000, last: int = 60000) -> int:
+    """The lowest port from `first` (in steps of 1,000) whose `size` ports all bind on 127.0.0.1 now: no fixed port,
+    so another test run or service on the machine keeps its own."""
+    for base in range(first, last, 1000):
+        taken = []
+        try:
+            for port in range(base, base + size):
+                s = socket.socket()
+                taken.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in taken:
+                s.close()
+    raise RuntimeError(f"no {size} free ports in a row between {first} and {last}")
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A head with no CPUs (the driver's node) and two workers of one CPU each; its address."""
     temp = Path(f"/tmp/unison-ray-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
-    groups = start_cluster(PORT, temp, [1, 1])
+    port = free_block(2 + 3 * 200)  # the head and its client server, then 200 ports a node (bench_ray.ray_start)
+    groups = start_cluster(port, temp, [1, 1], ports=port + 2)
     try:
-        yield f"127.0.0.1:{PORT}", groups
+        yield f"127.0.0.1:{port}", groups
     finally:
         stop_cluster(groups, temp)
 

@@ -174,6 +174,7 @@ def test_dylan_consensus_exits_early_and_a_real_ranker_never_crashes(smol):
     assert not any(m["name"] in ("moderator", "ranker") for m in early["messages"])
 
 
+@pytest.mark.slow
 def test_agentverse_stops_when_critics_agree_and_the_evaluator_approves(smol):
     critic, evaluator = Scripted(smol.tokenizer, "All correct. [Agree]"), Scripted(smol.tokenizer, "Correctness: 1\nResponse: none")
     (row,) = run_method(smol, "agentverse", {"agents": 2, "turns": 3, "critic_rounds": 3}, roles={"critic": critic, "evaluator": evaluator})

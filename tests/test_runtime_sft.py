@@ -44,6 +44,7 @@ def test_majority_vote_normalises_and_breaks_ties_by_first_agent():
     assert majority([None, None]) is None
 
 
+@pytest.mark.slow
 def test_scaffolded_episodes_are_token_in_token_out(smol):
     tok = smol.tokenizer
     eps = [start_episode(tok, f"q{i}", "In which city was Zorvan Kelt born?", seed=i, scaffold=["search", "answer"]) for i in range(3)]
@@ -88,12 +89,14 @@ def test_debate_transcript_and_student_rendering(smol):
     assert ids[-1] == smol.tokenizer.eos_token_id and mask[-1] == 1
 
 
+@pytest.mark.slow
 def test_continuation_opens_a_user_then_assistant_turn(smol):
     tok = smol.tokenizer
     text = tok.decode(continuation_ids(tok, "What now?"))
     assert text.startswith("\n<|im_start|>user\nWhat now?<|im_end|>") and text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_drift_counts_retokenisation_differences(smol):
     tok = smol.tokenizer
     ids = tok("<search>Zorvan Kelt</search>", add_special_tokens=False)["input_ids"]

@@ -149,6 +149,7 @@ def test_web_tools_are_off_by_default_and_opt_in(server, tmp_path):
     assert remote_counters({}, make_toolbox(off, web_cache_dir=tmp_path)) == no_faults
 
 
+@pytest.mark.slow
 def test_episode_calls_web_search_through_the_toolbox(server, base_model_dir, tmp_path):
     from unison.agents.episodes import start_episode
     from unison.agents.runtime import EpisodeSettings, run_episodes
