@@ -121,6 +121,11 @@ class RateLimit:
             entry[1] = tokens
 
 
+def servers_label(urls: list[str]) -> str:
+    """How errors name the servers of `urls` (redacted where they are raised)."""
+    return urls[0] if len(urls) == 1 else "any of " + ", ".join(urls)
+
+
 class OpenAIBackend:
     name = "openai"
 
@@ -145,7 +150,7 @@ class OpenAIBackend:
         bases = [url.rstrip("/") for url in ([base_url] if isinstance(base_url, str) else base_url)]
         self.urls = [url + path for url in bases]
         self.generate_urls = [url.removesuffix("/v1") + "/generate" for url in bases]  # SGLang's native API (scoring)
-        self.label = self.urls[0] if len(self.urls) == 1 else "any of " + ", ".join(self.urls)  # for errors (redacted there)
+        self.label = servers_label(self.urls)
         self.model = model
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.token_prompts, self.vllm_extensions = token_prompts, vllm_extensions
@@ -338,7 +343,7 @@ class OpenAIBackend:
         # one server: each attempt may use all the time left (a long answer is not cut to a share); several
         # replicas: equal shares, so a hung one leaves time for the retry on another
         attempts = shared_deadlines(deadline, self.max_retries + 1) if len(urls) > 1 else itertools.repeat(deadline)
-        return with_retries("POST", self.label, lambda: self._attempt(body, self._local.session, next(attempts), urls),
+        return with_retries("POST", servers_label(urls), lambda: self._attempt(body, self._local.session, next(attempts), urls),
                             retries=self.max_retries, backoff_s=self.backoff_s, deadline=deadline,
                             on_retry=lambda: self._count("retries"))
 
