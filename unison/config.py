@@ -88,12 +88,12 @@ class EngineConfig(LLMConfig):
     api: Literal["chat", "completions"] = Field("chat", description="openai: chat = POST /chat/completions with messages (any server, hosted APIs); completions = /completions with token prompts in the model's own tokenizer")
     api_model: str = Field("", description="openai: the served model's name; \"\" = the model dir")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key, sent as a Bearer token; never logged")
+    tokenizer: str = Field("", description="openai: the tokenizer that renders prompts; \"\" = the model dir")
 
     @property
     def chat(self) -> bool:
         """A model behind a chat API: it sees messages, and cannot score given tokens."""
         return self.backend == "openai" and self.api == "chat"
-    tokenizer: str = Field("", description="openai: the tokenizer that renders prompts; \"\" = the model dir")
 
 
 def check_llm_overrides(overrides: dict, key: str, allow_backend: bool) -> dict:
@@ -111,7 +111,6 @@ def check_llm_overrides(overrides: dict, key: str, allow_backend: bool) -> dict:
 
 def check_base_url(value, key: str) -> None:
     """One server's http(s) URL, or a non-empty list of them with none twice (replicas of one served model)."""
-
     example = "e.g. http://127.0.0.1:8000/v1 or [http://10.0.0.1:8000/v1, http://10.0.0.2:8000/v1]"
     urls = [value] if isinstance(value, str) else value
     if not isinstance(urls, list) or not urls:

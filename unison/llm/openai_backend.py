@@ -230,7 +230,7 @@ class OpenAIBackend:
             self._spend({"prompt_tokens": meta.get("prompt_tokens") or len(seq), "completion_tokens": 1})
             if self.cache is not None:
                 self.cache.put("sglang_generate", self.model, key, meta)
-        where = redact(self.generate_urls[0])
+        where = redact(servers_label(self.generate_urls))
         chosen, tops = meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []
         start = len(prompt)
         if len(chosen) != len(seq) or (top_k and len(tops) != len(seq)):
