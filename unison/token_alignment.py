@@ -14,6 +14,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from .protocol import chat_prompt
+
 
 @dataclass
 class Aligned:
@@ -58,18 +60,6 @@ def map_to_student(spans: list[tuple[int, int]], offsets: list[tuple[int, int]],
     return Aligned(mapped, len(offsets), straddling)
 
 
-def prompt_ids(tok, messages: list[dict]) -> list[int]:
-    """The teacher's own rendering of the conversation's head: its chat template, or (a base model without one) the
-    messages' texts on separate paragraphs after its BOS token."""
-    if getattr(tok, "chat_template", None):
-        from .protocol import chat_prompt
-
-        return chat_prompt(tok, messages)
-    text = "\n\n".join(m["content"] for m in messages) + "\n\n"
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    return bos + tok(text, add_special_tokens=False)["input_ids"]
-
-
 def score_across(teacher, student_tok, items: list[tuple[list[dict], list[int]]]) -> list[Aligned]:
     """The teacher's log-probs of student completions (each: the prompt `messages` and the student token ids after it),
     one per student token, through the character alignment above, in one `score` call; a final student end-of-turn
@@ -80,7 +70,7 @@ def score_across(teacher, student_tok, items: list[tuple[list[dict], list[int]]]
         enc = ttok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
         ends_turn = bool(completion) and completion[-1] == student_tok.eos_token_id and ttok.eos_token_id is not None
-        prompts.append(prompt_ids(ttok, messages))
+        prompts.append(chat_prompt(ttok, messages))
         completions.append(ids + [ttok.eos_token_id] if ends_turn else ids)
         views.append((spans[:-1] if ends_turn else spans, offsets, ends_turn))
     out = []

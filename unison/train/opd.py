@@ -11,7 +11,8 @@ alignment, tokens straddling a boundary counted).
 """
 from __future__ import annotations
 
-from ..token_alignment import prompt_ids, score_across
+from ..protocol import chat_prompt
+from ..token_alignment import score_across
 
 
 def add_teacher_advantages(samples: list[dict], teacher_logps: list[list[float]], straddling: int = 0) -> dict:
@@ -44,7 +45,7 @@ def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: st
     heads = [teacher_messages(s["messages"], worked_examples) for s in samples]
     completions = [s["ids"][first + 1 :] for s, first in zip(samples, firsts)]
     if same_vocab:
-        scores = teacher.score([prompt_ids(teacher.tokenizer, h) for h in heads], completions)
+        scores = teacher.score([chat_prompt(teacher.tokenizer, h) for h in heads], completions)
         return [[0.0] * first + sc.logprobs for first, sc in zip(firsts, scores)], 0
     aligned = score_across(teacher, student_tok, list(zip(heads, completions)))
     return [[0.0] * first + a.logprobs for first, a in zip(firsts, aligned)], sum(a.straddling for a in aligned)
