@@ -9,45 +9,54 @@ import pytest
 import torch
 
 from unison.llm.hf_backend import HFBackend
-from unison.train.opd import add_teacher_advantages, length_collapse, teacher_logps
-from unison.train.policy_loss import policy_loss
-from unison.train.rl import RLConfig, attach_logprobs
+from unison.train.opd import attach_teacher_logps, length_collapse, teacher_logps, teacher_term
+from unison.train.policy_loss import token_logprobs
+from unison.train.rl import RLConfig, batch_loss, collate, logprobs_of
 
 from .test_rl import rl_config, run, state, teach_answers
 
 
 def test_the_advantage_is_teacher_minus_student_on_sampled_tokens_by_hand():
     # targets: prompt token, 2 sampled, 2 observation, 1 sampled; the outcome term (0.5) already on the sampled tokens
-    sample = {"ids": [1, 2, 3, 4, 5, 6, 7], "loss_mask": [0, 1, 1, 0, 0, 1], "advantages": [0.0, 0.5, 0.5, 0.0, 0.0, 0.5],
-              "old_logp": [-9.0, -1.0, -2.0, -7.0, -7.0, -0.5]}
+    sample = {"ids": [1, 2, 3, 4, 5, 6, 7], "loss_mask": [0, 1, 1, 0, 0, 1], "advantages": [0.0, 0.5, 0.5, 0.0, 0.0, 0.5]}
     teacher = [-1.0, -0.5, -3.0, -0.1, -0.1, -0.5]
-    stats = add_teacher_advantages([sample], [teacher])
-    assert sample["advantages"] == [0.0, 0.5 + 0.5, 0.5 - 1.0, 0.0, 0.0, 0.5 + 0.0]
-    assert stats == {"kl_teacher": pytest.approx((-0.5 + 1.0 + 0.0) / 3), "teacher_tokens": 3, "teacher_straddling": 0}  # mean of student - teacher
+    assert attach_teacher_logps([sample], [teacher]) == {"teacher_tokens": 3, "teacher_straddling": 0}
+    assert sample["teacher_logp"] == [0.0, -0.5, -3.0, 0.0, 0.0, -0.5]  # nothing kept off the sampled tokens
+    student = torch.tensor([[-9.0, -1.0, -2.0, -7.0, -7.0, -0.5]])
+    advantages, kl = teacher_term(torch.tensor([sample["advantages"]]), torch.tensor([sample["teacher_logp"]]), student,
+                                  torch.tensor([sample["loss_mask"]], dtype=torch.float32))
+    assert advantages[0].tolist() == [0.0, 0.5 + 0.5, 0.5 - 1.0, 0.0, 0.0, 0.5 + 0.0]
+    assert kl.item() == pytest.approx((-0.5 + 1.0 + 0.0) / 3)  # the mean of student - teacher over the sampled tokens
     with pytest.raises(ValueError, match="the teacher scored 2 tokens of a sample with 6 targets"):
-        add_teacher_advantages([sample], [[0.0, 0.0]])
+        attach_teacher_logps([sample], [[0.0, 0.0]])
 
 
 def test_observation_tokens_get_exactly_zero_gradient():
-    logits = torch.randn(1, 6, 11, requires_grad=True)
-    targets = torch.tensor([[3, 1, 4, 1, 5, 9]])
-    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0, 1.0]])
-    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
-    sample = {"ids": [0] * 7, "loss_mask": mask[0].tolist(), "advantages": [0.0] * 6, "old_logp": logp[0].tolist()}
-    add_teacher_advantages([sample], [[x + 1.0 for x in logp[0].tolist()]])  # the teacher likes every token more
-    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([sample["advantages"]]), mask, 0.2, 0.28)
+    """Through rl's own loss, one update per step (no old_logp pass: the loss's log-probs stand in for the student's)."""
+    logits = torch.randn(1, 7, 11, requires_grad=True)
+    ids = torch.tensor([[2, 3, 1, 4, 1, 5, 9]])
+    mask = [0, 1, 1, 0, 0, 1]
+    logp = torch.log_softmax(logits[:, :-1].detach(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    sample = {"ids": ids[0].tolist(), "loss_mask": mask, "advantages": [0.0] * 6}
+    attach_teacher_logps([sample], [[x + 1.0 for x in logp[0].tolist()]])  # the teacher likes every token more
+    batch = collate([sample], 0)
+    loss, metrics = batch_loss(logits[:, :-1], batch, RLConfig(objective="opd"))
     loss.backward()
-    grad = logits.grad[0].abs().sum(-1)
+    grad = logits.grad[0, :-1].abs().sum(-1)
     assert grad[[0, 3, 4]].tolist() == [0.0, 0.0, 0.0] and bool((grad[[1, 2, 5]] > 0).all())
+    assert metrics["kl_teacher"] == pytest.approx(-1.0) and loss.item() == pytest.approx(-1.0)  # A = +1 on each sampled token
 
 
 def test_a_student_that_is_its_teacher_gets_zero_advantage(tiny_model_dir):
     teacher = HFBackend(str(tiny_model_dir), dtype="float32")
     samples = [{"ids": [5, 17, 99, 4, 250, 31, 7], "loss_mask": [0, 0, 1, 1, 0, 1], "advantages": [0.0] * 6},
                {"ids": [8, 9, 10, 11], "loss_mask": [0, 1, 1], "advantages": [0.0] * 3}]
-    attach_logprobs(teacher.model, samples, "old_logp", RLConfig(micro_batch_size=2), 0, torch.device("cpu"), "fp32")
-    stats = add_teacher_advantages(samples, *teacher_logps(teacher, samples, teacher.tokenizer))
-    assert all(abs(a) < 1e-5 for s in samples for a in s["advantages"]) and abs(stats["kl_teacher"]) < 1e-5
+    attach_teacher_logps(samples, *teacher_logps(teacher, samples, teacher.tokenizer))
+    batch = collate(samples, 0)
+    _, logits = logprobs_of(teacher.model, batch, 1.0)
+    student = token_logprobs(logits, batch["input_ids"][:, 1:])
+    advantages, kl = teacher_term(batch["advantages"], batch["teacher_logp"], student, batch["loss_mask"])
+    assert advantages.abs().max().item() < 1e-5 and abs(kl.item()) < 1e-5
 
 
 def test_length_collapse_warns_when_episodes_shorten_as_the_kl_rises():

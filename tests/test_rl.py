@@ -172,7 +172,7 @@ def test_tool_observations_get_no_gradient_but_later_tokens_keep_the_advantage()
     assert loss_without.item() == pytest.approx(loss.item(), abs=1e-7) and metrics["approx_kl"] == 0.0
     assert torch.allclose(on_policy.grad, logits.grad, atol=1e-7)
     assert not needs_old_logp(rl_config()) and needs_old_logp(rl_config(ppo_epochs=2)) and needs_old_logp(rl_config(mini_batches=2))
-    assert needs_old_logp(rl_config(objective="opd"))
+    assert not needs_old_logp(rl_config(objective="opd"))  # its teacher term reads the loss's own log-probs too
 
 
 def test_padding_never_counts(tiny_model_dir):

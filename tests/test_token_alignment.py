@@ -11,7 +11,7 @@ import torch
 
 from unison.protocol import chat_prompt
 from unison.token_alignment import char_spans, map_to_student, score_across
-from unison.train.opd import add_teacher_advantages, teacher_logps
+from unison.train.opd import attach_teacher_logps, teacher_logps, teacher_term
 
 MESSAGES = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "Where is Zorvan Kelt?"}]
 COMPLETION = "<search>Zorvan Kelt's city</search><answer>Tarsk, naïvely 42</answer>"
@@ -72,15 +72,17 @@ def test_opd_across_tokenizers_scores_only_the_students_sampled_tokens(other_fam
     end = student_tok("<answer>Tarsk</answer>", add_special_tokens=False)["input_ids"] + [student_tok.eos_token_id]
     ids = prompt + gen + obs + end
     mask = [0] * len(prompt) + [1] * len(gen) + [0] * len(obs) + [1] * len(end)
-    sample = {"ids": ids, "loss_mask": mask[1:], "advantages": [0.0] * (len(ids) - 1), "old_logp": [-5.0] * (len(ids) - 1),
-              "messages": MESSAGES}
+    sample = {"ids": ids, "loss_mask": mask[1:], "advantages": [0.0] * (len(ids) - 1), "messages": MESSAGES}
     logps, straddling = teacher_logps(other_family, [sample], student_tok)
     assert len(logps[0]) == len(sample["loss_mask"]) and all(v == 0.0 for v in logps[0][: len(prompt) - 1])
-    stats = add_teacher_advantages([sample], logps, straddling)
+    stats = attach_teacher_logps([sample], logps, straddling)
     assert stats["teacher_tokens"] == len(gen) + len(end) and stats["teacher_straddling"] == straddling
-    scored = [a for a, m in zip(sample["advantages"], sample["loss_mask"]) if m]
+    loss_mask = torch.tensor([sample["loss_mask"]], dtype=torch.float32)
+    advantages, _ = teacher_term(torch.tensor([sample["advantages"]]), torch.tensor([sample["teacher_logp"]]),
+                                 torch.full_like(loss_mask, -5.0), loss_mask)  # a student that gave every token -5
+    scored = [a for a, m in zip(advantages[0].tolist(), sample["loss_mask"]) if m]
     assert sum(scored) == pytest.approx(sum(lp for lp, m in zip(logps[0], sample["loss_mask"]) if m) + 5.0 * len(scored), abs=1e-4)
-    assert all(a == 0.0 for a, m in zip(sample["advantages"], sample["loss_mask"]) if not m)  # prompt, observation: nothing
+    assert all(a == 0.0 for a, m in zip(advantages[0].tolist(), sample["loss_mask"]) if not m)  # prompt, observation: nothing
 
 
 class OnePassage:

@@ -11,24 +11,31 @@ alignment, tokens straddling a boundary counted).
 """
 from __future__ import annotations
 
+import torch
+
 from ..protocol import chat_prompt
 from ..token_alignment import score_across
 
 
-def add_teacher_advantages(samples: list[dict], teacher_logps: list[list[float]], straddling: int = 0) -> dict:
-    """Add A_t = teacher - student log-prob (samples' `old_logp`: the policy that sampled, in the training precision) to
-    each sample's `advantages` where its loss_mask is 1; returns the step's reverse KL to the teacher (the mean over
-    scored tokens of student - teacher log-prob), the number of tokens scored and of teacher tokens straddling a student
-    token boundary (a teacher of another tokenizer)."""
-    kl_sum, n = 0.0, 0
+def attach_teacher_logps(samples: list[dict], teacher_logps: list[list[float]], straddling: int = 0) -> dict:
+    """Each sample's teacher log-probs as `teacher_logp`, 0 outside its loss_mask; the loss adds A_t = teacher - student
+    there (teacher_term). Returns the number of tokens scored and of teacher tokens straddling a student token boundary
+    (a teacher of another tokenizer)."""
+    n = 0
     for s, teacher in zip(samples, teacher_logps):
         if len(teacher) != len(s["loss_mask"]):
             raise ValueError(f"opd: the teacher scored {len(teacher)} tokens of a sample with {len(s['loss_mask'])} targets")
-        gap = [(t - o) * m for t, o, m in zip(teacher, s["old_logp"], s["loss_mask"])]
-        s["advantages"] = [a + g for a, g in zip(s["advantages"], gap)]
-        kl_sum -= sum(gap)
+        s["teacher_logp"] = [t * m for t, m in zip(teacher, s["loss_mask"])]
         n += sum(s["loss_mask"])
-    return {"kl_teacher": kl_sum / max(1, n), "teacher_tokens": n, "teacher_straddling": straddling}
+    return {"teacher_tokens": n, "teacher_straddling": straddling}
+
+
+def teacher_term(advantages: torch.Tensor, teacher_logp: torch.Tensor, student_logp: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages + (teacher - student log-prob) on loss_mask tokens, the batch's reverse KL to the teacher: the mean over
+    those tokens of student - teacher log-prob). `student_logp` is the sampling policy's (old_logp, or with one update
+    per step the loss's own, detached: the same policy, so no forward pass of its own is needed)."""
+    gap = (teacher_logp - student_logp.detach()) * loss_mask
+    return advantages + gap, -gap.sum() / loss_mask.sum().clamp(min=1)
 
 
 def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: str = "") -> tuple[list[list[float]], int]:

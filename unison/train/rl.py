@@ -24,7 +24,7 @@ from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .loop import Trainer, autocast
-from .opd import add_teacher_advantages, length_collapse, teacher_logps
+from .opd import attach_teacher_logps, length_collapse, teacher_logps, teacher_term
 from .policy_loss import policy_loss, token_logprobs
 from .rewards import efficiency_rewards, judge_response, prmvr_token_rewards, returns_to_go, sigma_factor
 from .rollout import View, check_colocated_memory, engine_sleeps, episode_view, make_rollout_backend, planner_rollout, rollout, turn_views
@@ -145,7 +145,7 @@ def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: i
         step_r = padded(steps, max(1, max(map(len, steps))))
         token_r += cfg.prm_weight * prmvr_token_rewards(step_r, ends, mask, [0.0] * len(kept), [groups[i] for i in kept], mode="PRM",
                                                         baseline=cfg.prm_baseline, temperature=cfg.prm_temperature)
-    outcome = cfg.outcome_weight if cfg.objective == "opd" else 1.0  # opd adds the teacher's token term after old_logp
+    outcome = cfg.outcome_weight if cfg.objective == "opd" else 1.0  # opd: the loss adds the teacher's token term
     for row, k in enumerate(last):
         if k >= 0:
             token_r[row, k] += outcome * float(seq_adv[row])
@@ -171,7 +171,7 @@ def collate(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     for r, s in enumerate(samples):
         batch["input_ids"][r, : len(s["ids"])] = torch.tensor(s["ids"])
         batch["attention_mask"][r, : len(s["ids"])] = 1
-    for key in ("loss_mask", "advantages", "old_logp", "ref_logp"):
+    for key in ("loss_mask", "advantages", "old_logp", "ref_logp", "teacher_logp"):
         if key in samples[0]:
             batch[key] = padded([list(s[key]) for s in samples], width - 1)
     return batch
@@ -184,18 +184,26 @@ def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, t
 
 
 def batch_loss(logits: torch.Tensor, batch: dict, cfg: RLConfig, max_len: int | None = None) -> tuple[torch.Tensor, dict]:
-    """policy_loss of a collated batch from its (scaled) logits: clipped PG on loss_mask tokens, + k3 KL if configured."""
+    """policy_loss of a collated batch from its (scaled) logits: clipped PG on loss_mask tokens, + k3 KL if configured;
+    with the teacher's log-probs in the batch (rl.objective opd) the advantages gain teacher - student log-prob, and the
+    metrics the batch's reverse KL to the teacher (`kl_teacher`)."""
     logp = token_logprobs(logits, batch["input_ids"][:, 1:])
     old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()  # one update: the sampling policy is this one
-    return policy_loss(logp, old_logp, batch["advantages"], batch["loss_mask"], cfg.clip_low, cfg.clip_high,
-                       cfg.dual_clip, batch.get("ref_logp"), cfg.kl_coef, cfg.loss_agg, max_len, logits=logits)
+    advantages, extra = batch["advantages"], {}
+    if "teacher_logp" in batch:
+        advantages, kl = teacher_term(advantages, batch["teacher_logp"], old_logp, batch["loss_mask"])
+        extra = {"kl_teacher": kl.item()}
+    loss, metrics = policy_loss(logp, old_logp, advantages, batch["loss_mask"], cfg.clip_low, cfg.clip_high,
+                                cfg.dual_clip, batch.get("ref_logp"), cfg.kl_coef, cfg.loss_agg, max_len, logits=logits)
+    return loss, {**metrics, **extra}
 
 
 def needs_old_logp(cfg: RLConfig) -> bool:
     """Whether the loss needs the sampling policy's log-probs from a forward pass of their own. With one update per step
-    (one PPO epoch, one mini-batch) and no teacher term, the policy being trained is the one that sampled, so rho = 1 and
-    its log-probs are the loss's own, detached (TRL's num_iterations == 1): a quarter of the step's compute saved."""
-    return cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.objective == "opd"
+    (one PPO epoch, one mini-batch) the policy being trained is the one that sampled, so rho = 1 and its log-probs are
+    the loss's own, detached (TRL's num_iterations == 1), OPD's teacher term included: a quarter of the step's compute
+    saved."""
+    return cfg.ppo_epochs > 1 or cfg.mini_batches > 1
 
 
 @torch.no_grad()
@@ -286,7 +294,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
                 attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision)
             if cfg.objective == "opd":
                 t_teacher = time.perf_counter()
-                metrics |= add_teacher_advantages(samples, *trainer.from_main(teacher_logps(teacher, samples, tok, worked_examples) if trainer.is_main else None))
+                metrics |= attach_teacher_logps(samples, *trainer.from_main(teacher_logps(teacher, samples, tok, worked_examples) if trainer.is_main else None))
                 metrics["teacher_s"] = time.perf_counter() - t_teacher
             if ref is not None:
                 attach_logprobs(ref, samples, "ref_logp", cfg, pad_id, trainer.device, trainer.precision)
