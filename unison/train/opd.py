@@ -39,8 +39,8 @@ def teacher_term(advantages: torch.Tensor, teacher_logp: torch.Tensor, student_l
 
 
 def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: str = "") -> tuple[list[list[float]], int]:
-    """The teacher's log-prob of each sample's every target token (position t scores token t+1, as loss_mask and
-    old_logp are aligned), and how many teacher tokens straddled a student token boundary. A teacher of the student's
+    """The teacher's log-prob of each sample's every target token (position t scores token t+1, as loss_mask is
+    aligned), and how many teacher tokens straddled a student token boundary. A teacher of the student's
     vocabulary scores the very tokens: after the sequence's first token when it reads the student's own prompt, else
     after its own rendering of the prompt with `worked_examples` after the system prompt (rl.teacher_context); a teacher
     of another tokenizer scores the student's text after that rendering (token_alignment.py)."""
