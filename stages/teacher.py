@@ -42,6 +42,12 @@ def main() -> None:
         else:
             print(f"teacher: materialising {t.model} -> {OUT} ...", flush=True)
             info = models.materialize_model(t.model, OUT)
+        if "served_name" not in want:
+            from transformers import AutoTokenizer
+
+            if not AutoTokenizer.from_pretrained(OUT).chat_template:
+                print(f"teacher: {t.model} has no chat template (a base model): it reads each conversation as paragraphs "
+                      "after its BOS, when it acts and when it scores (protocol.chat_prompt)", flush=True)
         run.log_metrics({"teacher_parameters": float(info["n_parameters"])})
 
 

