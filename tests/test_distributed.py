@@ -10,7 +10,6 @@ import csv
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from tests.local_http import free_port
 from tests.test_dpo import labeled
 from tests.test_rl import make_rows, teach_answers
 from unison.config import ROOT, TrainConfig, load_params, validate_params
@@ -31,12 +31,6 @@ from unison.train.launch import launch_command
 # ~0 (seen with dpo at lr 1e-3, 2 pairs a step). A wrong weighting (mean of the processes' means, accumulation counted
 # twice) is off by far more: x2 on grad_norm at step 1.
 LOSS_RTOL, GRAD_NORM_RTOL = 2e-4, 1e-3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.local_http import free_port
 from tests.test_rl import answerer, rl_config, run, state  # noqa: F401  (answerer is a fixture)
 from unison.config import ROOT
 
@@ -48,12 +48,6 @@ def sft_run(model_dir: str, out_dir: str, deepspeed_config: str = "") -> list[fl
 
 def distributed_env() -> dict:
     return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.nightly  # ZeRO-2 through a training loop stays in make test (the SFT test below)
