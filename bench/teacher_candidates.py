@@ -29,24 +29,6 @@ from bench.token_distillation import copy_project, run, set_params
 CONTEXTS = ("student", "worked_examples", "scaffolded")
 
 
-def evaluate_teacher() -> None:
-    """In a copy: models/teacher alone on the test split under generate's settings; its labeled rows to
-    reports/bench_eval.parquet, its metrics to reports/bench_eval.json."""
-    from unison import layout
-    from unison.config import load_params
-    from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
-    from unison.labeling.evaluation import evaluate_systems
-    from unison.labeling.metrics import scoring_label
-
-    params = load_params()
-    questions = read_table(layout.RAW_TEST, QUESTION)[: params.evaluate.max_questions or None]
-    [(_, rows, metrics)] = list(evaluate_systems(params.system_settings(), params.evaluate, scoring_label(params.label, params.evaluate),
-                                                params.cluster, [("teacher", layout.TEACHER, params.generate.temperature)],
-                                                questions, load_prm=None))
-    write_table(rows, "reports/bench_eval.parquet", LABELED)
-    write_json(metrics, "reports/bench_eval.json")
-
-
 def context_params(context: str, demo_params: dict) -> dict:
     g = demo_params["generate"]
     return {"generate.method": "single", "generate.temperature": 0.0,
@@ -73,12 +55,13 @@ def main() -> None:
         for context in args.contexts.split(","):
             project = copy_project(demo, args.work.resolve() / f"{name}-{context}", model_dir)
             set_params(project, {**context_params(context, demo_params), "evaluate.max_questions": args.max_questions})
-            wall = run(project, sys.executable, "-c", "from bench.teacher_candidates import evaluate_teacher; evaluate_teacher()")
+            wall = run(project, sys.executable, "-c",
+                       "from bench.token_distillation import evaluate_system; evaluate_system('teacher', 'models/teacher')")
             m = json.loads((project / "reports/bench_eval.json").read_text())
-            results[f"{name}/{context}"] = {k: m[k] for k in ("em", "em_lo", "em_hi", "questions", "accuracy_qa", "accuracy_math",
-                                                              "answered_rate", "tool_calls_per_question", "tokens_per_question")}
-            results[f"{name}/{context}"]["wall_s"] = wall
-            print(f"teacher_candidates: {name}/{context}: {json.dumps(results[f'{name}/{context}'])}", flush=True)
+            key = f"{name}/{context}"
+            results[key] = {k: m[k] for k in ("em", "em_lo", "em_hi", "questions", "accuracy_qa", "accuracy_math", "answered_rate",
+                                              "tool_calls_per_question", "tokens_per_question")} | {"wall_s": wall}
+            print(f"teacher_candidates: {key}: {json.dumps(results[key])}", flush=True)
     print(f"\n{'candidate':<34} {'EM':>6} {'95% CI':>15} {'QA':>6} {'math':>6} {'answered':>8} {'tools/q':>7}")
     for name, r in results.items():
         print(f"{name:<34} {r['em']:6.3f} [{r['em_lo']:.3f}, {r['em_hi']:.3f}] {r['accuracy_qa']:6.3f} {r['accuracy_math']:6.3f} "

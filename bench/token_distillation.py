@@ -89,18 +89,22 @@ def capture_teacher_topk(k: int) -> None:
     print(json.dumps({**figures, "bytes_per_token": Path(layout.TOPK).stat().st_size / max(1, figures["topk_tokens"])}), flush=True)
 
 
-def evaluate_student(model_dir: str) -> None:
-    """In a copy: one student on the test split, as evaluate runs it; its metrics to reports/bench_eval.json."""
+def evaluate_system(system: str, model_dir: str) -> None:
+    """In a copy: one system on the test split, as evaluate runs it (`teacher`: under generate's method and temperature;
+    any other name: a student, `single` at evaluate's); its labeled rows to reports/bench_eval.parquet, its metrics to
+    reports/bench_eval.json."""
+    from unison import layout
     from unison.config import load_params
-    from unison.data.schemas import QUESTION, read_table, write_json
+    from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
     from unison.labeling.evaluation import evaluate_systems
     from unison.labeling.metrics import scoring_label
 
     params = load_params()
-    questions = read_table("data/raw/test.parquet", QUESTION)[: params.evaluate.max_questions or None]
-    [(_, _, metrics)] = list(evaluate_systems(params.system_settings(), params.evaluate, scoring_label(params.label, params.evaluate),
-                                                params.cluster, [("student", model_dir, params.evaluate.temperature)], questions,
-                                                load_prm=None))
+    temperature = params.generate.temperature if system == "teacher" else params.evaluate.temperature
+    questions = read_table(layout.RAW_TEST, QUESTION)[: params.evaluate.max_questions or None]
+    [(_, rows, metrics)] = list(evaluate_systems(params.system_settings(), params.evaluate, scoring_label(params.label, params.evaluate),
+                                                params.cluster, [(system, model_dir, temperature)], questions, load_prm=None))
+    write_table(rows, "reports/bench_eval.parquet", LABELED)
     write_json(metrics, "reports/bench_eval.json")
 
 
@@ -137,11 +141,11 @@ def row(name: str, demo: Path, work: Path, teacher: Path, kd_weight: float, topk
         set_params(project, {"generate.topk": topk, "sft.kd_weight": kd_weight})
         train_s += run(project, py, "-c", f"from bench.token_distillation import capture_teacher_topk; capture_teacher_topk({topk})")
         train_s += run(project, py, "-m", "stages.sft")
-        run(project, py, "-c", "from bench.token_distillation import evaluate_student; evaluate_student('models/sft')")
+        run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/sft')")
         sft = json.loads((project / "reports/bench_eval.json").read_text())
         extra = {"sft_kd_em": sft["em"], "sft_kd_em_lo": sft["em_lo"], "sft_kd_em_hi": sft["em_hi"]}
     train_s += run(project, py, "-m", "stages.rl")
-    run(project, py, "-c", "from bench.token_distillation import evaluate_student; evaluate_student('models/rl')")
+    run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/rl')")
     return measured(project, train_s, extra)
 
 
