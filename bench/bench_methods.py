@@ -39,12 +39,13 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from unison.agents.methods import MethodContext, run_method
-    from unison.agents.wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox
+    from unison.agents.wiring import demonstrations, episode_settings, make_role_backends, make_toolbox
     from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table
     from unison.labeling.judging import label_rows
     from unison.labeling.metrics import system_metrics
     from unison.llm import teacher_backend, teacher_id
+    from unison.tools.registry import enabled_tools
 
     params = load_params()
     g, systems = params.generate, params.system_settings()

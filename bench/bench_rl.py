@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from unison.agents.runtime import EpisodeSettings
-    from unison.agents.wiring import enabled_tools, make_toolbox
+    from unison.agents.wiring import make_toolbox
     from unison.config import load_params
+    from unison.tools.registry import enabled_tools
     from unison.train.rl import train_rl
 
     params = load_params()

@@ -354,11 +354,12 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
 
     from unison.agents.methods import MethodContext
-    from unison.agents.wiring import enabled_tools, episode_settings, make_toolbox
+    from unison.agents.wiring import episode_settings, make_toolbox
     from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table
     from unison.llm import Sampling, teacher_backend
     from unison.protocol import chat_prompt, question_messages
+    from unison.tools.registry import SYSTEM_PROMPT, enabled_tools
 
     for needed in ("data/raw/train.parquet", "data/index/meta.json", "models/teacher/config.json"):
         if not Path(needed).exists():
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     # warm up once (first-call costs: the sandbox probe, the encoder's first batch, the engine's first step)
     toolbox.call("search", "warm up")
     toolbox.call("python", "print(1)")
-    backend.generate([chat_prompt(backend.tokenizer, question_messages("warm up"))], [Sampling(max_tokens=8)])
+    backend.generate([chat_prompt(backend.tokenizer, question_messages("warm up", SYSTEM_PROMPT))], [Sampling(max_tokens=8)])
     counter = EngineCounter.of(llm)
 
     print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     lockstep = measure_method(replace(ctx, backend=TimedBackend(backend.backend)), counter, args.method, questions, args.samples, in_flight)
 
     print(f"bench_rollout: plain decode, {runtime['episodes']} sequences", flush=True)
-    prompts = [chat_prompt(backend.tokenizer, question_messages(q["question"])) for q in questions for _ in range(args.samples)]
+    prompts = [chat_prompt(backend.tokenizer, question_messages(q["question"], SYSTEM_PROMPT)) for q in questions for _ in range(args.samples)]
     prompts = [prompts[i % len(prompts)] for i in range(runtime["episodes"])]  # several agents per question: reuse prompts
     llm.reset_prefix_cache()
     plain = run_plain(llm, counter, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p)

@@ -82,10 +82,11 @@ def check_sft(model_dir: Path, work: Path, precision: str, lr: float) -> tuple[i
 
     from unison.config import SFTConfig
     from unison.protocol import chat_prompt, question_messages
+    from unison.tools.registry import SYSTEM_PROMPT
     from unison.train.sft import train_sft
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt = chat_prompt(tok, question_messages(QUESTION["question"]))
+    prompt = chat_prompt(tok, question_messages(QUESTION["question"], SYSTEM_PROMPT))
     responses = [tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in RESPONSES]
     examples = [(prompt + r, [0] * len(prompt) + [1] * len(r)) for r in responses * 8]
     records = train_sft(str(model_dir), examples, SFTConfig(epochs=24, batch_size=8, lr=lr, warmup_ratio=0.0, precision=precision),

@@ -1,7 +1,8 @@
 """download: materialise the questions, the retrieval corpus and the base model.
 
 Outputs: data/raw/{train,test,corpus}.parquet (unison/data/splits.py), models/base/ (the student's starting weights,
-`student.model`), metrics reports/download.json. The teacher has a stage of its own (stages/teacher.py), so changing it
+`student.model`; with student.tool_format native, its tokenizer carries the chat template with tool calls it is
+trained and served in), metrics reports/download.json. The teacher has a stage of its own (stages/teacher.py), so changing it
 never re-runs this one.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from unison.config import load_params
 from unison.data import models
 from unison.data.schemas import write_json
 from unison.data.splits import write_splits
+from unison.tool_format import install_template
 
 RAW = Path(layout.RAW)
 MODEL_DIR = Path(layout.BASE)
@@ -26,12 +28,12 @@ def main() -> None:
     p, student = params.download, params.student.model
     with track.stage_run("download", {"seed": params.seed, **p.model_dump(), "model": student}) as run:
         counts = write_splits(p, params.seed, RAW)
-        info = models.read_info(MODEL_DIR)
-        if info and info["source"] == student:
+        info, native = models.read_info(MODEL_DIR), params.student.tool_format == "native"
+        if info and info["source"] == student and info.get("tool_format", "tags") == params.student.tool_format:
             print(f"download: {MODEL_DIR} already holds {student}", flush=True)
         else:
-            print(f"download: materialising {student} -> {MODEL_DIR} ...", flush=True)
-            info = models.materialize_model(student, MODEL_DIR)
+            print(f"download: materialising {student} -> {MODEL_DIR} ({params.student.tool_format} tool calls) ...", flush=True)
+            info = models.materialize_model(student, MODEL_DIR, install_template if native else None)
         metrics = {**counts, "model": {"n_parameters": info["n_parameters"]}}
         write_json(metrics, METRICS)
         run.log_metrics(metrics)

@@ -37,10 +37,14 @@ def main() -> None:
             return
         from transformers import AutoTokenizer  # only when enabled: the marker above is the demo's ~10 s stage otherwise
 
+        from unison.tool_format import student_format
+        from unison.tools.registry import enabled_tools
         from unison.train.dpo import load_pairs, pair_views, train_dpo
 
         pairs = load_pairs(LABELED_PATH, cfg.max_pairs_per_question)
-        views, stats = pair_views(AutoTokenizer.from_pretrained(START), pairs, cfg.max_length)
+        tok = AutoTokenizer.from_pretrained(START)
+        native = student_format(params.student.tool_format, tok, enabled_tools(params.tools), params.generate.method)
+        views, stats = pair_views(tok, pairs, cfg.max_length, native)
         print(f"dpo: {stats['pairs']} pairs from {stats['questions']} questions", flush=True)
         checkpoint = checkpoint_path("dpo", settings, [Path(LABELED_PATH), *sorted(Path(START).glob("*.safetensors"))])
         records = train_dpo(START, views, cfg, OUT, on_step=lambda r: run.log_metrics(

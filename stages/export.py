@@ -5,11 +5,11 @@ No model is loaded, only the student's tokenizer (models/base); the same inputs 
 from __future__ import annotations
 
 from unison import layout, track
-from unison.agents.wiring import enabled_tools
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
 from unison.exports import read_rl_prompts, write_export
+from unison.tools.registry import enabled_tools
 
 LABELED_PATH, RL_DIR, OUT, STUDENT = layout.LABELED, layout.RL_DATA, layout.EXPORT, layout.BASE
 

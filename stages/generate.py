@@ -13,12 +13,12 @@ from unison import layout, track
 from unison.agents.episode_traces import sample_traces
 from unison.agents.generation import generate_trajectories, shard_dir
 from unison.agents.imports import import_trajectories
-from unison.agents.wiring import enabled_tools
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
 from unison.llm import teacher_backend
 from unison.teacher_topk import TEACHER_TOPK, capture_topk, generated_figures
+from unison.tools.registry import enabled_tools
 
 OUT = Path(layout.TRAJECTORIES)
 

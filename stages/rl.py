@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from unison import layout, track
 from unison.agents.runtime import EpisodeSettings
-from unison.agents.wiring import demonstrations, enabled_tools, make_role_backends, make_toolbox
+from unison.agents.wiring import demonstrations, make_role_backends, make_toolbox
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
+from unison.tool_format import student_format
+from unison.tools.registry import enabled_tools
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, run_key, write_records_csv
 from unison.train.rl import load_rl_data, train_rl
@@ -29,7 +33,8 @@ def main() -> None:
         return main_verl(params)
     if run_distributed("rl", params.train, cfg.deepspeed_config):
         return
-    settings = {"seed": params.seed, **cfg.model_dump(), **params.model_dump(include={"llm", "tools", "label", "train"})}
+    settings = {"seed": params.seed, **cfg.model_dump(), **params.model_dump(include={"llm", "tools", "label", "train"}),
+                "tool_format": params.student.tool_format}
     if cfg.student_role == "agentflow_planner":  # the fixed modules and the flow change what the planner learns
         settings |= {"roles": params.generate.roles, "agentflow": params.generate.agentflow.model_dump()}
     with track.stage_run("rl", settings) as run:
@@ -57,7 +62,8 @@ def main() -> None:
         records = train_rl(layout.SFT, rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, layout.RL,
                            checkpoint_path("rl", {**settings, "worked_examples": worked_examples}, inputs), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
                            gradient_checkpointing=params.train.gradient_checkpointing, teacher=teacher, worked_examples=worked_examples,
-                           flow=flow)
+                           flow=flow, native=student_format(params.student.tool_format, AutoTokenizer.from_pretrained(layout.SFT),
+                                                            tools, params.generate.method))
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return
         write_records_csv(records, CURVE_CSV)

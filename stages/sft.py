@@ -11,6 +11,8 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
 from unison.teacher_topk import TEACHER_TOPK, topk_for
+from unison.tool_format import student_format
+from unison.tools.registry import enabled_tools
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 from unison.train.sft import build_examples, select_trajectories, train_sft
@@ -33,7 +35,8 @@ def main() -> None:
             raise DataError(layout.LABELED, "no correct trajectories to train on", field="correct")
         tok = AutoTokenizer.from_pretrained(layout.BASE)
         topk = topk_for(tok, chosen, read_table(layout.TOPK, TEACHER_TOPK)) if cfg.kd_weight else None
-        examples, stats = build_examples(tok, chosen, cfg.max_length, topk)
+        native = student_format(params.student.tool_format, tok, enabled_tools(params.tools), params.generate.method)
+        examples, stats = build_examples(tok, chosen, cfg.max_length, topk, native)
         print(f"sft: {len(chosen)} of {len(rows)} trajectories selected; drift: {stats['drifted_examples']} examples, "
               f"{stats['drift_tokens']} tokens", flush=True)
         inputs = [Path(layout.LABELED), *([Path(layout.TOPK)] if cfg.kd_weight else []), *sorted(Path(layout.BASE).glob("*.safetensors"))]

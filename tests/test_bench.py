@@ -6,7 +6,7 @@ import time
 
 from bench.bench_rollout import TimedBackend, TimedToolbox, format_table, measure_tool_concurrency, save_report
 from unison.agents.toolbox import Toolbox
-from unison.config import LabelConfig
+from unison.config import LabelConfig, ToolsConfig
 
 
 def test_save_report_merges_under_its_key(tmp_path):
@@ -41,7 +41,7 @@ def test_parallel_tool_turn_is_faster_than_serial_calls():
             time.sleep(0.05)  # one batched lookup per call, whatever the number of queries
             return [[{"title": q, "text": q}] for q in queries]
 
-    fig = measure_tool_concurrency(Toolbox(Retriever(), python_params={"timeout_s": 10}), ["a", "b", "c", "d"], sleep_s=0.3)
+    fig = measure_tool_concurrency(Toolbox(Retriever(), ToolsConfig(python_timeout_s=10)), ["a", "b", "c", "d"], sleep_s=0.3)
     assert fig["k"] == 4 and fig["search_speedup"] > 2
     assert fig["python_serial_s"] >= 4 * 0.3 and fig["python_speedup"] > 1.5
 

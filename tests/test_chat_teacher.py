@@ -110,8 +110,8 @@ def call(name, arguments, content=None):
     (call("search", '{"query": 5}', None), STOPS, "", ("", None, "stop", "an unusable tool call: expected one argument (a query, "
                                                         "code or a url), got {'query': 5}")),
     (call("delete_files", "{}", None), STOPS, "", ("", None, "stop", "an unusable tool call: function 'delete_files' has no tool "
-                                                    "in the student protocol (known: search, wiki_search, web_search, crawl, "
-                                                    "crawl_page, python, code)")),
+                                                    "in the student protocol (known: search, wiki_search, python, code, "
+                                                    "web_search, crawl, crawl_page)")),
     (call("crawl", '{"url": "http://x"}', None), STOPS, "", ("", None, "stop", "an unusable tool call: crawl is not a tool of this turn")),
     ({"message": {"content": None, "tool_calls": [{"oops": 1}]}}, STOPS, "",
      ("", None, "stop", 'an unusable tool call: expected tool_calls of {function: {name, arguments}}, got [{"oops": 1}]')),

@@ -18,7 +18,8 @@ import yaml
 from unison.config import ROOT, ParamsError, load_params
 from unison.data.schemas import LABELED, RL_ROW, DataError, read_table, write_table
 from unison.exports import read_rl_prompts, student_turns, write_export
-from unison.protocol import DEFAULT_TOOLS, observation, system_prompt
+from unison.protocol import observation
+from unison.tools.registry import DEFAULT_TOOLS, system_prompt
 from unison.train.pareto import rl_rows, write_rl_data
 
 SYSTEM = system_prompt(DEFAULT_TOOLS)

@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from unison.agents.imports import import_trajectories, protocol_text
-from unison.agents.wiring import enabled_tools
 from unison.config import ROOT, Params, ParamsError, validate_params
 from unison.data import adapters
 from unison.data.schemas import LABELED, QUESTION, TRAJECTORY, DataError, read_table, write_table
-from unison.protocol import SYSTEM_PROMPT, chat_prompt, observation
+from unison.protocol import chat_prompt, observation
+from unison.tools.registry import SYSTEM_PROMPT, enabled_tools
 
 SEEDS = Path(__file__).parent / "fixtures" / "seeds"  # README.md there says where each file's layout comes from
 RECORDS = ("afm_mhqa_sft.json", "et_agent_sft.json", "sharegpt_tools.json", "openai_tools.jsonl", "sharegpt_glaive_toolcall.json")
@@ -139,7 +139,7 @@ CALL = {"from": "function_call", "value": json.dumps({"name": "wiki_search", "ar
                    {"role": "assistant", "tool_calls": [{"function": {"name": "search", "arguments": '{"query": "a"}'}},
                                                         {"function": {"name": "python", "arguments": '{"code": "print(1)"}'}}]},
                    {"role": "tool", "content": "x"}, {"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]},
-     "messages[1]", "a turn holds one call, or several queries of one search tool"),
+     "messages[1]", "a turn holds one call, or several calls of one search tool"),
 ])
 def test_bad_records_name_file_row_and_field(workdir, record, field, message):
     write_record(workdir, record)
@@ -207,7 +207,7 @@ def test_download_generate_label_sft_on_imported_trajectories(workdir, tiny_mode
     from unison.train.sft import build_examples, select_trajectories
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["student"]["model"] = f"local:{tiny_model_dir}"
+    params["student"] |= {"model": f"local:{tiny_model_dir}", "tool_format": "tags"}  # the tag rendering, checked by hand below
     params["download"] |= {"dataset": "local:imports/gap_nq_rl.parquet", "corpus": "imports/wiki_passages.jsonl", "test_fraction": 0.25}
     params["generate"]["source"] = "local:imports/afm_mhqa_sft.json"
     params["sft"] |= {"epochs": 1, "batch_size": 2}

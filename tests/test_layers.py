@@ -10,7 +10,7 @@ from unison.config import ROOT
 FLOORS = [
     ("data and schemas", ("unison.config", "unison.params_doc", "unison.layout", "unison.data", "unison.http_client", "unison.redaction")),
     ("protocol and token views", ("unison.protocol", "unison.token_view", "unison.token_alignment", "unison.teacher_topk")),
-    ("llm backends and tools", ("unison.llm", "unison.tools")),
+    ("llm backends and tools", ("unison.llm", "unison.tools", "unison.tool_format")),
     ("agents and methods", ("unison.agents",)),
     ("judges", ("unison.judge",)),
     ("labelling and evaluation", ("unison.labeling",)),

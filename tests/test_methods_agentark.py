@@ -17,8 +17,8 @@ from unison.agents.toolbox import Toolbox
 from unison.config import GenerateConfig
 from unison.llm import Completion
 from unison.llm.hf_backend import HFBackend
-from unison.protocol import SYSTEM_PROMPT
 from unison.token_view import token_view
+from unison.tools.registry import SYSTEM_PROMPT
 
 Q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}
 

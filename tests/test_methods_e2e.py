@@ -12,7 +12,7 @@ from unison.agents.episode_traces import episode_from_row
 from unison.agents.methods import METHODS, MethodContext, get_method, run_method
 from unison.agents.runtime import EpisodeSettings
 from unison.agents.toolbox import Toolbox
-from unison.config import ROOT, load_params
+from unison.config import ROOT, ToolsConfig, load_params
 from unison.data.schemas import TRAJECTORY, read_table, write_table
 from unison.token_view import token_view
 
@@ -41,7 +41,7 @@ def ctx_factory(base_model_dir, tmp_path_factory):
     write_table([{"id": f"p{i}", **p} for i, p in enumerate(PASSAGES)], corpus, CORPUS)
     build_index(corpus, root / "index", encoder="builtin:all-minilm-l6-v2")
     backend = VLLMBackend(str(base_model_dir), max_model_len=2048, block_size=32)
-    toolbox = Toolbox(Retriever(root / "index", topk=1), python_params={"timeout_s": 5}, search_max_chars=200)
+    toolbox = Toolbox(Retriever(root / "index", topk=1), ToolsConfig(python_timeout_s=5, search_max_chars=200))
     cfg = EpisodeSettings(temperature=0.7, top_p=0.95, max_turns=4, max_tokens_per_turn=32, max_tool_calls=3)
     scaffold = {"qa": ["search", "answer"], "math": ["python", "answer"]}
     generate = load_params(ROOT / "params.yaml").generate

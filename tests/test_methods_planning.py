@@ -14,11 +14,12 @@ from unison.agents.methods.chain_of_agents import double_check_score
 from unison.agents.methods.gap import parse_plan, plan_levels, query_of, topological_levels
 from unison.agents.runtime import EpisodeSettings
 from unison.agents.toolbox import Toolbox
-from unison.config import AgentFlowConfig, ChainOfAgentsConfig, GAPConfig, GenerateConfig, LLMConfig, Params
+from unison.config import AgentFlowConfig, ChainOfAgentsConfig, GAPConfig, GenerateConfig, LLMConfig, Params, ToolsConfig
 from unison.llm.base import Completion
 from unison.llm.hf_backend import HFBackend
-from unison.protocol import SYSTEM_PROMPT, chat_prompt
+from unison.protocol import chat_prompt
 from unison.token_view import token_view
+from unison.tools.registry import SYSTEM_PROMPT
 
 Q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}
 Q2 = {"id": "q2", "question": "Which country is Tarsk in?", "answers": ["Velmora"], "task": "qa"}
@@ -180,7 +181,7 @@ def test_a_gap_search_turn_past_the_call_deadline_is_a_timeout_and_the_chain_goe
     observation at the deadline, and the chain still answers."""
     release = threading.Event()
     ctx = context(smol, GAPConfig(max_levels=1, max_parallel=4), scripted={"plan": PLAN})
-    ctx.toolbox = Toolbox(call_deadline_s=0.5)
+    ctx.toolbox = Toolbox(settings=ToolsConfig(call_deadline_s=0.5))
     ctx.toolbox.handlers["search"] = lambda arg: (release.wait(120), ("too late", None))[1]  # stuck until the test ends
     t0 = time.perf_counter()
     try:

@@ -17,6 +17,7 @@ from unison.agents.toolbox import Toolbox
 from unison.config import LabelConfig, LLMConfig
 from unison.data.schemas import RL_ROW, DataError, write_table
 from unison.protocol import chat_prompt, question_messages
+from unison.tools.registry import SYSTEM_PROMPT
 from unison.train.pareto import rl_rows
 from unison.train.policy_loss import token_logprobs
 from unison.train.rl import (
@@ -58,7 +59,7 @@ def teach_answers(model_dir, path, answers=("Paris", "Rome")):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    prompt = chat_prompt(tok, question_messages(QUESTION))
+    prompt = chat_prompt(tok, question_messages(QUESTION, SYSTEM_PROMPT))
     seqs = [prompt + tok(f"<answer>{a}</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for a in answers]
     ids = torch.tensor(seqs)
     labels = ids.clone()
@@ -101,7 +102,7 @@ def p_paris(model_dir) -> float:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    prefix = chat_prompt(tok, question_messages(QUESTION)) + tok("<answer>", add_special_tokens=False)["input_ids"]
+    prefix = chat_prompt(tok, question_messages(QUESTION, SYSTEM_PROMPT)) + tok("<answer>", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         probs = model(torch.tensor([prefix])).logits[0, -1].softmax(-1)
     return probs[tok("Paris", add_special_tokens=False)["input_ids"][0]].item()

@@ -10,6 +10,7 @@ from unison.agents.episodes import start_episode
 from unison.agents.runtime import EpisodeSettings, run_episodes
 from unison.agents.scheduler import run_flows
 from unison.agents.toolbox import Toolbox
+from unison.config import ToolsConfig
 from unison.llm.hf_backend import HFBackend
 
 CFG = EpisodeSettings(temperature=0.0, max_tokens_per_turn=3, max_turns=4)
@@ -129,7 +130,7 @@ def test_a_tool_call_past_its_deadline_is_a_timeout_and_the_other_episodes_go_on
     """Nine stuck calls (more than the loop's 8 threads) and a quick one: each stuck call is given up on at its deadline,
     the ninth still runs (the loop moves queued calls off threads held by late calls), and the quick episode finishes."""
     tok, release = tiny.tokenizer, threading.Event()
-    box = Toolbox(call_deadline_s=0.5)
+    box = Toolbox(settings=ToolsConfig(call_deadline_s=0.5))
     box.handlers["python"] = lambda code: (release.wait(120), ("too late", None))[1]  # stuck until the test ends
     box.handlers["search"] = lambda query: ("Tarsk is a city in Velmora.", None)
     stuck = [episode(tok, seed, ["python", "answer"]) for seed in range(1, 10)]

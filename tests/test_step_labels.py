@@ -14,8 +14,9 @@ from unison.labeling.labels import check_step_labels
 from unison.labeling.llm_judge import PROMPT_SHA256, LLMJudge, parse_verdict
 from unison.labeling.steps import agent_labels, agent_solutions, montecarlo_labels, rule_judge, step_prefixes, student_steps
 from unison.llm.hf_backend import HFBackend
-from unison.protocol import SYSTEM_PROMPT, observation
+from unison.protocol import observation
 from unison.token_view import token_view
+from unison.tools.registry import SYSTEM_PROMPT
 
 PARAMS = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
 QUESTION = "In which city was Zorvan Kelt born?"

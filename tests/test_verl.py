@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 from unison.agents.toolbox import Toolbox
 from unison.config import ROOT, ToolsConfig, load_params
 from unison.data.corpus import corpus_tables, write_corpus
-from unison.protocol import DEFAULT_TOOLS, final_answer, observation
+from unison.protocol import final_answer, observation
+from unison.tools.registry import DEFAULT_TOOLS
 from unison.tools.retrieval import Retriever, build_index, make_retriever
 from unison.tools.search_server import create_app
 from unison.train.rl import load_rl_data, score_episodes
@@ -162,15 +163,15 @@ def test_the_tools_answer_as_the_in_house_toolbox_over_the_search_server(tmp_pat
     (tmp_path / "wiki.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     write_corpus(corpus_tables(tmp_path / "wiki.jsonl"), tmp_path / "corpus.parquet")
     build_index(tmp_path / "corpus.parquet", tmp_path / "index", encoder="hash:128")
-    local = Toolbox(Retriever(tmp_path / "index", topk=2), python_params={"timeout_s": 5})
+    local = Toolbox(Retriever(tmp_path / "index", topk=2), ToolsConfig(python_timeout_s=5))
     query = " | ".join(p["title"] for p in invented_passages(2))
     with serving(create_app(Retriever(tmp_path / "index", topk=2))) as (_, url):
         settings = ToolsConfig(search_url=url, search_topk=2, sandbox_isolation="rlimits")
-        remote = Toolbox(make_retriever(tmp_path / "index-unused", settings), python_params={"timeout_s": 5})
+        remote = Toolbox(make_retriever(tmp_path / "index-unused", settings), ToolsConfig(python_timeout_s=5))
         text, error = run_tool(remote, "search", {"query": query})
-        assert error is None and text == observation(local.search([q.strip() for q in query.split("|")])[0])
+        assert error is None and text == observation(local.call("search", query)[0])
         assert text.count("Doc 1 (Title:") == 2
-        assert run_tool(remote, "python", {"code": "print(6 * 7)"}) == (observation(local.python("print(6 * 7)")[0]), None)
+        assert run_tool(remote, "python", {"code": "print(6 * 7)"}) == (observation(local.call("python", "print(6 * 7)")[0]), None)
         assert "42" in run_tool(remote, "python", {"code": "print(6 * 7)"})[0]
         assert run_tool(remote, "python", {"source": "print(1)"})[1] == "unparsable"
         if VERL:  # verl builds the tools from the YAML and calls them as its ToolAgentLoop does

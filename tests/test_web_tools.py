@@ -8,10 +8,10 @@ import time
 import pytest
 
 from security.web import drip
-from unison.agents.wiring import enabled_tools, make_toolbox, remote_counters
+from unison.agents.wiring import make_toolbox, remote_counters
 from unison.config import ToolsConfig
 from unison.http_client import ResponseCache
-from unison.protocol import SYSTEM_PROMPT, system_prompt
+from unison.tools.registry import SYSTEM_PROMPT, enabled_tools, system_prompt
 from unison.tools.web import Crawl, WebSearch, html_to_text
 
 from .local_http import LocalServer

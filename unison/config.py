@@ -154,6 +154,9 @@ class DownloadConfig(Section):
 
 class StudentConfig(Section):
     model: str = Field('builtin:smollm2-135m-instruct', description='builtin:smollm2-135m-instruct | hf:<name> | local:<dir>')
+    tool_format: Literal['native', 'tags'] = Field('native', description="native = the chat template's own tool calls (a "
+                                                   "ChatML template without them gets Hermes-style <tool_call> JSON), served "
+                                                   "by vLLM's tool parser | tags = unison's <search>...</search> tags")
 
     @model_validator(mode="after")
     def _spec(self):
@@ -629,7 +632,8 @@ class Params(Section):
     def system_settings(self) -> SystemSettings:
         """What running a system needs, taken out of these params (stages call this; the library never sees Params)."""
         return SystemSettings(generate=self.generate, tools=self.tools, student_engine=EngineConfig(**self.llm.model_dump()),
-                              teacher_engine=self.teacher_engine(), teacher_model=self.teacher.model, seed=self.seed)
+                              teacher_engine=self.teacher_engine(), teacher_model=self.teacher.model, seed=self.seed,
+                              student_format=self.student.tool_format)
 
 
 class SystemSettings(BaseModel):
@@ -643,6 +647,7 @@ class SystemSettings(BaseModel):
     teacher_engine: EngineConfig
     teacher_model: str
     seed: int
+    student_format: Literal['native', 'tags'] = 'native'
 
     @property
     def chat_top_logprobs(self) -> int:

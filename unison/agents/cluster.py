@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..config import ROOT, ClusterConfig, SystemSettings
+from ..tool_format import NativeFormat, native_system_prompt
+from ..tools.registry import enabled_tools
 from .methods import MethodContext, run_method
-from .wiring import demonstrations, enabled_tools, episode_settings, make_role_backends, make_toolbox, remote_counters
+from .wiring import demonstrations, episode_settings, make_role_backends, make_toolbox, remote_counters
 
 
 @dataclass
@@ -43,14 +45,18 @@ def load_workbench(s: SystemSettings, model_dir: str, teacher: bool = False, too
 
 
 def system_context(s: SystemSettings, backend, toolbox, teacher: bool, model_id: str, temperature: float,
-                   roles: dict | None = None, top_logprobs: int = 0) -> MethodContext:
+                   roles: dict | None = None, top_logprobs: int = 0, student_weights: bool | None = None) -> MethodContext:
     """The teacher runs generate.method with its scaffold, method settings, roles and worked examples; a student runs
-    `single`, unscaffolded, without them. `top_logprobs`: a chat teacher's top log-probs kept with each trajectory."""
-    g = s.generate
+    `single`, unscaffolded, without them. `top_logprobs`: a chat teacher's top log-probs kept with each trajectory.
+    Weights the pipeline trained (`student_weights`, by default the student) act in student.tool_format."""
+    g, tools = s.generate, enabled_tools(s.tools)
+    native = None
+    if (not teacher if student_weights is None else student_weights) and s.student_format == "native":
+        native = NativeFormat(backend.tokenizer, tools, native_system_prompt(g.method))
     return MethodContext(backend, toolbox, episode_settings(g, s.student_engine.max_model_len, temperature, top_logprobs), teacher=model_id,
                          scaffold=g.scaffold if teacher else {}, params=getattr(g, g.method, None) if teacher else None,
-                         role_backends=roles or {}, tools=enabled_tools(s.tools), taught_by=g.method,
-                         demonstrations=demonstrations(g) if teacher else "")
+                         role_backends=roles or {}, tools=tools, taught_by=g.method,
+                         demonstrations=demonstrations(g) if teacher else "", native=native)
 
 
 def run_system(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str,

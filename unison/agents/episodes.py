@@ -4,7 +4,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ..protocol import DEFAULT_TOOLS, SYSTEM_PROMPT, chat_prompt, question_messages
+from ..protocol import chat_prompt, question_messages
+from ..tool_format import NativeFormat
+from ..tools.registry import DEFAULT_TOOLS, SYSTEM_PROMPT
 from .runtime import Episode, Segment
 
 PLACEHOLDER = "\x00unison-assistant\x00"
@@ -16,10 +18,11 @@ def stable_seed(*parts) -> int:
 
 
 def start_episode(tok, key: str, question: str, seed: int, scaffold: list[str], system: str | None = SYSTEM_PROMPT,
-                  tools: tuple[str, ...] = DEFAULT_TOOLS) -> Episode:
-    """A fresh episode: `system` (the student protocol unless a role has its own) and one user turn."""
-    return Episode(key=key, prompt_ids=chat_prompt(tok, question_messages(question, system)), seed=seed, scaffold=list(scaffold),
-                   tools=tuple(tools))
+                  tools: tuple[str, ...] = DEFAULT_TOOLS, native: NativeFormat | None = None) -> Episode:
+    """A fresh episode: `system` (the student protocol unless a role has its own) and one user turn; a `native` one
+    in its chat template with the tools, under its own system prompt."""
+    prompt = native.prompt_ids(question_messages(question, native.system)) if native else chat_prompt(tok, question_messages(question, system))
+    return Episode(key=key, prompt_ids=prompt, seed=seed, scaffold=list(scaffold), tools=tuple(tools), native=native)
 
 
 def continuation_ids(tok, user_text: str) -> list[int]:

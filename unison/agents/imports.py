@@ -36,7 +36,8 @@ from ..config import GenerateConfig
 from ..data.adapters import read_rows
 from ..data.schemas import DataError
 from ..data.seed_rows import question_after_marker
-from ..protocol import FUNCTION_TOOLS, TOOL_TAGS, calls_as_tag, normalize_answer, observation, parse_tool_call, system_prompt
+from ..protocol import normalize_answer, observation, parse_tool_call
+from ..tools.registry import ALIASES, TOOL_NAMES, calls_as_tag, system_prompt
 from .episodes import trajectory_row
 from .generation import summarize
 
@@ -66,7 +67,7 @@ def _string(value, path, row: int, field: str) -> str:
 def protocol_text(text: str) -> str:
     """An assistant text with the seeds' tool tags renamed to the protocol's."""
     text = CODE_FENCE.sub(lambda m: f"<python>\n{m.group(1)}</python>", text)
-    return RENAMED.sub(lambda m: f"<{m.group(1)}{FUNCTION_TOOLS[m.group(2)]}>", text)
+    return RENAMED.sub(lambda m: f"<{m.group(1)}{ALIASES[m.group(2)]}>", text)
 
 
 def split_output(text: str, path, row: int) -> list[list[str]]:
@@ -193,10 +194,10 @@ def checked_turns(turns: list[list[str]], tools: tuple[str, ...], path, row: int
     for k, (role, text) in enumerate(merged):
         if role != "tool":
             continue
-        call = parse_tool_call(merged[k - 1][1], TOOL_TAGS) if k else None
+        call = parse_tool_call(merged[k - 1][1], TOOL_NAMES) if k else None
         if call is None:
             said = merged[k - 1][1][-60:] if k else ""
-            raise DataError(path, f"a tool result follows no call of a student-protocol tool ({', '.join(TOOL_TAGS)}): ...{said!r}", row, field)
+            raise DataError(path, f"a tool result follows no call of a student-protocol tool ({', '.join(TOOL_NAMES)}): ...{said!r}", row, field)
         if call[0] not in tools:
             raise DataError(path, f"calls {call[0]}, which this run does not enable (tools.web_search_url, tools.crawl)", row, field)
     if not merged or merged[-1][0] != "assistant" or not merged[-1][1]:

@@ -19,7 +19,10 @@ from tqdm import tqdm
 
 from ..config import GenerateConfig, LLMConfig
 from ..llm import Sampling
-from ..protocol import DEFAULT_TOOLS, ROLE_TAGS, SCAFFOLD, final_answer, observation, parse_tool_call, stops_for
+from ..protocol import ROLE_TAGS, final_answer, observation, parse_tool_call, stops_for
+from ..tool_format import NativeFormat
+from ..tools.registry import BUILTIN, DEFAULT_TOOLS, SCAFFOLD
+from ..tools.search import SEPARATOR
 from .toolbox import Toolbox
 
 
@@ -39,6 +42,7 @@ class Episode:
     seed: int
     scaffold: list[str] = field(default_factory=list)  # forced tag per turn: "search" | "python" | "answer" | "think" ...
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools this episode may call; () = a role that only writes (critic, ranker)
+    native: NativeFormat | None = None  # the student's chat template with tools (tool_format.py); None = the tag protocol
     segments: list[Segment] = field(default_factory=list)
     finish_reason: str | None = None
     n_llm_calls: int = 0
@@ -128,14 +132,20 @@ class ToolCall:
     tool: str
     arg: str
     toolbox: Toolbox
+    parts: list[str] | None = None  # a native turn's several calls of the tool, each run on its own
     future: Future | None = None
     pool: ThreadPoolExecutor | None = None
     started: float | None = None  # time.monotonic() when a pool thread took it
-    late: bool = False  # it ran past the toolbox's call_deadline_s: the loop gave up on it
+    late: bool = False  # it ran past its tool's deadline: the loop gave up on it
+    results: list[str] | None = None  # each part's observation, once run
 
     def run(self) -> tuple[str, str | None, float]:
         self.started = time.monotonic()
-        return timed_call(self.toolbox, self.tool, self.arg)
+        if not self.parts:
+            return timed_call(self.toolbox, self.tool, self.arg)
+        done = [timed_call(self.toolbox, self.tool, part) for part in self.parts]
+        self.results = [text for text, _, _ in done]
+        return SEPARATOR.join(self.results), next((err for _, err, _ in done if err), None), sum(s for _, _, s in done)
 
 
 class EngineLoop:
@@ -191,9 +201,10 @@ class EngineLoop:
         for rid, c in sorted(finished, key=lambda rc: self.order[id(self.inflight[rc[0]][0])]):
             e, scaffold = self.inflight.pop(rid)
             toolbox, cfg, _ = self.setup[id(e)]
-            call = _apply_completion(e, c, scaffold, self.tok, cfg, step_s)
+            call = (_apply_native(e, c, scaffold, self.tok, cfg, step_s) if e.native else
+                    _apply_completion(e, c, scaffold, self.tok, cfg, step_s))
             if call:
-                self.calls.append(ToolCall(e, *call, toolbox))
+                self.calls.append(ToolCall(e, call[0], call[1], toolbox, *call[2:]))
                 started.append(self._run_tool(self.calls[-1]))
             elif e.finish_reason is None:
                 again.append(e)
@@ -208,7 +219,7 @@ class EngineLoop:
             e.n_tool_calls += 1
             e.count_tool(call.tool, err)
             e.events.append({"type": "tool", "tool": call.tool, "input": call.arg, "output": text, "error": err, "latency_s": secs})
-            e.segments.append(_obs(self.tok, text))
+            e.segments.append(_native_obs(call, text) if e.native else _obs(self.tok, text))
             if e.finish_reason is None:
                 again.append(e)
             else:
@@ -244,7 +255,7 @@ class EngineLoop:
         up the calls queued behind it."""
         now = time.monotonic()
         late = [c for c in self.calls if not c.late and c.started is not None and not c.future.done()
-                and now - c.started >= c.toolbox.call_deadline_s]
+                and now - c.started >= c.toolbox.deadline_for(c.tool)]
         for c in late:
             c.late = True
         if any(c.pool is self.pool for c in late):
@@ -311,13 +322,14 @@ def _turn_request(e: Episode, tok, cfg: EpisodeSettings, prefills: bool = True) 
     """The next turn's (prompt, sampling), with the scaffold's prefill for this turn, and the scaffold. A backend that
     cannot prefill (`prefills` False: a chat API) is told the tag instead (`Sampling.forced`) and writes it itself."""
     tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
-    prefill, close, end = SCAFFOLD[tag] if tag else ("", None, None)
+    prefill, close, end = (native_scaffold(tag) if e.native else SCAFFOLD[tag]) if tag else ("", None, None)
     if not prefills:
         prefill = ""
     prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
     budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
+    stop = [s for s in (close, end) if s] if tag else [] if e.native else stops_for(e.tools)  # a native turn ends at eos
     sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
-                        stop=[close, end] if close else stops_for(e.tools), seed=e.seed * 1009 + e.turn,
+                        stop=stop, seed=e.seed * 1009 + e.turn,
                         forced="" if prefills else tag or "", top_logprobs=cfg.top_logprobs)
     return (e.ids + prefill_ids, sampling), (prefill, prefill_ids, close)
 
@@ -367,6 +379,68 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
     return call
 
 
+def native_scaffold(tag: str) -> tuple[str, str | None, str]:
+    """A forced tag's (prefill, close, end) in the native format: a tool's call opened up to its argument's string,
+    closed after it; the answer as the turn's plain text (to a blank line); a role tag as in the tag protocol."""
+    if tag in BUILTIN:
+        tool = BUILTIN[tag]
+        opening = f'<tool_call>\n{{"name": "{tag}", "arguments": {{"{tool.argument}": "{tool.prefill.lstrip()}'
+        return opening, '"}}\n</tool_call>', '"'
+    return ("", None, "\n\n") if tag == "answer" else SCAFFOLD[tag]
+
+
+def _apply_native(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, step_s: float) -> tuple | None:
+    """`_apply_completion` for a native episode: the turn read back (NativeFormat.read) into its canonical text, its
+    calls to run (several calls of a parallel tool become one call of parts), or the episode's end."""
+    prefill, prefill_ids, close = scaffold
+    text, ids, eos = prefill + c.text, prefill_ids + list(c.token_ids), tok.eos_token_id
+    role = close is not None and close.startswith("</") and close[2:-1] in ROLE_TAGS
+    if close and not role and c.stop != close:  # the scaffold closes the call the model left open
+        text += close
+        ids += tok(close, add_special_tokens=False)["input_ids"]
+    finished = not role and (c.finish_reason == "stop" or close is not None)
+    if finished and (not ids or ids[-1] != eos):
+        ids.append(eos)  # the turn ends as the template ends it
+    turn = e.native.read(text, finished) if not role else None
+    e.segments.append(Segment("gen", turn.text if turn else text, ids, len(prefill_ids)))
+    if c.model:
+        e.served_models.add(c.model)
+    e.n_llm_calls += 1
+    e.n_tokens += len(c.token_ids)
+    e.events.append({"type": "llm", "turn": e.turn, "completion": text, "n_tokens": len(c.token_ids), "latency_s": step_s})
+    call = None
+    if role:
+        pass  # a scaffolded thought: the scaffold's next tag opens the next turn, in the same assistant message
+    elif turn.error:
+        e.count_tool("tool_call", "malformed")
+        e.segments.append(Segment("obs", observation(f"error: {turn.error}"), e.native.observation_ids(
+            e.native.assistant_message(text, []), [{"role": "tool", "content": f"error: {turn.error}"}])))
+    elif turn.calls:
+        if e.n_tool_calls >= cfg.max_tool_calls:
+            _finish(e, "max_tool_calls")
+        else:
+            tool, args = turn.calls[0][0], [a for _, a in turn.calls]
+            call = (tool, " | ".join(args), args if len(args) > 1 else None)
+    elif finished:
+        _finish(e, "answer", eos)
+    elif len(e.ids) >= cfg.max_model_len - 1:
+        _finish(e, "context")
+    else:
+        _finish(e, "length")
+    if e.finish_reason is None and e.turn >= cfg.max_turns:
+        _finish(e, "max_turns")
+    return call
+
+
+def _native_obs(call: ToolCall, text: str) -> Segment:
+    """A native call's observation: each part's result a tool message of the template, the canonical text as the tag
+    protocol's block."""
+    e, parts = call.episode, call.parts or [call.arg]
+    results = call.results if call.results and len(call.results) == len(parts) else [text] * len(parts)
+    assistant = e.native.assistant_message("", [(call.tool, p) for p in parts])
+    return Segment("obs", observation(text), e.native.observation_ids(assistant, [{"role": "tool", "content": r} for r in results]))
+
+
 def timed_call(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, float]:
     """(observation text, error kind or None, seconds) of one tool call; an exception is an `exception` observation."""
     t0 = time.perf_counter()
@@ -378,8 +452,8 @@ def timed_call(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, 
 
 
 def timed_out(toolbox: Toolbox, tool: str) -> tuple[str, str, float]:
-    """The (observation, error kind, seconds) of a call given up at the toolbox's `call_deadline_s`."""
-    deadline_s = toolbox.call_deadline_s
+    """The (observation, error kind, seconds) of a call given up at its tool's deadline."""
+    deadline_s = toolbox.deadline_for(tool)
     return f"error: {tool} gave no answer within {deadline_s:g} s (tools.call_deadline_s)", "timeout", deadline_s
 
 

@@ -5,14 +5,12 @@ from pathlib import Path
 
 from .. import layout
 from ..config import EngineConfig, GenerateConfig, ToolsConfig, engine_with
-from ..protocol import DEFAULT_TOOLS
-from ..tools.web import enabled_web_tools, make_web_tools
 from .runtime import EpisodeSettings
 from .toolbox import Toolbox
 
 
 def make_toolbox(t: ToolsConfig, index_dir: str = layout.INDEX, web_cache_dir: str = layout.WEB_CACHE) -> Toolbox:
-    """search + python, and the web tools params.yaml enables (tools.web_search_url, tools.crawl).
+    """The tools params.yaml turns on (search and python, and the web tools when enabled), over the project's index.
 
     Raises SandboxUnavailable (naming what is missing and tools.sandbox_isolation) when python code cannot be sandboxed
     as params.yaml asks: every stage with tools builds its toolbox here, so it refuses to start rather than run on."""
@@ -20,15 +18,7 @@ def make_toolbox(t: ToolsConfig, index_dir: str = layout.INDEX, web_cache_dir: s
     from ..tools.retrieval import make_retriever
 
     print(start_sandbox(t.sandbox_isolation, t.python_memory_mb, t.python_total_memory_mb), flush=True)
-    python = {"timeout_s": t.python_timeout_s, "memory_mb": t.python_memory_mb, "max_output_chars": t.python_max_output_chars}
-    return Toolbox(make_retriever(index_dir, t), python_params=python, search_max_chars=t.search_max_chars,
-                   extra=make_web_tools(t, web_cache_dir), call_deadline_s=t.call_deadline_s)
-
-
-def enabled_tools(t: ToolsConfig) -> tuple[str, ...]:
-    """The tools an acting episode may call: the defaults plus the enabled web tools (for start_episode's `tools`, and
-    protocol.system_prompt(tools) for its `system`)."""
-    return DEFAULT_TOOLS + enabled_web_tools(t)
+    return Toolbox(make_retriever(index_dir, t), t, web_cache_dir)
 
 
 def demonstrations(g: GenerateConfig) -> str:

@@ -171,8 +171,9 @@ def materialize_tokenizer(spec: str, out_dir: str | os.PathLike, info: dict) -> 
     return info
 
 
-def materialize_model(spec: str, out_dir: str | os.PathLike) -> dict:
-    """Write the model named by `spec` to `out_dir` (replaced atomically); return its info dict."""
+def materialize_model(spec: str, out_dir: str | os.PathLike, prepare=None) -> dict:
+    """Write the model named by `spec` to `out_dir` (replaced atomically); return its info dict. `prepare(folder)`, when
+    given, finishes the folder before it takes its name, and returns what it adds to the info."""
     out_dir = Path(out_dir)
     kind, name = split_spec(spec)
     with atomic_dir(out_dir) as tmp:
@@ -188,6 +189,6 @@ def materialize_model(spec: str, out_dir: str | os.PathLike) -> dict:
             tokenizer = AutoTokenizer.from_pretrained(name)
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-        info = {"source": spec, "n_parameters": count_parameters(tmp)}
+        info = {"source": spec, "n_parameters": count_parameters(tmp), **(prepare(tmp) if prepare else {})}
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return info

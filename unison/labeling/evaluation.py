@@ -79,10 +79,11 @@ def systems_to_evaluate(p: EvaluateConfig, teacher_temperature: float, dpo: bool
 
 
 def run_judged(backend, model_id: str, questions: list[dict], samples: int, temperature: float, s: SystemSettings, toolbox,
-               teacher: bool, judge, label: LabelConfig, role_backends: dict | None = None) -> tuple[list[dict], float]:
-    """A system run on `questions` (cluster.system_context: the teacher's method or a student's `single`) and judged:
-    (labeled rows, wall seconds)."""
-    ctx = system_context(s, backend, toolbox, teacher, model_id, temperature, role_backends)
+               teacher: bool, judge, label: LabelConfig, role_backends: dict | None = None,
+               student_weights: bool | None = None) -> tuple[list[dict], float]:
+    """A system run on `questions` (cluster.system_context: the teacher's method or a student's `single`; weights the
+    pipeline trained act in student.tool_format) and judged: (labeled rows, wall seconds)."""
+    ctx = system_context(s, backend, toolbox, teacher, model_id, temperature, role_backends, student_weights=student_weights)
     g = s.generate
     t0 = time.perf_counter()
     rows = label_rows(run_method(g.method if teacher else "single", questions, samples, ctx, g.episodes_in_flight), label, judge)

@@ -61,7 +61,8 @@ def label_trajectories(trajectories: list[dict], p: LabelConfig, s: SystemSettin
         rows = with_steps(rows, agent_labels(rows, judge))
     elif p.step_labels == "montecarlo":
         from ..agents.cluster import Replicas, Workbench
-        from ..agents.wiring import enabled_tools, episode_settings, make_toolbox
+        from ..agents.wiring import episode_settings, make_toolbox
+        from ..tools.registry import enabled_tools
 
         scaffold = s.generate.scaffold if p.mc_scaffold else {}
         where = (Replicas(cluster, s.student_engine.tensor_parallel_size, completer, p, s) if cluster.address else

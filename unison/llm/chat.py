@@ -6,7 +6,7 @@ token-in/token-out in the student's tokens; a chat teacher only ever sees messag
 back into turns (it learns the template's markers by rendering a probe conversation; only special tokens count as
 markers, so text in a turn cannot open another); `messages` turns each assistant
 turn's tool calls and the runtime's `<result>` observations into the API's form:
-  native  the server's tool calling: `tools` with JSON schemas (TOOL_SCHEMAS), assistant `tool_calls`, `tool` messages;
+  native  the server's tool calling: `tools` with JSON schemas (tools/registry.py), assistant `tool_calls`, `tool` messages;
   text    plain messages in the tag protocol (a server without tool calling): observations come back as user turns.
 A turn the scaffold forces (`Sampling.forced`: a chat API cannot prefill) becomes `tool_choice` naming the tool (native)
 or an instruction (FORCED). `protocol_answer` turns the answer back into protocol text: tool calls through
@@ -20,26 +20,15 @@ import json
 import re
 from dataclasses import dataclass
 
-from ..protocol import SCAFFOLD, TOOL_TAGS, calls_as_tag, parse_tool_call
+from ..protocol import parse_tool_call
 from ..token_alignment import char_spans
+from ..tools.registry import BUILTIN, SCAFFOLD, TOOL_NAMES, calls_as_tag, schemas
 
 PROBE = ("\x01S\x01", "\x01U\x01", "\x01A\x01", "\x01V\x01")
 RESULT = re.compile(r"\n<result>\n(.*?)\n</result>\n", re.DOTALL)  # protocol.observation's block
-TOOL_SCHEMAS = {
-    "search": ("Search the local knowledge corpus; several queries may be joined by ' | '.", "query", "the search query"),
-    "python": ("Run Python code in a sandbox and see what it prints.", "code", "the code to run; print what you need"),
-    "web_search": ("Search the web.", "query", "the search query"),
-    "crawl": ("Fetch a web page and read its text.", "url", "the page's http(s) URL"),
-}
 FORCED = {"answer": "Now give your final answer only, inside <answer></answer>.",
           "tool": "Now call {tag}: reply with <{tag}>...</{tag}> only.",
           "role": "Now write your {tag} inside <{tag}></{tag}>, and nothing else."}
-
-
-def tool_schema(tool: str) -> dict:
-    description, arg, arg_description = TOOL_SCHEMAS[tool]
-    return {"type": "function", "function": {"name": tool, "description": description, "parameters": {
-        "type": "object", "properties": {arg: {"type": "string", "description": arg_description}}, "required": [arg]}}}
 
 
 def marked_text(tok, ids: list[int]) -> str:
@@ -108,13 +97,13 @@ def assistant_messages(text: str, native: bool, first_call: int) -> list[dict]:
     out, at, k = [], 0, first_call
     for m in RESULT.finditer(text):
         said, observed = text[at:m.start()], m.group(1)
-        call = parse_tool_call(said) if native else None
+        call = parse_tool_call(said, TOOL_NAMES) if native else None
         if call:
             tool, arg = call
             before = said[:said.rstrip().rfind(f"<{tool}>")].strip()
             out.append({"role": "assistant", "content": before or None, "tool_calls": [{
                 "id": f"call_{k}", "type": "function",
-                "function": {"name": tool, "arguments": json.dumps({TOOL_SCHEMAS[tool][1]: arg})}}]})
+                "function": {"name": tool, "arguments": json.dumps({BUILTIN[tool].argument: arg})}}]})
             out.append({"role": "tool", "tool_call_id": f"call_{k}", "content": observed})
             k += 1
         else:
@@ -142,26 +131,26 @@ def messages(turns: list[tuple[str, str]], eos: str, native: bool) -> list[dict]
 def request_fields(msgs: list[dict], stop: list[str], forced: str, native: bool) -> dict:
     """What a turn adds to the messages: the tools it may call and the forced tag (tool_choice or an instruction); text
     mode's stop strings."""
-    tools = [forced] if forced in TOOL_TAGS else [] if forced else [t for t in TOOL_TAGS if f"</{t}>" in stop]
+    tools = [forced] if forced in TOOL_NAMES else [] if forced else [t for t in TOOL_NAMES if f"</{t}>" in stop]
     if forced:
-        kind = "answer" if forced == "answer" else "tool" if forced in TOOL_TAGS else "role"
+        kind = "answer" if forced == "answer" else "tool" if forced in TOOL_NAMES else "role"
         if not (native and kind == "tool"):
             msgs = msgs + [{"role": "user", "content": FORCED[kind].format(tag=forced)}]
     fields: dict = {"messages": msgs}
     if native and tools:
-        fields["tools"] = [tool_schema(t) for t in tools]
+        fields["tools"] = schemas(tools)
         fields["tool_choice"] = {"type": "function", "function": {"name": forced}} if forced else "auto"
     elif native and (called := called_tools(msgs)):  # APIs that check a history's tool calls against `tools`: none now
-        fields["tools"], fields["tool_choice"] = [tool_schema(t) for t in called], "none"
+        fields["tools"], fields["tool_choice"] = schemas(called), "none"
     if not native:
         fields["stop"] = [s for s in stop if s.startswith("</")][:4]  # OpenAI takes at most 4
     return fields
 
 
 def called_tools(msgs: list[dict]) -> list[str]:
-    """The protocol's tools that the messages' assistant turns called, in TOOL_TAGS order."""
+    """The protocol's tools that the messages' assistant turns called, in TOOL_NAMES order."""
     names = {(c.get("function") or {}).get("name") for m in msgs if m.get("role") == "assistant" for c in m.get("tool_calls") or []}
-    return [t for t in TOOL_TAGS if t in names]
+    return [t for t in TOOL_NAMES if t in names]
 
 
 def message_text(content) -> str:
@@ -191,7 +180,7 @@ def protocol_answer(choice: dict, stop: list[str], forced: str, native: bool = T
             return content, None, "stop", f"an unusable tool call: {tool} is not a tool of this turn"
         return "\n".join(t for t in (content.strip(), tag) if t), f"</{tool}>", "stop", None
     length = choice.get("finish_reason") == "length"
-    if forced in TOOL_TAGS and native:  # a named tool_choice answered with text: no call to run
+    if forced in TOOL_NAMES and native:  # a named tool_choice answered with text: no call to run
         return content, None, "length" if length else "stop", f"an unusable tool call: text where the turn asked for a {forced} call"
     if forced:
         opening, close = f"<{forced}>", f"</{forced}>" if forced not in SCAFFOLD else SCAFFOLD[forced][1]

@@ -192,19 +192,6 @@ def html_to_text(html: str) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def enabled_web_tools(tools: ToolsConfig) -> tuple[str, ...]:
-    """The web tools params.yaml turns on: web_search when `web_search_url` is set, crawl when `crawl` is true."""
-    return (("web_search",) if tools.web_search_url else ()) + (("crawl",) if tools.crawl else ())
-
-
-def make_web_tools(t: ToolsConfig, cache_dir: str | os.PathLike = layout.WEB_CACHE) -> dict:
-    """Toolbox handlers for the enabled web tools (name -> fn(arg)), sharing one cache."""
-    cache = ResponseCache(cache_dir)
-    common = {"timeout_s": t.web_timeout_s, "max_bytes": t.web_max_bytes, "cache": cache}
-    handlers = {}
-    if "web_search" in enabled_web_tools(t):
-        handlers["web_search"] = WebSearch(t.web_search_url, topk=t.web_topk, max_chars=t.search_max_chars,
-                                           api_key_env=t.web_api_key_env, **common)
-    if "crawl" in enabled_web_tools(t):
-        handlers["crawl"] = Crawl(max_chars=t.web_max_chars, allow_networks=tuple(t.web_allow_networks), **common)
-    return handlers
+def web_cache(t: ToolsConfig, cache_dir: str | os.PathLike = "") -> dict:
+    """The HTTP settings and the answer cache both web tools take."""
+    return {"timeout_s": t.web_timeout_s, "max_bytes": t.web_max_bytes, "cache": ResponseCache(cache_dir or layout.WEB_CACHE)}

@@ -17,11 +17,10 @@ import time
 
 from .. import layout
 from ..agents.cluster import Replicas, Workbench, rollouts, workbench_or_replicas
-from ..agents.wiring import enabled_tools
 from ..config import ClusterConfig, LabelConfig, ParetoConfig, SystemSettings
 from ..data.schemas import LABELED, DataError, atomic_path, write_table
 from ..labeling.judging import label_rows
-from ..protocol import system_prompt
+from ..tools.registry import enabled_tools, system_prompt
 from .pareto import mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts, split_levels
 
 STUDENT = layout.SFT

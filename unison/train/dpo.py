@@ -51,13 +51,14 @@ def load_pairs(path: str, max_per_question: int) -> list[tuple[dict, dict]]:
     return pairs
 
 
-def pair_views(tok, pairs: list[tuple[dict, dict]], max_length: int) -> tuple[list[tuple], dict]:
-    """Token views ((ids, mask) chosen, (ids, mask) rejected) of every pair, cut to `max_length`, and counts."""
+def pair_views(tok, pairs: list[tuple[dict, dict]], max_length: int, native=None) -> tuple[list[tuple], dict]:
+    """Token views ((ids, mask) chosen, (ids, mask) rejected) of every pair (a `native` student's in its chat template),
+    cut to `max_length`, and counts."""
     views, truncated = [], 0
     for chosen, rejected in pairs:
         pair = []
         for r in (chosen, rejected):
-            ids, mask = row_view(tok, r)
+            ids, mask = row_view(tok, r, native)
             truncated += len(ids) > max_length
             pair.append((ids[:max_length], mask[:max_length]))
         views.append(tuple(pair))

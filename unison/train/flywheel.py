@@ -32,6 +32,8 @@ from ..labeling.evaluation import run_judged
 from ..labeling.judging import make_judge
 from ..labeling.metrics import scoring_label, system_metrics
 from ..llm import student_backend, teacher_id
+from ..tool_format import student_format
+from ..tools.registry import enabled_tools
 from .sft import build_examples, select_trajectories, train_sft
 
 FIRST_STUDENT = layout.RL
@@ -66,9 +68,10 @@ def run_round(k: int, teacher_dir: str, fly: FlywheelConfig, s: SystemSettings, 
     eval_label = scoring_label(label, e)
     print(f"flywheel: round {k}: {teacher_dir} teaches ({g.method}, scaffolded) on {len(train)} train questions", flush=True)
     backend = student_backend(teacher_dir, s)  # one engine for the teacher's train answers and its test score
-    rows, _ = run_judged(backend, teacher_dir, train, g.samples, g.temperature, s, toolbox, True, judge, label)
+    rows, _ = run_judged(backend, teacher_dir, train, g.samples, g.temperature, s, toolbox, True, judge, label, student_weights=True)
     write_table(rows, work / "train.parquet", LABELED)
-    teacher_rows, teacher_s = run_judged(backend, teacher_dir, test, 1, g.temperature, s, toolbox, True, judge, eval_label)
+    teacher_rows, teacher_s = run_judged(backend, teacher_dir, test, 1, g.temperature, s, toolbox, True, judge, eval_label,
+                                         student_weights=True)
     del backend
     gc.collect()  # free the engine before training
     chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
@@ -76,7 +79,8 @@ def run_round(k: int, teacher_dir: str, fly: FlywheelConfig, s: SystemSettings, 
         raise DataError(work / "train.parquet", f"round {k}: the teacher got no train question right; nothing to distil", field="correct")
     from transformers import AutoTokenizer
 
-    examples, _ = build_examples(AutoTokenizer.from_pretrained(layout.BASE), chosen, cfg.max_length)
+    tok = AutoTokenizer.from_pretrained(layout.BASE)
+    examples, _ = build_examples(tok, chosen, cfg.max_length, native=student_format(s.student_format, tok, enabled_tools(s.tools), g.method))
     records = train_sft(layout.BASE, examples, cfg, str(work / "student"))
     student_rows, student_s = run_judged(student_backend(str(work / "student"), s), str(work / "student"), test, 1,
                                          e.temperature, s, toolbox, False, judge, eval_label)

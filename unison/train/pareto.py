@@ -11,7 +11,8 @@ import math
 from pathlib import Path
 
 from ..data.schemas import RL_ROW, write_table
-from ..protocol import SYSTEM_PROMPT, question_messages
+from ..protocol import question_messages
+from ..tools.registry import SYSTEM_PROMPT
 
 QA_THRESHOLD = 0.75  # a QA rollout counts as solved when its F1 reaches this (ET-Agent post-filter)
 

@@ -12,7 +12,8 @@ import torch
 
 from ..config import LabelConfig
 from ..judge import score
-from ..protocol import TOOL_TAGS, final_answer, parse_tool_call, split_queries
+from ..protocol import final_answer, parse_tool_call, split_queries
+from ..tools.registry import BUILTIN, TOOL_NAMES
 from .advantages import group_indices, leave_one_out_mean
 
 # ---------------------------------------------------------------------------------------------- verifiable, format
@@ -24,11 +25,10 @@ def verifiable_reward(score: float, threshold: float | None = None) -> float:
 
 _OBSERVATION = re.compile(r"\s*<result>.*?</result>", re.DOTALL)
 _TAG = re.compile(r"<(/?)([a-z_]+)>")
-_QUERY_TOOLS = ("search", "web_search")
-_OPAQUE = TOOL_TAGS + ("answer",)
+_OPAQUE = TOOL_NAMES + ("answer",)
 
 
-def check_format(text: str, tools: tuple[str, ...] = TOOL_TAGS) -> tuple[bool, str]:
+def check_format(text: str, tools: tuple[str, ...] = TOOL_NAMES) -> tuple[bool, str]:
     """(ok, reason): each <result> answers a tool call, tags balanced (no self-nesting), calls parse, one final <answer>.
 
     Observations are cut out first; the content of a tool call or an answer is opaque (code may contain "<b>").
@@ -50,7 +50,7 @@ def check_format(text: str, tools: tuple[str, ...] = TOOL_TAGS) -> tuple[bool, s
         if not stack or stack[-1][0] != name:
             return False, f"unbalanced </{name}>"
         _, start = stack.pop()
-        if name in TOOL_TAGS and not _tool_call_ok(name, body[start : m.start()], tools):
+        if name in TOOL_NAMES and not _tool_call_ok(name, body[start : m.start()], tools):
             return False, f"unparseable <{name}> call"
     if stack:
         return False, f"unclosed <{stack[-1][0]}>"
@@ -65,15 +65,15 @@ def check_format(text: str, tools: tuple[str, ...] = TOOL_TAGS) -> tuple[bool, s
 def _tool_call_ok(tool: str, arg: str, tools: tuple[str, ...]) -> bool:
     if tool not in tools or not arg.strip():
         return False
-    return bool(split_queries(arg)) if tool in _QUERY_TOOLS else True
+    return bool(split_queries(arg)) if BUILTIN[tool].parallel else True
 
 
-def format_reward(text: str, tools: tuple[str, ...] = TOOL_TAGS) -> float:
+def format_reward(text: str, tools: tuple[str, ...] = TOOL_NAMES) -> float:
     """f_fmt = -1 if the response breaks the protocol (check_format) else 0 (ET-Agent)."""
     return 0.0 if check_format(text, tools)[0] else -1.0
 
 
-def count_tool_calls(text: str, tools: tuple[str, ...] = TOOL_TAGS) -> int:
+def count_tool_calls(text: str, tools: tuple[str, ...] = TOOL_NAMES) -> int:
     """Properly paired tool tags <t>...</t> outside observations (ET-Agent's tool count t_i)."""
     body = "".join(_OBSERVATION.split(text))
     return sum(len(re.findall(rf"<{t}>.*?</{t}>", body, re.DOTALL)) for t in tools)

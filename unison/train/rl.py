@@ -247,11 +247,12 @@ def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, 
 
 def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_settings, tools: tuple[str, ...], label: LabelConfig,
              llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None, gradient_checkpointing: bool = False,
-             teacher=None, worked_examples: str = "", flow: tuple[dict, AgentFlowConfig] | None = None) -> list[dict]:
+             teacher=None, worked_examples: str = "", flow: tuple[dict, AgentFlowConfig] | None = None, native=None) -> list[dict]:
     """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically.
     `teacher` (rl.objective opd, rank 0): a backend whose `score` gives the teacher's log-probs of the student's tokens,
     read after `worked_examples` when given (rl.teacher_context: worked_examples). `flow` (rl.student_role
-    agentflow_planner, rank 0): the fixed modules' backends by role and the flow's settings (planner_rollout).
+    agentflow_planner, rank 0): the fixed modules' backends by role and the flow's settings (planner_rollout). `native`:
+    the student acts in its chat template's tool calls (tool_format.NativeFormat).
 
     Several processes: rank 0 rolls out and scores each step exactly as one process would (the same seeds, so the same
     episodes) and hands the samples to every process; the PPO updates are split between them (Trainer.step). Rollouts
@@ -282,7 +283,8 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         backend.sync(policy)
     for step in range(start, cfg.steps):
         trainer.model.eval()
-        collected = collect_step(step, pos, rows, backend, toolbox, episode_settings, tools, cfg, label, prm, flow) if trainer.is_main else None
+        collected = (collect_step(step, pos, rows, backend, toolbox, episode_settings, tools, cfg, label, prm, flow, native)
+                     if trainer.is_main else None)
         samples, rows_seen, episodes, rewards, kept, rounds, times = trainer.from_main(collected)
         pos += rounds * cfg.prompts_per_step
         t2 = time.perf_counter()
@@ -320,7 +322,7 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
 
 
 def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, episode_settings, tools, cfg: RLConfig, label: LabelConfig, prm,
-                 flow: tuple[dict, AgentFlowConfig] | None = None):
+                 flow: tuple[dict, AgentFlowConfig] | None = None, native=None):
     """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills` more
     while fewer than prompts_per_step groups keep a reward spread. Returns the samples of the first prompts_per_step kept
     groups, the rows, episodes and rewards of every batch (groups numbered across batches), the share of groups with a
@@ -334,7 +336,7 @@ def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, episod
             eps, views = planner_rollout(batch_rows, cfg.group_size, backend, flow[0], toolbox, episode_settings, tools, cfg.seed,
                                          pos // n + rounds, flow[1])
         else:
-            eps = rollout(batch_rows, cfg.group_size, backend, toolbox, episode_settings, tools, cfg.seed, pos // n + rounds)
+            eps = rollout(batch_rows, cfg.group_size, backend, toolbox, episode_settings, tools, cfg.seed, pos // n + rounds, native)
             views = [episode_view(e, batch_rows[i // cfg.group_size]["prompt"]) for i, e in enumerate(eps)]
         t1 = time.perf_counter()
         rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label, tools, step + 1, prm)

@@ -17,6 +17,7 @@ from ..config import AgentFlowConfig, EngineConfig, LLMConfig
 from ..llm import make_backend
 from ..llm.hf_backend import HFBackend
 from ..protocol import chat_prompt
+from ..tool_format import NativeFormat
 
 
 def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMConfig, seed: int, batch_size: int = 32,
@@ -49,15 +50,19 @@ def check_colocated_memory(n_params: int, gpu_memory_utilization: float, total_b
 
 
 def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: EpisodeSettings, tools: tuple[str, ...],
-            seed: int, step: int) -> list[Episode]:
-    """`group_size` unscaffolded episodes per RL row (its `prompt` messages through the chat template), run together."""
+            seed: int, step: int, native: NativeFormat | None = None) -> list[Episode]:
+    """`group_size` unscaffolded episodes per RL row (its `prompt` messages through the chat template), run together; a
+    `native` student's prompt under its own system prompt, with the tools."""
     tok = backend.tokenizer
     episodes = []
     for k, row in enumerate(rows):
-        prompt = chat_prompt(tok, [{"role": m["role"], "content": m["content"]} for m in row["prompt"]])
+        messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+        if native:
+            messages = [{**m, "content": native.system} if m["role"] == "system" else m for m in messages]
+        prompt = native.prompt_ids(messages) if native else chat_prompt(tok, messages)
         for g in range(group_size):
             episodes.append(Episode(key=f"{step}/{k}/{g}", prompt_ids=list(prompt), seed=stable_seed(seed, step, k, g),
-                                    scaffold=[], tools=tuple(tools)))
+                                    scaffold=[], tools=tuple(tools), native=native))
     return run_episodes(episodes, backend, toolbox, cfg, desc=f"rl rollout {step}")
 
 

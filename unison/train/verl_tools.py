@@ -17,27 +17,9 @@ from ..agents.toolbox import Toolbox
 from ..agents.wiring import make_toolbox
 from ..config import ToolsConfig
 from ..protocol import observation
+from ..tools.registry import BUILTIN
 
-# Each tool's one argument as the student writes it inside its tag, and what it is.
-TOOL_ARGUMENTS = {
-    "search": ("query", "Search the knowledge base: the name of the person, place or organisation the question is about; "
-                        "several independent queries joined with | run in parallel."),
-    "python": ("code", "Run Python code in a sandbox and return what it prints."),
-    "web_search": ("query", "Search the web; several queries joined with | run in parallel."),
-    "crawl": ("url", "Read a web page as text."),
-}
 CLASS_NAME = f"{__name__}.UnisonTool"
-
-
-def tool_schema(tool: str) -> dict:
-    """The OpenAI function schema of one of unison's tools (verl's OpenAIFunctionToolSchema shape)."""
-    if tool not in TOOL_ARGUMENTS:
-        raise ValueError(f"no verl tool schema for {tool!r}; unison's tools: {sorted(TOOL_ARGUMENTS)}")
-    argument, description = TOOL_ARGUMENTS[tool]
-    return {"type": "function", "function": {
-        "name": tool, "description": description,
-        "parameters": {"type": "object", "properties": {argument: {"type": "string", "description": f"the {argument}"}},
-                       "required": [argument]}}}
 
 
 def tool_config(tools: tuple[str, ...], settings: ToolsConfig) -> dict:
@@ -46,14 +28,15 @@ def tool_config(tools: tuple[str, ...], settings: ToolsConfig) -> dict:
         raise ValueError("params.yaml tools.search_url: rl.trainer verl searches over a search server (python -m "
                          "unison.tools.search_server), but tools.search_url is empty")
     return {"tools": [{"class_name": CLASS_NAME, "config": {"type": "native", "tools": settings.model_dump()},
-                       "tool_schema": tool_schema(t)} for t in tools]}
+                       "tool_schema": BUILTIN[t].schema()} for t in tools]}
 
 
 def run_tool(toolbox: Toolbox, tool: str, parameters: dict) -> tuple[str, str | None]:
     """(the observation block, the error kind or None) of one call with verl's parsed JSON arguments."""
-    argument = parameters.get(TOOL_ARGUMENTS[tool][0]) if isinstance(parameters, dict) else None
+    name = BUILTIN[tool].argument
+    argument = parameters.get(name) if isinstance(parameters, dict) else None
     if not isinstance(argument, str):
-        return observation(f"error: {tool} needs a string `{TOOL_ARGUMENTS[tool][0]}`"), "unparsable"
+        return observation(f"error: {tool} needs a string `{name}`"), "unparsable"
     text, error, _ = timed_call(toolbox, tool, argument)
     return observation(text), error
 

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from ...protocol import DEFAULT_TOOLS, SCAFFOLD, system_prompt
 from ...teacher_topk import generated_row
 from ...token_view import tokenizer_fingerprint
+from ...tool_format import NativeFormat
+from ...tools.registry import DEFAULT_TOOLS, SCAFFOLD, system_prompt
 from ..episodes import start_episode
 from ..runtime import Episode, EpisodeSettings
 from ..scheduler import run_flows
@@ -27,6 +28,7 @@ class MethodContext:
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools acting agents may call (the stages pass context.enabled_tools(params))
     taught_by: str = ""  # the teacher method whose students this context prompts (generate.method): their role tags
     demonstrations: str = ""  # worked examples the acting agents see after the system prompt; never in the student rendering
+    native: NativeFormat | None = None  # acting agents write the student's chat template's tool calls (tool_format.py)
 
     def __post_init__(self):
         for task, tags in self.scaffold.items():
@@ -50,8 +52,11 @@ class MethodContext:
     def solver_episode(self, key: str, question: str, seed: int, task: str) -> Episode:
         """An agent acting on the student protocol: this context's tools, the scaffold for the question's task, and the
         teacher's demonstrations after the system prompt."""
+        native = self.native
+        if native is not None and self.demonstrations:
+            native = NativeFormat(native.tok, native.tools, self.with_demonstrations(native.system))
         return start_episode(self.backend.tokenizer, key, question, seed, self.scaffold_for(task),
-                             system=self.with_demonstrations(self.system), tools=self.tools)
+                             system=self.with_demonstrations(self.system), tools=self.tools, native=native)
 
     def backend_for(self, role: str):
         return self.role_backends.get(role, self.backend)

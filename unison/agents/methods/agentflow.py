@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ...config import AgentFlowConfig
-from ...protocol import SCAFFOLD
+from ...tools.registry import SCAFFOLD
 from ..episodes import agent_messages, stable_seed, start_episode, student_messages, trajectory_row
 from ..runtime import Episode, Segment, run_episodes
 

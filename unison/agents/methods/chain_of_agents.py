@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ...config import ChainOfAgentsConfig
-from ...protocol import chat_prompt, question_messages, system_prompt
+from ...protocol import chat_prompt, question_messages
+from ...tools.registry import system_prompt
 from ..episodes import agent_messages, merge_tool_stats, stable_seed, student_messages, trajectory_row
 from ..runtime import Episode, run_episodes
 

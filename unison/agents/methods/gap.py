@@ -14,7 +14,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from ...config import GAPConfig
-from ...protocol import observation, system_prompt
+from ...protocol import observation
+from ...tools.registry import system_prompt
 from ..episodes import continue_episode, stable_seed, student_messages, trajectory_row
 from ..runtime import Segment, run_episodes, timed_call, timed_out
 from .chain_of_agents import absorb, extend, new_chain

@@ -1,0 +1,166 @@
+"""The native tool format (unison/tool_format.py): for every conversation shape the pipeline trains on, the ids and mask
+the trainer uses equal apply_chat_template of the same messages and tools, and equal what the runtime builds while the
+student acts; under unison's ChatML fallback (SmolLM2) and under a Qwen2.5-style template with tools that this test
+writes. Turns read back: calls, parallel calls, answers and every malformed call."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from unison.agents.runtime import Episode, EpisodeSettings, run_episodes
+from unison.agents.toolbox import Toolbox
+from unison.llm.base import Completion
+from unison.protocol import observation
+from unison.tool_format import NativeFormat, native_system_prompt, with_tool_template
+from unison.tools.registry import SYSTEM_PROMPT
+from unison.train.rollout import episode_view
+
+TOOLS = ("search", "python")
+# A Qwen2.5-style template with tools, written here (no download): tools listed in the system turn, calls as JSON in
+# <tool_call> tags after the content, each result a turn of its own role.
+QWEN_STYLE = (
+    "{%- if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% else %}{% set system = 'You are Qwen.' %}{% endif %}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object within <tool_call></tool_call> XML tags.' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{{- '<|im_start|>tool\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+DOC_A = "Doc 1 (Title: Zorvan Kelt) Zorvan Kelt is a chemist born in 1961 in Tarsk."
+DOC_B = "Doc 1 (Title: Tarsk) Tarsk is the capital of Veldra."
+# Each shape: the canonical student turns (tag protocol) as generate writes them.
+SHAPES = {
+    "no_call": [("assistant", "<answer>Tarsk</answer>")],
+    "one_call": [("assistant", "<search>Zorvan Kelt</search>"), ("tool", observation(DOC_A)), ("assistant", "<answer>Tarsk</answer>")],
+    "parallel_calls": [("assistant", "<search>Zorvan Kelt | Tarsk</search>"), ("tool", observation(f"{DOC_A}\n---\n{DOC_B}")),
+                       ("assistant", "<answer>Veldra</answer>")],
+    "error_observation": [("assistant", '<tool_call>\n{"name": "search", "arguments": {"query": "Zorvan Kelt"\n</tool_call>'),
+                          ("tool", observation("error: an unusable tool call: not a JSON object: '{\"name\": \"search\", "
+                                               "\"arguments\": {\"query\": \"Zorvan Kelt\"'")),
+                          ("assistant", "<answer>Tarsk</answer>")],
+    "several_turns": [("assistant", "<think>Find him first.</think>\n<search>Zorvan Kelt</search>"), ("tool", observation(DOC_A)),
+                      ("assistant", "<python>print(2026 - 1961)</python>"), ("tool", observation("65\n")),
+                      ("assistant", "<answer>65</answer>")],
+}
+QUESTION = "Where was Zorvan Kelt born?"
+
+
+class KeltRetriever:
+    def search(self, queries):
+        return [[{"title": q, "text": {"Zorvan Kelt": DOC_A, "Tarsk": DOC_B}[q].split(") ", 1)[1]}] for q in queries]
+
+
+class Scripted:
+    """A backend that writes given assistant turns (each tokenised, then the end-of-turn token), one per request."""
+
+    def __init__(self, tok, turns: list[str]):
+        self.tokenizer, self.turns = tok, list(turns)
+
+    def generate(self, prompts, samplings):
+        out = []
+        for _ in prompts:
+            text = self.turns.pop(0)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            out.append(Completion(text, ids, None, "stop"))
+        return out
+
+
+@pytest.fixture(scope="module", params=["chatml_fallback", "qwen_style"])
+def native(request, tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # SmolLM2's tokenizer: its template renders no tools
+    if request.param == "qwen_style":
+        tok.chat_template = QWEN_STYLE
+    return NativeFormat(tok, TOOLS, native_system_prompt())
+
+
+def student_view(shape: str) -> list[dict]:
+    return ([{"role": "system", "content": SYSTEM_PROMPT, "token_ids": []}, {"role": "user", "content": QUESTION, "token_ids": []}]
+            + [{"role": role, "content": text, "token_ids": []} for role, text in SHAPES[shape]])
+
+
+def served_turns(native: NativeFormat, messages: list[dict]) -> list[str]:
+    """Each assistant message as the template writes it after its opening, up to its end-of-turn token (what a model
+    trained on the rendering writes)."""
+    out = []
+    for k, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start = native._text(messages[:k], True)
+            text = native._text(messages[:k + 1], False)
+            out.append(text[len(start):text.index(native.eos, len(start))])
+    return out
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_trainer_ids_equal_the_chat_template_and_the_runtimes_episode(native, shape):
+    tok = native.tok
+    messages = native.messages(student_view(shape))
+    ids, mask = native.render(messages)
+    assert ids == list(tok.apply_chat_template(messages, tools=native.schemas, tokenize=True, return_dict=False))
+    turns = served_turns(native, messages)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "".join(t + tok.eos_token for t in turns)  # assistant turns alone
+
+    episode = Episode(key="q/0", prompt_ids=native.prompt_ids(messages[:2]), seed=0, scaffold=[], tools=TOOLS, native=native)
+    run_episodes([episode], Scripted(tok, turns), Toolbox(KeltRetriever()), EpisodeSettings(temperature=0.0, max_turns=4))
+    view, n = episode_view(episode), len(episode.ids)
+    assert (view.ids, view.loss_mask[1:]) == (ids[:n], mask[1:n])  # the first token is never a target
+    assert tok.decode(ids[n:]) == "\n" and not any(mask[n:])  # the template's line after the last end of turn
+    assert episode.finish_reason == "answer"
+    assert [s.text for s in episode.segments] == [text for _, text in SHAPES[shape]]  # read back as the canonical turns
+
+
+def test_a_parallel_call_runs_each_query_and_renders_one_tool_message_each(native):
+    messages = native.messages(student_view("parallel_calls"))
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool", "assistant"]
+    assert [c["function"]["arguments"] for c in messages[2]["tool_calls"]] == [{"query": "Zorvan Kelt"}, {"query": "Tarsk"}]
+    assert [m["content"] for m in messages[3:5]] == [DOC_A, DOC_B] and messages[-1]["content"] == "Veldra"
+
+
+@pytest.mark.parametrize("text, error", [
+    ('<tool_call>\n{"name": "search", "arguments": {"query": "x"}', "without its </tool_call>"),
+    ("<tool_call>\nnot json\n</tool_call>", "not a JSON object"),
+    ("<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>", "not a JSON object"),
+    ('<tool_call>\n{"name": "delete_files", "arguments": {}}\n</tool_call>', "function 'delete_files' has no tool"),
+    ('<tool_call>\n{"name": "crawl", "arguments": {"url": "http://x"}}\n</tool_call>', "crawl is not a tool of this turn"),
+    ('<tool_call>{"name": "search", "arguments": {"query": "a"}}</tool_call><tool_call>{"name": "python", "arguments": '
+     '{"code": "print(1)"}}</tool_call>', "a turn holds one call, or several calls of one search tool"),
+    ('<tool_call>\n{"name": "search", "arguments": {"query": 5}}\n</tool_call>', "expected one argument"),
+    ('<tool_call>\n["search"]\n</tool_call>', 'expected {"name": ..., "arguments": {...}}'),
+])
+def test_a_malformed_native_call_is_an_error_the_model_sees(native, text, error):
+    turn = native.read(text, finished=True)
+    assert turn.calls == [] and error in turn.error and turn.text == text
+
+
+def test_native_turns_read_back_as_the_tag_protocol(native):
+    read = native.read
+    assert read('Let me look.\n<tool_call>\n{"name": "search", "arguments": {"query": "A"}}\n</tool_call>', True).text == \
+        "Let me look.\n<search>A</search>"
+    both = read('<tool_call>{"name": "search", "arguments": {"query": "A"}}</tool_call>\n'
+                '<tool_call>{"name": "wiki_search", "arguments": "{\\"query\\": \\"B\\"}"}</tool_call>', True)
+    assert (both.text, both.calls) == ("<search>A | B</search>", [("search", "A"), ("search", "B")])
+    assert read("<think>It is Tarsk.</think>\nTarsk", True).text == "<think>It is Tarsk.</think>\n<answer>Tarsk</answer>"
+    assert read("Tarsk and then some", False).text == "Tarsk and then some"  # cut at its length: no answer
+
+
+def test_the_fallback_template_is_chatml_with_hermes_calls_and_refuses_other_templates(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], tokenize=False,
+                                    add_generation_prompt=True)
+    with_tool_template(tok)
+    assert tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], tokenize=False,
+                                   add_generation_prompt=True) == plain  # without tools: SmolLM2's own rendering
+    schema = json.dumps(NativeFormat(tok, ("search",)).schemas[0])
+    assert schema in tok.apply_chat_template([{"role": "user", "content": "U"}], tools=[json.loads(schema)], tokenize=False)
+    llama = AutoTokenizer.from_pretrained(tiny_model_dir)
+    llama.chat_template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}"
+    with pytest.raises(ValueError, match="Hermes-style"):
+        with_tool_template(llama)  # renders tools, writes calls unison cannot read

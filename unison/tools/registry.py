@@ -1,0 +1,141 @@
+"""Every built-in tool an agent may call, defined once (`Tool`): its name and description, its JSON-schema parameters,
+whether several calls of it run together in one turn, the settings that cap its output and bound its time, the text the
+tag protocol teaches it by, and its handler. The system prompt, the chat teacher's and the native student's schemas,
+verl's tool config, the rewards and the scaffold all read these definitions.
+
+Adding a built-in tool: a module beside search.py defining `TOOL`, its name in BUILTIN below, and its tests.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import ToolsConfig
+from ..protocol import ROLE_TAGS, split_queries
+
+Handler = Callable[[str], tuple[str, "str | None"]]  # the call's one argument -> (observation, error kind or None)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str  # what the tool does, for its JSON schema
+    argument: str  # its one parameter ("query", "code", "url")
+    argument_description: str
+    prompt: str  # the sentence of the tag protocol's system prompt that teaches the tool
+    build: Callable[[ToolsConfig, "ToolResources"], Handler]  # the handler, from params.yaml's tools section
+    parallel: bool = False  # several calls in one turn run together (the tag protocol joins their arguments with |)
+    output_cap: str = ""  # the tools.* setting that caps its observation
+    deadline: str = "call_deadline_s"  # the tools.* setting after which the runtime gives up on a call
+    prefill: str = ""  # what the scaffold writes after the opening tag, before the model's argument
+    aliases: tuple[str, ...] = ()  # other names seeds and imported records call it by
+    enabled: Callable[[ToolsConfig], bool] = lambda settings: True  # whether params.yaml turns it on
+
+    def schema(self) -> dict:
+        """Its OpenAI function schema."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description,
+            "parameters": {"type": "object", "properties": {self.argument: {"type": "string", "description": self.argument_description}},
+                           "required": [self.argument]}}}
+
+    def limits(self, settings: ToolsConfig) -> dict[str, float]:
+        """Its output cap (characters; 0 = none here) and deadline (seconds) under `settings`."""
+        return {"output_cap": getattr(settings, self.output_cap) if self.output_cap else 0,
+                "deadline_s": float(getattr(settings, self.deadline))}
+
+
+@dataclass
+class ToolResources:
+    """What handlers share: the retriever (search), the web cache folder."""
+    retriever: object = None
+    web_cache_dir: str = ""
+
+
+def _builtin() -> dict[str, Tool]:
+    from . import crawl, python, search, web_search
+
+    return {t.name: t for t in (search.TOOL, python.TOOL, web_search.TOOL, crawl.TOOL)}
+
+
+BUILTIN = _builtin()
+TOOL_NAMES = tuple(BUILTIN)
+DEFAULT_TOOLS = tuple(name for name, t in BUILTIN.items() if t.enabled(ToolsConfig()))
+ALIASES = {alias: t.name for t in BUILTIN.values() for alias in (t.name, *t.aliases)}  # a seed's tool name -> the tool
+
+INTRO = "You answer questions using tools."
+OUTRO = "Each tool call is answered by <result>...</result>. You may reason inside <think>...</think>. End with <answer>short answer</answer>."
+# The role tags a student distilled from a planning teacher writes besides the base protocol, told in its system prompt
+# (in its SFT renderings, and wherever it is prompted after: pareto, rl, evaluate).
+STUDENT_RULES = {
+    "chain_of_agents": "You may also write <plan> for the next steps, <reflection> to rate tool results, <suggested_answer> "
+                       "for a candidate answer and <double_check> to score it from 1 (wrong) to 4 (correct) before <answer>.",
+    "gap": "First write a plan of sub-tasks with their dependencies in <plan>...</plan>; independent tasks are searched "
+           "together in one <search> with their queries joined by |.",
+}
+
+
+def enabled_tools(settings: ToolsConfig) -> tuple[str, ...]:
+    """The tools params.yaml turns on, in BUILTIN's order."""
+    return tuple(name for name, t in BUILTIN.items() if t.enabled(settings))
+
+
+def system_prompt(tools: tuple[str, ...] = DEFAULT_TOOLS, method: str = "") -> str:
+    """The tag protocol's system prompt: a sentence per tool the episode may call, then the role tags students of teacher
+    `method` write."""
+    default = [BUILTIN[t].prompt for t in DEFAULT_TOOLS if t in tools]
+    extra = [BUILTIN[t].prompt for t in TOOL_NAMES if t in tools and t not in DEFAULT_TOOLS]
+    return " ".join([INTRO, *default, OUTRO, *extra] + ([STUDENT_RULES[method]] if method in STUDENT_RULES else []))
+
+
+SYSTEM_PROMPT = system_prompt()
+
+
+# Scaffold: per forced tag, the text the runtime prefills, the closing tag, and where the content ends (a query or an
+# expression is one line; an answer ends at a blank line). The runtime closes a tag the model leaves open.
+SCAFFOLD = {**{t.name: (f"<{t.name}>{t.prefill}", f"</{t.name}>", "\n") for t in BUILTIN.values()},
+            "answer": ("<answer>", "</answer>", "\n\n"), **{t: (f"<{t}>", f"</{t}>", f"</{t}>") for t in ROLE_TAGS}}
+
+
+def schemas(tools: tuple[str, ...]) -> list[dict]:
+    return [BUILTIN[t].schema() for t in tools]
+
+
+def call_argument(arguments) -> str:
+    """A function call's one argument (query, code or url; a list of queries joined by " | "), from its JSON-string or
+    mapping `arguments`; ValueError when there is not exactly one usable argument."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            parsed = None
+        if isinstance(parsed, str) and parsed.strip():  # a JSON string (vLLM's hermes parser on a small model)
+            return parsed.strip()
+        if not isinstance(parsed, dict):
+            return arguments.strip()
+        arguments = parsed
+    value = next(iter(arguments.values())) if isinstance(arguments, dict) and len(arguments) == 1 else None
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        value = " | ".join(v.strip() for v in value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected one argument (a query, code or a url), got {arguments!r:.80}")
+    return value.strip()
+
+
+def calls_as_tag(calls: list[tuple[str, object]]) -> str:
+    """OpenAI-style function calls [(name, arguments)] as the protocol's tag: one call, or several calls of one parallel
+    tool in one tag (the one conversion of imported records, a chat teacher's and a native student's tool calls);
+    ValueError otherwise."""
+    tags = []
+    for name, _ in calls:
+        if name not in ALIASES:
+            raise ValueError(f"function {name!r} has no tool in the student protocol (known: {', '.join(ALIASES)})")
+        tags.append(ALIASES[name])
+    if not calls or (len(calls) > 1 and (len(set(tags)) > 1 or not BUILTIN[tags[0]].parallel)):
+        raise ValueError(f"calls {tags}: a turn holds one call, or several calls of one search tool")
+    return f"<{tags[0]}>{' | '.join(call_argument(a) for _, a in calls)}</{tags[0]}>"
+
+
+def tag_arguments(tool: str, arg: str) -> list[str]:
+    """The calls a tag's argument holds: a parallel tool's queries joined by |, else the argument as one call."""
+    return split_queries(arg) if BUILTIN[tool].parallel else [arg]
