@@ -9,6 +9,7 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
 from unison.exports import read_rl_prompts, write_export
+from unison.tool_format import student_format
 from unison.tools.registry import enabled_tools
 
 LABELED_PATH, RL_DIR, OUT, STUDENT = layout.LABELED, layout.RL_DATA, layout.EXPORT, layout.BASE
@@ -19,14 +20,16 @@ def main() -> None:
     tools = enabled_tools(params.tools)
     settings = {**params.export.model_dump(), "sft.max_per_question": params.sft.max_per_question, "sft.dedupe": params.sft.dedupe,
                 "sft.max_length": params.sft.max_length,
-                "dpo.max_pairs_per_question": params.dpo.max_pairs_per_question, "tools": ",".join(tools)}
+                "dpo.max_pairs_per_question": params.dpo.max_pairs_per_question, "tools": ",".join(tools),
+                "tool_format": params.student.tool_format}
     with track.stage_run("export", settings) as run:
         from transformers import AutoTokenizer
 
         labeled, rl = read_table(LABELED_PATH, LABELED), read_rl_prompts(RL_DIR)
         tok = AutoTokenizer.from_pretrained(STUDENT)
         with atomic_dir(OUT) as tmp:
-            counts = write_export(tmp, labeled, rl, params.export, params.sft, params.dpo, tools, tok, LABELED_PATH)
+            counts = write_export(tmp, labeled, rl, params.export, params.sft, params.dpo, tools, tok, LABELED_PATH,
+                                  student_format(params.student.tool_format, tok, tools, params.generate.method))
         write_json(counts, layout.report("export"))
         run.log_metrics(counts)
         print(f"export: {counts['sft_conversations']} SFT conversations ({counts['sft_questions']} questions), "

@@ -106,6 +106,48 @@ def test_mlflow_has_one_parent_with_a_child_per_stage_and_traces(project):
     assert client.get_registered_model("unison-default").aliases == {"champion": best.version}
 
 
+@pytest.mark.timeout(1800)
+def test_the_rl_student_served_by_vllm_with_the_hermes_parser_renders_as_trained_and_answers_the_openai_client(project):
+    """`vllm serve models/rl --enable-auto-tool-choice --tool-call-parser hermes`: its chat endpoint's prompt for every
+    conversation shape equals, token for token, what the trainer trains on (read back through the server's /tokenize);
+    then `unison evaluate --served` drives it with the openai client (tools sent, tool_calls run, tool messages back) and
+    scores it within one question of in-process evaluate at the same greedy settings."""
+    import requests
+    from transformers import AutoTokenizer
+
+    from unison.tool_format import NativeFormat, native_system_prompt
+
+    from .local_http import vllm_openai_server
+    from .test_tool_format import SHAPES, student_view
+
+    assert json.loads((project / "models/base/unison_model.json").read_text())["tool_parser"] == "hermes"
+    native = NativeFormat(AutoTokenizer.from_pretrained(project / "models/rl"), ("search", "python"), native_system_prompt("debate"))
+    log = project.parent / "served-student.log"
+    with vllm_openai_server(project / "models/rl", "student", log, args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as url:
+        for shape in SHAPES:
+            messages = native.messages(student_view(shape))
+            sent = [{**m, "tool_calls": [{"id": f"call_{k}", "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}} for k, c in enumerate(m["tool_calls"])]}
+                    if m.get("tool_calls") else m for m in messages]
+            sent = [{**m, "tool_call_id": "call_0"} if m["role"] == "tool" else m for m in sent]
+            served = requests.post(url.removesuffix("/v1") + "/tokenize", json={
+                "model": "student", "messages": sent, "tools": native.schemas, "add_generation_prompt": False}, timeout=60).json()
+            assert served["tokens"] == native.render(messages)[0], shape
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+        done = subprocess.run([sys.executable, "-m", "unison.cli", "evaluate", "--served", url], cwd=project, env=env,
+                              capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    served, local = json.loads((project / "reports/served.json").read_text()), json.loads((project / "reports/metrics.json").read_text())["rl"]
+    assert served["questions"] == local["questions"] == 8 and served["model"] == "student"
+    assert abs(served["em"] - local["em"]) * 8 <= 1, (served["em"], local["em"])
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(project / "reports/served.parquet").to_pylist()
+    here = {r["question_id"]: r for r in pq.read_table(project / "reports/eval/rl.parquet").to_pylist()}
+    same_calls = sum(r["n_tool_calls"] == here[r["question_id"]]["n_tool_calls"] for r in rows)
+    assert same_calls >= 7, [(r["n_tool_calls"], here[r["question_id"]]["n_tool_calls"]) for r in rows]
+
+
 @pytest.mark.nightly  # the rounds' resume runs in process in test_flywheel.py (make test)
 @pytest.mark.timeout(1800)
 def test_noop_repro_then_more_flywheel_rounds_rerun_only_downstream_and_resume_after_a_kill(project):

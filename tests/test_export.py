@@ -213,3 +213,41 @@ def test_without_pairs_there_is_no_dpo_dataset_and_a_bad_name_fails_at_load(proj
     Path("params.yaml").write_text(yaml.safe_dump(params))
     with pytest.raises(ParamsError, match=r"params.yaml export.name: String should match pattern"):
         load_params()
+
+
+def test_a_native_students_export_carries_the_tools_in_each_consumers_own_field(project, tmp_path):
+    """student.tool_format native: LLaMA-Factory's sharegpt gets the `tools` column and function_call / observation turns
+    (its positional rules hold); TRL's conversational file gets `tools` beside messages with tool_calls, and TRL's own
+    SFTTrainer, applying the student's chat template with those tools, builds exactly the ids of sft_tokenized.jsonl, the
+    ids `sft` trains on."""
+    from datasets import load_dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from unison.tool_format import NativeFormat, install_template
+
+    install_template("models/base")  # as download leaves it
+    tok = student_tokenizer()
+    native = NativeFormat(tok, DEFAULT_TOOLS)
+    write_export("data/export", read_table("data/labeled/train.parquet", LABELED), read_rl_prompts("data/rl"),
+                 *export_sections(load_params()), DEFAULT_TOOLS, tok, native=native)
+    out = project / "data/export"
+    info = json.loads((out / "llamafactory/dataset_info.json").read_text())["unison_sft"]
+    assert info["columns"]["tools"] == "tools"
+    sharegpt = load_dataset("json", data_files=str(out / "llamafactory" / info["file_name"]), split="train")
+    for row in sharegpt:
+        assert json.loads(row["tools"]) == native.schemas
+        roles = [t["from"] for t in row["conversations"]]
+        assert all(r in ("human", "observation") for r in roles[0::2]) and all(r in ("gpt", "function_call") for r in roles[1::2])
+        assert roles[-1] == "gpt" and "function_call" in roles
+        call = json.loads(next(t["value"] for t in row["conversations"] if t["from"] == "function_call"))
+        assert set(call) == {"name", "arguments"} and call["name"] in DEFAULT_TOOLS and isinstance(call["arguments"], dict)
+    conversational = load_dataset("json", data_files=str(out / "trl/sft.jsonl"), split="train")
+    assert all(r["tools"] for r in conversational) and any(m.get("tool_calls") for r in conversational for m in r["messages"])
+    prepared = SFTTrainer(model="models/base", args=SFTConfig(output_dir=str(tmp_path / "trl"), report_to="none", bf16=False, use_cpu=True),
+                          train_dataset=conversational, processing_class=tok).train_dataset
+    tokenized = [json.loads(line) for line in (out / "trl/sft_tokenized.jsonl").read_text().splitlines()]
+    assert [ex["input_ids"] for ex in prepared] == [t["input_ids"] for t in tokenized]
+    for t in tokenized:
+        trained = tok.decode([i for i, m in zip(t["input_ids"], t["assistant_masks"]) if m])
+        assert "<tool_call>" in trained or "Velmora" in trained
+        assert "<tool_response>" not in trained and "Zorvan Kelt was born" not in trained  # results stay out of the loss

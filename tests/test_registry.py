@@ -15,6 +15,7 @@ from unison import registry, track
 from unison.config import ROOT
 from unison.data.schemas import atomic_dir
 from unison.recipes import MARKER, recipe_of
+from unison.tool_format import TEMPLATE
 
 
 @pytest.fixture
@@ -51,6 +52,7 @@ def scores(em: float) -> dict:
 
 def test_students_are_tagged_versions_and_the_best_em_is_champion_loaded_back_by_alias(project, capsys):
     sft, rl = train(project / "models/sft", 1), train(project / "models/rl", 2)
+    (project / "models/rl/chat_template.jinja").write_text(TEMPLATE.read_text())  # a native student's template with tools
     with track.stage_run("evaluate", {}) as run:
         first = registry.register_student(run, "sft", "models/sft", scores(0.30))
         second = registry.register_student(run, "rl", "models/rl", scores(0.45))
@@ -65,6 +67,8 @@ def test_students_are_tagged_versions_and_the_best_em_is_champion_loaded_back_by
     assert {k: tags[k] for k in ("em", "em_hi", "tokens_per_question", "questions")} == {
         "em": "0.45", "em_hi": "0.55", "tokens_per_question": "40.0", "questions": "200"}
     assert "answered_rate" not in tags
+    assert (tags["tool_format"], tags["tool_parser"], tags["chat_template"]) == ("native", "hermes", "chat_template.jinja")
+    assert client.get_model_version("unison-default", first.version).tags["tool_format"] == "tags"  # no template with tools
 
     # No copy: the version's files are the model's own (hard links); a stage swapping in a new folder leaves them alone.
     stored = project / "mlruns" / run.run_id / "artifacts" / "students" / "rl" / "model.safetensors"

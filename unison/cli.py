@@ -6,6 +6,8 @@
     unison run sft --single       `dvc repro -s sft`: that stage alone (its inputs must exist)
     unison demo                   the whole pipeline (`dvc repro`), each stage's time, then the results table
     unison recipe afm [--tiny]    params.yaml <- a seed system's recipe (configs/recipes)
+    unison evaluate --served URL  the trained student behind `vllm serve ... --tool-call-parser hermes`, driven by the
+                                  openai client on the test split and scored as evaluate scores it
 
 Every stage is also `python -m stages.<stage>`; with --help it prints the same settings and runs nothing.
 """
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         print(overview())
         return 0
     command, rest = argv[0], argv[1:]
+    if command == "evaluate" and rest and rest[0].startswith("--served"):
+        from .labeling.served import main as served_main
+
+        return served_main(rest)
     if command in names:
         if rest and rest[0] not in ("-h", "--help"):
             print(f"unison {command}: use `unison run {command}` to run it; `unison {command} --help` lists its settings", file=sys.stderr)

@@ -1,22 +1,28 @@
 """Data out (design §3): what `sft`, `dpo` and `rl` train on, in the formats LLaMA-Factory, verl and TRL read.
 
     data/export/llamafactory/dataset_info.json   <name>_sft (sharegpt) and <name>_dpo (sharegpt, ranking)
-    data/export/llamafactory/sft.jsonl           {system, conversations: [{from, value}]}: human, gpt, observation, gpt, ...
+    data/export/llamafactory/sft.jsonl           {system, conversations: [{from, value}]}: human, gpt (or function_call),
+                                                 observation, gpt, ...; a native student's also `tools`
     data/export/llamafactory/dpo.jsonl           {system, conversations: [human], chosen: {from: gpt, value}, rejected: ...}
-    data/export/trl/sft.jsonl                    {messages: [{role, content}]}: system, user, assistant, tool, assistant, ...
+    data/export/trl/sft.jsonl                    {messages: [{role, content}]}: system, user, assistant, tool, assistant, ...;
+                                                 a native student's with tool_calls, and `tools`
     data/export/trl/sft_tokenized.jsonl          {input_ids, assistant_masks}: sft's token views under the student's
                                                  tokenizer, the mask 1 where sft trains (what TRL's SFTTrainer trains)
     data/export/verl/level<k>.parquet            data/rl's rows + agent_name and extra_info.{ability, need_tools_kwargs, tools_kwargs}
 
-The conversations are the student renderings `sft` trains on (sft.select_trajectories, same settings), with the same
-system prompt and the same tool protocol: tool calls stay the tags the student writes (<search>q</search>), each
-observation is a turn of the consumer's tool role (LLaMA-Factory `observation`, TRL `tool`). LLaMA-Factory leaves
-observations out of the loss; TRL does only with `assistant_only_loss` and a chat template with `{% generation %}`
-markers, which the student's (SmolLM2's) lacks, and with its default settings it trains every token of sft.jsonl,
-system prompt and observations included. So TRL gets sft_tokenized.jsonl too: the exact ids and mask `sft` trains on
-(truncated at sft.max_length), which TRL's SFTTrainer turns into labels as they are, with its default SFTConfig. Consecutive segments of one role are one turn (the runtime generated them as one token stream), and an
-observation nothing answers is dropped. No `tools` column: it would make LLaMA-Factory's template announce its own
-JSON tool-call format, which is not the protocol the student learns. The DPO pairs are dpo.build_pairs'; LLaMA-Factory's
+The conversations are the student renderings `sft` trains on (sft.select_trajectories, same settings), in the
+student's tool format (student.tool_format). Native: LLaMA-Factory's sharegpt gets the tools' schemas in its `tools`
+column, each call a `function_call` turn and its results an `observation` turn (llamafactory_native); TRL's
+conversational file gets `tools` beside messages whose assistant turns carry `tool_calls` and whose results are `tool`
+messages, and TRL's SFTTrainer applying the student's chat template to it builds exactly sft_tokenized.jsonl's ids.
+Tags: tool calls stay the tags the student writes (<search>q</search>), each observation a turn of the consumer's tool
+role (LLaMA-Factory `observation`, TRL `tool`), and no `tools` column (it would make LLaMA-Factory's template announce a
+JSON call format the student does not write). LLaMA-Factory leaves observations out of the loss; TRL does only with
+`assistant_only_loss` and a chat template with `{% generation %}` markers, which the student's (SmolLM2's) lacks, and
+with its default settings it trains every token of sft.jsonl, system prompt and observations included. So TRL gets
+sft_tokenized.jsonl too: the exact ids and mask `sft` trains on (truncated at sft.max_length), which TRL's SFTTrainer
+turns into labels as they are, with its default SFTConfig. Consecutive segments of one role are one turn (the runtime
+generated them as one token stream), and an observation nothing answers is dropped. The DPO pairs are dpo.build_pairs'; LLaMA-Factory's
 ranking format holds one message per side, so chosen and rejected are whole completions with their `<result>` blocks
 inline, which stock LLaMA-Factory scores (unison's own `dpo` masks them). The verl rows carry, per enabled tool,
 `tools_kwargs[tool].create_kwargs = {ground_truth, question, data_source}` (verl's Search-R1 preprocessing), which
@@ -25,6 +31,7 @@ because verl hands a custom reward function extra_info, not ability (unison.trai
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -33,6 +40,7 @@ from . import layout
 from .config import DPOConfig, ExportConfig, SFTConfig
 from .data.schemas import RL_ROW, DataError, read_table, write_json, write_jsonl, write_table
 from .train.dpo import build_pairs
+from .tools.search import SEPARATOR
 from .train.sft import build_examples, select_trajectories
 
 SHAREGPT_ROLES = {"user": "human", "assistant": "gpt", "tool": "observation"}
@@ -80,10 +88,40 @@ def llamafactory_dpo(pairs: list[tuple[dict, dict]], path: str | Path) -> list[d
              "chosen": completion(chosen), "rejected": completion(rejected)} for chosen, rejected in pairs]
 
 
-def dataset_info(name: str, with_pairs: bool) -> dict:
-    """LLaMA-Factory's dataset descriptions of sft.jsonl and (when there are pairs) dpo.jsonl."""
+def llamafactory_native(rows: list[dict], native) -> list[dict]:
+    """A native student's conversations in LLaMA-Factory's sharegpt with tools: its system prompt, the tools' schemas
+    (the `tools` column, a JSON string), each call a `function_call` turn ({name, arguments}, a list for parallel
+    calls), its results one `observation` turn (parallel results joined as search joins them). Text an assistant
+    writes before a call has no place in a function_call turn and is left out."""
+    out = []
+    for r in rows:
+        messages, conversations = native.messages(r["student"]), []
+        for m in messages[1:]:
+            if m["role"] == "tool" and conversations[-1]["from"] == "observation":
+                conversations[-1]["value"] += SEPARATOR + m["content"]
+            elif m.get("tool_calls"):
+                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+                conversations.append({"from": "function_call", "value": json.dumps(calls[0] if len(calls) == 1 else calls)})
+            else:
+                conversations.append({"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]})
+        out.append({"system": messages[0]["content"], "tools": json.dumps(native.schemas), "conversations": conversations})
+    return out
+
+
+def trl_native(row: dict, native) -> dict:
+    """A native student's conversation for TRL: messages with tool_calls whose arguments are JSON strings and `tools` a
+    JSON string, as OpenAI's API writes them (TRL parses a string `tools`; a JSON loader would otherwise merge every
+    row's schemas and arguments into one struct, each with the others' keys as nulls)."""
+    messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in native.messages(row["student"])]
+    return {"messages": messages, "tools": json.dumps(native.schemas)}
+
+
+def dataset_info(name: str, with_pairs: bool, tools: bool = False) -> dict:
+    """LLaMA-Factory's dataset descriptions of sft.jsonl (with its `tools` column for a native student) and (when there
+    are pairs) dpo.jsonl."""
     columns = {"messages": "conversations", "system": "system"}
-    info = {f"{name}_sft": {"file_name": "sft.jsonl", "formatting": "sharegpt", "columns": columns}}
+    info = {f"{name}_sft": {"file_name": "sft.jsonl", "formatting": "sharegpt", "columns": {**columns, **({"tools": "tools"} if tools else {})}}}
     if with_pairs:
         info[f"{name}_dpo"] = {"file_name": "dpo.jsonl", "formatting": "sharegpt", "ranking": True,
                                "columns": {**columns, "chosen": "chosen", "rejected": "rejected"}}
@@ -119,20 +157,20 @@ def read_rl_prompts(rl_dir: str | Path) -> list[dict]:
 
 
 def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], export: ExportConfig, sft: SFTConfig, dpo: DPOConfig,
-                 tools: tuple[str, ...], tok, path: str | Path = layout.LABELED) -> dict:
-    """Write every format under `out_dir` (module docstring), token views under the student's tokenizer `tok`; counts of
-    what was written. `path` names `labeled` in errors."""
+                 tools: tuple[str, ...], tok, path: str | Path = layout.LABELED, native=None) -> dict:
+    """Write every format under `out_dir` (module docstring), token views under the student's tokenizer `tok` (a
+    `native` student's: its chat template with the tools); counts of what was written. `path` names `labeled` in errors."""
     out = Path(out_dir)
     chosen = select_trajectories(labeled, sft.max_per_question, sft.dedupe)
     if not chosen:
         raise DataError(path, "no correct trajectories to export", field="correct")
     pairs = build_pairs(labeled, dpo.max_pairs_per_question)
-    write_jsonl(llamafactory_sft(chosen, path), out / "llamafactory/sft.jsonl")
+    write_jsonl(llamafactory_native(chosen, native) if native else llamafactory_sft(chosen, path), out / "llamafactory/sft.jsonl")
     if pairs:
         write_jsonl(llamafactory_dpo(pairs, path), out / "llamafactory/dpo.jsonl")
-    write_json(dataset_info(export.name, bool(pairs)), out / "llamafactory/dataset_info.json")
-    write_jsonl([{"messages": chat(r, path)} for r in chosen], out / "trl/sft.jsonl")
-    examples, _ = build_examples(tok, chosen, sft.max_length)
+    write_json(dataset_info(export.name, bool(pairs), native is not None), out / "llamafactory/dataset_info.json")
+    write_jsonl([trl_native(r, native) if native else {"messages": chat(r, path)} for r in chosen], out / "trl/sft.jsonl")
+    examples, _ = build_examples(tok, chosen, sft.max_length, native=native)
     write_jsonl([{"input_ids": ids, "assistant_masks": mask} for ids, mask in examples], out / "trl/sft_tokenized.jsonl")
     levels = sorted({r["level"] for r in rl})
     for level in levels:

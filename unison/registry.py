@@ -33,6 +33,7 @@ from mlflow.utils.file_utils import local_file_uri_to_path
 
 from . import track
 from .redaction import redact
+from .tool_format import serving_info
 
 CHAMPION = "champion"
 TRAINED = ("sft", "dpo", "rl")  # evaluate's systems that are trained students (base is not trained; prm_rerank is sft)
@@ -83,7 +84,7 @@ def register_student(run: track.StageRun, student: str, model_dir: str | os.Path
     git = {k: v for k, v in track.git_tags().items() if not k.startswith("mlflow.")}
     tags = {"student": student, "model_dir": str(model_dir), "pipeline_run_id": run.pipeline_run_id or "", **git,
             **{k: pipeline[k] for k in ("params_hash", "recipe", "teacher") if k in pipeline},
-            **{k: str(metrics[k]) for k in METRIC_TAGS if metrics.get(k) is not None}}
+            **{k: str(metrics[k]) for k in METRIC_TAGS if metrics.get(k) is not None}, **serving_info(model_dir)}
     version = client.create_model_version(name, source, run_id=run.run_id, tags=tags)
     best = champion_em(client, name)
     crowned = best is None or metrics["em"] > best
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     tags = version.tags
     print(f"{name}@{args.alias}: version {version.version}, {tags.get('student')} (EM {tags.get('em')}), "
           f"commit {tags.get('git_commit', '?')[:10]}, params {tags.get('params_hash')}", file=sys.stderr)
+    if "serve_flags" in tags:
+        print(f"serve it: vllm serve <the folder below> {tags['serve_flags']}", file=sys.stderr)
     print(local_dir(name, args.alias))
 
 

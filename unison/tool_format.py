@@ -34,6 +34,14 @@ _PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 NATIVE_OUTRO = "When you know the answer, reply with the short answer alone."
 
 
+def answer_text(content: str) -> str:
+    """A native final reply as the tag protocol's text: its content the <answer>, after any leading <think>."""
+    if "<answer>" in content:
+        return content
+    think, answer = _THINK.match(content).groups()
+    return f"{think or ''}<answer>{answer.strip()}</answer>"
+
+
 def native_system_prompt(method: str = "") -> str:
     """The native student's system prompt: the tools come with their schemas, so it says only how to end."""
     return " ".join([INTRO, NATIVE_OUTRO] + ([STUDENT_RULES[method]] if method in STUDENT_RULES else []))
@@ -53,6 +61,16 @@ def install_template(model_dir) -> dict:
     tok = with_tool_template(AutoTokenizer.from_pretrained(model_dir))
     tok.save_pretrained(model_dir)
     return {"tool_format": "native", "tool_parser": PARSER}
+
+
+def serving_info(model_dir) -> dict[str, str]:
+    """What serving a model folder's tool calls needs: its chat template file and vLLM's tool parser (native), or
+    nothing a parser reads (tags)."""
+    template = Path(model_dir) / "chat_template.jinja"
+    if template.is_file() and CALL_OPEN in template.read_text():
+        return {"tool_format": "native", "tool_parser": PARSER, "chat_template": template.name,
+                "serve_flags": f"--enable-auto-tool-choice --tool-call-parser {PARSER}"}
+    return {"tool_format": "tags"}
 
 
 def renders_tools(tok) -> bool:
@@ -177,10 +195,7 @@ class NativeFormat:
         A finished turn without a call is the answer."""
         blocks = _CALLS.findall(text)
         if CALL_OPEN not in text:
-            if not finished:
-                return Turn(text, [])
-            think, answer = _THINK.match(text).groups()
-            return Turn(text if "<answer>" in text else f"{think or ''}<answer>{answer.strip()}</answer>", [])
+            return Turn(answer_text(text) if finished else text, [])
         said = text[:text.index(CALL_OPEN)].strip()
         try:
             if len(blocks) != text.count(CALL_OPEN):

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..config import ToolsConfig
-from ..tools.registry import BUILTIN, ToolResources, enabled_tools
+from ..tools.registry import BUILTIN, enabled_tools
+from ..tools.tool import ToolResources
 
 
 class Toolbox:

@@ -1,7 +1,7 @@
 """The `crawl` tool (off by default): a public web page as text (web.py, web_fetch.py)."""
 from __future__ import annotations
 
-from .registry import Tool
+from .tool import Tool
 
 
 def crawl_handler(settings, resources):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..config import ToolsConfig
-from .registry import Tool
+from .tool import Tool
 
 
 def python_handler(settings: ToolsConfig):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..protocol import split_queries
-from .registry import Tool
+from .tool import Tool
 
 SEPARATOR = "\n---\n"  # between the results of a call's queries; never inside one (a passage's own is shortened)
 

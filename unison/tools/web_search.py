@@ -1,7 +1,7 @@
 """The `web_search` tool (off by default): a Serper-like endpoint at tools.web_search_url (web.py)."""
 from __future__ import annotations
 
-from .registry import Tool
+from .tool import Tool
 
 
 def web_search_handler(settings, resources):

@@ -1,0 +1,45 @@
+"""What defines a tool (`Tool`), and what its handler may share with others (`ToolResources`); tools/registry.py lists
+the built-in ones."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import ToolsConfig
+
+Handler = Callable[[str], tuple[str, "str | None"]]  # the call's one argument -> (observation, error kind or None)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str  # what the tool does, for its JSON schema
+    argument: str  # its one parameter ("query", "code", "url")
+    argument_description: str
+    prompt: str  # the sentence of the tag protocol's system prompt that teaches the tool
+    build: Callable[[ToolsConfig, "ToolResources"], Handler]  # the handler, from params.yaml's tools section
+    parallel: bool = False  # several calls in one turn run together (the tag protocol joins their arguments with |)
+    output_cap: str = ""  # the tools.* setting that caps its observation
+    deadline: str = "call_deadline_s"  # the tools.* setting after which the runtime gives up on a call
+    prefill: str = ""  # what the scaffold writes after the opening tag, before the model's argument
+    aliases: tuple[str, ...] = ()  # other names seeds and imported records call it by
+    enabled: Callable[[ToolsConfig], bool] = lambda settings: True  # whether params.yaml turns it on
+
+    def schema(self) -> dict:
+        """Its OpenAI function schema."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description,
+            "parameters": {"type": "object", "properties": {self.argument: {"type": "string", "description": self.argument_description}},
+                           "required": [self.argument]}}}
+
+    def limits(self, settings: ToolsConfig) -> dict[str, float]:
+        """Its output cap (characters; 0 = none here) and deadline (seconds) under `settings`."""
+        return {"output_cap": getattr(settings, self.output_cap) if self.output_cap else 0,
+                "deadline_s": float(getattr(settings, self.deadline))}
+
+
+@dataclass
+class ToolResources:
+    """What handlers share: the retriever (search), the web cache folder."""
+    retriever: object = None
+    web_cache_dir: str = ""
