@@ -39,8 +39,8 @@ import pyarrow as pa
 from . import layout
 from .config import DPOConfig, ExportConfig, SFTConfig
 from .data.schemas import RL_ROW, DataError, read_table, write_json, write_jsonl, write_table
-from .train.dpo import build_pairs
 from .tools.search import SEPARATOR
+from .train.dpo import build_pairs
 from .train.sft import build_examples, select_trajectories
 
 SHAREGPT_ROLES = {"user": "human", "assistant": "gpt", "tool": "observation"}
