@@ -60,17 +60,22 @@ class KeltRetriever:
 
 
 class Scripted:
-    """A backend that writes given assistant turns (each tokenised, then the end-of-turn token), one per request."""
+    """A backend that writes given assistant turns, one per request: each tokenised, then the end-of-turn token, or,
+    where the request's stop strings end it first, up to and with that stop (as vLLM returns it); `prompts` keeps them."""
 
     def __init__(self, tok, turns: list[str]):
-        self.tokenizer, self.turns = tok, list(turns)
+        self.tokenizer, self.turns, self.prompts = tok, list(turns), []
 
     def generate(self, prompts, samplings):
         out = []
-        for _ in prompts:
+        for prompt, sampling in zip(prompts, samplings):
+            self.prompts.append(self.tokenizer.decode(prompt))
             text = self.turns.pop(0)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-            out.append(Completion(text, ids, None, "stop"))
+            stop = min(((text.find(s), s) for s in sampling.stop if s in text), default=None)
+            if stop:
+                text = text[: stop[0] + len(stop[1])]
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if stop else [self.tokenizer.eos_token_id])
+            out.append(Completion(text, ids, None, "stop", stop[1] if stop else None))
         return out
 
 
@@ -164,3 +169,22 @@ def test_the_fallback_template_is_chatml_with_hermes_calls_and_refuses_other_tem
     llama.chat_template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}"
     with pytest.raises(ValueError, match="Hermes-style"):
         with_tool_template(llama)  # renders tools, writes calls unison cannot read
+
+
+def test_the_scaffold_prefills_the_native_calls_opening_and_closes_what_the_model_leaves_open(native):
+    """A scaffolded native episode (a small teacher, or the flywheel's student teaching): the runtime writes the call up
+    to its argument's string, the model writes the query, the runtime closes the call and the turn."""
+    tok = native.tok
+    messages = native.messages(student_view("one_call"))
+    episode = Episode(key="q/0", prompt_ids=native.prompt_ids(messages[:2]), seed=0, scaffold=["search", "answer"], tools=TOOLS, native=native)
+    backend = Scripted(tok, ['Zorvan Kelt" and more', "Tarsk\n\nand more"])
+    run_episodes([episode], backend, Toolbox(KeltRetriever()), EpisodeSettings(temperature=0.0, max_turns=4))
+    opening = native.scaffold("search")[0]
+    assert opening.endswith('<tool_call>\n{"name": "search", "arguments": {"query": "')  # as this template renders a call
+    assert backend.prompts[0].endswith("<|im_start|>assistant\n" + opening)
+    assert [s.text for s in episode.segments] == [text for _, text in SHAPES["one_call"]]
+    view = episode_view(episode)
+    ids, mask = native.render(messages)
+    assert view.ids == ids[:len(view.ids)]  # the scaffolded turns are the very tokens the student trains on
+    prefilled = sum(1 for m, n in zip(mask, view.loss_mask) if m and not n)
+    assert prefilled == episode.segments[0].n_prefill > 0  # the prefill is in the turn the student learns, not sampled

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .protocol import final_answer, parse_tool_call
-from .tools.registry import BUILTIN, INTRO, STUDENT_RULES, call_argument, calls_as_tag, schemas, tag_arguments
+from .tools.registry import BUILTIN, INTRO, SCAFFOLD, STUDENT_RULES, call_argument, calls_as_tag, schemas, tag_arguments
 from .tools.search import SEPARATOR
 
 FORMATS = ("native", "tags")
@@ -186,6 +186,18 @@ class NativeFormat:
                              "results follow it")
         tail = before[before.rindex(self.eos) + len(self.eos):]
         return self._ids(tail + after[len(before):], contents)
+
+    def scaffold(self, tag: str) -> tuple[str, str | None, str]:
+        """A forced tag's (prefill, close, end) in this template: a tool's call written up to its argument's string
+        (as the template renders a call) and closed after it; the answer the turn's plain text, to a blank line; a role
+        tag as in the tag protocol."""
+        if tag in BUILTIN:
+            head = [{"role": "user", "content": "u"}]
+            start = len(self._text(head, True))
+            text = self._text(head + [self.assistant_message("", [(tag, "\ue000")])], False)
+            opening, close = text[start:text.index(self.eos, start)].split("\ue000")
+            return opening + BUILTIN[tag].prefill.lstrip(), close, close[0]
+        return ("", None, "\n\n") if tag == "answer" else SCAFFOLD[tag]
 
     # ------------------------------------------------------------------------------------------ reading turns
 

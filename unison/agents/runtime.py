@@ -21,7 +21,7 @@ from ..config import GenerateConfig, LLMConfig
 from ..llm import Sampling
 from ..protocol import ROLE_TAGS, final_answer, observation, parse_tool_call, stops_for
 from ..tool_format import NativeFormat
-from ..tools.registry import BUILTIN, DEFAULT_TOOLS, SCAFFOLD
+from ..tools.registry import DEFAULT_TOOLS, SCAFFOLD
 from ..tools.search import SEPARATOR
 from .toolbox import Toolbox
 
@@ -322,7 +322,7 @@ def _turn_request(e: Episode, tok, cfg: EpisodeSettings, prefills: bool = True) 
     """The next turn's (prompt, sampling), with the scaffold's prefill for this turn, and the scaffold. A backend that
     cannot prefill (`prefills` False: a chat API) is told the tag instead (`Sampling.forced`) and writes it itself."""
     tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
-    prefill, close, end = (native_scaffold(tag) if e.native else SCAFFOLD[tag]) if tag else ("", None, None)
+    prefill, close, end = (e.native.scaffold(tag) if e.native else SCAFFOLD[tag]) if tag else ("", None, None)
     if not prefills:
         prefill = ""
     prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
@@ -379,25 +379,19 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
     return call
 
 
-def native_scaffold(tag: str) -> tuple[str, str | None, str]:
-    """A forced tag's (prefill, close, end) in the native format: a tool's call opened up to its argument's string,
-    closed after it; the answer as the turn's plain text (to a blank line); a role tag as in the tag protocol."""
-    if tag in BUILTIN:
-        tool = BUILTIN[tag]
-        opening = f'<tool_call>\n{{"name": "{tag}", "arguments": {{"{tool.argument}": "{tool.prefill.lstrip()}'
-        return opening, '"}}\n</tool_call>', '"'
-    return ("", None, "\n\n") if tag == "answer" else SCAFFOLD[tag]
-
-
 def _apply_native(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, step_s: float) -> tuple | None:
     """`_apply_completion` for a native episode: the turn read back (NativeFormat.read) into its canonical text, its
     calls to run (several calls of a parallel tool become one call of parts), or the episode's end."""
     prefill, prefill_ids, close = scaffold
     text, ids, eos = prefill + c.text, prefill_ids + list(c.token_ids), tok.eos_token_id
     role = close is not None and close.startswith("</") and close[2:-1] in ROLE_TAGS
-    if close and not role and c.stop != close:  # the scaffold closes the call the model left open
-        text += close
-        ids += tok(close, add_special_tokens=False)["input_ids"]
+    if close is None and c.stop and text.endswith(c.stop):  # a forced answer cut at its blank line: the reply ends before it
+        text = text[: -len(c.stop)]
+        ids = prefill_ids + tok(c.text[: -len(c.stop)], add_special_tokens=False)["input_ids"]
+    if close and not role and c.stop != close:  # the scaffold closes the call the model left open (its stop opens the close)
+        rest = close[len(c.stop):] if c.stop and close.startswith(c.stop) else close
+        text += rest
+        ids += tok(rest, add_special_tokens=False)["input_ids"]
     finished = not role and (c.finish_reason == "stop" or close is not None)
     if finished and (not ids or ids[-1] != eos):
         ids.append(eos)  # the turn ends as the template ends it
