@@ -23,7 +23,7 @@ def test_stage_help_lists_its_settings_with_defaults_and_docs():
     text = stage_help("sft")
     assert "runs: python -m stages.sft" in text and "models/sft" in text
     assert "    lr: 5.0e-05" in text and "precision: auto  # auto = bf16 autocast" in text
-    assert "seed: 0" in text and "rl:" not in text  # only what the stage reads (dvc.yaml params)
+    assert "seed: 0" in text and "\nrl:" not in text  # only what the stage reads (dvc.yaml params)
     assert "\n  prm.enabled: false" in stage_help("rl")  # a single field of another section
 
 
