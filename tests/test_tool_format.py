@@ -188,3 +188,16 @@ def test_the_scaffold_prefills_the_native_calls_opening_and_closes_what_the_mode
     assert view.ids == ids[:len(view.ids)]  # the scaffolded turns are the very tokens the student trains on
     prefilled = sum(1 for m, n in zip(mask, view.loss_mask) if m and not n)
     assert prefilled == episode.segments[0].n_prefill > 0  # the prefill is in the turn the student learns, not sampled
+
+
+def test_the_served_loop_runs_a_returned_call_with_unisons_tools_and_refuses_what_it_cannot_run():
+    """unison evaluate --served: each tool call vLLM's parser returns runs through the toolbox; a call of a tool the
+    student was not given, or arguments that are not one usable value, become an error result the model sees."""
+    from unison.labeling.served import run_call
+
+    box = Toolbox(KeltRetriever())
+    assert run_call(box, TOOLS, "search", '{"query": "Tarsk"}') == (f"{DOC_B}", None)
+    assert run_call(box, TOOLS, "wiki_search", '{"query": "Tarsk"}')[0] == DOC_B  # a seed's name for it
+    assert run_call(box, TOOLS, "crawl", '{"url": "http://x"}')[1] == "unknown_tool"
+    text, error = run_call(box, TOOLS, "search", '{"query": 5}')
+    assert error == "unparsable" and text.startswith("error: expected one argument")
