@@ -146,6 +146,8 @@ def test_the_rl_student_served_by_vllm_with_the_hermes_parser_renders_as_trained
     here = {r["question_id"]: r for r in pq.read_table(project / "reports/eval/rl.parquet").to_pylist()}
     same_calls = sum(r["n_tool_calls"] == here[r["question_id"]]["n_tool_calls"] for r in rows)
     assert same_calls >= 7, [(r["n_tool_calls"], here[r["question_id"]]["n_tool_calls"]) for r in rows]
+    print(f"served EM {served['em']:.3f}, in-process EM {local['em']:.3f}, same tool calls on {same_calls} of 8, "
+          f"tool calls served {sum(r['n_tool_calls'] for r in rows)}")
 
 
 @pytest.mark.nightly  # the rounds' resume runs in process in test_flywheel.py (make test)
