@@ -49,9 +49,10 @@ def test_editing_a_local_dataset_or_corpus_makes_dvc_report_download_changed(tmp
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["download"]
     stage["cmd"] = "mkdir -p data/raw models/base reports && touch data/raw/x models/base/y && echo {} > reports/download.json"
     project = dvc_project(tmp_path / "project", {"stages": {"download": stage}})
-    for dep in ("stages/download.py", "unison/data/__init__.py"):
-        (project / dep).parent.mkdir(parents=True, exist_ok=True)
-        (project / dep).write_text("# stub\n")
+    for dep in (d for d in stage["deps"] if "${" not in d):  # each code dependency as a stub file or folder
+        stub = project / dep if Path(dep).suffix else project / dep / "stub.py"
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.write_text("# stub\n")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["download"] |= {"dataset": "local:imports/qa_{split}.jsonl", "corpus": "imports/wiki.jsonl"}
     (project / "params.yaml").write_text(yaml.safe_dump(params))
