@@ -39,7 +39,7 @@ def project(tmp_path, monkeypatch, tiny_model_dir, tracking_uri, request):
     with a correct and a wrong trajectory (two labeled steps, one good one bad), an MLflow experiment of its own."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     # sft: 4 trajectories, 1 a micro-batch, 2 micro-batches a step, 2 epochs = 4 steps; LoRA adapters (7b-lora-24gb.yaml)
-    params["sft"] |= {"lr": 1e-2, "epochs": 2, "batch_size": 1, "grad_accum": 2, "warmup_ratio": 0.0, "max_length": 256, "lora": True}
+    params["sft"] |= {"lr": 1e-2, "epochs": 2, "batch_size": 1, "grad_accum": 2, "warmup_ratio": 0.0, "max_length": 512, "lora": True}
     # prm: 3 train questions (1 held out) = 6 trajectories, 2 a step (1 a process), 2 epochs = 6 steps
     params["prm"] |= {"enabled": True, "lr": 1e-3, "epochs": 2, "batch_size": 2, "max_length": 256}
     for stage in ("sft", "prm"):

@@ -201,3 +201,15 @@ def test_the_served_loop_runs_a_returned_call_with_unisons_tools_and_refuses_wha
     assert run_call(box, TOOLS, "crawl", '{"url": "http://x"}')[1] == "unknown_tool"
     text, error = run_call(box, TOOLS, "search", '{"query": 5}')
     assert error == "unparsable" and text.startswith("error: expected one argument")
+
+
+def test_sft_refuses_a_max_length_that_leaves_no_trained_token(native):
+    """The native prompt carries the tools' schemas: a max_length shorter than it would train on nothing (a loss of 0
+    at every step); sft says so instead."""
+    from unison.train.sft import build_examples
+
+    row = {"id": "q/0", "student": student_view("one_call"), "tokenizer": ""}
+    examples, _ = build_examples(native.tok, [row], max_length=4096, native=native)
+    assert sum(examples[0][1]) > 0
+    with pytest.raises(ValueError, match="sft.max_length 64 cuts every example before its first trained token"):
+        build_examples(native.tok, [row], max_length=64, native=native)

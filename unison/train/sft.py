@@ -55,6 +55,9 @@ def build_examples(tok, rows: list[dict], max_length: int, topk: list | None = N
         else:
             top_ids, top_logps = topk[k]
             examples.append((ids, mask, (top_ids[: sum(mask)], top_logps[: sum(mask)])))
+    if examples and not any(sum(ex[1]) for ex in examples):
+        raise ValueError(f"sft.max_length {max_length} cuts every example before its first trained token (the prompts, "
+                         "tool schemas included, are longer): raise sft.max_length")
     stats = {"examples": len(examples), "drifted_examples": drifted, "drift_tokens": drift_tokens,
              "drift_token_rate": drift_tokens / max(1, n_tokens), "truncated_examples": truncated,
              "train_tokens": sum(sum(ex[1]) for ex in examples)}
