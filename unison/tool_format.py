@@ -23,7 +23,6 @@ from .protocol import final_answer, parse_tool_call
 from .tools.registry import BUILTIN, INTRO, SCAFFOLD, STUDENT_RULES, call_argument, calls_as_tag, schemas, tag_arguments
 from .tools.search import SEPARATOR
 
-FORMATS = ("native", "tags")
 TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 PARSER = "hermes"  # the vLLM tool parser that reads the calls NativeFormat writes and reads
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

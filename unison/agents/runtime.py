@@ -343,12 +343,7 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
         seg.text += close
         seg.ids += tok(close, add_special_tokens=False)["input_ids"]
         stop = close
-    e.segments.append(seg)
-    if c.model:
-        e.served_models.add(c.model)
-    e.n_llm_calls += 1
-    e.n_tokens += len(c.token_ids)
-    e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text, "n_tokens": len(c.token_ids), "latency_s": step_s})
+    _record(e, seg, c, step_s)
     tool = stop[2:-1] if stop and stop != "</answer>" else None
     call = None
     if c.error:  # the backend could not use the answer (a malformed tool call): the model is told, as for an unparsable call
@@ -379,6 +374,17 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
     return call
 
 
+def _record(e: Episode, seg: Segment, c, step_s: float, completion: str | None = None) -> None:
+    """Append a generated segment and count its LLM call (`completion`: the text as written, when it is not seg.text)."""
+    e.segments.append(seg)
+    if c.model:
+        e.served_models.add(c.model)
+    e.n_llm_calls += 1
+    e.n_tokens += len(c.token_ids)
+    e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text if completion is None else completion,
+                     "n_tokens": len(c.token_ids), "latency_s": step_s})
+
+
 def _apply_native(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, step_s: float) -> tuple | None:
     """`_apply_completion` for a native episode: the turn read back (NativeFormat.read) into its canonical text, its
     calls to run (several calls of a parallel tool become one call of parts), or the episode's end."""
@@ -396,12 +402,7 @@ def _apply_native(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, ste
     if finished and (not ids or ids[-1] != eos):
         ids.append(eos)  # the turn ends as the template ends it
     turn = e.native.read(text, finished) if not role else None
-    e.segments.append(Segment("gen", turn.text if turn else text, ids, len(prefill_ids)))
-    if c.model:
-        e.served_models.add(c.model)
-    e.n_llm_calls += 1
-    e.n_tokens += len(c.token_ids)
-    e.events.append({"type": "llm", "turn": e.turn, "completion": text, "n_tokens": len(c.token_ids), "latency_s": step_s})
+    _record(e, Segment("gen", turn.text if turn else text, ids, len(prefill_ids)), c, step_s, text)
     call = None
     if role:
         pass  # a scaffolded thought: the scaffold's next tag opens the next turn, in the same assistant message

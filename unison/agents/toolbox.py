@@ -28,4 +28,4 @@ class Toolbox:
         return handler(arg) if handler else (f"error: unknown tool {tool}", "unknown_tool")
 
     def deadline_for(self, tool: str) -> float:
-        return BUILTIN[tool].limits(self.settings)["deadline_s"] if tool in BUILTIN else self.call_deadline_s
+        return BUILTIN[tool].deadline_s(self.settings) if tool in BUILTIN else self.call_deadline_s

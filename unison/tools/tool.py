@@ -32,10 +32,9 @@ class Tool:
             "parameters": {"type": "object", "properties": {self.argument: {"type": "string", "description": self.argument_description}},
                            "required": [self.argument]}}}
 
-    def limits(self, settings: ToolsConfig) -> dict[str, float]:
-        """Its output cap (characters; 0 = none here) and deadline (seconds) under `settings`."""
-        return {"output_cap": getattr(settings, self.output_cap) if self.output_cap else 0,
-                "deadline_s": float(getattr(settings, self.deadline))}
+    def deadline_s(self, settings: ToolsConfig) -> float:
+        """Seconds after which the runtime gives up on a call, under `settings`."""
+        return float(getattr(settings, self.deadline))
 
 
 @dataclass
