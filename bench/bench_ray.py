@@ -1,5 +1,5 @@
 """Ray benchmark: generate's throughput in this process against cluster.address with 1 and 2 Ray workers, on the same
-CPUs (issue 18.6), and that all three write the same trajectories.
+CPUs, and that all three write the same trajectories.
 
 A scratch project (the builtin questions, the hashing index, --model as the teacher on vLLM) runs the generate stage's
 code (`generate_trajectories`) three times, engine start included, with `--cpus` CPUs in all:

@@ -1,4 +1,4 @@
-"""Which model is worth distilling token by token (issue 27 point 6): each candidate teacher acts alone (`single`,
+"""Which model is worth distilling token by token: each candidate teacher acts alone (`single`,
 greedy) on a finished demo's 200 test questions, in each context OPD can score it in, and once more with generate's
 scaffold for comparison with the demo's teacher team.
 

@@ -1,4 +1,4 @@
-"""Token-level distillation head to head on a finished demo (issue 27 point 6): the same student start and the same
+"""Token-level distillation head to head on a finished demo: the same student start and the same
 token-level teacher, on the demo's 200 test questions.
 
 Rows (each trained in its own copy of the demo project: data and models hard-linked, this checkout's code):

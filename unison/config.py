@@ -131,7 +131,7 @@ class BuiltinWorldConfig(Section):
     n_orgs: int = Field(30)
     n_cities: int = Field(24)
     n_countries: int = Field(8)
-    train_size: int = Field(50, description='the demo: 50 (issue 24: a 20-minute demo on a 2-core AVX2 CPU)')
+    train_size: int = Field(50, description='the demo: 50 (so the demo runs in about 20 minutes on a 2-core AVX2 CPU)')
     test_size: int = Field(200, description='>= 200, so a 95% interval is narrow enough to tell systems apart')
     mix: dict[str, float] = Field(default_factory=lambda: {'hop1': 0.5, 'hop2': 0.25, 'math': 0.25})
 
