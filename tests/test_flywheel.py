@@ -25,7 +25,7 @@ SETTINGS = {
     "index": {"encoder": "hash:64"},
     "llm": {"backend": "transformers", "dtype": "float32"},
     "generate": {"method": "single", "samples": 2, "max_turns": 2, "max_tokens_per_turn": 8},
-    "sft": {"epochs": 1, "batch_size": 2, "max_length": 256},
+    "sft": {"epochs": 1, "batch_size": 2, "max_length": 512},
     "evaluate": {"max_questions": 2, "bootstrap": 50},
     "flywheel": {"rounds": 2, "sft_epochs": 1},
 }
