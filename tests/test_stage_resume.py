@@ -51,7 +51,7 @@ KILL_SEED = 16
 
 def tiny_params(model: Path) -> dict:
     return {
-        "student": {"model": f"local:{model}"},
+        "student": {"model": f"local:{model}", "tool_format": "tags"},  # sft's logit distillation scores tag turns
         "teacher": {"model": f"local:{model}", "backend": "transformers"},
         "download": {"builtin": {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 6, "test_size": 2,
                                  "mix": {"hop1": 1.0, "hop2": 0.0, "math": 0.0}}},

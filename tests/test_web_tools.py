@@ -70,9 +70,10 @@ def test_web_search_runs_queries_in_parallel(server, cache):
     t0 = time.perf_counter()
     text, kind = tool(" | ".join(["slow-1s"] * 8))  # one query 8 times: all miss the cache at once
     elapsed = time.perf_counter() - t0
-    # each request takes 1 s, so the eight overlap even when a loaded machine starts their threads late
-    assert kind is None and text.count("\n---\n") == 7 and server.max_in_flight == 8
-    assert elapsed < 4.0  # eight 1 s requests at once (~1.05 s quiet), never one after another (8 s)
+    assert kind is None and text.count("\n---\n") == 7
+    # each request takes 1 s: on a loaded machine a thread may start after the first has finished, so "overlapping"
+    # is at least half of them at once, and the whole call far from one after another (8 s)
+    assert server.max_in_flight >= 4 and elapsed < 4.0  # ~1.05 s quiet
 
 
 def test_web_search_cache_hit_avoids_a_second_request(server, tmp_path):
