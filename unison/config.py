@@ -201,6 +201,20 @@ class IndexConfig(Section):
     train_sample: int = Field(0, ge=0, description='ivf: passages k-means trains on, drawn with the seed (0 = 256 x nlist, the most faiss uses)')
 
 
+class McpServerConfig(Section):
+    name: str = Field(description='what errors and reports call the server')
+    command: list[str] = Field(default_factory=list, description='a stdio server: the command the stage starts (and stops at its end)')
+    url: str = Field('', description='a streamable HTTP server: its endpoint, e.g. http://127.0.0.1:8765/mcp')
+    tools: list[str] = Field(default_factory=list, description='the tools of the server the agent sees; [] = all it lists')
+    env: dict[str, str] = Field(default_factory=dict, description='stdio: environment variables the server gets besides PATH and HOME')
+
+    @model_validator(mode="after")
+    def _one_transport(self):
+        if bool(self.command) == bool(self.url):
+            raise ValueError(f"tools.mcp {self.name!r}: give exactly one of command (stdio) or url (streamable HTTP)")
+        return self
+
+
 class ToolsConfig(Section):
     search_topk: int = Field(2)
     search_max_chars: int = Field(300, description='per passage in an observation')
@@ -222,6 +236,14 @@ class ToolsConfig(Section):
     web_max_bytes: int = Field(2000000, description='web answers are read up to this many decoded bytes (a longer page is cut, a longer search answer is an error)')
     web_api_key_env: str = Field('', description='env var whose value is sent as X-API-KEY (Serper); "" = none')
     web_allow_networks: list[str] = Field(default_factory=list, description='tests/operators only: non-public address ranges crawl may fetch, e.g. ["127.0.0.1/32"]; [] = public addresses only')
+    functions: list[str] = Field(default_factory=list, description='your Python functions as tools: "imports/tools.py:lookup_order" or "mypkg.tools:convert"; the schema comes from type hints and the docstring')
+    mcp: list[McpServerConfig] = Field(default_factory=list, description='your MCP servers: {name, command: [...]} (stdio) or {name, url} (streamable HTTP), tools: an allow-list')
+    custom_timeout_s: float = Field(30.0, description='a call of a function or MCP tool is cut after this many seconds (a hung function is killed)')
+    custom_max_output_chars: int = Field(2000, description='a function or MCP tool result is cut here')
+    custom_max_argument_chars: int = Field(4000, description="a call's JSON arguments longer than this are refused before the call")
+    function_workers: int = Field(2, description='processes that run function tools (each call in one; a hung one is killed and replaced)')
+    function_memory_mb: int = Field(2048, description='address space of each function-tool process')
+    accept_changed_tools: bool = Field(False, description='true = a stage runs although its tool set differs from the one generate recorded')
 
     @model_validator(mode="after")
     def _networks(self):
@@ -230,6 +252,16 @@ class ToolsConfig(Section):
                 ipaddress.ip_network(net)
             except ValueError:
                 raise ValueError(f"tools.web_allow_networks: {net!r} is not an address range (e.g. 127.0.0.1/32)") from None
+        return self
+
+    @model_validator(mode="after")
+    def _custom_names(self):
+        names = [m.name for m in self.mcp]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools.mcp: two servers are named alike: {names}")
+        for spec in self.functions:
+            if spec.count(":") != 1 or not all(spec.split(":")):
+                raise ValueError(f"tools.functions: {spec!r} is not file.py:function or module:function")
         return self
 
     @model_validator(mode="after")

@@ -55,5 +55,6 @@ GENERATE_CACHE = "data/.cache/generate"
 FLYWHEEL_CACHE = "data/.cache/flywheel"
 LLM_CACHE = "data/.cache/llm"
 WEB_CACHE = "data/.cache/web"
+TOOL_LOGS = "data/.cache/tool_logs"  # your MCP servers' stderr
 VERL_WORK = "data/.cache/verl"
 DIGESTS = "data/.cache/digests.json"

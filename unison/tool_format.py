@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .protocol import final_answer, parse_tool_call
-from .tools.registry import BUILTIN, INTRO, SCAFFOLD, STUDENT_RULES, call_argument, calls_as_tag, schemas, tag_arguments
+from .tools.registry import INTRO, SCAFFOLD, STUDENT_RULES, TOOLS, call_argument, call_arguments, calls_as_tag, schemas, tag_arguments
 from .tools.search import SEPARATOR
 
 TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
@@ -190,12 +190,12 @@ class NativeFormat:
         """A forced tag's (prefill, close, end) in this template: a tool's call written up to its argument's string
         (as the template renders a call) and closed after it; the answer the turn's plain text, to a blank line; a role
         tag as in the tag protocol."""
-        if tag in BUILTIN:
+        if tag in TOOLS:
             head = [{"role": "user", "content": "u"}]
             start = len(self._text(head, True))
             text = self._text(head + [self.assistant_message("", [(tag, "\ue000")])], False)
             opening, close = text[start:text.index(self.eos, start)].split("\ue000")
-            return opening + BUILTIN[tag].prefill.lstrip(), close, close[0]
+            return opening + TOOLS[tag].prefill.lstrip(), close, close[0]
         return ("", None, "\n\n") if tag == "answer" else SCAFFOLD[tag]
 
     # ------------------------------------------------------------------------------------------ reading turns
@@ -218,7 +218,7 @@ class NativeFormat:
         tool = tag[1:tag.index(">")]
         if tool not in self.tools:
             return Turn(text, [], f"an unusable tool call: {tool} is not a tool of this turn")
-        return Turn("\n".join(t for t in (said, tag) if t), [(tool, call_argument(a)) for _, a in calls])
+        return Turn("\n".join(t for t in (said, tag) if t), [(tool, call_argument(a, tool)) for _, a in calls])
 
     @staticmethod
     def _call(block: str) -> tuple[str, object]:
@@ -236,7 +236,7 @@ class NativeFormat:
         """An assistant turn as a chat message: its content and its calls with JSON arguments."""
         message = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = [{"type": "function", "function": {"name": t, "arguments": {BUILTIN[t].argument: a}}}
+            message["tool_calls"] = [{"type": "function", "function": {"name": t, "arguments": call_arguments(t, a)}}
                                      for t, a in calls]
         return message
 

@@ -21,6 +21,7 @@ from ..config import GenerateConfig, LLMConfig
 from ..llm import Sampling
 from ..protocol import ROLE_TAGS, final_answer, observation, parse_tool_call, stops_for
 from ..tool_format import NativeFormat
+from ..tools.mcp_servers import ToolServerGone
 from ..tools.registry import DEFAULT_TOOLS, SCAFFOLD
 from ..tools.search import SEPARATOR
 from .toolbox import Toolbox
@@ -441,6 +442,8 @@ def timed_call(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, 
     t0 = time.perf_counter()
     try:
         text, err = toolbox.call(tool, arg)
+    except ToolServerGone:  # a server that died twice: the stage stops, its shards kept
+        raise
     except Exception as ex:  # a tool failure is an observation the model sees, never a crash
         text, err = f"error: {type(ex).__name__}: {ex}", "exception"
     return text, err, time.perf_counter() - t0

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..config import ToolsConfig
-from ..tools.registry import BUILTIN, enabled_tools
+from ..tools.registry import TOOLS, enabled_tools
 from ..tools.tool import ToolResources
 
 
@@ -10,14 +10,15 @@ class Toolbox:
     """The tools params.yaml turns on (`settings`), their handlers built from their definitions; every call returns an
     observation string and its error kind (None if it worked).
 
-    Error kinds: timeout, error, blocked, empty_result, empty_query, empty_code, unavailable, unknown_tool (and the
-    runtime's unparsable, malformed, exception). The runtime gives up on a call after its tool's deadline (`deadline_for`:
+    Error kinds: timeout, error, blocked, empty_result, empty_query, empty_code, unavailable, unknown_tool; your tools'
+    argument_too_long, invalid_arguments, tool_error, output_cut, server_died (tools/custom.py); and the runtime's unparsable,
+    malformed, exception. The runtime gives up on a call after its tool's deadline (`deadline_for`:
     a `timeout` observation)."""
 
     def __init__(self, retriever=None, settings: ToolsConfig | None = None, web_cache_dir: str = ""):
         self.retriever, self.settings = retriever, settings or ToolsConfig()
         resources = ToolResources(retriever, web_cache_dir)
-        self.handlers = {name: BUILTIN[name].build(self.settings, resources) for name in enabled_tools(self.settings)}
+        self.handlers = {name: TOOLS[name].build(self.settings, resources) for name in enabled_tools(self.settings)}
 
     @property
     def call_deadline_s(self) -> float:
@@ -28,4 +29,4 @@ class Toolbox:
         return handler(arg) if handler else (f"error: unknown tool {tool}", "unknown_tool")
 
     def deadline_for(self, tool: str) -> float:
-        return BUILTIN[tool].deadline_s(self.settings) if tool in BUILTIN else self.call_deadline_s
+        return TOOLS[tool].deadline_s(self.settings) if tool in TOOLS else self.call_deadline_s

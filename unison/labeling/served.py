@@ -22,7 +22,7 @@ from ..config import load_params
 from ..data.schemas import LABELED, QUESTION, read_table, write_json, write_table
 from ..protocol import final_answer, observation
 from ..tool_format import answer_text, native_system_prompt
-from ..tools.registry import ALIASES, SYSTEM_PROMPT, call_argument, calls_as_tag, enabled_tools, schemas
+from ..tools.registry import ALIASES, call_argument, calls_as_tag, enabled_tools, schemas, system_prompt
 from ..tools.search import SEPARATOR
 from .judging import label_rows, make_judge
 from .metrics import scoring_label, system_metrics
@@ -34,7 +34,7 @@ def served_episode(client, model: str, q: dict, tools: tuple[str, ...], toolbox,
                    max_tool_calls: int, temperature: float, seed: int) -> dict:
     """One question through the agent loop; a row of evaluate's shape, its student rendering in the tag protocol."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": q["question"]}]
-    student = [{"role": "system", "content": SYSTEM_PROMPT, "token_ids": []}, {"role": "user", "content": q["question"], "token_ids": []}]
+    student = [{"role": "system", "content": system_prompt(tools), "token_ids": []}, {"role": "user", "content": q["question"], "token_ids": []}]
     counts = {"n_llm_calls": 0, "n_tool_calls": 0, "n_tokens": 0, "tool_errors": 0}
     final, finish = "", "max_turns"
     for _ in range(max_turns):
@@ -80,7 +80,7 @@ def run_call(toolbox, tools: tuple[str, ...], name: str, arguments: str) -> tupl
     if tool not in tools:
         return f"error: no tool {name!r} (tools: {', '.join(tools)})", "unknown_tool"
     try:
-        argument = call_argument(arguments)
+        argument = call_argument(arguments, tool)
     except ValueError as e:
         return f"error: {e}", "unparsable"
     text, error, _ = timed_call(toolbox, tool, argument)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..protocol import parse_tool_call
 from ..token_alignment import char_spans
-from ..tools.registry import BUILTIN, SCAFFOLD, TOOL_NAMES, calls_as_tag, schemas
+from ..tools.registry import SCAFFOLD, TOOLS, call_arguments, calls_as_tag, schemas
 
 PROBE = ("\x01S\x01", "\x01U\x01", "\x01A\x01", "\x01V\x01")
 RESULT = re.compile(r"\n<result>\n(.*?)\n</result>\n", re.DOTALL)  # protocol.observation's block
@@ -97,13 +97,13 @@ def assistant_messages(text: str, native: bool, first_call: int) -> list[dict]:
     out, at, k = [], 0, first_call
     for m in RESULT.finditer(text):
         said, observed = text[at:m.start()], m.group(1)
-        call = parse_tool_call(said, TOOL_NAMES) if native else None
+        call = parse_tool_call(said, TOOLS) if native else None
         if call:
             tool, arg = call
             before = said[:said.rstrip().rfind(f"<{tool}>")].strip()
             out.append({"role": "assistant", "content": before or None, "tool_calls": [{
                 "id": f"call_{k}", "type": "function",
-                "function": {"name": tool, "arguments": json.dumps({BUILTIN[tool].argument: arg})}}]})
+                "function": {"name": tool, "arguments": json.dumps(call_arguments(tool, arg))}}]})
             out.append({"role": "tool", "tool_call_id": f"call_{k}", "content": observed})
             k += 1
         else:
@@ -131,9 +131,9 @@ def messages(turns: list[tuple[str, str]], eos: str, native: bool) -> list[dict]
 def request_fields(msgs: list[dict], stop: list[str], forced: str, native: bool) -> dict:
     """What a turn adds to the messages: the tools it may call and the forced tag (tool_choice or an instruction); text
     mode's stop strings."""
-    tools = [forced] if forced in TOOL_NAMES else [] if forced else [t for t in TOOL_NAMES if f"</{t}>" in stop]
+    tools = [forced] if forced in TOOLS else [] if forced else [t for t in TOOLS if f"</{t}>" in stop]
     if forced:
-        kind = "answer" if forced == "answer" else "tool" if forced in TOOL_NAMES else "role"
+        kind = "answer" if forced == "answer" else "tool" if forced in TOOLS else "role"
         if not (native and kind == "tool"):
             msgs = msgs + [{"role": "user", "content": FORCED[kind].format(tag=forced)}]
     fields: dict = {"messages": msgs}
@@ -148,9 +148,9 @@ def request_fields(msgs: list[dict], stop: list[str], forced: str, native: bool)
 
 
 def called_tools(msgs: list[dict]) -> list[str]:
-    """The protocol's tools that the messages' assistant turns called, in TOOL_NAMES order."""
+    """The protocol's tools that the messages' assistant turns called, in TOOLS order."""
     names = {(c.get("function") or {}).get("name") for m in msgs if m.get("role") == "assistant" for c in m.get("tool_calls") or []}
-    return [t for t in TOOL_NAMES if t in names]
+    return [t for t in TOOLS if t in names]
 
 
 def message_text(content) -> str:
@@ -180,7 +180,7 @@ def protocol_answer(choice: dict, stop: list[str], forced: str, native: bool = T
             return content, None, "stop", f"an unusable tool call: {tool} is not a tool of this turn"
         return "\n".join(t for t in (content.strip(), tag) if t), f"</{tool}>", "stop", None
     length = choice.get("finish_reason") == "length"
-    if forced in TOOL_NAMES and native:  # a named tool_choice answered with text: no call to run
+    if forced in TOOLS and native:  # a named tool_choice answered with text: no call to run
         return content, None, "length" if length else "stop", f"an unusable tool call: text where the turn asked for a {forced} call"
     if forced:
         opening, close = f"<{forced}>", f"</{forced}>" if forced not in SCAFFOLD else SCAFFOLD[forced][1]

@@ -4,7 +4,8 @@ tag protocol teaches it by, and its handler. The system prompt, the chat teacher
 verl's tool config, the rewards and the scaffold all read these definitions.
 
 Adding a built-in tool: a module beside search.py defining `TOOL` (a tool.Tool), its name in `_builtin` below, and its
-tests.
+tests. Your own tools (tools.functions, tools.mcp: custom.py) join `TOOLS` when a stage first asks for the enabled
+tools; a call of one writes its arguments as a JSON object: <lookup_order>{"order_id": "A-17"}</lookup_order>.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def _builtin() -> dict[str, Tool]:
 
 BUILTIN = _builtin()
 TOOL_NAMES = tuple(BUILTIN)
+TOOLS = dict(BUILTIN)  # the built-in tools and the custom ones this process loaded (`register`)
 DEFAULT_TOOLS = tuple(name for name, t in BUILTIN.items() if t.enabled(ToolsConfig()))
 ALIASES = {alias: t.name for t in BUILTIN.values() for alias in (t.name, *t.aliases)}  # a seed's tool name -> the tool
 
@@ -39,15 +41,30 @@ STUDENT_RULES = {
 
 
 def enabled_tools(settings: ToolsConfig) -> tuple[str, ...]:
-    """The tools params.yaml turns on, in BUILTIN's order."""
-    return tuple(name for name, t in BUILTIN.items() if t.enabled(settings))
+    """The tools params.yaml turns on: the built-in ones in BUILTIN's order, then yours (loaded, and their servers
+    started, on the first call)."""
+    from .custom import custom_tools
+
+    return tuple(name for name, t in BUILTIN.items() if t.enabled(settings)) + tuple(t.name for t in custom_tools(settings))
+
+
+def register(tools: list[Tool]) -> None:
+    """Make custom tools known to the protocol: their names, tags and scaffold; replaces custom tools loaded before."""
+    for name in [n for n, t in TOOLS.items() if t.origin != "builtin"]:
+        del TOOLS[name], ALIASES[name], SCAFFOLD[name]
+    for t in tools:
+        if t.name in TOOLS or t.name in SCAFFOLD:
+            clash = TOOLS[t.name].origin if t.name in TOOLS else "a tag of the protocol"
+            raise ValueError(f"tool {t.name!r} ({t.origin}) has the name of {clash}: rename one")
+        TOOLS[t.name], ALIASES[t.name] = t, t.name
+        SCAFFOLD[t.name] = (f"<{t.name}>", f"</{t.name}>", "\n")
 
 
 def system_prompt(tools: tuple[str, ...] = DEFAULT_TOOLS, method: str = "") -> str:
     """The tag protocol's system prompt: a sentence per tool the episode may call, then the role tags students of teacher
     `method` write."""
     default = [BUILTIN[t].prompt for t in DEFAULT_TOOLS if t in tools]
-    extra = [BUILTIN[t].prompt for t in TOOL_NAMES if t in tools and t not in DEFAULT_TOOLS]
+    extra = [TOOLS[t].prompt for t in TOOLS if t in tools and t not in DEFAULT_TOOLS]
     return " ".join([INTRO, *default, OUTRO, *extra] + ([STUDENT_RULES[method]] if method in STUDENT_RULES else []))
 
 
@@ -61,12 +78,15 @@ SCAFFOLD = {**{t.name: (f"<{t.name}>{t.prefill}", f"</{t.name}>", "\n") for t in
 
 
 def schemas(tools: tuple[str, ...]) -> list[dict]:
-    return [BUILTIN[t].schema() for t in tools]
+    return [TOOLS[t].schema() for t in tools]
 
 
-def call_argument(arguments) -> str:
-    """A function call's one argument (query, code or url; a list of queries joined by " | "), from its JSON-string or
-    mapping `arguments`; ValueError when there is not exactly one usable argument."""
+def call_argument(arguments, tool: str = "") -> str:
+    """A function call's argument as the tag holds it, from its JSON-string or mapping `arguments`: a custom tool's
+    arguments as one JSON object (checked when it runs); a built-in tool's one argument (query, code or url; a list of
+    queries joined by " | "), ValueError when there is not exactly one usable argument."""
+    if tool in TOOLS and TOOLS[tool].structured:
+        return arguments.strip() if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
@@ -94,11 +114,23 @@ def calls_as_tag(calls: list[tuple[str, object]]) -> str:
         if name not in ALIASES:
             raise ValueError(f"function {name!r} has no tool in the student protocol (known: {', '.join(ALIASES)})")
         tags.append(ALIASES[name])
-    if not calls or (len(calls) > 1 and (len(set(tags)) > 1 or not BUILTIN[tags[0]].parallel)):
+    if not calls or (len(calls) > 1 and (len(set(tags)) > 1 or not TOOLS[tags[0]].parallel)):
         raise ValueError(f"calls {tags}: a turn holds one call, or several calls of one search tool")
-    return f"<{tags[0]}>{' | '.join(call_argument(a) for _, a in calls)}</{tags[0]}>"
+    return f"<{tags[0]}>{' | '.join(call_argument(a, tags[0]) for _, a in calls)}</{tags[0]}>"
 
 
 def tag_arguments(tool: str, arg: str) -> list[str]:
     """The calls a tag's argument holds: a parallel tool's queries joined by |, else the argument as one call."""
-    return split_queries(arg) if BUILTIN[tool].parallel else [arg]
+    return split_queries(arg) if TOOLS[tool].parallel else [arg]
+
+
+def call_arguments(tool: str, arg: str):
+    """A call's arguments as a function call carries them: a custom tool's JSON object (its text, when it is no JSON
+    object), a built-in tool's {parameter: argument}."""
+    if not TOOLS[tool].structured:
+        return {TOOLS[tool].argument: arg}
+    try:
+        parsed = json.loads(arg)
+    except (json.JSONDecodeError, RecursionError):
+        return arg
+    return parsed if isinstance(parsed, dict) else arg

@@ -24,13 +24,20 @@ class Tool:
     prefill: str = ""  # what the scaffold writes after the opening tag, before the model's argument
     aliases: tuple[str, ...] = ()  # other names seeds and imported records call it by
     enabled: Callable[[ToolsConfig], bool] = lambda settings: True  # whether params.yaml turns it on
+    parameters: dict | None = None  # a tool of yours: its arguments' JSON schema (a call's tag holds them as a JSON object)
+    origin: str = "builtin"  # where it comes from: builtin, function <spec>, mcp <server>
+
+    @property
+    def structured(self) -> bool:
+        """Whether a call's argument is a JSON object of named arguments (your tools) rather than one string."""
+        return self.parameters is not None
 
     def schema(self) -> dict:
         """Its OpenAI function schema."""
-        return {"type": "function", "function": {
-            "name": self.name, "description": self.description,
-            "parameters": {"type": "object", "properties": {self.argument: {"type": "string", "description": self.argument_description}},
-                           "required": [self.argument]}}}
+        parameters = self.parameters if self.structured else {
+            "type": "object", "properties": {self.argument: {"type": "string", "description": self.argument_description}},
+            "required": [self.argument]}
+        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": parameters}}
 
     def deadline_s(self, settings: ToolsConfig) -> float:
         """Seconds after which the runtime gives up on a call, under `settings`."""

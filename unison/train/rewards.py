@@ -13,7 +13,7 @@ import torch
 from ..config import LabelConfig
 from ..judge import score
 from ..protocol import final_answer, parse_tool_call, split_queries
-from ..tools.registry import BUILTIN, TOOL_NAMES
+from ..tools.registry import TOOLS
 from .advantages import group_indices, leave_one_out_mean
 
 # ---------------------------------------------------------------------------------------------- verifiable, format
@@ -24,15 +24,15 @@ def verifiable_reward(score: float, threshold: float | None = None) -> float:
 
 
 _OBSERVATION = re.compile(r"\s*<result>.*?</result>", re.DOTALL)
-_TAG = re.compile(r"<(/?)([a-z_]+)>")
-_OPAQUE = TOOL_NAMES + ("answer",)
+_TAG = re.compile(r"<(/?)([A-Za-z_][A-Za-z0-9_]*)>")
 
 
-def check_format(text: str, tools: tuple[str, ...] = TOOL_NAMES) -> tuple[bool, str]:
+def check_format(text: str, tools: tuple[str, ...] | None = None) -> tuple[bool, str]:
     """(ok, reason): each <result> answers a tool call, tags balanced (no self-nesting), calls parse, one final <answer>.
 
     Observations are cut out first; the content of a tool call or an answer is opaque (code may contain "<b>").
     """
+    tools = tuple(TOOLS) if tools is None else tools
     parts = _OBSERVATION.split(text)
     if any(parse_tool_call(before, tools) is None for before in parts[:-1]):
         return False, "observation without a tool call before it"
@@ -40,7 +40,7 @@ def check_format(text: str, tools: tuple[str, ...] = TOOL_NAMES) -> tuple[bool, 
     stack: list[tuple[str, int]] = []
     for m in _TAG.finditer(body):
         closing, name = m.group(1) == "/", m.group(2)
-        if stack and stack[-1][0] in _OPAQUE and not (closing and name == stack[-1][0]):
+        if stack and (stack[-1][0] in TOOLS or stack[-1][0] == "answer") and not (closing and name == stack[-1][0]):
             continue
         if not closing:
             if any(name == open_name for open_name, _ in stack):
@@ -50,7 +50,7 @@ def check_format(text: str, tools: tuple[str, ...] = TOOL_NAMES) -> tuple[bool, 
         if not stack or stack[-1][0] != name:
             return False, f"unbalanced </{name}>"
         _, start = stack.pop()
-        if name in TOOL_NAMES and not _tool_call_ok(name, body[start : m.start()], tools):
+        if name in TOOLS and not _tool_call_ok(name, body[start : m.start()], tools):
             return False, f"unparseable <{name}> call"
     if stack:
         return False, f"unclosed <{stack[-1][0]}>"
@@ -65,18 +65,18 @@ def check_format(text: str, tools: tuple[str, ...] = TOOL_NAMES) -> tuple[bool, 
 def _tool_call_ok(tool: str, arg: str, tools: tuple[str, ...]) -> bool:
     if tool not in tools or not arg.strip():
         return False
-    return bool(split_queries(arg)) if BUILTIN[tool].parallel else True
+    return bool(split_queries(arg)) if TOOLS[tool].parallel else True
 
 
-def format_reward(text: str, tools: tuple[str, ...] = TOOL_NAMES) -> float:
+def format_reward(text: str, tools: tuple[str, ...] | None = None) -> float:
     """f_fmt = -1 if the response breaks the protocol (check_format) else 0 (ET-Agent)."""
     return 0.0 if check_format(text, tools)[0] else -1.0
 
 
-def count_tool_calls(text: str, tools: tuple[str, ...] = TOOL_NAMES) -> int:
+def count_tool_calls(text: str, tools: tuple[str, ...] | None = None) -> int:
     """Properly paired tool tags <t>...</t> outside observations (ET-Agent's tool count t_i)."""
     body = "".join(_OBSERVATION.split(text))
-    return sum(len(re.findall(rf"<{t}>.*?</{t}>", body, re.DOTALL)) for t in tools)
+    return sum(len(re.findall(rf"<{t}>.*?</{t}>", body, re.DOTALL)) for t in (TOOLS if tools is None else tools))
 
 
 def judge_response(task: str, text: str, ground_truth: list[str], label: LabelConfig, tools: tuple[str, ...]) -> dict:

@@ -15,7 +15,7 @@ from uuid import uuid4
 
 from ..config import VERL_AGENT_LOOP
 from ..protocol import parse_tool_call, stops_for
-from ..tools.registry import BUILTIN
+from ..tools.registry import call_arguments
 
 NAME = VERL_AGENT_LOOP  # the agent loop's name in verl's registry
 UNPARSABLE = "error: could not parse the tool call"  # the runtime's observation for a call it cannot parse
@@ -85,7 +85,7 @@ if AgentLoopBase is not None:
             async def call_tool(tool: str | None, argument: str) -> str:
                 if tool is None:
                     return observation(argument)
-                response, _, _ = await self.tools[tool].execute(request_id, {BUILTIN[tool].argument: argument})
+                response, _, _ = await self.tools[tool].execute(request_id, call_arguments(tool, argument))
                 return response.text
 
             episode = await tag_protocol_episode(generate, call_tool, self.tokenizer, prompt_ids, tuple(self.tools),

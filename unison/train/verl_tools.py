@@ -11,13 +11,14 @@ verl is importable, the schemas, the config and run_tool everywhere.
 from __future__ import annotations
 
 import asyncio
+import json
 
 from ..agents.runtime import timed_call
 from ..agents.toolbox import Toolbox
 from ..agents.wiring import make_toolbox
 from ..config import ToolsConfig
 from ..protocol import observation
-from ..tools.registry import BUILTIN
+from ..tools.registry import TOOLS, call_argument
 
 CLASS_NAME = f"{__name__}.UnisonTool"
 
@@ -28,15 +29,18 @@ def tool_config(tools: tuple[str, ...], settings: ToolsConfig) -> dict:
         raise ValueError("params.yaml tools.search_url: rl.trainer verl searches over a search server (python -m "
                          "unison.tools.search_server), but tools.search_url is empty")
     return {"tools": [{"class_name": CLASS_NAME, "config": {"type": "native", "tools": settings.model_dump()},
-                       "tool_schema": BUILTIN[t].schema()} for t in tools]}
+                       "tool_schema": TOOLS[t].schema()} for t in tools]}
 
 
 def run_tool(toolbox: Toolbox, tool: str, parameters: dict) -> tuple[str, str | None]:
     """(the observation block, the error kind or None) of one call with verl's parsed JSON arguments."""
-    name = BUILTIN[tool].argument
-    argument = parameters.get(name) if isinstance(parameters, dict) else None
-    if not isinstance(argument, str):
-        return observation(f"error: {tool} needs a string `{name}`"), "unparsable"
+    if TOOLS[tool].structured:  # a custom tool: its arguments as JSON, checked when it runs
+        argument = call_argument(parameters if isinstance(parameters, (dict, str)) else json.dumps(parameters), tool)
+    else:
+        name = TOOLS[tool].argument
+        argument = parameters.get(name) if isinstance(parameters, dict) else None
+        if not isinstance(argument, str):
+            return observation(f"error: {tool} needs a string `{name}`"), "unparsable"
     text, error, _ = timed_call(toolbox, tool, argument)
     return observation(text), error
 
