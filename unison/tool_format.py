@@ -20,7 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .protocol import final_answer, parse_tool_call
-from .tools.registry import INTRO, SCAFFOLD, STUDENT_RULES, TOOLS, call_argument, call_arguments, calls_as_tag, schemas, tag_arguments
+from .tools.registry import (
+    INTRO,
+    SCAFFOLD,
+    STUDENT_RULES,
+    TOOLS,
+    call_argument,
+    call_arguments,
+    calls_as_tag,
+    scaffold_key,
+    schemas,
+    tag_arguments,
+)
 from .tools.search import SEPARATOR
 
 TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
@@ -193,7 +204,12 @@ class NativeFormat:
         if tag in TOOLS:
             head = [{"role": "user", "content": "u"}]
             start = len(self._text(head, True))
-            text = self._text(head + [self.assistant_message("", [(tag, "\ue000")])], False)
+            key = scaffold_key(tag)
+            if TOOLS[tag].structured and key is None:
+                raise ValueError(f"generate.scaffold: {tag} takes no single string argument, so a native scaffold cannot "
+                                 "open its call; leave it unforced or use student.tool_format: tags")
+            arg = json.dumps({key: "\ue000"}, ensure_ascii=False) if key else "\ue000"
+            text = self._text(head + [self.assistant_message("", [(tag, arg)])], False)
             opening, close = text[start:text.index(self.eos, start)].split("\ue000")
             return opening + TOOLS[tag].prefill.lstrip(), close, close[0]
         return ("", None, "\n\n") if tag == "answer" else SCAFFOLD[tag]

@@ -340,12 +340,13 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
     prefill, prefill_ids, close = scaffold
     seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids), [None] * len(prefill_ids) + c.top if c.top else None)
     stop = c.stop
-    if close and stop != close:  # the scaffold closes the tag the model left open
-        seg.text += close
-        seg.ids += tok(close, add_special_tokens=False)["input_ids"]
+    if close and stop != close:  # the scaffold closes the tag the model left open (after the stop that opens the close)
+        rest = close[len(stop):] if stop and close.startswith(stop) else close
+        seg.text += rest
+        seg.ids += tok(rest, add_special_tokens=False)["input_ids"]
         stop = close
     _record(e, seg, c, step_s)
-    tool = stop[2:-1] if stop and stop != "</answer>" else None
+    tool = stop[stop.rindex("</") + 2:-1] if stop and "</" in stop and stop != "</answer>" else None  # a custom tool's close is "}</name>
     call = None
     if c.error:  # the backend could not use the answer (a malformed tool call): the model is told, as for an unparsable call
         e.count_tool(tool or "tool_call", "malformed")

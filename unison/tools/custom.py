@@ -146,7 +146,10 @@ def custom_tools(settings: ToolsConfig) -> list[Tool]:
 
 @atexit.register
 def close_custom_tools() -> None:
-    """Stop the servers and workers of the loaded custom tools."""
+    """Stop the servers and workers of the loaded custom tools, and forget them."""
+    from .registry import register
+
+    register([])
     for close in _loaded["closers"]:
         try:
             close()

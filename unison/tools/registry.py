@@ -57,7 +57,17 @@ def register(tools: list[Tool]) -> None:
             clash = TOOLS[t.name].origin if t.name in TOOLS else "a tag of the protocol"
             raise ValueError(f"tool {t.name!r} ({t.origin}) has the name of {clash}: rename one")
         TOOLS[t.name], ALIASES[t.name] = t, t.name
-        SCAFFOLD[t.name] = (f"<{t.name}>", f"</{t.name}>", "\n")
+        key = scaffold_key(t.name)  # forced, the call is written up to its one string's value, which ends at its quote
+        SCAFFOLD[t.name] = (f'<{t.name}>{{"{key}": "', f'"}}</{t.name}>', '"') if key else (f"<{t.name}>", f"</{t.name}>", "\n")
+
+
+def scaffold_key(tool: str) -> str | None:
+    """The one required string argument of a custom tool, which a scaffold's prefill opens; None for any other tool."""
+    parameters = TOOLS[tool].parameters or {}
+    required = parameters.get("required", [])
+    if len(required) == 1 and (parameters.get("properties", {}).get(required[0]) or {}).get("type") == "string":
+        return required[0]
+    return None
 
 
 def system_prompt(tools: tuple[str, ...] = DEFAULT_TOOLS, method: str = "") -> str:
