@@ -11,6 +11,7 @@ from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import atomic_dir, write_json
+from unison.tools.custom import check_toolset
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 
@@ -23,6 +24,7 @@ FIELDS = ["step", "epoch", "loss", "reward_chosen", "reward_rejected", "reward_m
 
 def main() -> None:
     params = load_params()
+    check_toolset(params.tools, layout.TOOLSET, "dpo")
     cfg = params.dpo
     if cfg.enabled and run_distributed("dpo", params.train, cfg.deepspeed_config):
         return

@@ -12,6 +12,7 @@ from unison.data.schemas import LABELED, QUESTION, atomic_dir, read_table, write
 from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
 from unison.labeling.metrics import scoring_label
 from unison.report.tables import headline_metrics
+from unison.tools.custom import check_toolset
 from unison.train.prm import load_prm
 
 OUT = layout.EVAL
@@ -19,6 +20,7 @@ OUT = layout.EVAL
 
 def main() -> None:
     params = load_params()
+    check_toolset(params.tools, layout.TOOLSET, "evaluate")
     p, g = params.evaluate, params.generate
     systems = systems_to_evaluate(p, g.temperature, params.dpo.enabled)
     questions = read_table(layout.RAW_TEST, QUESTION)[: p.max_questions or None]

@@ -10,6 +10,7 @@ from unison.config import load_params
 from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
 from unison.exports import read_rl_prompts, write_export
 from unison.tool_format import student_format
+from unison.tools.custom import check_toolset
 from unison.tools.registry import enabled_tools
 
 LABELED_PATH, RL_DIR, OUT, STUDENT = layout.LABELED, layout.RL_DATA, layout.EXPORT, layout.BASE
@@ -17,6 +18,7 @@ LABELED_PATH, RL_DIR, OUT, STUDENT = layout.LABELED, layout.RL_DATA, layout.EXPO
 
 def main() -> None:
     params = load_params()
+    check_toolset(params.tools, layout.TOOLSET, "export")
     tools = enabled_tools(params.tools)
     settings = {**params.export.model_dump(), "sft.max_per_question": params.sft.max_per_question, "sft.dedupe": params.sft.dedupe,
                 "sft.max_length": params.sft.max_length,

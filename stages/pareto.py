@@ -5,6 +5,7 @@ from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import QUESTION, atomic_dir, read_table, write_json
+from unison.tools.custom import check_toolset
 from unison.train.curriculum import PLOT, plot_front, rl_curriculum
 from unison.train.pareto import write_rl_data
 
@@ -13,6 +14,7 @@ OUT = layout.RL_DATA
 
 def main() -> None:
     params = load_params()
+    check_toolset(params.tools, layout.TOOLSET, "pareto")
     p = params.pareto
     questions = read_table(layout.RAW_TRAIN, QUESTION)[: p.max_questions or None]
     with track.stage_run("pareto", {"seed": params.seed, **p.model_dump(), "episodes_in_flight": params.generate.episodes_in_flight,

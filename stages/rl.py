@@ -17,6 +17,7 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
 from unison.tool_format import student_format
+from unison.tools.custom import check_toolset
 from unison.tools.registry import enabled_tools
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, run_key, write_records_csv
@@ -28,6 +29,7 @@ VERL_DATA, VERL_WORK = Path(layout.VERL_DATA), Path(layout.VERL_WORK)
 
 def main() -> None:
     params = load_params()
+    check_toolset(params.tools, layout.TOOLSET, "rl")
     cfg = params.rl
     if cfg.trainer == "verl":
         return main_verl(params)

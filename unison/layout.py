@@ -11,6 +11,7 @@ CORPUS = "data/raw/corpus.parquet"
 INDEX = "data/index"  # index: the retrieval index the search tool reads
 TRAJECTORIES = "data/trajectories/train.parquet"  # generate
 TOPK = "data/trajectories/teacher_topk.parquet"  # generate: the teacher's top-k log-probs (generate.topk)
+TOOLSET = "data/trajectories/tools.json"  # generate: the schemas of the tools its agents were given
 LABELED = "data/labeled/train.parquet"  # label
 RL_DATA = "data/rl"  # pareto: the RL prompts, a parquet per curriculum level
 EXPORT = "data/export"  # export: LLaMA-Factory, verl and TRL datasets
