@@ -170,3 +170,17 @@ def test_a_stage_whose_tools_differ_from_generates_refuses_naming_them(functions
     check_toolset(functions.settings.model_copy(update={"accept_changed_tools": True}), record, "sft")  # asked for
     record_toolset(enabled_tools(functions.settings), record)
     check_toolset(functions.settings, record, "sft")
+
+
+@pytest.mark.parametrize("text, stop, close, rest", [
+    ('Bram Yarrow"}', '"', '"}</badge_number>', "</badge_number>"),  # the model's last token carried the brace
+    ('Bram Yarrow"', '"', '"}</badge_number>', "}</badge_number>"),
+    ('Kelt"}}', '"', '"}}\n</tool_call>', "\n</tool_call>"),  # native
+    ("Zorvan Kelt\n", "\n", "</search>", "</search>"),
+    ('Bram" and more', '"', '"}</badge_number>', '"}</badge_number>'),  # not the close's start: a call that will not parse
+    ("Bram Yarrow and on", None, '"}</badge_number>', '"}</badge_number>'),  # cut at its length
+])
+def test_the_scaffold_closes_a_forced_call_after_what_the_model_wrote_of_the_close(text, stop, close, rest):
+    from unison.agents.runtime import closing
+
+    assert closing(text, stop, close) == rest

@@ -341,7 +341,7 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
     seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids), [None] * len(prefill_ids) + c.top if c.top else None)
     stop = c.stop
     if close and stop != close:  # the scaffold closes the tag the model left open (after the stop that opens the close)
-        rest = close[len(stop):] if stop and close.startswith(stop) else close
+        rest = closing(c.text, stop, close)
         seg.text += rest
         seg.ids += tok(rest, add_special_tokens=False)["input_ids"]
         stop = close
@@ -397,7 +397,7 @@ def _apply_native(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, ste
         text = text[: -len(c.stop)]
         ids = prefill_ids + tok(c.text[: -len(c.stop)], add_special_tokens=False)["input_ids"]
     if close and not role and c.stop != close:  # the scaffold closes the call the model left open (its stop opens the close)
-        rest = close[len(c.stop):] if c.stop and close.startswith(c.stop) else close
+        rest = closing(c.text, c.stop, close)
         text += rest
         ids += tok(rest, add_special_tokens=False)["input_ids"]
     finished = not role and (c.finish_reason == "stop" or close is not None)
@@ -436,6 +436,13 @@ def _native_obs(call: ToolCall, text: str) -> Segment:
     results = call.results if call.results and len(call.results) == len(parts) else [text] * len(parts)
     assistant = e.native.assistant_message("", [(call.tool, p) for p in parts])
     return Segment("obs", observation(text), e.native.observation_ids(assistant, [{"role": "tool", "content": r} for r in results]))
+
+
+def closing(text: str, stop: str | None, close: str) -> str:
+    """What the scaffold appends to close a forced tag after a turn that ended at `stop`: the rest of `close` after what
+    the model already wrote of it (its last token may carry past the stop, `"}` where the stop is `"`), else all of it."""
+    tail = text[text.rfind(stop):] if stop and stop in text else ""
+    return close[len(tail):] if tail and close.startswith(tail) else close
 
 
 def timed_call(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, float]:
