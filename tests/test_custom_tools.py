@@ -184,3 +184,18 @@ def test_the_scaffold_closes_a_forced_call_after_what_the_model_wrote_of_the_clo
     from unison.agents.runtime import closing
 
     assert closing(text, stop, close) == rest
+
+
+def test_a_chat_teacher_gets_your_schemas_as_they_are_and_its_calls_become_the_tag(functions):
+    """The chat API boundary (no hosted API here: the request and answer are built and read as the backend does)."""
+    from unison.llm.chat import assistant_messages, protocol_answer, request_fields
+
+    stop = ["</search>", "</lookup_order>", "</answer>"]
+    fields = request_fields([{"role": "user", "content": "Where is A-17?"}], stop, "", native=True)
+    assert fields["tools"][1] == TOOLS["lookup_order"].schema() and fields["tool_choice"] == "auto"
+    choice = {"message": {"content": None, "tool_calls": [{"id": "c0", "type": "function", "function": {
+        "name": "lookup_order", "arguments": '{"order_id": "A-17", "include_items": true}'}}]}, "finish_reason": "tool_calls"}
+    text, closed, _, error = protocol_answer(choice, stop, "")
+    assert (text, closed, error) == ('<lookup_order>{"order_id": "A-17", "include_items": true}</lookup_order>', "</lookup_order>", None)
+    history = assistant_messages(text + '\n<result>\n{"status": "shipped"}\n</result>\n', native=True, first_call=0)
+    assert json.loads(history[0]["tool_calls"][0]["function"]["arguments"]) == {"order_id": "A-17", "include_items": True}

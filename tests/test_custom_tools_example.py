@@ -1,0 +1,78 @@
+"""examples/custom_tools as a user runs it: copied into imports/, its data written, its recipe applied (tiny), one cold
+`dvc repro` on the real SmolLM2, vLLM, DVC and MLflow. The teacher calls both of the user's tools (a Python function
+and an MCP stdio server), the student is trained on them and evaluated calling them, and the trained student, served by
+vLLM with the hermes parser, calls them through the openai client (`unison evaluate --served`)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from unison.config import ROOT
+from unison.recipes import recipe_params
+
+from .local_http import vllm_openai_server
+from .projects import copy_project, run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.nightly]  # a cold repro of its own: make test-nightly
+TOOLS = {"badge_number", "office_of"}
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory, base_model_dir):
+    project = copy_project(tmp_path_factory.mktemp("custom-tools"), base_model_dir)
+    shutil.copytree(ROOT / "examples/custom_tools", project / "imports/custom_tools")
+    run(project, sys.executable, "imports/custom_tools/make_dataset.py")
+    params = recipe_params(project / "imports/custom_tools/recipe.yaml", tiny=True)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (project / ".dvc" / "config.local").write_text("[cache]\n    type = hardlink,copy\n")
+    run(project, "dvc", "repro", timeout=2400)
+    return project
+
+
+def tool_calls(rows: list[dict]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        for tool, stats in json.loads(r["tool_stats"] or "{}").items():
+            for k, v in stats.items():
+                out.setdefault(tool, {}).setdefault(k, 0)
+                out[tool][k] += v
+    return out
+
+
+@pytest.mark.timeout(2400)
+def test_the_teacher_and_the_trained_student_call_the_users_function_and_mcp_tools(example):
+    recorded = json.loads((example / "data/trajectories/tools.json").read_text())
+    assert TOOLS <= set(recorded) and recorded["badge_number"]["parameters"]["required"] == ["person"]
+    teacher = tool_calls(pq.read_table(example / "data/trajectories/train.parquet").to_pylist())
+    for tool in TOOLS:  # every trajectory called both, and most calls ran (the scaffold writes the call up to the name)
+        assert teacher[tool]["calls"] == 60 and teacher[tool]["errors"] <= 30, teacher
+    metrics = json.loads((example / "reports/metrics.json").read_text())
+    student = tool_calls(pq.read_table(example / "reports/eval/sft.parquet").to_pylist())
+    assert TOOLS & {t for t, s in student.items() if s["calls"] > s["errors"]}, student  # the student calls them, unforced
+    print(f"custom tools example: teacher calls {teacher}; sft EM {metrics['sft']['em']:.3f}, rl EM {metrics['rl']['em']:.3f} "
+          f"on {metrics['sft']['questions']} questions only the tools answer; sft's calls {student}")
+
+
+@pytest.mark.timeout(1200)
+def test_the_served_student_calls_the_users_tools_through_the_openai_client(example):
+    log = example.parent / "served-custom-tools.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    with vllm_openai_server(example / "models/sft", "student", log, args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as url:
+        done = subprocess.run([sys.executable, "-m", "unison.cli", "evaluate", "--served", url], cwd=example, env=env,
+                              capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = pq.read_table(example / "reports/served.parquet").to_pylist()
+    called = [json.loads(m["content"]) for r in rows for m in r["messages"] if m["role"] == "assistant" and m["content"].startswith("[{")]
+    names = {c["function"]["name"] for calls in called for c in calls}
+    assert names & TOOLS, names  # the served student's tool_calls reached the user's tools
+    results = [m["content"] for r in rows for m in r["messages"] if m["role"] == "tool"]
+    assert any(t.startswith(("B-", "floor ")) for t in results), results[:6]  # and their answers came back
+    served = json.loads((example / "reports/served.json").read_text())
+    print(f"custom tools example served: EM {served['em']:.3f} on {served['questions']} questions, tools called {sorted(names)}")
