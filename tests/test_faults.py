@@ -271,3 +271,43 @@ def test_generate_stops_at_its_budget_on_a_fake_hosted_api_keeps_its_shards_and_
         assert len(teacher.requests) == 6 and out.read_bytes() == before
         report = json.loads((project / "reports/generate.json").read_text())
         assert report["backend.teacher.cached"] == 6 and report["backend.teacher.requests"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_generate_stops_when_an_mcp_server_dies_again_after_its_restart_keeps_its_shards_and_resumes(template, tmp_path, tokenizer):
+    """Question 1 calls the server; question 2's call ends the server's process (restarted: a server_died observation);
+    question 3's ends it again: the stage fails with no trajectories file, its two shards kept, and the re-run resumes
+    from them with a fresh restart allowance."""
+    def respond(req):
+        body = req["json"]
+        prompt = body["prompt"] if isinstance(body["prompt"], str) else tokenizer.decode(body["prompt"])
+        customer = "Ada Lovelace" if QUESTIONS[0] in prompt else "Doom"
+        tag = "customer_city" if "<result>\n" not in prompt else "answer"
+        text = f'<customer_city>{{"customer": "{customer}"}}</customer_city>' if tag != "answer" else "<answer>London</answer>"
+        return 200, {"choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None, "stop_reason": f"</{tag}>",
+                                  "token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}]}, None
+
+    crm = {"name": "crm", "command": [sys.executable, str(ROOT / "tests/fixtures/custom_tools/crm_server.py")], "tools": ["customer_city"]}
+    with LocalServer(respond) as teacher:
+        project = project_copy(template, tmp_path / "project", tools={"mcp": [crm]}, teacher={
+            "model": "local:unused", "backend": "openai", "api": "completions", "base_url": f"{teacher.url}/v1", "served_name": "fake"})
+        failed = run_stage(project, "generate")
+        assert failed.returncode != 0, failed.stdout[-3000:]
+        assert "ToolServerGone: MCP server 'crm' failed again after its restart" in failed.stderr, failed.stderr[-3000:]
+        assert "tools.mcp 'crm': the connection failed" in failed.stdout and "restarting it once" in failed.stdout
+        shards = sorted(p.name for p in (project / "data/.cache/generate").glob("*/shard-*.parquet"))
+        assert shards == ["shard-00000.parquet", "shard-00001.parquet"] and not (project / "data/trajectories/train.parquet").exists()
+        second = pq.read_table(next((project / "data/.cache/generate").glob("*/shard-00001.parquet"))).to_pylist()[0]
+        assert json.loads(second["tool_stats"]) == {"customer_city": {"calls": 1, "errors": 1, "server_died": 1}}
+        assert "the server crm stopped during this call and was restarted" in second["student"][3]["content"]
+
+        resumed = run_stage(project, "generate")
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "generate: shard 1/3 already done, reusing" in resumed.stdout and "shard 2/3 already done, reusing" in resumed.stdout
+    rows = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
+    died = "error: the server crm stopped during this call and was restarted"
+    # question 3's first turn comes from the response cache (its fatal call): in this stage run the server's one restart
+    observed = sorted(r["student"][3]["content"].split("\n")[2] for r in rows)
+    assert observed == ["London", died, died]
+    assert "customer_city" in json.loads((project / "data/trajectories/tools.json").read_text())
