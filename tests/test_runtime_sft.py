@@ -13,7 +13,7 @@ from unison.config import DebateConfig
 from unison.llm.hf_backend import HFBackend
 from unison.protocol import parse_tool_call, split_queries
 from unison.token_view import retokenization_drift, token_view
-from unison.tools.registry import TOOL_NAMES
+from unison.tools.registry import BUILTIN
 from unison.train.sft import SFTConfig, build_examples, select_trajectories, target_nll, train_sft
 
 
@@ -33,9 +33,9 @@ def smol(base_model_dir):
 
 
 def test_parse_tool_call_and_parallel_queries():
-    assert parse_tool_call("<think>x</think><search>a | b </search>", TOOL_NAMES) == ("search", "a | b")
-    assert parse_tool_call("<python>\nprint(1+1)</python>\n", TOOL_NAMES) == ("python", "print(1+1)")
-    assert parse_tool_call("no call</search>", TOOL_NAMES) is None
+    assert parse_tool_call("<think>x</think><search>a | b </search>", tuple(BUILTIN)) == ("search", "a | b")
+    assert parse_tool_call("<python>\nprint(1+1)</python>\n", tuple(BUILTIN)) == ("python", "print(1+1)")
+    assert parse_tool_call("no call</search>", tuple(BUILTIN)) is None
     assert split_queries("a | b ||  c") == ["a", "b", "c"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 
 from ..protocol import parse_tool_call
-from ..tools.registry import TOOL_NAMES
+from ..tools.registry import TOOLS
 
 
 def episode_from_row(row: dict) -> dict:
@@ -18,7 +18,7 @@ def episode_from_row(row: dict) -> dict:
             turns.append({"agent": agent, "round": rounds[agent],
                           "llm_calls": [{"prompt": "", "completion": m["content"], "n_tokens": None, "latency_s": None}], "tool_calls": []})
         elif m["role"] == "tool" and turns:
-            call = parse_tool_call(turns[-1]["llm_calls"][-1]["completion"], TOOL_NAMES)
+            call = parse_tool_call(turns[-1]["llm_calls"][-1]["completion"], tuple(TOOLS))
             tool, arg = call if call else ("unknown", "")
             turns[-1]["tool_calls"].append({"tool": tool, "input": arg, "output": m["content"],
                                             "error": "error" if m["content"].startswith("\n<result>\nerror") else None,

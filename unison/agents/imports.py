@@ -37,7 +37,7 @@ from ..data.adapters import read_rows
 from ..data.schemas import DataError
 from ..data.seed_rows import question_after_marker
 from ..protocol import normalize_answer, observation, parse_tool_call
-from ..tools.registry import ALIASES, TOOL_NAMES, calls_as_tag, system_prompt
+from ..tools.registry import ALIASES, TOOLS, calls_as_tag, system_prompt
 from .episodes import trajectory_row
 from .generation import summarize
 
@@ -194,10 +194,10 @@ def checked_turns(turns: list[list[str]], tools: tuple[str, ...], path, row: int
     for k, (role, text) in enumerate(merged):
         if role != "tool":
             continue
-        call = parse_tool_call(merged[k - 1][1], TOOL_NAMES) if k else None
+        call = parse_tool_call(merged[k - 1][1], tuple(TOOLS)) if k else None
         if call is None:
             said = merged[k - 1][1][-60:] if k else ""
-            raise DataError(path, f"a tool result follows no call of a student-protocol tool ({', '.join(TOOL_NAMES)}): ...{said!r}", row, field)
+            raise DataError(path, f"a tool result follows no call of a student-protocol tool ({', '.join(TOOLS)}): ...{said!r}", row, field)
         if call[0] not in tools:
             raise DataError(path, f"calls {call[0]}, which this run does not enable (tools.web_search_url, tools.crawl)", row, field)
     if not merged or merged[-1][0] != "assistant" or not merged[-1][1]:

@@ -23,7 +23,6 @@ def _builtin() -> dict[str, Tool]:
 
 
 BUILTIN = _builtin()
-TOOL_NAMES = tuple(BUILTIN)
 TOOLS = dict(BUILTIN)  # the built-in tools and the custom ones this process loaded (`register`)
 DEFAULT_TOOLS = tuple(name for name, t in BUILTIN.items() if t.enabled(ToolsConfig()))
 ALIASES = {alias: t.name for t in BUILTIN.values() for alias in (t.name, *t.aliases)}  # a seed's tool name -> the tool
