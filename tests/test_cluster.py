@@ -9,6 +9,7 @@ processes (each `ray start` in a process group of its own) are killed by group a
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -141,7 +142,10 @@ def test_generate_and_evaluate_on_a_ray_cluster_equal_the_in_process_run(cluster
     from unison.train.curriculum import STUDENT
 
     address, groups = cluster
-    here, ray = on_ray(project, address)
+    # every turn's first call forced to a function tool of yours: its workers start in each actor too
+    yours = {"tools": {"functions": [str(ROOT / "tests/fixtures/custom_tools/tools.py:lookup_order")]},
+             "generate": {"scaffold": {"qa": ["lookup_order", "answer"]}}}
+    here, ray = on_ray(project, address, yours)
     questions = read_table("data/raw/train.parquet", QUESTION)
     assert len(questions) == 4
 
@@ -156,6 +160,7 @@ def test_generate_and_evaluate_on_a_ray_cluster_equal_the_in_process_run(cluster
     assert ray_rows == rows  # every field of every trajectory, in question order, after an actor died mid-run
     assert {k: v for k, v in ray_metrics.items() if k != "wall_s"} == {k: v for k, v in metrics.items() if k != "wall_s"}
     assert len({r["student"][2]["content"] for r in rows}) > 1  # sampled at 0.7: the trajectories differ
+    assert all(json.loads(r["tool_stats"])["lookup_order"]["calls"] >= 1 for r in ray_rows)
 
     # 64-token turns at temperature 1: without the batch-invariant engine 3 of these 4 answers came apart
     here, ray = on_ray(project, address, {"generate": {"max_tokens_per_turn": 64}})
