@@ -52,7 +52,10 @@ def checked(name: str, parameters: dict, settings: ToolsConfig, run):
             arguments = json.loads(arg) if arg.strip() else {}
         except (json.JSONDecodeError, RecursionError) as e:
             return f"error: the arguments of {name} are not a JSON object: {e}", "invalid_arguments"
-        problem = next(iter(sorted(validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))), None)
+        try:
+            problem = next(iter(sorted(validator.iter_errors(arguments), key=lambda e: list(map(str, e.absolute_path)))), None)
+        except RecursionError:
+            return f"error: the arguments of {name} are nested too deeply", "invalid_arguments"
         if problem is not None:
             at = "/".join(map(str, problem.absolute_path)) or "the arguments"
             return f"error: invalid arguments for {name} at {at}: {problem.message[:300]}; expected {signature(parameters)}", "invalid_arguments"
