@@ -224,6 +224,15 @@ def test_wilson_interval_known_values(successes, n, expected):
     assert wilson_interval(successes, n) == pytest.approx(expected, abs=5e-5)
 
 
+def test_wilson_interval_holds_its_estimate_exactly_at_none_and_all():
+    """Rounding once put the bound of 0 of 5 at 2.8e-17 and the top of 13 of 13 at 0.99999..., past the estimate: a
+    plot's error bar was then negative and matplotlib refused it."""
+    for n in range(1, 400):
+        for k in (0, n):
+            p, lo, hi = wilson_interval(k, n)
+            assert lo <= p <= hi and (lo, hi)[k == n] == p, (k, n, lo, hi)
+
+
 def test_wilson_interval_rejects_no_trials_and_impossible_counts():
     with pytest.raises(ValueError, match="n >= 1"):
         wilson_interval(0, 0)

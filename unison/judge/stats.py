@@ -20,7 +20,7 @@ def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> tuple[float,
     shrink = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / shrink
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / shrink
-    return p, max(0.0, centre - half), min(1.0, centre + half)
+    return p, min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))  # holding p exactly at 0 or n (rounding)
 
 
 def bootstrap_ci(

@@ -114,8 +114,7 @@ def plot(rounds: list[dict], base: dict, path: Path) -> None:
     for who, style in (("teacher", "s-"), ("student", "o-")):
         rs = [r for r in rounds if f"{who}_em" in r]  # round 0 has no teacher row when evaluate.teacher is off
         ys = [r[f"{who}_em"] for r in rs]
-        # clipped at 0: a Wilson bound of an EM of 0 or 1 may lie a rounding error past it
-        err = [[max(0.0, y - r[f"{who}_em_lo"]) for y, r in zip(ys, rs)], [max(0.0, r[f"{who}_em_hi"] - y) for y, r in zip(ys, rs)]]
+        err = [[y - r[f"{who}_em_lo"] for y, r in zip(ys, rs)], [r[f"{who}_em_hi"] - y for y, r in zip(ys, rs)]]
         ax.errorbar([r["round"] for r in rs], ys, yerr=err, fmt=style, capsize=4, label=f"{who} (round k)")
     ax.axhline(base["base_em"], color="grey", ls="--", label="base student")
     ax.set_xticks([r["round"] for r in rounds])
