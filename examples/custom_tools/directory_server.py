@@ -13,12 +13,12 @@ directory = MCPServer("directory")
 
 
 @directory.tool()
-def office_of(person: str) -> str:
-    """The floor and room a member of staff works in."""
+def room_of(person: str) -> str:
+    """The room a member of staff works in: its floor, a dot, its number."""
     record = STAFF.get(person.strip())
     if record is None:
         return f"no member of staff named {person!r}"
-    return f"floor {record['floor']}, room {record['room']}"
+    return record["room"]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Write the example's questions and corpus beside this file: half the questions ask for a badge number (only
-badge_number knows it), half for a floor (only the directory server's office_of knows it); the corpus says which team
-each person is in, and nothing the questions ask."""
+badge_number knows it), half for a room (only the directory server's room_of knows it); the corpus says which team each
+person is in, and nothing the questions ask."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ def main() -> None:
         if k % 2 == 0:
             rows.append({"question": f"What is the badge number of {name}?", "answers": [record["badge"]]})
         else:
-            rows.append({"question": f"On which floor does {name} work?", "answers": [str(record["floor"]), f"floor {record['floor']}"]})
+            rows.append({"question": f"Which room does {name} work in?", "answers": [record["room"], f"room {record['room']}"]})
     rng.shuffle(rows)
     with open(HERE / "questions.jsonl", "w") as f:
         for r in rows:
