@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 from pathlib import Path
 
@@ -41,6 +42,8 @@ class McpServer:
         if self.cfg.url:
             return self.cfg.url
         command, *args = self.cfg.command
+        if command in ("python", "python3"):  # the interpreter unison runs in, whatever PATH a scheduler gives the stage
+            command = sys.executable
         return stdio_client(StdioServerParameters(command=command, args=args, env={**get_default_environment(), **self.cfg.env}),
                             errlog=self.log)
 
