@@ -11,7 +11,7 @@ from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import atomic_dir, write_json
-from unison.tools.custom import check_toolset
+from unison.tools.registry import check_toolset
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 

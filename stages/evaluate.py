@@ -12,7 +12,7 @@ from unison.data.schemas import LABELED, QUESTION, atomic_dir, read_table, write
 from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
 from unison.labeling.metrics import scoring_label
 from unison.report.tables import headline_metrics
-from unison.tools.custom import check_toolset
+from unison.tools.registry import check_toolset
 from unison.train.prm import load_prm
 
 OUT = layout.EVAL

@@ -10,8 +10,7 @@ from unison.config import load_params
 from unison.data.schemas import LABELED, atomic_dir, read_table, write_json
 from unison.exports import read_rl_prompts, write_export
 from unison.tool_format import student_format
-from unison.tools.custom import check_toolset
-from unison.tools.registry import enabled_tools
+from unison.tools.registry import check_toolset, enabled_tools
 
 LABELED_PATH, RL_DIR, OUT, STUDENT = layout.LABELED, layout.RL_DATA, layout.EXPORT, layout.BASE
 

@@ -8,7 +8,7 @@ from unison import layout, registry, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
-from unison.tools.custom import check_toolset
+from unison.tools.registry import check_toolset
 from unison.train.flywheel import cache_dir, plot, publish_rounds, round_zero, run_rounds
 
 REPORT, PLOT = Path(layout.FLYWHEEL_REPORT), Path(layout.FLYWHEEL_PLOT)

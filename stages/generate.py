@@ -18,8 +18,7 @@ from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
 from unison.llm import teacher_backend
 from unison.teacher_topk import TEACHER_TOPK, capture_topk, generated_figures
-from unison.tools.custom import record_toolset
-from unison.tools.registry import enabled_tools
+from unison.tools.registry import enabled_tools, record_toolset
 
 OUT = Path(layout.TRAJECTORIES)
 

@@ -7,7 +7,7 @@ from unison.config import load_params
 from unison.data.schemas import LABELED, TRAJECTORY, read_table, write_json, write_table
 from unison.labeling.judging import make_judge
 from unison.labeling.labels import check_step_labels, judge_identity, label_metrics, label_trajectories
-from unison.tools.custom import check_toolset
+from unison.tools.registry import check_toolset
 
 IN, OUT = layout.TRAJECTORIES, layout.LABELED
 

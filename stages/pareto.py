@@ -5,7 +5,7 @@ from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import QUESTION, atomic_dir, read_table, write_json
-from unison.tools.custom import check_toolset
+from unison.tools.registry import check_toolset
 from unison.train.curriculum import PLOT, plot_front, rl_curriculum
 from unison.train.pareto import write_rl_data
 

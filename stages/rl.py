@@ -17,8 +17,7 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
 from unison.tool_format import student_format
-from unison.tools.custom import check_toolset
-from unison.tools.registry import enabled_tools
+from unison.tools.registry import check_toolset, enabled_tools
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, run_key, write_records_csv
 from unison.train.rl import load_rl_data, train_rl

@@ -12,8 +12,7 @@ from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
 from unison.teacher_topk import TEACHER_TOPK, topk_for
 from unison.tool_format import student_format
-from unison.tools.custom import check_toolset
-from unison.tools.registry import enabled_tools
+from unison.tools.registry import check_toolset, enabled_tools
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
 from unison.train.sft import build_examples, select_trajectories, train_sft

@@ -16,9 +16,9 @@ from unison.agents.runtime import Episode, EpisodeSettings, run_episodes
 from unison.agents.toolbox import Toolbox
 from unison.config import McpServerConfig, ToolsConfig
 from unison.tool_format import NativeFormat, native_system_prompt
-from unison.tools.custom import check_toolset, close_custom_tools, record_toolset
+from unison.tools.custom import close_custom_tools
 from unison.tools.mcp_servers import ToolServerGone
-from unison.tools.registry import SCAFFOLD, TOOLS, enabled_tools, schemas, system_prompt
+from unison.tools.registry import SCAFFOLD, TOOLS, check_toolset, enabled_tools, record_toolset, schemas, system_prompt
 
 from .test_tool_format import Scripted
 
@@ -93,7 +93,7 @@ def test_a_function_that_cannot_give_a_schema_or_be_found_is_refused_at_start():
         enabled_tools(ToolsConfig(functions=["json:dumps"]))
     with pytest.raises(ValueError, match="not file.py:function or module:function"):
         ToolsConfig(functions=["tools.py"])
-    assert "lookup_order" not in TOOLS  # nothing half-registered
+    assert enabled_tools(ToolsConfig()) == ("search", "python") and "lookup_order" not in TOOLS  # nothing left behind
 
 
 def test_an_mcp_stdio_server_is_started_listed_through_its_allow_list_and_contained():

@@ -7,14 +7,12 @@ tools.custom_max_output_chars. Each failure is an observation of its own kind th
 argument_too_long, invalid_arguments, tool_error (the tool raised or reported an error), timeout, output_cut,
 server_died (an MCP server that stopped: restarted once, then the stage stops).
 
-The tool set of a run is data: generate records it (`record_toolset`) beside the trajectories, and a later stage whose
-tools differ refuses (`check_toolset`) unless tools.accept_changed_tools."""
+The tool set of a run is data (registry.record_toolset, registry.check_toolset)."""
 from __future__ import annotations
 
 import atexit
 import json
 import re
-from pathlib import Path
 
 from ..config import ToolsConfig
 from .tool import Tool
@@ -116,10 +114,8 @@ def _mcp_tools(settings: ToolsConfig) -> tuple[list[Tool], list]:
 
 
 def custom_tools(settings: ToolsConfig) -> list[Tool]:
-    """The custom tools `settings` declare, loaded once per process (their servers and workers started) and registered
-    with the protocol; another declaration replaces them."""
-    from .registry import register
-
+    """The custom tools `settings` declare, loaded once per process (their servers and workers started); another
+    declaration replaces them (registry.enabled_tools registers them with the protocol)."""
     key = json.dumps(settings.model_dump(include={"functions", "mcp", "function_workers", "function_memory_mb",
                                                   "custom_max_output_chars"}), sort_keys=True)
     if _loaded["key"] == key:
@@ -136,7 +132,6 @@ def custom_tools(settings: ToolsConfig) -> list[Tool]:
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"tools.functions / tools.mcp: tools named alike: {twice} ({[t.origin for t in tools if t.name in twice]})")
-        register(tools)
     except BaseException:
         for close in closers:
             close()
@@ -150,43 +145,9 @@ def custom_tools(settings: ToolsConfig) -> list[Tool]:
 @atexit.register
 def close_custom_tools() -> None:
     """Stop the servers and workers of the loaded custom tools, and forget them."""
-    from .registry import register
-
-    register([])
     for close in _loaded["closers"]:
         try:
             close()
         except Exception:  # closing at exit: what failed is gone with the process
             pass
     _loaded.update(key=None, tools=[], closers=[])
-
-
-# ------------------------------------------------------------------------------------------------ the tool set as data
-
-def toolset(tools: tuple[str, ...]) -> dict[str, dict]:
-    """The schemas of `tools` by name: what a stage's agents were shown."""
-    from .registry import TOOLS
-
-    return {t: TOOLS[t].schema()["function"] for t in tools}
-
-
-def record_toolset(tools: tuple[str, ...], path) -> None:
-    Path(path).write_text(json.dumps(toolset(tools), indent=1, sort_keys=True) + "\n")
-
-
-def check_toolset(settings: ToolsConfig, path, stage: str) -> None:
-    """Refuse a stage whose tools differ from those generate recorded at `path`, naming those that changed, unless
-    tools.accept_changed_tools; a run from before the record was kept passes."""
-    from .registry import enabled_tools
-
-    path = Path(path)
-    if not path.is_file():
-        return
-    recorded, now = json.loads(path.read_text()), toolset(enabled_tools(settings))
-    added, removed = sorted(set(now) - set(recorded)), sorted(set(recorded) - set(now))
-    changed = sorted(t for t in set(now) & set(recorded) if now[t] != recorded[t])
-    if (added or removed or changed) and not settings.accept_changed_tools:
-        said = "; ".join(f"{what}: {', '.join(names)}" for what, names in (("added", added), ("removed", removed),
-                                                                           ("changed", changed)) if names)
-        raise ValueError(f"{stage}: its tools differ from those the trajectories were generated with ({path}): {said}. "
-                         "Re-run generate, or set tools.accept_changed_tools: true to go on")

@@ -10,9 +10,11 @@ tools; a call of one writes its arguments as a JSON object: <lookup_order>{"orde
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ..config import ToolsConfig
 from ..protocol import ROLE_TAGS, split_queries
+from .custom import custom_tools
 from .tool import Tool
 
 
@@ -41,14 +43,16 @@ STUDENT_RULES = {
 
 def enabled_tools(settings: ToolsConfig) -> tuple[str, ...]:
     """The tools params.yaml turns on: the built-in ones in BUILTIN's order, then yours (loaded, and their servers
-    started, on the first call)."""
-    from .custom import custom_tools
-
-    return tuple(name for name, t in BUILTIN.items() if t.enabled(settings)) + tuple(t.name for t in custom_tools(settings))
+    started, on the first call; registered with the protocol)."""
+    custom = custom_tools(settings)
+    register(custom)
+    return tuple(name for name, t in BUILTIN.items() if t.enabled(settings)) + tuple(t.name for t in custom)
 
 
 def register(tools: list[Tool]) -> None:
     """Make custom tools known to the protocol: their names, tags and scaffold; replaces custom tools loaded before."""
+    if [t for t in TOOLS.values() if t.origin != "builtin"] == tools:
+        return
     for name in [n for n, t in TOOLS.items() if t.origin != "builtin"]:
         del TOOLS[name], ALIASES[name], SCAFFOLD[name]
     for t in tools:
@@ -143,3 +147,30 @@ def call_arguments(tool: str, arg: str):
     except (json.JSONDecodeError, RecursionError):
         return arg
     return parsed if isinstance(parsed, dict) else arg
+
+
+# ------------------------------------------------------------------------------------------------ the tool set as data
+
+def toolset(tools: tuple[str, ...]) -> dict[str, dict]:
+    """The schemas of `tools` by name: what a stage's agents were shown."""
+    return {t: TOOLS[t].schema()["function"] for t in tools}
+
+
+def record_toolset(tools: tuple[str, ...], path) -> None:
+    Path(path).write_text(json.dumps(toolset(tools), indent=1, sort_keys=True) + "\n")
+
+
+def check_toolset(settings: ToolsConfig, path, stage: str) -> None:
+    """Refuse a stage whose tools differ from those generate recorded at `path`, naming those that changed, unless
+    tools.accept_changed_tools; a run from before the record was kept passes."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    recorded, now = json.loads(path.read_text()), toolset(enabled_tools(settings))
+    added, removed = sorted(set(now) - set(recorded)), sorted(set(recorded) - set(now))
+    changed = sorted(t for t in set(now) & set(recorded) if now[t] != recorded[t])
+    if (added or removed or changed) and not settings.accept_changed_tools:
+        said = "; ".join(f"{what}: {', '.join(names)}" for what, names in (("added", added), ("removed", removed),
+                                                                           ("changed", changed)) if names)
+        raise ValueError(f"{stage}: its tools differ from those the trajectories were generated with ({path}): {said}. "
+                         "Re-run generate, or set tools.accept_changed_tools: true to go on")
