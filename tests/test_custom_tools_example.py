@@ -55,6 +55,8 @@ def test_the_teacher_and_the_trained_student_call_the_users_function_and_mcp_too
     teacher = tool_calls(pq.read_table(example / "data/trajectories/train.parquet").to_pylist())
     for tool in TOOLS:  # every trajectory called both, and most calls ran (the scaffold writes the call up to the name)
         assert teacher[tool]["calls"] == 60 and teacher[tool]["errors"] <= 30, teacher
+    exported = [json.loads(line) for line in (example / "data/export/trl/sft.jsonl").read_text().splitlines()]
+    assert TOOLS <= {t["function"]["name"] for t in json.loads(exported[0]["tools"])}  # the exports carry your schemas
     metrics = json.loads((example / "reports/metrics.json").read_text())
     for system in ("sft", "rl"):
         rows = pq.read_table(example / f"reports/eval/{system}.parquet").to_pylist()
