@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 
 from unison.config import ROOT
 
-from . import ATTEMPTS, CLEANUP, Attempt, host, runtime, sandbox, servers, web  # noqa: F401  registers the attempts, in this order
+from . import ATTEMPTS, CLEANUP, Attempt, custom_tools, host, runtime, sandbox, servers, web  # noqa: F401  registers the attempts, in this order
 
 REPORTS = ROOT / "reports"
 COLUMNS = (("attempt", 44), ("class", 22), ("result", 13), ("seconds", 7))

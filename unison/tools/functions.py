@@ -11,6 +11,7 @@ import os
 import queue
 import resource
 import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -93,16 +94,25 @@ class FunctionRunner:
             self.idle.put(self._start())
 
     def _start(self) -> subprocess.Popen:
-        process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                   start_new_session=True)  # its own process group: what a function starts goes with it
         self.running.add(process)
         if process.stdout.readline() != "ready\n":
-            process.kill()
+            self._stop(process)
             raise ValueError(f"tools.functions: a worker could not load {self.command[5:]} (its error is above)")
         return process
 
-    def _replace(self, process: subprocess.Popen) -> subprocess.Popen:
-        process.kill()
+    @staticmethod
+    def _stop(process: subprocess.Popen) -> None:
+        """Kill a worker and every process it started (its process group)."""
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         process.wait(5)
+
+    def _replace(self, process: subprocess.Popen) -> subprocess.Popen:
+        self._stop(process)
         self.running.discard(process)
         return self._start()
 
@@ -130,8 +140,7 @@ class FunctionRunner:
 
     def close(self) -> None:
         for process in list(self.running):
-            process.kill()
-            process.wait(5)
+            self._stop(process)
         self.running.clear()
 
 
