@@ -18,7 +18,7 @@ from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
 from unison.llm import teacher_backend
 from unison.teacher_topk import TEACHER_TOPK, capture_topk, generated_figures
-from unison.tools.registry import enabled_tools, record_toolset
+from unison.tools.registry import enabled_tools, toolset
 
 OUT = Path(layout.TRAJECTORIES)
 
@@ -50,7 +50,7 @@ def main() -> None:
         write_table(topk, layout.TOPK, TEACHER_TOPK, empty_ok=True)  # empty without generate.topk: the output exists either way
         if g.topk:
             metrics["topk_bytes_per_token"] = Path(layout.TOPK).stat().st_size / max(1, metrics["topk_tokens"])
-        record_toolset(enabled_tools(params.tools), layout.TOOLSET)
+        write_json(toolset(enabled_tools(params.tools)), layout.TOOLSET)
         write_table(rows, OUT, TRAJECTORY)
         write_json(metrics, layout.report("generate"))
         run.log_metrics(metrics)

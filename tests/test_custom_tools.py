@@ -15,11 +15,13 @@ from transformers import AutoTokenizer
 from unison.agents.runtime import Episode, EpisodeSettings, run_episodes
 from unison.agents.toolbox import Toolbox
 from unison.config import McpServerConfig, ToolsConfig
+from unison.data.schemas import write_json
 from unison.tool_format import NativeFormat, native_system_prompt
 from unison.tools.custom import close_custom_tools
 from unison.tools.mcp_servers import ToolServerGone
-from unison.tools.registry import SCAFFOLD, TOOLS, check_toolset, enabled_tools, record_toolset, schemas, system_prompt
+from unison.tools.registry import SCAFFOLD, TOOLS, check_toolset, enabled_tools, schemas, system_prompt, toolset
 
+from .local_http import free_port
 from .test_tool_format import Scripted
 
 FIXTURES = "tests/fixtures/custom_tools"
@@ -119,9 +121,7 @@ def test_an_mcp_stdio_server_is_started_listed_through_its_allow_list_and_contai
 
 
 def test_an_mcp_streamable_http_server_is_connected_to():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([*CRM, str(port)], stderr=subprocess.DEVNULL)
     try:
         for _ in range(100):
@@ -163,12 +163,12 @@ def test_both_formats_force_read_and_render_a_call_of_your_tool(functions, tiny_
 
 def test_a_stage_whose_tools_differ_from_generates_refuses_naming_them(functions, tmp_path):
     record = tmp_path / "tools.json"
-    record_toolset(("search", "python", "lookup_order"), record)
+    write_json(toolset(("search", "python", "lookup_order")), record)
     assert json.loads(record.read_text())["lookup_order"]["parameters"]["required"] == ["order_id"]
     with pytest.raises(ValueError, match="sft: its tools differ .* added: allocate, repeat, sleep_for. Re-run generate"):
         check_toolset(functions.settings, record, "sft")
     check_toolset(functions.settings.model_copy(update={"accept_changed_tools": True}), record, "sft")  # asked for
-    record_toolset(enabled_tools(functions.settings), record)
+    write_json(toolset(enabled_tools(functions.settings)), record)
     check_toolset(functions.settings, record, "sft")
 
 

@@ -7,7 +7,7 @@ tools.custom_max_output_chars. Each failure is an observation of its own kind th
 argument_too_long, invalid_arguments, tool_error (the tool raised or reported an error), timeout, output_cut,
 server_died (an MCP server that stopped: restarted once, then the stage stops).
 
-The tool set of a run is data (registry.record_toolset, registry.check_toolset)."""
+The tool set of a run is data: generate writes registry.toolset, later stages run registry.check_toolset."""
 from __future__ import annotations
 
 import atexit
@@ -51,7 +51,7 @@ def checked(name: str, parameters: dict, settings: ToolsConfig, run):
         except (json.JSONDecodeError, RecursionError) as e:
             return f"error: the arguments of {name} are not a JSON object: {e}", "invalid_arguments"
         try:
-            problem = next(iter(sorted(validator.iter_errors(arguments), key=lambda e: list(map(str, e.absolute_path)))), None)
+            problem = min(validator.iter_errors(arguments), key=lambda e: list(map(str, e.absolute_path)), default=None)
         except RecursionError:
             return f"error: the arguments of {name} are nested too deeply", "invalid_arguments"
         if problem is not None:

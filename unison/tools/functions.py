@@ -26,7 +26,8 @@ def load_function(spec: str):
             path = Path(where).resolve()
             if not path.is_file():
                 raise FileNotFoundError(f"no file {where} (relative to the project root)")
-            sys.path.insert(0, str(path.parent)) if str(path.parent) not in sys.path else None
+            if str(path.parent) not in sys.path:
+                sys.path.insert(0, str(path.parent))
             module_name = f"unison_tools_{path.stem}"
             module = sys.modules.get(module_name)
             if module is None or getattr(module, "__file__", None) != str(path):

@@ -156,10 +156,6 @@ def toolset(tools: tuple[str, ...]) -> dict[str, dict]:
     return {t: TOOLS[t].schema()["function"] for t in tools}
 
 
-def record_toolset(tools: tuple[str, ...], path) -> None:
-    Path(path).write_text(json.dumps(toolset(tools), indent=1, sort_keys=True) + "\n")
-
-
 def check_toolset(settings: ToolsConfig, path, stage: str) -> None:
     """Refuse a stage whose tools differ from those generate recorded at `path`, naming those that changed, unless
     tools.accept_changed_tools; a run from before the record was kept passes."""

@@ -11,7 +11,6 @@ verl is importable, the schemas, the config and run_tool everywhere.
 from __future__ import annotations
 
 import asyncio
-import json
 
 from ..agents.runtime import timed_call
 from ..agents.toolbox import Toolbox
@@ -35,7 +34,7 @@ def tool_config(tools: tuple[str, ...], settings: ToolsConfig) -> dict:
 def run_tool(toolbox: Toolbox, tool: str, parameters: dict) -> tuple[str, str | None]:
     """(the observation block, the error kind or None) of one call with verl's parsed JSON arguments."""
     if TOOLS[tool].structured:  # a custom tool: its arguments as JSON, checked when it runs
-        argument = call_argument(parameters if isinstance(parameters, (dict, str)) else json.dumps(parameters), tool)
+        argument = call_argument(parameters, tool)
     else:
         name = TOOLS[tool].argument
         argument = parameters.get(name) if isinstance(parameters, dict) else None
