@@ -7,7 +7,8 @@ import os
 import pytest
 
 from unison.config import ROOT
-from unison.data.models import materialize_model, read_info
+from unison.data import models
+from unison.data.models import INFO_FILE, materialize_model, read_info
 
 BASE_MODEL_SPEC = "builtin:smollm2-135m-instruct"
 TEST_MODELS = ROOT / ".cache" / "test-models"
@@ -18,12 +19,14 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 @pytest.fixture(scope="session")
 def base_model_dir():
-    """SmolLM2-135M-Instruct as a transformers folder; converted from the GGUF once (~36 s), then reused."""
+    """SmolLM2-135M-Instruct as a transformers folder; converted from the GGUF once (~36 s), then reused until the code
+    that writes it changes (then copied again from the converted model in $UNISON_CACHE, seconds)."""
     path = TEST_MODELS / "base"
     TEST_MODELS.mkdir(parents=True, exist_ok=True)
     with open(TEST_MODELS / ".base.lock", "w") as lock:  # test runs in parallel processes convert it once
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (read_info(path) or {}).get("source") != BASE_MODEL_SPEC:
+        if ((read_info(path) or {}).get("source") != BASE_MODEL_SPEC
+                or (path / INFO_FILE).stat().st_mtime < os.stat(models.__file__).st_mtime):
             materialize_model(BASE_MODEL_SPEC, path)
     return path
 

@@ -120,10 +120,18 @@ class RawServer:
         self.tcp.server_close()
 
 
+_held_ports: list[socket.socket] = []  # bound until the test process ends
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 held for the rest of the test run by a socket bound to it with SO_REUSEADDR and not listening:
+    the kernel gives it to no other socket, a connection to it is refused, and a server that sets SO_REUSEADDR too
+    (uvicorn, http.server, vLLM, torch's TCPStore) can listen on it however long it takes to start."""
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", 0))
+    _held_ports.append(held)
+    return held.getsockname()[1]
 
 
 @contextmanager

@@ -4,6 +4,7 @@ train (Flow-GRPO); the executor, verifier and generator are fixed modules behind
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -55,6 +56,39 @@ def settings(cfg) -> EpisodeSettings:
                            max_model_len=1024)
 
 
+@contextmanager
+def fake_hosted_flow(tok, max_steps: int):
+    """`train_rl`'s `flow`: the fixed modules answered by `fake_hosted_fixed_modules` (the API's request log unread)."""
+    with LocalServer(fake_hosted_fixed_modules([])) as api:
+        modules = OpenAIBackend(f"{api.url}/v1", "gpt-4o-mini", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=30)
+        yield {role: modules for role in ("executor", "verifier", "generator")}, AgentFlowConfig(max_steps=max_steps)
+
+
+def small_planner_config(**kw):
+    """One question, two rollouts of one step each, 8 tokens a planner turn; seed 3 names the rollouts' questions so that
+    the fake generator answers Paris in one rollout of two in each of the first two steps (its seed's parity)."""
+    return rl_config(estimator="flow_grpo", student_role="agentflow_planner", group_size=2, prompts_per_step=1, max_tokens_per_turn=8,
+                     format_weight=0.0, seed=3, **kw)
+
+
+def train_planner(model_dir, cfg, flow, out, on_step=None) -> list[dict]:
+    return train_rl(str(model_dir), make_rows(), cfg, Toolbox(OnePassage()), settings(cfg), TOOLS, LABEL, LLMConfig(max_model_len=1024),
+                    str(out / "out"), str(out / "ckpt"), on_step=on_step, flow=flow)
+
+
+def turn_logprobs(model_dir, samples: list[dict]) -> list[float]:
+    """Each sample's log-prob of its own (loss-masked) tokens after its context, by a plain forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            logp = torch.log_softmax(model(torch.tensor([s["ids"]])).logits[0, :-1], -1)  # row t predicts token t + 1
+            out.append(sum(logp[t, s["ids"][t + 1]].item() for t, m in enumerate(s["loss_mask"]) if m))
+    return out
+
+
 @pytest.mark.slow
 def test_only_the_planners_turns_train_and_the_fixed_modules_answer_from_the_api(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -102,6 +136,56 @@ def test_only_the_planners_turns_train_and_the_fixed_modules_answer_from_the_api
     assert rec["samples"] == 16 and rec["episodes"] == 8
     before, after = state(tiny_model_dir), state(tmp_path / "out")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_one_planner_update_raises_the_rewarded_plans_and_lowers_the_punished_ones(tiny_model_dir, tmp_path):
+    """One Flow-GRPO step of `train_rl` (lr 1e-3, fixed seeds): every planner turn of the rollout rewarded 1 becomes
+    likelier under the saved model, every one of the rollout rewarded 0 less likely. The rollouts are collected once
+    more beforehand, with the same seeds on the same weights, to know the turns and their rewards."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = small_planner_config(lr=1e-3)
+    with fake_hosted_flow(tok, max_steps=1) as flow:
+        policy = HFBackend(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer=tok)
+        samples, _, _, rewards, _, _, _ = collect_step(0, 0, make_rows(), policy, Toolbox(OnePassage()), settings(cfg), TOOLS, cfg,
+                                                       LABEL, None, flow)
+        [record] = train_planner(tiny_model_dir, cfg, flow, tmp_path)
+    assert rewards["total"] in ([1.0, 0.0], [0.0, 1.0])  # one rollout rewarded, one punished
+    assert record["reward_total"] == 0.5 and record["response_tokens"] == sum(rewards["lengths"]) / 2  # train_rl's rollouts
+    assert len(samples) == 4  # per rollout: its analysis turn and its one plan, in rollout order
+    reward_of = [rewards["total"][i // 2] for i in range(4)]
+    assert [{a > 0 for a, m in zip(s["advantages"], s["loss_mask"]) if m} for s in samples] == [{r == 1.0} for r in reward_of]
+    before, after = turn_logprobs(tiny_model_dir, samples), turn_logprobs(tmp_path / "out", samples)
+    for reward, b, a in zip(reward_of, before, after):
+        assert (a > b) if reward == 1.0 else (a < b), (reward, b, a)
+
+
+@pytest.mark.slow
+def test_a_planner_run_killed_after_a_step_resumes_to_the_same_weights(tiny_model_dir, tmp_path):
+    """As tests/test_rl.py's resume test, for rl.student_role agentflow_planner: killed in step 2, after step 1's
+    checkpoint, the re-run trains step 2 only and ends on the weights of a run never killed."""
+    from transformers import AutoTokenizer
+
+    cfg = small_planner_config(steps=2)
+    with fake_hosted_flow(AutoTokenizer.from_pretrained(tiny_model_dir), max_steps=1) as flow:
+        straight = train_planner(tiny_model_dir, cfg, flow, tmp_path / "straight")
+
+        def kill(rec):
+            if rec["step"] == 2:
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            train_planner(tiny_model_dir, cfg, flow, tmp_path / "resumed", on_step=kill)
+        assert not (tmp_path / "resumed" / "out").exists()
+        trained = []
+        resumed = train_planner(tiny_model_dir, cfg, flow, tmp_path / "resumed", on_step=lambda rec: trained.append(rec["step"]))
+    assert trained == [2]  # it read the checkpoint of step 1
+    assert [r["reward_total"] for r in straight] == [0.5, 0.5]  # both steps have a reward spread: both move the weights
+    a, b = state(tmp_path / "straight" / "out"), state(tmp_path / "resumed" / "out")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["reward_total"] for r in resumed] == [r["reward_total"] for r in straight] and len(resumed) == 2
 
 
 def test_the_planner_role_needs_flow_grpo_and_the_three_fixed_modules_when_params_load():

@@ -56,7 +56,7 @@ def test_a_transcript_reads_back_into_messages_with_native_tool_calls_or_plain_t
     assert native[2]["content"] == "<think>look it up</think>"
     assert native[2]["tool_calls"][0]["function"] == {"name": "search", "arguments": json.dumps({"query": "Zorvan Kelt"})}
     assert native[3] == {"role": "tool", "tool_call_id": native[2]["tool_calls"][0]["id"], "content": "Doc 1 Tarsk"}
-    assert native[4]["content"] is None and json.loads(native[4]["tool_calls"][0]["function"]["arguments"]) == {"code": "print(1)"}
+    assert native[4]["content"] == "" and json.loads(native[4]["tool_calls"][0]["function"]["arguments"]) == {"code": "print(1)"}  # "", never null: llama.cpp refuses null beside tool_calls
     assert native[4]["tool_calls"][0]["id"] != native[2]["tool_calls"][0]["id"] and native[6]["content"] == "<think>so"
     text = read_back(tok, ids, native=False)
     assert [m["role"] for m in text] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
@@ -164,6 +164,14 @@ def fake_hosted_chat_api(faults: dict):
     return respond
 
 
+def seeds_by_question(requests) -> dict[str, list[int]]:
+    """The sampling seed of each request, in the order sent, by the question it asks."""
+    seeds = {}
+    for r in requests:
+        seeds.setdefault(next(m["content"] for m in r["json"]["messages"] if m["role"] == "user"), []).append(r["json"]["seed"])
+    return seeds
+
+
 def test_a_fake_hosted_chat_api_teaches_with_native_tool_calls_and_malformed_answers_are_counted_errors(tok):
     questions = QUESTIONS + [{**QUESTIONS[0], "id": "q2", "question": "Malformed?"}, {**QUESTIONS[0], "id": "q3", "question": "Refused?"},
                              {**QUESTIONS[0], "id": "q4", "question": "Rate limited?"}]
@@ -175,7 +183,16 @@ def test_a_fake_hosted_chat_api_teaches_with_native_tool_calls_and_malformed_ans
     assert all(r["path"] == "/v1/chat/completions" for r in api.requests)
     sent = api.requests[0]["json"]
     assert sent["model"] == "gpt-fake" and sent["tool_choice"] == "auto" and {t["function"]["name"] for t in sent["tools"]} == {"search", "python"}
-    assert isinstance(sent["seed"], int) and "prompt" not in sent
+    assert "prompt" not in sent
+    with LocalServer(fake_hosted_chat_api(faults)) as rerun_api:  # the same questions again, in another order
+        rerun = OpenAIBackend(f"{rerun_api.url}/v1", "gpt-fake", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=30)
+        run_method("single", questions[::-1], 1, MethodContext(rerun, Toolbox(CorpusRetriever()),
+                                                                EpisodeSettings(temperature=0.0, max_turns=3), "gpt-fake@api"), 8)
+    seeds = seeds_by_question(api.requests)
+    assert seeds == seeds_by_question(rerun_api.requests)  # a request's seed depends on its question and turn, not on the order
+    assert seeds["Rate limited?"][0] == seeds["Rate limited?"][1]  # the 429's retry is the same request
+    turn_seeds = [seed for q, s in seeds.items() for seed in (s[1:] if q == "Rate limited?" else s)]
+    assert len(set(turn_seeds)) == len(turn_seeds) == 10  # every question's every turn samples with its own seed
     for q in ("q0", "q1", "q4"):  # a search call, its result as a tool message, then the answer
         r = rows[q]
         assert r["final_answer"] == "Tarsk" and r["finish_reason"] == "answer" and r["n_tool_calls"] == 1, r

@@ -1,6 +1,8 @@
 """download stage: the builtin world, dataset adapters, model materialisation, the stage itself."""
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -408,3 +410,64 @@ def test_the_builtin_model_is_dequantised_once_then_copied_from_the_cache(base_m
             assert (tmp_path / stage_out / f.name).read_bytes() == f.read_bytes(), f.name
     monkeypatch.setattr(transformers, "__version__", "0.0.0")  # another transformers may dequantise differently
     assert models.builtin_cache_dir("smollm2-135m-instruct") != cached
+
+
+# md5 of every file materialize_model writes for each builtin model, with the libraries of requirements/*.lock (config.json
+# names the transformers version: another lock writes other bytes, and these are pinned again)
+BUILTIN_MD5 = {
+    "smollm2-135m-instruct": {
+        "chat_template.jinja": "d6725070f5c7d94ab642b7122fc34a5f",
+        "config.json": "5fda6f50bf455a742185cc228da3a6ef",
+        "generation_config.json": "721849a84c5b6913697fc4240ed67e74",
+        "model.safetensors": "95b81d88c2cdafbdd49a68b499feb5de",
+        "tokenizer.json": "e8806bb77887d14b752876f6ee970409",
+        "tokenizer_config.json": "11e99678c22443b236caae0fc9e23e36",
+        "unison_model.json": "aa78382c32cb8c55f27d1d85e7c99281",
+    },
+    "gemma3-270m": {
+        "config.json": "269b71b8b45c98da3cae436d4f934ed7",
+        "generation_config.json": "982aff7635e69deefcde606da0510d2f",
+        "model.safetensors": "9ea793a348a324bb3ffeb48fb80039cb",
+        "tokenizer.json": "e28e05d39c109c6832c4e59cb4210d79",
+        "tokenizer_config.json": "597c9418c0cc1675d15ca6be38418991",
+        "unison_model.json": "7981e62ebc0d69066392f1b9adc23b86",
+    },
+}
+
+
+def file_md5s(folder: Path) -> dict[str, str]:
+    md5s = {}
+    for f in sorted(folder.iterdir()):
+        with open(f, "rb") as stream:
+            md5s[f.name] = hashlib.file_digest(stream, "md5").hexdigest()
+    return md5s
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct",
+                                  pytest.param("gemma3-270m", marks=pytest.mark.nightly)])  # ~3 min to convert on 2 cores
+def test_a_builtin_model_is_the_same_bytes_on_every_machine(name, request, tmp_path):
+    """Materialising a packaged model is deterministic work: every CPU kind, thread count and HF_HUB_OFFLINE setting
+    must write the same bytes, so models/base has one DVC hash everywhere and a team sharing a DVC remote gets cache
+    hits instead of re-running every stage after download."""
+    package = models.BUILTIN_GGUF[name][0]
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"builtin:{name} is not installed ({models.INSTALL[package]})")
+    if name == "smollm2-135m-instruct":
+        folder = request.getfixturevalue("base_model_dir")
+    else:
+        folder = tmp_path / name
+        models.materialize_model(f"builtin:{name}", folder)
+    assert file_md5s(folder) == BUILTIN_MD5[name]
+
+
+def test_the_materialised_folder_does_not_record_hf_hub_offline(tiny_model_dir, tmp_path, monkeypatch):
+    """The tokenizer that download saves again with its chat template is the same bytes online and offline."""
+    import huggingface_hub.constants
+
+    from unison.tool_format import install_template
+
+    for offline in (True, False):
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)  # what HF_HUB_OFFLINE=1 sets at import
+        models.materialize_model(f"local:{tiny_model_dir}", tmp_path / str(offline), install_template)
+    assert file_md5s(tmp_path / "True") == file_md5s(tmp_path / "False")
+    assert not set(json.loads((tmp_path / "True" / "tokenizer_config.json").read_text())) & set(models.LOADING_OPTIONS)

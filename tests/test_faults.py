@@ -229,6 +229,40 @@ def test_generate_stops_naming_a_fake_openai_server_gone_for_good_and_keeps_its_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_generate_ends_a_poison_questions_episode_on_a_fake_openai_server_counts_it_and_stops_only_past_max_failed_share(
+        template, tmp_path, tokenizer):
+    """Every request about question 2 fails (HTTP 500, after its retry): its trajectory finishes request_failed and the
+    stage goes on while such failures stay within llm.max_failed_share; with a share of 0 it stops at that question's
+    shard, naming the failure, keeping question 1's."""
+    healthy = fake_openai_teacher(tokenizer, ["search"])
+
+    def respond(req):
+        prompt = req["json"]["prompt"]
+        return (500, "poisoned", None) if "Caudrel" in (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) else healthy(req)
+
+    with LocalServer(respond) as teacher:
+        def project(name: str, share: float) -> Path:
+            return project_copy(template, tmp_path / name, teacher={
+                "model": "local:unused", "backend": "openai", "api": "completions", "base_url": f"{teacher.url}/v1", "served_name": "fake",
+                "llm": {"timeout_s": 5, "max_retries": 1, "max_failed_share": share}})
+
+        tolerant = project("tolerant", 0.5)
+        done = run_stage(tolerant, "generate")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        strict = project("strict", 0.0)
+        stopped = run_stage(strict, "generate")
+    report = json.loads((tolerant / "reports/generate.json").read_text())
+    assert report["trajectories"] == 3 and report["request_failed"] == 1 and report["teacher_failures"] == 1
+    rows = pq.read_table(tolerant / "data/trajectories/train.parquet").to_pylist()
+    assert [r["finish_reason"] == "request_failed" for r in rows] == [False, True, False]
+    assert stopped.returncode != 0
+    assert (f"generate: 1 of 3 trajectories ended on a request that failed for good, more than llm.max_failed_share 0 allows; "
+            f"the last: openai backend: POST {teacher.url}/v1/completions failed after 2 attempts: HTTP 500: poisoned") in stopped.stderr
+    assert [p.name for p in (strict / "data/.cache/generate").glob("*/shard-*.parquet")] == ["shard-00000.parquet"]
+
+
+@pytest.mark.slow
 @pytest.mark.nightly  # the Budget's stop, counts and prices run in test_openai_backend.py in make test
 @pytest.mark.timeout(600)
 def test_generate_stops_at_its_budget_on_a_fake_hosted_api_keeps_its_shards_and_a_forced_rerun_sends_nothing(template, tmp_path,

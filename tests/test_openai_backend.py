@@ -2,6 +2,7 @@
 against a real `vllm.entrypoints.openai.api_server` serving SmolLM2 (slow)."""
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -40,7 +41,12 @@ def vllm_like(tok, text=REPLY, stop="</search>", finish="stop"):
 
 
 def backend(tok, url, **kw):
-    return OpenAIBackend(url + "/v1", "smol", tokenizer=tok, backoff_s=0.02, **kw)
+    """A backend whose first request to fail for good raises (max_failed_in_row 1): these tests read that error."""
+    return OpenAIBackend(url + "/v1", "smol", tokenizer=tok, backoff_s=0.02, **{"max_failed_in_row": 1, **kw})
+
+
+def server_url_pattern() -> str:
+    return r"http://127\.0\.0\.1:\d+"
 
 
 def test_fake_server_token_ids_round_trip(tok, monkeypatch):
@@ -101,23 +107,26 @@ def test_fake_server_retries_500_and_429_with_backoff(tok):
     assert elapsed >= 0.02 + 0.04  # backoff 0.02 s, doubled
 
 
-def test_fake_server_gives_up_with_an_error_naming_the_url(tok):
+def test_fake_server_failing_for_good_gives_a_failed_completion_then_after_max_failed_in_row_an_error_naming_the_url(tok):
+    failed = rf"POST {server_url_pattern()}/v1/completions failed after 3 attempts: HTTP 500: boom"
     with LocalServer(lambda req: (500, "boom", None)) as server:
-        b = backend(tok, server.url, max_retries=2)
-        with pytest.raises(RuntimeError, match=rf"POST {server.url}/v1/completions failed after 3 attempts: HTTP 500: boom"):
+        b = backend(tok, server.url, max_retries=2, max_failed_in_row=2)
+        (c,) = b.generate([[1]], [Sampling()])
+        assert c.finish_reason == "failed" and re.search(failed, c.error) and c.token_ids == [], c
+        with pytest.raises(RuntimeError, match=failed + r" \(2 requests in a row failed for good"):
             b.generate([[1]], [Sampling()])
-    assert len(server.requests) == 3
+    assert len(server.requests) == 6 and b.stats["failures"] == 2
 
 
 def test_unreachable_server_error_names_the_url(tok):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RuntimeError, match=rf"{url}/v1/completions failed after 2 attempts: connection failed"):
-        backend(tok, url, max_retries=1).generate([[1]], [Sampling()])
+        backend(tok, url, max_retries=1, max_failed_in_row=1).generate([[1]], [Sampling()])
 
 
 def test_fake_server_timeout_bounds_the_whole_request_retries_included(tok):
     def slow(req):
-        time.sleep(3.0)
+        time.sleep(10.0)
         return vllm_like(tok)(req)
 
     with LocalServer(slow) as server:
@@ -126,21 +135,22 @@ def test_fake_server_timeout_bounds_the_whole_request_retries_included(tok):
         with pytest.raises(RuntimeError, match=rf"{server.url}/v1/completions failed after 1 attempt: no complete answer "
                                                r"within 0.8 s \(no retry: waiting 0.02 s would pass the deadline\)"):
             b.generate([[1]], [Sampling()])
-        assert time.perf_counter() - t0 < 2.5  # 0.8 s quiet; the server would answer after 3 s
+        assert time.perf_counter() - t0 < 5  # 0.85 s quiet; the server would answer after 10 s
     assert len(server.requests) == 1
     assert (b.stats["requests"], b.stats["retries"], b.stats["failures"]) == (1, 0, 1)
 
 
 def test_a_hung_replica_leaves_time_for_the_retry_on_another(tok):
     def hung(req):
-        time.sleep(5.0)
+        time.sleep(10.0)
         return vllm_like(tok)(req)
 
     with LocalServer(hung) as bad, LocalServer(vllm_like(tok)) as good:
-        b = OpenAIBackend([bad.url + "/v1", good.url + "/v1"], "smol", tokenizer=tok, backoff_s=0.02, timeout_s=3, max_retries=2)
+        b = OpenAIBackend([bad.url + "/v1", good.url + "/v1"], "smol", tokenizer=tok, backoff_s=0.02, timeout_s=3, max_retries=2,
+                          max_failed_in_row=1)
         t0 = time.perf_counter()
         (c,) = b.generate([[1, 2]], [Sampling(stop=["</search>"])])
-        assert time.perf_counter() - t0 < 3  # the first attempt's share is 1 s; the other replica answers at once
+        assert time.perf_counter() - t0 < 5  # 1.15 s quiet: a 1 s share for the hung replica (which answers after 10 s), then the other
     assert c.text == REPLY and b.stats["retries"] == 1 and b.stats["server0.errors"] == 1
 
 
@@ -159,7 +169,7 @@ def test_fake_openai_server_failure_is_counted_and_named_without_the_urls_creden
     secret = f"pw-{uuid.uuid4().hex}"
     with LocalServer(lambda req: (503, "down for maintenance", None)) as server:
         port = server.url.rsplit(":", 1)[1]
-        b = OpenAIBackend(f"http://unison:{secret}@127.0.0.1:{port}/v1", "smol", tokenizer=tok, backoff_s=0.01, max_retries=1)
+        b = OpenAIBackend(f"http://unison:{secret}@127.0.0.1:{port}/v1", "smol", tokenizer=tok, backoff_s=0.01, max_retries=1, max_failed_in_row=1)
         with pytest.raises(RuntimeError) as failure:
             b.generate([[1]], [Sampling()])
     message = str(failure.value)
@@ -278,7 +288,7 @@ def test_fake_server_answer_over_64_mib_fails_at_once_and_a_dripping_one_is_a_ti
         t0 = time.perf_counter()
         with pytest.raises(RuntimeError, match=r"failed after 1 attempt: no complete answer within 0.5 s"):
             b.generate([[1]], [Sampling()])
-        assert time.perf_counter() - t0 < 3  # 0.5 s quiet; the server would drip forever
+        assert time.perf_counter() - t0 < 5  # 0.5 s quiet; the server would drip forever
 
 
 def dripping_head(pause_s: float):
@@ -305,7 +315,7 @@ def test_fake_server_dripping_its_status_line_and_headers_is_cut_at_the_timeout_
         with pytest.raises(RuntimeError, match=r"failed after 1 attempt: no complete answer within (1|0\.9\d*) s"):  # the time left
             b.generate([[1]], [Sampling()])
         elapsed = time.perf_counter() - t0
-    assert 0.9 < elapsed < 4  # 1 s quiet, retries included; before the watchdog, dripping headers held each attempt forever
+    assert 0.9 < elapsed < 5  # 1 s quiet, retries included; dripping headers would hold an attempt without a watchdog forever
     assert b.stats["retries"] == 0 and server.sent > 5
 
 
@@ -413,3 +423,51 @@ def test_fake_hosted_api_429_with_retry_after_is_honoured_within_the_deadline(to
         b = backend(tok, server.url, timeout_s=2)
         with pytest.raises(RuntimeError, match=r"HTTP 429.*no retry: waiting 5 s would pass the deadline"):
             b.generate([[1]], [Sampling()])
+
+
+def test_the_teacher_and_its_roles_share_one_budget_per_stage_fake_servers(tok, monkeypatch, tmp_path):
+    """make_backend gives every served model of a stage's process the same spend: a teacher and a role on two fake
+    servers stop together once their tokens together reach the budget (each alone stays under it)."""
+    from unison.llm import openai_backend
+
+    monkeypatch.chdir(tmp_path)  # the stage's response cache, data/.cache/llm, is the project's
+    monkeypatch.setattr(openai_backend, "_STAGE_SPEND", [openai_backend.Spend()])
+    with LocalServer(with_usage(vllm_like(tok), 30, 10)) as teacher_server, LocalServer(with_usage(vllm_like(tok), 30, 10)) as role_server:
+        def served(server):
+            return make_backend("smol", EngineConfig(backend="openai", base_url=server.url + "/v1", api="completions", tokenizer=str(tok.name_or_path),
+                                                     budget_tokens=100, max_concurrency=1))
+        teacher, role = served(teacher_server), served(role_server)
+        teacher.generate([[1]] * 2, [Sampling(max_tokens=10, seed=k) for k in range(2)])  # 80 tokens
+        role.generate([[1]], [Sampling(max_tokens=10)])  # 120 together: each alone is under 100
+        for backend in (teacher, role):
+            with pytest.raises(BudgetExhausted, match=r"120 tokens spent of a budget of 100"):
+                backend.generate([[1]], [Sampling(max_tokens=10)])
+    assert (teacher.stats["prompt_tokens"], role.stats["prompt_tokens"]) == (60, 30)
+
+
+def test_a_server_reporting_no_usage_is_counted_here_and_still_stops_at_the_budget_fake_server(tok):
+    with LocalServer(vllm_like(tok)) as server:  # answers without `usage`
+        b = backend(tok, server.url, budget=Budget(tokens=20), max_concurrency=1)
+        sent = 0
+        with pytest.raises(BudgetExhausted, match=r"tokens spent of a budget of 20"):
+            for _ in range(20):
+                b.generate([[1, 2, 3]], [Sampling(max_tokens=8)])
+                sent += 1
+    assert b.stats["usage_counted_here"] == sent == len(server.requests) and 1 <= sent <= 5
+    assert b.stats["prompt_tokens"] == 3 * sent and b.stats["completion_tokens"] > 0
+
+
+def test_requests_in_flight_when_the_budget_is_reached_overshoot_it_by_at_most_their_own_tokens_fake_server(tok):
+    """Checked before each request: with 4 in flight the spend passes the budget by at most 4 requests' prompt +
+    max_tokens (the documented bound), and no request starts after it is reached."""
+    def slow(req):
+        time.sleep(0.2)
+        return with_usage(vllm_like(tok), 20, 10)(req)
+
+    with LocalServer(slow) as server:
+        b = backend(tok, server.url, budget=Budget(tokens=100), max_concurrency=4)
+        with pytest.raises(BudgetExhausted):
+            b.generate([[1] * 20] * 40, [Sampling(max_tokens=10)] * 40)
+        spent = b.stats["prompt_tokens"] + b.stats["completion_tokens"]
+        in_flight_bound = 4 * (20 + 10)
+        assert 100 <= spent <= 100 + in_flight_bound and len(server.requests) <= 100 // 30 + 1 + 4, (spent, len(server.requests))

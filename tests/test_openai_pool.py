@@ -75,7 +75,7 @@ def test_fake_servers_fail_over_from_a_dead_one_and_a_failing_one_and_are_counte
     with LocalServer(healthy) as flaky, LocalServer(healthy) as good:
         flaky.respond = lambda req: (503, "overloaded", None) if len(flaky.requests) > 2 else healthy(req)
         pool = OpenAIBackend([dead, flaky.url + "/v1", good.url + "/v1"], "smol", tokenizer=tok, max_concurrency=3,
-                             max_retries=2, backoff_s=0.02)
+                             max_retries=2, backoff_s=0.02, max_failed_in_row=1)
         out = pool.generate(PROMPTS[:12], SAMPLING[:12])
         assert [c.text for c in out] == [f"answer {sum(p)} seed {s.seed}" for p, s in zip(PROMPTS[:12], SAMPLING[:12])]
         s = pool.stats

@@ -104,6 +104,14 @@ def run_children(cgroup) -> list[str]:
     return [p.name for p in cgroup.dirs[0].iterdir() if p.is_dir()]
 
 
+def longest_timed_out_run_s(timeout_s: float) -> float:
+    """How long a run that timed out may take: its timeout plus a few times what starting and cleaning up a run costs
+    at the machine's present load (the slower of two runs that do nothing, measured now)."""
+    trivial = [run_python("pass") for _ in range(2)]
+    assert all(r.ok for r in trivial), trivial
+    return timeout_s + 3 * max(r.elapsed_s for r in trivial)
+
+
 def test_the_sandbox_starts_and_says_what_bounds_it(no_cgroups):
     line = start_sandbox("strict") if not no_cgroups else start_sandbox("rlimits")
     expected = "python sandbox: bubblewrap + cgroup v" if not no_cgroups else "python sandbox: WARNING: tools.sandbox_isolation is rlimits"
@@ -111,12 +119,14 @@ def test_the_sandbox_starts_and_says_what_bounds_it(no_cgroups):
 
 
 def test_prints_result_as_unprivileged_user():
+    start = time.monotonic()
     result = run_python("import os\nprint(6 * 7)\nprint(os.getuid(), os.getcwd())")
+    wall_s = time.monotonic() - start
     assert result.ok and result.error is None, result
     answer, identity = result.output.splitlines()
     uid, cwd = identity.split()
     assert answer == "42" and int(uid) != 0 and cwd == "/tmp"
-    assert 0 < result.elapsed_s < 5
+    assert 0 < result.elapsed_s <= round(wall_s, 3)
 
 
 def test_exception_is_reported_with_traceback():
@@ -254,15 +264,15 @@ def test_no_network_not_even_loopback():
 @pytest.mark.parametrize("code", ["x = bytearray(2 * 1024**3)",
                                   "chunks = []\nwhile True:\n    chunks.append(bytearray(64 << 20))"])
 def test_memory_bomb_is_stopped(code):
-    result = run_python(code, memory_mb=512)
+    result = run_python(code, timeout_s=30, memory_mb=512)
     assert not result.ok and result.error == "memory", result
-    assert result.elapsed_s < 5
+    assert result.elapsed_s < 10  # at most 1.5 s on a quiet machine
 
 
 def test_infinite_loop_is_killed_at_the_timeout():
     result = run_python("while True:\n    pass", timeout_s=2)
     assert result.error == "timeout" and not result.ok
-    assert 1.9 <= result.elapsed_s < 6.0
+    assert 1.9 <= result.elapsed_s < longest_timed_out_run_s(2), result
 
 
 def test_fork_bomb_is_contained_and_the_next_call_works():
@@ -271,7 +281,7 @@ def test_fork_bomb_is_contained_and_the_next_call_works():
     code = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', {bomb!r}, {token!r}])"
     result = run_python(code, timeout_s=2)
     assert result.error == "timeout", result
-    assert result.elapsed_s < 4
+    assert result.elapsed_s < longest_timed_out_run_s(2), result
     assert processes_with(token) == []
     after = run_python("print('still works')")
     assert after.ok and after.output == "still works\n", after
@@ -287,12 +297,12 @@ def test_a_detached_child_does_not_outlive_the_call(then):
         "print('spawned')\n"
         + ("while True:\n    pass\n" if then == "loop" else "")
     )
-    result = run_python(code, timeout_s=2)
+    result = run_python(code, timeout_s=2 if then == "loop" else 30)
     assert "spawned" in result.output, result
     if then == "loop":
-        assert result.error == "timeout" and 1.9 <= result.elapsed_s < 6.0
-    else:
-        assert result.ok and result.elapsed_s < 2
+        assert result.error == "timeout" and 1.9 <= result.elapsed_s < longest_timed_out_run_s(2), result
+    else:  # back when its code exits, not when the child's 60 s sleep ends; about 1.2 s on a quiet machine
+        assert result.ok and result.elapsed_s < 10, result
     assert processes_with(token) == []
 
 

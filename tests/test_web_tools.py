@@ -68,12 +68,15 @@ def test_web_search_formats_topk_results_and_sends_the_api_key(server, cache, mo
 def test_web_search_runs_queries_in_parallel(server, cache):
     tool = WebSearch(server.url + "/search", topk=1, cache=cache)
     t0 = time.perf_counter()
+    assert tool("slow-alone")[1] is None
+    alone_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     text, kind = tool(" | ".join(["slow-1s"] * 8))  # one query 8 times: all miss the cache at once
     elapsed = time.perf_counter() - t0
     assert kind is None and text.count("\n---\n") == 7
     # each request takes 1 s: on a loaded machine a thread may start after the first has finished, so "overlapping"
-    # is at least half of them at once, and the whole call far from one after another (8 s)
-    assert server.max_in_flight >= 4 and elapsed < 4.0  # ~1.05 s quiet
+    # is at least half of them at once, and the whole call at most half as long as eight queries one after another
+    assert server.max_in_flight >= 4 and elapsed < 4 * alone_s
 
 
 def test_web_search_cache_hit_avoids_a_second_request(server, tmp_path):
@@ -227,7 +230,7 @@ def test_crawl_refuses_internal_addresses_without_connecting(server, cache, monk
     tool = Crawl(cache=cache, timeout_s=5)
     t0 = time.perf_counter()
     text, kind = tool(" | ".join(refused))
-    assert kind == "blocked" and time.perf_counter() - t0 < 1.0  # refused before any connection
+    assert kind == "blocked" and time.perf_counter() - t0 < 2.5  # refused before any connection (one could wait 5 s); 0.02 s quiet
     for (url, why), obs in zip(refused.items(), text.split("\n---\n")):
         assert obs.startswith(f"error: crawl {url!r}: blocked: ") and why in obs and "tools.web_allow_networks" in obs, obs
     assert server.requests == []
@@ -312,13 +315,13 @@ def test_crawl_follows_redirects_itself_and_checks_every_target(cache):
 
 def test_crawl_refuses_a_content_type_that_is_not_text_and_a_long_retry_after(cache):
     with LocalServer(redirects) as s:
-        tool = Crawl(cache=cache, allow_networks=LOCAL, timeout_s=2)
+        tool = Crawl(cache=cache, allow_networks=LOCAL, timeout_s=10)
         text, kind = tool(f"{s.url}/image")
         assert kind == "error" and "content type image/png is not one of text/html" in text
         t0 = time.perf_counter()
-        text, kind = tool(f"{s.url}/busy")  # Retry-After: 60 s, past the call's 2 s deadline: no retry, no wait
+        text, kind = tool(f"{s.url}/busy")  # Retry-After: 60 s, past the call's 10 s deadline: no retry, no wait
         assert kind == "error" and "HTTP 429" in text and "would pass the deadline" in text
-        assert time.perf_counter() - t0 < 1.0 and [r["path"] for r in s.requests].count("/busy") == 1
+        assert time.perf_counter() - t0 < 3 and [r["path"] for r in s.requests].count("/busy") == 1
 
 
 def test_a_drip_fed_answer_is_cut_at_the_total_deadline(cache):

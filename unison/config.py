@@ -68,6 +68,8 @@ class LLMConfig(Section):
     price_input_per_million: float = Field(0, ge=0, description="openai backend: the price of a million prompt tokens, for budget_usd and the reported cost")
     price_output_per_million: float = Field(0, ge=0, description="openai backend: the price of a million completion tokens")
     budget_usd: float = Field(0, ge=0, description="openai backend: the most money one stage may spend at those prices; 0 = none")
+    max_failed_in_row: int = Field(8, ge=1, description="openai backend: requests failed for good (after their retries) one after another that mean the server is gone: the stage stops, keeping its finished shards; a failure before that ends only its episode (finish request_failed)")
+    max_failed_share: float = Field(0.05, ge=0, le=1, description="generate: the share of its episodes that may end on a request failed for good (finish request_failed, counted in reports/generate.json) before the stage stops, keeping its finished shards")
 
     @model_validator(mode="after")
     def _budget_needs_prices(self):
@@ -77,7 +79,8 @@ class LLMConfig(Section):
 
 
 SPENDING_LIMITS = ("response_cache", "max_requests_per_minute", "max_tokens_per_minute", "budget_tokens",
-                   "price_input_per_million", "price_output_per_million", "budget_usd")  # llm.* that stop or pace a run, never change an answer
+                   "price_input_per_million", "price_output_per_million", "budget_usd", "max_failed_in_row",
+                   "max_failed_share")  # llm.* that stop or pace a run, never change an answer
 
 
 class EngineConfig(LLMConfig):
@@ -473,7 +476,7 @@ class RLConfig(TrainingSettings):
     ppo_epochs: int = Field(1)
     mini_batches: int = Field(1, description='optimiser steps per epoch')
     micro_batch_size: int = Field(4, description='sequences per forward/backward (memory)')
-    temperature: float = Field(1.0, description='rollouts; the loss scores tokens under the same temperature')
+    temperature: float = Field(1.0, description="rollouts; the loss's ratio scores tokens under the same temperature, opd's teacher term compares student and teacher at temperature 1 (a teacher scores at 1)")
     top_p: float = Field(1.0)
     max_turns: int = Field(4)
     max_tokens_per_turn: int = Field(96)

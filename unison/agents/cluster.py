@@ -78,10 +78,14 @@ def sum_counters(counters: list[dict]) -> dict:
 
 
 class Replica:
-    """A Ray actor: one Workbench (built by `build(*args)` in the project directory), running work on it."""
+    """A Ray actor: one Workbench (built by `build(*args)` in the project directory, its served models' spend the
+    stage's shared `spend`), running work on it."""
 
-    def __init__(self, workdir: str, build: Callable, *args):
+    def __init__(self, workdir: str, spend, build: Callable, *args):
+        from ..llm.openai_backend import share_stage_spend
+
         os.chdir(workdir)
+        share_stage_spend(spend)
         self.workbench = build(*args)
 
     def run(self, work: Callable, *args):
@@ -89,10 +93,13 @@ class Replica:
 
 
 class Replicas:
-    """`cluster.replicas` Replica actors on the cluster at cluster.address; `map` runs shards on them."""
+    """`cluster.replicas` Replica actors on the cluster at cluster.address; `map` runs shards on them. The stage's spend
+    on served models moves into a ledger actor they all add to, so one budget holds for all of them and the driver."""
 
     def __init__(self, cluster: ClusterConfig, gpus: int, build: Callable, *args):
         import ray
+
+        from ..llm.openai_backend import RemoteSpend, Spend, share_stage_spend, stage_spend
 
         if not ray.is_initialized():
             try:
@@ -103,13 +110,16 @@ class Replicas:
         self.cluster, self.build = cluster, (build, *args)
         gpus = gpus if ray.cluster_resources().get("GPU", 0) > 0 else 0
         code = {"env_vars": {"PYTHONPATH": str(ROOT)}}  # this unison, not another install of it on the node
+        self.ledger = ray.remote(Spend).options(num_cpus=0, runtime_env=code).remote(*stage_spend().totals())
+        self.spend = RemoteSpend(self.ledger)
+        share_stage_spend(self.spend)
         self.actor = ray.remote(Replica).options(num_cpus=cluster.cpus_per_replica, num_gpus=gpus, runtime_env=code)
         self.actors = [self.start() for _ in range(cluster.replicas)]
         self.retried = 0  # shards run again after their actor died
         print(f"cluster: {cluster.replicas} replicas at {cluster.address} ({cluster.cpus_per_replica} CPUs, {gpus} GPUs each)", flush=True)
 
     def start(self):
-        return self.actor.remote(os.getcwd(), *self.build)
+        return self.actor.remote(os.getcwd(), self.spend, *self.build)
 
     def map(self, work: Callable, shards: list[tuple]) -> Iterator[tuple[int, object]]:
         """(shard number, work(workbench, *shard)) as shards finish, each shard on a free actor; a shard whose actor died
@@ -150,9 +160,15 @@ class Replicas:
     def close(self) -> None:
         import ray
 
+        from ..llm.openai_backend import Spend, share_stage_spend
+
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+        if self.ledger is not None:  # the driver keeps what was spent
+            share_stage_spend(Spend(*self.spend.totals()))
+            ray.kill(self.ledger)
+            self.ledger = None
 
     def __enter__(self):
         return self

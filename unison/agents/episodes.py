@@ -7,7 +7,7 @@ import json
 from ..protocol import chat_prompt, question_messages
 from ..tool_format import NativeFormat
 from ..tools.registry import DEFAULT_TOOLS, SYSTEM_PROMPT
-from .runtime import Episode, Segment
+from .runtime import REQUEST_FAILED, Episode, Segment
 
 PLACEHOLDER = "\x00unison-assistant\x00"
 
@@ -92,6 +92,10 @@ def teacher_as_served(teacher: str, episodes: list[Episode]) -> str:
 
 def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: list[dict], student: list[dict],
                    final_answer: str | None, episodes: list[Episode], finish_reason: str) -> dict:
+    """A trajectory as stored; one of whose episodes ended on a request that failed for good finishes `request_failed`
+    whatever its method made of the rest (it is counted against llm.max_failed_share)."""
+    if any(e.finish_reason == REQUEST_FAILED for e in episodes):
+        finish_reason = REQUEST_FAILED
     return {
         "id": f"{q['id']}/{method}/{sample}",
         "question_id": q["id"],

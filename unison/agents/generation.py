@@ -5,9 +5,11 @@ Every question is a flow of its own on one engine (a new one starts whenever few
 episodes are live; no barrier between questions or shards). Each shard of questions is written atomically under
 data/.cache/generate/<key>/ as soon as all its questions are done, so a killed run resumes from completed shards
 without duplicates; the key (`shard_dir`) covers the settings, the questions, the code, the index and the teacher.
-The output is written once, atomically, at the end. A server that fails for good (the
-teacher after its retries) stops the run with an error naming it; the finished shards stay for the next run, and the
-error carries the retry and failure counters (`counters`, for the stage to log).
+The output is written once, atomically, at the end. A request that fails for good (after its retries) ends its episode
+(finish request_failed, counted in the report); the run stops with an error naming the server when llm.max_failed_in_row
+requests fail one after another, or before a shard whose failures would pass llm.max_failed_share of all trajectories is
+written; the finished shards stay for the next run, and the error carries the retry and failure counters (`counters`,
+for the stage to log).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from ..teacher_topk import TEACHER_TOPK
 from .cluster import Replicas, Workbench, run_system, sum_counters, system_context, workbench_or_replicas
 from .episodes import tool_totals
 from .methods import run_method
+from .runtime import REQUEST_FAILED
 from .wiring import demonstrations, fault_counters, remote_counters
 
 PACKAGE = Path(__file__).resolve().parents[1]  # unison/: its sources are part of the shards' key
@@ -55,12 +58,33 @@ def shard_dir(s: SystemSettings, questions: list[dict]) -> Path:
     return Path(layout.GENERATE_CACHE) / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-class ShardWriter:
-    """Collects each question's rows as it finishes and writes a shard (atomically) once all its questions are in;
-    shards fill out of order when questions finish out of order. `pending`: (shard, question) in shard order."""
+class TooManyFailures(RuntimeError):
+    """More episodes ended on a request that failed for good than llm.max_failed_share allows."""
 
-    def __init__(self, pending: list[tuple[int, dict]], paths: list[Path]):
-        self.shard_of, self.paths = [k for k, _ in pending], paths
+
+class FailureShare:
+    """Counts the trajectories that ended on a request failed for good (finish request_failed) against the share of all
+    `total` that llm.max_failed_share allows; `admit` raises TooManyFailures, before a shard that would pass it is written."""
+
+    def __init__(self, share: float, total: int, last_failure=lambda: ""):
+        self.share, self.total, self.failed, self.last_failure = share, total, 0, last_failure
+
+    def admit(self, rows: list[dict]) -> None:
+        failed = self.failed + sum(r["finish_reason"] == REQUEST_FAILED for r in rows)
+        if failed > self.share * self.total:
+            last = self.last_failure()
+            raise TooManyFailures(f"generate: {failed} of {self.total} trajectories ended on a request that failed for good, more "
+                                  f"than llm.max_failed_share {self.share:g} allows" + (f"; the last: {last}" if last else ""))
+        self.failed = failed
+
+
+class ShardWriter:
+    """Collects each question's rows as it finishes and writes a shard (atomically) once all its questions are in and
+    `failures` admits them; shards fill out of order when questions finish out of order. `pending`: (shard, question)
+    in shard order."""
+
+    def __init__(self, pending: list[tuple[int, dict]], paths: list[Path], failures: FailureShare):
+        self.shard_of, self.paths, self.failures = [k for k, _ in pending], paths, failures
         self.left = Counter(self.shard_of)
         self.rows: dict[int, dict[int, list[dict]]] = {k: {} for k in self.left}
 
@@ -69,7 +93,9 @@ class ShardWriter:
         self.rows[k][i] = rows
         self.left[k] -= 1
         if not self.left[k]:
-            write_shard([r for j in sorted(self.rows[k]) for r in self.rows[k].pop(j)], self.paths[k])
+            shard = [r for j in sorted(self.rows[k]) for r in self.rows[k].pop(j)]
+            self.failures.admit(shard)
+            write_shard(shard, self.paths[k])
             print(f"generate: shard {k + 1}/{len(self.paths)} written", flush=True)
 
 
@@ -97,6 +123,7 @@ def summarize(rows: list[dict]) -> dict:
             "llm_calls_per_traj": sum(r["n_llm_calls"] for r in rows) / n, "tokens_per_traj": sum(r["n_tokens"] for r in rows) / n,
             "tool_calls_per_traj": sum(r["n_tool_calls"] for r in rows) / n, "tool_errors": sum(r["tool_errors"] for r in rows),
             "answered_rate": sum(bool(r["final_answer"]) for r in rows) / n,
+            "request_failed": sum(r["finish_reason"] == REQUEST_FAILED for r in rows),
             **{f"finish_{k}": v / n for k, v in Counter(r["finish_reason"] for r in rows).items()}, **tool_totals(rows)}
 
 
@@ -120,10 +147,12 @@ def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: 
         pending = [(k, q) for k in todo for q in chunks[k]]
         print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples, {g.method}, "
               f"up to {g.episodes_in_flight} episodes in flight", flush=True)
+        failures = FailureShare(s.teacher_engine.max_failed_share, len(questions) * g.samples)
+        failures.admit([r for k, path in enumerate(paths) if k not in todo for r in read_table(path, TRAJECTORY)])
         t0 = time.perf_counter()
         try:
-            counters = (run_here(s, where, pending, paths) if isinstance(where, Workbench) else
-                        run_on_cluster(s, where, [(k, chunks[k]) for k in todo], paths))
+            counters = (run_here(s, where, pending, paths, failures) if isinstance(where, Workbench) else
+                        run_on_cluster(s, where, [(k, chunks[k]) for k in todo], paths, failures))
         except Exception as error:  # a server gone for good: the finished shards stay; the stage logs the counters
             error.counters = getattr(error, "counters", counters)
             faults = [f"{k}={v:g}" for k, v in error.counters.items() if k.startswith(FAULTS)]
@@ -135,27 +164,33 @@ def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: 
     return rows, {**summarize(rows), "wall_s": wall_s, **counters}
 
 
-def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path]) -> dict:
+def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path], failures: FailureShare) -> dict:
     """The pending questions as flows on this process's engine, each shard written once its questions are done; the
     counters of the pieces behind a network (also on the error, when a server fails for good)."""
     g = s.generate
     ctx = system_context(s, workbench.backend, workbench.toolbox, True, teacher_id(s), g.temperature, workbench.roles,
                          s.chat_top_logprobs)
+    models = [workbench.backend, *workbench.roles.values()]
+    failures.last_failure = lambda: next((m.last_failure for m in models if getattr(m, "last_failure", "")), "")
     try:
-        run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight, on_question=ShardWriter(pending, paths))
+        run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight,
+                   on_question=ShardWriter(pending, paths, failures))
     except Exception as error:
         error.counters = remote_counters({"teacher": workbench.backend, **workbench.roles}, workbench.toolbox)
         raise
     return remote_counters({"teacher": workbench.backend, **workbench.roles}, workbench.toolbox)
 
 
-def run_on_cluster(s: SystemSettings, replicas: Replicas, shards: list[tuple[int, list[dict]]], paths: list[Path]) -> dict:
-    """Each shard on a replica (cluster.address), written here as it comes back; the counters summed."""
+def run_on_cluster(s: SystemSettings, replicas: Replicas, shards: list[tuple[int, list[dict]]], paths: list[Path],
+                   failures: FailureShare) -> dict:
+    """Each shard on a replica (cluster.address), written here as it comes back (once `failures` admits it); the counters
+    summed."""
     g, counters = s.generate, []
     with replicas:
         for j, (rows, c) in replicas.map(run_system, [(qs, g.samples, True, teacher_id(s), g.temperature, s.chat_top_logprobs)
                                                       for _, qs in shards]):
             k = shards[j][0]
+            failures.admit(rows)
             write_shard(rows, paths[k])
             counters.append(c)
             print(f"generate: shard {k + 1}/{len(paths)} written", flush=True)

@@ -99,6 +99,9 @@ class EpisodeSettings:
     top_logprobs: int = 0  # a chat API teacher returns its k likeliest tokens at each generated token (generate.topk)
 
 
+REQUEST_FAILED = "request_failed"  # an episode's finish when its model's server failed for good (a "failed" completion)
+
+
 def _finish(e: Episode, reason: str, eos_id: int | None = None) -> None:
     e.finish_reason = reason
     if eos_id is not None and e.segments and e.segments[-1].kind == "gen" and (not e.segments[-1].ids or e.segments[-1].ids[-1] != eos_id):
@@ -202,8 +205,13 @@ class EngineLoop:
         for rid, c in sorted(finished, key=lambda rc: self.order[id(self.inflight[rc[0]][0])]):
             e, scaffold = self.inflight.pop(rid)
             toolbox, cfg, _ = self.setup[id(e)]
-            call = (_apply_native(e, c, scaffold, self.tok, cfg, step_s) if e.native else
-                    _apply_completion(e, c, scaffold, self.tok, cfg, step_s))
+            if c.finish_reason == "failed":  # its server failed for good, after its retries: the episode ends here, counted
+                e.events.append({"type": "llm", "turn": e.turn, "error": c.error, "latency_s": step_s})
+                _finish(e, REQUEST_FAILED)
+                call = None
+            else:
+                call = (_apply_native(e, c, scaffold, self.tok, cfg, step_s) if e.native else
+                        _apply_completion(e, c, scaffold, self.tok, cfg, step_s))
             if call:
                 self.calls.append(ToolCall(e, call[0], call[1], toolbox, *call[2:]))
                 started.append(self._run_tool(self.calls[-1]))

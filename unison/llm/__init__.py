@@ -23,7 +23,7 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
         from .hf_backend import HFBackend
 
         return HFBackend(model_dir, dtype=engine.dtype)
-    from .openai_backend import Budget, OpenAIBackend, RateLimit
+    from .openai_backend import Budget, OpenAIBackend, RateLimit, stage_spend
 
     if not engine.base_url:
         raise ValueError("params.yaml teacher.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
@@ -35,7 +35,8 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
                          budget=Budget(engine.budget_tokens, engine.budget_usd, engine.price_input_per_million,
                                        engine.price_output_per_million),
                          rate_limit=RateLimit(engine.max_requests_per_minute, engine.max_tokens_per_minute),
-                         api=engine.api, chat_tools=engine.chat_tools, scoring=engine.scoring)
+                         api=engine.api, chat_tools=engine.chat_tools, scoring=engine.scoring, max_failed_in_row=engine.max_failed_in_row,
+                         spend=stage_spend())
 
 
 

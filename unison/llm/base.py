@@ -22,7 +22,7 @@ class Completion:
     text: str
     token_ids: list[int]
     logprobs: list[float] | None
-    finish_reason: str  # "stop" (eos or stop string) | "length" | "refusal" (a chat API declined to answer)
+    finish_reason: str  # "stop" (eos or stop string) | "length" | "refusal" (a chat API declined) | "failed" (a server failed for good)
     stop: str | None = None  # the stop string that ended it, if any
     error: str | None = None  # an answer the backend could not use (a chat teacher's malformed tool call): the runtime's observation
     model: str | None = None  # the model name the server answered with (openai backend; None for a local engine)

@@ -101,7 +101,7 @@ def assistant_messages(text: str, native: bool, first_call: int) -> list[dict]:
         if call:
             tool, arg = call
             before = said[:said.rstrip().rfind(f"<{tool}>")].strip()
-            out.append({"role": "assistant", "content": before or None, "tool_calls": [{
+            out.append({"role": "assistant", "content": before, "tool_calls": [{  # "" beside tool calls: what every server takes
                 "id": f"call_{k}", "type": "function",
                 "function": {"name": tool, "arguments": json.dumps(call_arguments(tool, arg))}}]})
             out.append({"role": "tool", "tool_call_id": f"call_{k}", "content": observed})

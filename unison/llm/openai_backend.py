@@ -14,12 +14,20 @@ the returned text tokenised locally (counted in `stats["retokenized"]`). Until a
 answer, or any error whose body rejects the request's fields (llama.cpp answers a token-id prompt with a 500 of
 validation errors), steps down once per call: first the extensions, then token prompts.
 `stats` counts requests, retries (each resend after a connection error, timeout, 429 or 5xx) and failures (requests
-that failed for good: the RuntimeError that ends the call names the URL, credentials redacted).
+that failed for good). A generation request that failed for good is a "failed" completion, which ends its episode (a
+finish of its own); `max_failed_in_row` of them one after another mean the server is gone, and RequestFailed ends the
+call, naming the URL, credentials redacted. A scoring request that failed for good always raises.
 
-Paying for it: `stats` adds the server's reported `prompt_tokens` and `completion_tokens`, `cost_usd` at the given
-prices, and `cached` (answers taken from the response cache, `cache_dir`: keyed by the model, the prompt, the sampling
-and the configured request format, so a re-run with the same params sends nothing and a change of any misses). A
-`Budget` stops the backend (BudgetExhausted) once the spend reaches it; a `RateLimit` spaces requests and tokens.
+A bad answer is that turn's counted error (`malformed_answers`; the completion's `error`, shown to the model), before
+anything of it is tokenised or kept: a body of the wrong shape, or an answer longer than max_tokens (by the usage the
+server reports, or by its length at MAX_CHARS_PER_TOKEN).
+
+Paying for it: `stats` adds the server's reported `prompt_tokens` and `completion_tokens` (a server that reports no usage
+has them counted here, in this backend's tokenizer: `usage_counted_here`), `cost_usd` at the given prices, and `cached`
+(answers taken from the response cache, `cache_dir`: keyed by the request as sent, its method, server, path and body:
+model, messages or prompt, tools, tool_choice, sampling, log-probs, seed and extensions; only a usable answer holding
+what was asked is kept, so a re-run with the same params sends nothing, a change of any misses, and an error is asked
+again). A `Budget` stops the backend (BudgetExhausted) once the spend reaches it; a `RateLimit` spaces requests and tokens.
 
 Several base URLs (replicas of one served model): each attempt goes to the server with the fewest requests outstanding
 (ties round-robin), a retry to another one; a server whose attempt failed (connection error, timeout, 429, 5xx) is
@@ -38,7 +46,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..http_client import (
     AttemptFailed,
@@ -66,6 +74,75 @@ class BudgetExhausted(RuntimeError):
     """The spend reached the backend's budget: no more requests (a stage stops, keeping its finished shards)."""
 
 
+class RequestFailed(RuntimeError):
+    """A request that failed for good, after its retries (the message names the server, credentials redacted)."""
+
+
+class RequestRefused(Exception):
+    """A 400/422 (or a rejection of the request's fields) from a server not yet probed: the request may step down."""
+
+    def __init__(self, failure: HTTPFailure):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+MAX_CHARS_PER_TOKEN = 64  # an answer longer than max_tokens x this many characters is longer than any tokenizer's tokens
+
+
+def reported_usage(usage) -> dict | None:
+    """The server's `usage` as {prompt_tokens, completion_tokens}; None when it is missing or not two counts."""
+    if not isinstance(usage, dict):
+        return None
+    counts = {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens")}
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
+        return None
+    return counts
+
+
+def answer_chars(choice: dict, api: str) -> int:
+    """The characters of what an answer says: its text, or its message's content, refusal and tool calls."""
+    if api != "chat":
+        return len(choice["text"])
+    message = choice["message"]
+    calls = message.get("tool_calls") or []
+    arguments = [c.get("function") if isinstance(c, dict) else None for c in calls]
+    return (len(message_text(message.get("content"))) + len(message_text(message.get("refusal")))
+            + sum(len(json.dumps(f)) if isinstance(f, dict) else 1 for f in arguments))
+
+
+def unusable(choice, s: Sampling, api: str, usage: dict | None = None) -> str | None:
+    """Why a server's first choice is no answer to what `s` asked (its shape, or longer than s.max_tokens by the usage
+    reported or by its length), or None: checked before anything of it is tokenised or kept."""
+    if not isinstance(choice, dict) or "unison_error" in choice:
+        return "has no choices"
+    if api == "chat":
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            return "has no message"
+        if not isinstance(message.get("content"), (str, list, type(None))) or not isinstance(message.get("tool_calls"), (list, type(None))):
+            return "has a message of the wrong shape (content: text, tool_calls: a list)"
+    elif not isinstance(choice.get("text"), str) or not isinstance(choice.get("token_ids"), (list, type(None))):
+        return "has a choice of the wrong shape (text: a string, token_ids: a list)"
+    if usage and usage["completion_tokens"] > s.max_tokens:
+        return f"reports {usage['completion_tokens']} completion tokens where max_tokens was {s.max_tokens}"
+    try:
+        chars = answer_chars(choice, api)
+    except RecursionError:
+        return "has tool-call arguments nested too deeply"
+    if chars > s.max_tokens * MAX_CHARS_PER_TOKEN:
+        return f"is {chars} characters long, more than max_tokens {s.max_tokens} can hold"
+    return None
+
+
+def complete(choice: dict, s: Sampling, api: str) -> bool:
+    """Whether an answer holds everything `s` asked for (the log-probs it asked for): only such answers are cached."""
+    if s.prompt_logprobs is not None and not isinstance(choice.get("prompt_logprobs"), list):
+        return False
+    if api == "chat" and s.top_logprobs:
+        return isinstance((choice.get("logprobs") or {}).get("content"), list)
+    return not s.logprobs or isinstance((choice.get("logprobs") or {}).get("token_logprobs"), list)
+
+
 @dataclass(frozen=True)
 class Budget:
     """The most a backend may spend: tokens as the server reports them (prompt + completion) and money at the given
@@ -78,15 +155,60 @@ class Budget:
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         return (prompt_tokens * self.price_input_per_million + completion_tokens * self.price_output_per_million) / 1e6
 
-    def exhausted(self, prompt_tokens: int, completion_tokens: int) -> str | None:
-        """What ran out, or None."""
-        spent = prompt_tokens + completion_tokens
-        if self.tokens and spent >= self.tokens:
-            return f"{spent} tokens spent of a budget of {self.tokens}"
-        cost = self.cost(prompt_tokens, completion_tokens)
-        if self.usd and cost >= self.usd:
-            return f"${cost:.4f} spent of a budget of ${self.usd:g}"
+    def exhausted(self, tokens: int, usd: float) -> str | None:
+        """What ran out, given the tokens and money spent, or None."""
+        if self.tokens and tokens >= self.tokens:
+            return f"{tokens} tokens spent of a budget of {self.tokens}"
+        if self.usd and usd >= self.usd:
+            return f"${usd:.4f} spent of a budget of ${self.usd:g}"
         return None
+
+
+class Spend:
+    """What a stage's served models have spent together, in tokens (prompt + completion) and money at each one's prices:
+    every backend of the stage's process (the teacher, generate.roles, label.llm) adds to one (`stage_spend`), and each
+    checks its budget against the sum. On a Ray cluster the replicas share one as an actor (agents/cluster.py)."""
+
+    def __init__(self, tokens: int = 0, usd: float = 0.0):
+        self.tokens, self.usd = tokens, usd
+        self._lock = threading.Lock()
+
+    def add(self, tokens: int, usd: float) -> None:
+        with self._lock:
+            self.tokens += tokens
+            self.usd += usd
+
+    def totals(self) -> tuple[int, float]:
+        with self._lock:
+            return self.tokens, self.usd
+
+
+class RemoteSpend:
+    """A Spend held by a Ray actor (`ray.remote(Spend)`), used as a Spend in each replica."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def add(self, tokens: int, usd: float) -> None:
+        self.actor.add.remote(tokens, usd)
+
+    def totals(self) -> tuple[int, float]:
+        import ray
+
+        return tuple(ray.get(self.actor.totals.remote()))
+
+
+_STAGE_SPEND = [Spend()]
+
+
+def stage_spend():
+    """The spend every backend of this process (one stage) adds to and checks its budget against."""
+    return _STAGE_SPEND[0]
+
+
+def share_stage_spend(spend) -> None:
+    """Make `spend` (a RemoteSpend shared by a cluster's replicas) this process's stage spend."""
+    _STAGE_SPEND[0] = spend
 
 
 class RateLimit:
@@ -133,9 +255,10 @@ class OpenAIBackend:
                  max_retries: int = 3, api_key_env: str = "OPENAI_API_KEY", token_prompts: bool = True,
                  vllm_extensions: bool = True, backoff_s: float = 0.5, cache_dir: str | os.PathLike | None = None,
                  budget: Budget = Budget(), rate_limit: RateLimit | None = None, api: str = "completions", chat_tools: str = "native",
-                 scoring: str = "prompt_logprobs"):
+                 scoring: str = "prompt_logprobs", max_failed_in_row: int = 8, spend: Spend | RemoteSpend | None = None):
         """`base_url`: a server's /v1 URL or a list of servers of the same model; `tokenizer`: a tokenizer or a local dir /
-        hub name to load one from (default: `model`)."""
+        hub name to load one from (default: `model`); `spend`: what the budget is checked against, shared with other
+        backends (default: this backend's own)."""
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
             from transformers import AutoTokenizer
 
@@ -154,15 +277,15 @@ class OpenAIBackend:
         self.model = model
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.token_prompts, self.vllm_extensions = token_prompts, vllm_extensions
-        self.request_format = ({"api": "chat", "chat_tools": chat_tools} if api == "chat" else
-                               {"vllm_extensions": vllm_extensions, "token_prompts": token_prompts})  # as configured: the cache key's
         self.cache = ResponseCache(cache_dir) if cache_dir else None
-        self.budget, self.rate_limit = budget, rate_limit or RateLimit()
+        self.budget, self.rate_limit, self.spend = budget, rate_limit or RateLimit(), spend or Spend()
+        self.max_failed_in_row, self._failed_in_row = max_failed_in_row, 0
+        self.last_failure = ""  # the last request to fail for good, as its error says
         key = os.environ.get(api_key_env) if api_key_env else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.stats = {"requests": 0, "retries": 0, "failures": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0,
                       "cached": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0, "tool_calls": 0, "malformed_tool_calls": 0,
-                      "refusals": 0, "malformed_answers": 0, "top_logprob_tokens": 0}
+                      "refusals": 0, "malformed_answers": 0, "top_logprob_tokens": 0, "usage_counted_here": 0}
         if len(self.urls) > 1:
             self.stats |= {f"server{i}.{k}": 0 for i in range(len(self.urls)) for k in ("requests", "errors")}
         self._outstanding = [0] * len(self.urls)
@@ -213,27 +336,39 @@ class OpenAIBackend:
         seq = prompt + completion
         body = {"input_ids": seq, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_logprob": True,
                 "logprob_start_len": 0, "top_logprobs_num": top_k}
-        key = json.dumps({"generate": body}, sort_keys=True)
-        if self.cache is not None and (hit := self.cache.get("sglang_generate", self.model, key)) is not None:
+        key, label = json.dumps(body, sort_keys=True), servers_label(self.generate_urls)
+
+        def usable(meta) -> bool:  # every token sent has its log-prob (and its alternatives when asked)
+            return isinstance(meta, dict) and len(meta.get("input_token_logprobs") or []) == len(seq) and (
+                not top_k or len(meta.get("input_top_logprobs") or []) == len(seq))
+
+        if self.cache is not None and (hit := self.cache.get("POST", label, key, usable=usable)) is not None:
             self._count("cached")
             meta = hit
         else:
             self._check_budget()
             self._count("requests")
+            entry = self.rate_limit.acquire(len(seq) + 1)
             try:
                 answer = self._retried(body, self.generate_urls)
             except HTTPFailure as e:
+                self.rate_limit.settle(entry, 0)
                 self._count("failures")
-                raise RuntimeError(f"openai backend: {e}") from None
+                raise RequestFailed(f"openai backend: {e}") from None
             meta = answer.get("meta_info") if isinstance(answer, dict) else None
             meta = {k: meta.get(k) for k in ("input_token_logprobs", "input_top_logprobs", "prompt_tokens")} if isinstance(meta, dict) else {}
-            self._spend({"prompt_tokens": meta.get("prompt_tokens") or len(seq), "completion_tokens": 1})
-            if self.cache is not None:
-                self.cache.put("sglang_generate", self.model, key, meta)
-        where = redact(servers_label(self.generate_urls))
+            usage = reported_usage({"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": 1})
+            if usage is None:
+                self._count("usage_counted_here")
+                usage = {"prompt_tokens": len(seq), "completion_tokens": 1}
+            self._spend(usage)
+            self.rate_limit.settle(entry, usage["prompt_tokens"] + usage["completion_tokens"])
+            if self.cache is not None and usable(meta):
+                self.cache.put("POST", label, key, meta)
+        where = redact(label)
         chosen, tops = meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []
         start = len(prompt)
-        if len(chosen) != len(seq) or (top_k and len(tops) != len(seq)):
+        if not usable(meta):
             raise ValueError(f"sglang backend {where}: input_token_logprobs has {len(chosen)} entries for {len(seq)} tokens sent "
                              "(a server that is not SGLang's, or one that ignored logprob_start_len 0)")
         logprobs, top_ids, top_lps = [], [], []
@@ -256,9 +391,11 @@ class OpenAIBackend:
         with self._lock:
             self.stats[key] += n
 
-    def _body(self, prompt: list[int], s: Sampling, ext: bool, tokens: bool) -> dict:
+    def _body(self, prompt: list[int], s: Sampling, mode: tuple[bool, bool, str]) -> dict:
+        """The request as sent in `mode` (vLLM extensions, token prompts, chat tools)."""
+        ext, tokens, chat_tools = mode
         if self.api == "chat":
-            native = self.chat_tools == "native"
+            native = chat_tools == "native"
             msgs = messages(self.template.turns(marked_text(self.tokenizer, prompt)), self.eos_marker, native)
             body = {"model": self.model, **request_fields(msgs, s.stop, s.forced, native), "max_tokens": s.max_tokens,
                     "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
@@ -278,61 +415,88 @@ class OpenAIBackend:
         return body
 
     def _post(self, prompt: list[int], s: Sampling) -> tuple[dict, bool]:
-        """The first choice of the answer and whether the vLLM extensions were on: from the response cache, or from the
-        server (then cached)."""
-        key = json.dumps({"prompt": prompt, "sampling": asdict(s), "format": self.request_format}, sort_keys=True)
-        if self.cache is not None and (hit := self.cache.get(self.api, self.model, key)) is not None:
-            self._count("cached")
-            return hit["choice"], hit["extensions"]
-        choice, ext, usage = self._send(prompt, s)
-        if self.cache is not None:
-            self.cache.put(self.api, self.model, key, {"choice": choice, "extensions": ext, "usage": usage})
-        return choice, ext
+        """The first choice of the answer and whether the vLLM extensions were on: the server's, or the cached answer to
+        the very request this backend sends (its method, server, path and body; a usable answer is the only kind kept)."""
+        self._check_budget()
+        while True:
+            mode = (self.vllm_extensions, self.token_prompts, self.chat_tools)
+            body = self._body(prompt, s, mode)
+            key = json.dumps(body, sort_keys=True)
+            if self.cache is not None:
+                hit = self.cache.get("POST", self.label, key, usable=lambda v: isinstance(v, dict) and unusable(v.get("choice"), s, self.api) is None
+                                     and complete(v["choice"], s, self.api))
+                if hit is not None:
+                    self._count("cached")
+                    return hit["choice"], mode[0]
+            try:
+                choice = self._send(prompt, s, body)
+            except RequestRefused as refusal:
+                if self._step_down(mode, refusal.failure):
+                    continue
+                self._count("failures")
+                raise RequestFailed(f"openai backend: {refusal.failure}") from None
+            if self.cache is not None and "unison_error" not in choice and complete(choice, s, self.api):
+                self.cache.put("POST", self.label, key, {"choice": choice})
+            return choice, mode[0]
 
     def _spend(self, usage: dict) -> None:
-        """Count the server's reported usage and what it cost."""
-        prompt_tokens, completion_tokens = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        """Count the usage (the server's, or counted here) and what it cost, here and in the shared spend."""
+        prompt_tokens, completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
         with self._lock:
             self.stats["prompt_tokens"] += prompt_tokens
             self.stats["completion_tokens"] += completion_tokens
             self.stats["cost_usd"] = self.budget.cost(self.stats["prompt_tokens"], self.stats["completion_tokens"])
+        self.spend.add(prompt_tokens + completion_tokens, self.budget.cost(prompt_tokens, completion_tokens))
 
     def _check_budget(self) -> None:
-        """BudgetExhausted once the spend has reached the budget (checked before each request: the requests already in
-        flight, at most max_concurrency, may pass it)."""
-        with self._lock:
-            spent = self.budget.exhausted(self.stats["prompt_tokens"], self.stats["completion_tokens"])
+        """BudgetExhausted once the shared spend has reached the budget. Checked before each request, so the requests
+        already in flight when it is reached still spend: at most max_concurrency x (prompt + max_tokens) tokens more
+        per backend (and per replica)."""
+        spent = self.budget.exhausted(*self.spend.totals()) if self.budget.tokens or self.budget.usd else None
         if spent:
             raise BudgetExhausted(f"openai backend {redact(self.label)}: budget reached ({spent}); no more requests")
 
-    def _send(self, prompt: list[int], s: Sampling) -> tuple[dict, bool, dict]:
-        """The first choice of the server's answer, whether the vLLM extensions were on, and the usage it reported;
-        steps the request format down while the server is unprobed."""
-        self._check_budget()
-        while True:
-            mode = (self.vllm_extensions, self.token_prompts, self.chat_tools)
-            self._count("requests")
-            body = self._body(prompt, s, *mode[:2])
-            entry = self.rate_limit.acquire(len(prompt) + s.max_tokens)
-            try:
-                answer = self._retried(body, self.urls)
-            except HTTPFailure as e:
-                self.rate_limit.settle(entry, 0)
-                if e.status in (400, 422) and self._step_down(mode, e):
-                    continue
-                self._count("failures")
-                raise RuntimeError(f"openai backend: {e}") from None
-            self._probed = True
-            answer = answer if isinstance(answer, dict) else {}  # JSON, but not an object: read as an answer with no choices
-            usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
-            self._spend(usage)
-            self.rate_limit.settle(entry, int(usage.get("total_tokens") or len(prompt) + s.max_tokens))
-            choices = answer.get("choices")
-            if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):  # an answer with nothing to read
-                self._count("malformed_answers")
-                return {"text": "", "message": {}, "finish_reason": "stop", "unison_error": "the server's answer has no choices"}, mode[0], usage
-            served = {"unison_model": answer["model"]} if isinstance(answer.get("model"), str) else {}  # kept in the cache too
-            return {**choices[0], **served}, mode[0], usage
+    def _send(self, prompt: list[int], s: Sampling, body: dict) -> dict:
+        """The first choice of the server's answer to `body`, its usage spent; an answer that is not what was asked (of
+        the wrong shape, or longer than max_tokens) is a choice with only `unison_error`, counted, its text never read.
+        RequestRefused: a 400/422 (or a rejection of the fields) from a server not yet probed; RequestFailed: failed for
+        good after its retries."""
+        self._count("requests")
+        entry = self.rate_limit.acquire(len(prompt) + s.max_tokens)
+        try:
+            answer = self._retried(body, self.urls)
+        except HTTPFailure as e:
+            self.rate_limit.settle(entry, 0)
+            if e.status in (400, 422) and not self._probed:
+                raise RequestRefused(e) from None
+            self._count("failures")
+            raise RequestFailed(f"openai backend: {e}") from None
+        self._probed = True
+        answer = answer if isinstance(answer, dict) else {}  # JSON, but not an object: an answer with no choices
+        usage = reported_usage(answer.get("usage"))
+        choices = answer.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        error = unusable(choice, s, self.api, usage)
+        if usage is None:  # counted here, in this backend's tokenizer: the run's reports say how often (usage_counted_here)
+            self._count("usage_counted_here")
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": 0 if error else self._completion_tokens(choice)}
+        self._spend(usage)
+        self.rate_limit.settle(entry, usage["prompt_tokens"] + usage["completion_tokens"])
+        if error:
+            self._count("malformed_answers")
+            return {"text": "", "message": {}, "finish_reason": "stop", "unison_error": f"the server's answer {error}"}
+        served = {"unison_model": answer["model"]} if isinstance(answer.get("model"), str) else {}  # kept in the cache too
+        return {**choice, **served}
+
+    def _completion_tokens(self, choice: dict) -> int:
+        """The tokens of an answer whose server reported no usage, in this backend's tokenizer."""
+        if isinstance(choice.get("token_ids"), list):
+            return len(choice["token_ids"])
+        if self.api != "chat":
+            return len(self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"])
+        message = choice["message"]
+        said = message_text(message.get("content")) + json.dumps(message.get("tool_calls") or [])
+        return len(self.tokenizer(said, add_special_tokens=False)["input_ids"])
 
     def _retried(self, body: dict, urls: list[str]):
         """The decoded answer to POSTing `body` (to each server's URL in `urls`), retried with backoff within timeout_s;
@@ -410,7 +574,21 @@ class OpenAIBackend:
         return True
 
     def _complete(self, prompt: list[int], s: Sampling) -> Completion:
-        choice, ext = self._post(prompt, s)
+        """A completion; one whose request failed for good is a "failed" completion (its episode ends there), unless
+        max_failed_in_row requests have failed one after another (the server is gone: RequestFailed)."""
+        try:
+            choice, ext = self._post(prompt, s)
+        except RequestFailed as failure:
+            with self._lock:
+                self.last_failure = str(failure)
+                self._failed_in_row += 1
+                gone = self._failed_in_row >= self.max_failed_in_row
+            if gone:
+                raise RequestFailed(f"{failure} ({self._failed_in_row} requests in a row failed for good: llm.max_failed_in_row "
+                                    f"{self.max_failed_in_row})") from None
+            return Completion("", [], None, "failed", None, str(failure))
+        with self._lock:
+            self._failed_in_row = 0
         tok = self.tokenizer
         if self.api == "chat":
             return self._chat_completion(choice, s)
