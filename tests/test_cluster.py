@@ -197,6 +197,41 @@ def test_label_montecarlo_and_pareto_rollouts_on_a_ray_cluster_equal_the_in_proc
     assert_replicas_gone(groups)
 
 
+@pytest.mark.nightly
+def test_the_replicas_spend_one_budget_through_the_ledger_actor_fake_openai_server(cluster, project, base_model_dir, monkeypatch):
+    """A fake served teacher (100 tokens an answer) behind two replicas, llm.budget_tokens 450, one request in flight per
+    replica: together they stop after at most 450 / 100 + 2 answers (each replica with a budget of its own could spend
+    up to 2 x 450 / 100 + 2 of them)."""
+    from transformers import AutoTokenizer
+
+    from unison.agents.generation import generate_trajectories
+    from unison.data.schemas import QUESTION, read_table
+    from unison.llm import openai_backend
+
+    from .local_http import LocalServer
+    from .test_faults import fake_openai_teacher
+
+    monkeypatch.setattr(openai_backend, "_STAGE_SPEND", [openai_backend.Spend()])  # this process's, as a stage's
+    answer = fake_openai_teacher(AutoTokenizer.from_pretrained(base_model_dir), ["search"])
+
+    def respond(req):
+        status, body, headers = answer(req)
+        return status, {**body, "usage": {"prompt_tokens": 90, "completion_tokens": 10, "total_tokens": 100}}, headers
+
+    address, groups = cluster
+    questions = read_table("data/raw/train.parquet", QUESTION)
+    with LocalServer(respond) as teacher:
+        _, ray = on_ray(project, address, {"teacher": {
+            "model": f"local:{base_model_dir}", "backend": "openai", "api": "completions", "base_url": f"{teacher.url}/v1",
+            "served_name": "fake", "llm": {"budget_tokens": 450, "max_concurrency": 1, "response_cache": False}},
+            "generate": {"scaffold": {}, "episodes_in_flight": 1}})
+        with pytest.raises(Exception, match="budget reached"):
+            generate_trajectories(ray.system_settings(), ray.cluster, questions * 4, Path("budget"))
+    assert 450 // 100 < len(teacher.requests) <= 450 // 100 + 1 + 2, len(teacher.requests)
+    assert openai_backend.stage_spend().totals()[0] == 100 * len(teacher.requests)  # the driver keeps the ledger's total
+    assert_replicas_gone(groups)
+
+
 def assert_replicas_gone(groups: list[int]) -> None:
     deadline = time.time() + 30
     while replica_pids(groups) and time.time() < deadline:  # ray.kill is asynchronous

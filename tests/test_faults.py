@@ -263,7 +263,6 @@ def test_generate_ends_a_poison_questions_episode_on_a_fake_openai_server_counts
 
 
 @pytest.mark.slow
-@pytest.mark.nightly  # the Budget's stop, counts and prices run in test_openai_backend.py in make test
 @pytest.mark.timeout(600)
 def test_generate_stops_at_its_budget_on_a_fake_hosted_api_keeps_its_shards_and_a_forced_rerun_sends_nothing(template, tmp_path,
                                                                                                              tokenizer):

@@ -1,34 +1,52 @@
-"""On-policy distillation (rl.objective opd, unison/train/opd.py): the advantage by hand, no gradient on observations,
-zero advantage when the student is its teacher, and the rl loop with a teacher that scores: it moves the student
-toward the teacher and resumes after a kill."""
+"""On-policy distillation (rl.objective opd, unison/train/opd.py): the advantage by hand (spans of a teacher of another
+tokenizer, unscored tokens masked), no gradient on observations, zero advantage when the student is its teacher at any
+sampling temperature, a scaffolded tool episode through rl's defaults (dynamic sampling on, an outcome term) checked
+value by value, and the rl loop with a teacher that scores: it moves the student toward the teacher and resumes after
+a kill."""
 from __future__ import annotations
 
 import math
+import random
+import statistics
 
 import pytest
 import torch
 
 from unison.llm.hf_backend import HFBackend
-from unison.train.opd import attach_teacher_logps, length_collapse, teacher_logps, teacher_term
-from unison.train.policy_loss import token_logprobs
-from unison.train.rl import RLConfig, batch_loss, collate, logprobs_of
+from unison.train.opd import attach_teacher_logps, length_collapse, own_spans, teacher_logps, teacher_term
+from unison.train.rl import RLConfig, attach_logprobs, batch_loss, collate, logprobs_of, needs_old_logp
 
-from .test_rl import rl_config, run, state, teach_answers
+from .test_rl import LABEL, make_rows, rl_config, run, state, teach_answers
 
 
 def test_the_advantage_is_teacher_minus_student_on_sampled_tokens_by_hand():
     # targets: prompt token, 2 sampled, 2 observation, 1 sampled; the outcome term (0.5) already on the sampled tokens
     sample = {"ids": [1, 2, 3, 4, 5, 6, 7], "loss_mask": [0, 1, 1, 0, 0, 1], "advantages": [0.0, 0.5, 0.5, 0.0, 0.0, 0.5]}
     teacher = [-1.0, -0.5, -3.0, -0.1, -0.1, -0.5]
-    assert attach_teacher_logps([sample], [teacher]) == {"teacher_tokens": 3, "teacher_straddling": 0}
+    assert attach_teacher_logps([sample], [teacher], [own_spans(sample["loss_mask"])]) == {"teacher_tokens": 3, "teacher_straddling": 0}
     assert sample["teacher_logp"] == [0.0, -0.5, -3.0, 0.0, 0.0, -0.5]  # nothing kept off the sampled tokens
+    assert sample["teacher_span"] == [0, 2, 3, 0, 0, 6]
     student = torch.tensor([[-9.0, -1.0, -2.0, -7.0, -7.0, -0.5]])
-    advantages, kl = teacher_term(torch.tensor([sample["advantages"]]), torch.tensor([sample["teacher_logp"]]), student,
-                                  torch.tensor([sample["loss_mask"]], dtype=torch.float32))
+    advantages, kl = teacher_term(torch.tensor([sample["advantages"]]), torch.tensor([sample["teacher_logp"]]),
+                                  torch.tensor([sample["teacher_span"]]), student)
     assert advantages[0].tolist() == [0.0, 0.5 + 0.5, 0.5 - 1.0, 0.0, 0.0, 0.5 + 0.0]
     assert kl.item() == pytest.approx((-0.5 + 1.0 + 0.0) / 3)  # the mean of student - teacher over the sampled tokens
-    with pytest.raises(ValueError, match="the teacher scored 2 tokens of a sample with 6 targets"):
-        attach_teacher_logps([sample], [[0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"the teacher scored 2 tokens \(6 spans\) of a sample with 6 targets"):
+        attach_teacher_logps([sample], [[0.0, 0.0]], [own_spans(sample["loss_mask"])])
+
+
+def test_a_span_of_student_tokens_shares_one_advantage_and_an_unscored_token_gets_no_teacher_term_by_hand():
+    """A teacher of another tokenizer: one teacher token (-3.5) covers sampled targets 1 and 2 (a span), and the last
+    sampled target (an end of turn; the teacher has no end token) has no score. A log-prob of 0 there would give
+    0 - (-0.5) = +0.5 of advantage for nothing."""
+    sample = {"ids": [1, 2, 3, 4, 5, 6, 7], "loss_mask": [0, 1, 1, 0, 0, 1], "advantages": [0.0, 0.5, 0.5, 0.0, 0.0, 0.5]}
+    attach_teacher_logps([sample], [[0.0, 0.0, -3.5, 0.0, 0.0, 0.0]], [[0, 1, 1, 0, 0, 0]], straddling=1)
+    student = torch.tensor([[-9.0, -1.0, -2.0, -7.0, -7.0, -0.5]])
+    advantages, kl = teacher_term(torch.tensor([sample["advantages"]]), torch.tensor([sample["teacher_logp"]]),
+                                  torch.tensor([sample["teacher_span"]]), student)
+    span = -3.5 - (-1.0 - 2.0)  # the teacher's log-prob of the span's text minus the student's
+    assert advantages[0].tolist() == [0.0, 0.5 + span, 0.5 + span, 0.0, 0.0, 0.5]  # the end of turn keeps its outcome term only
+    assert kl.item() == pytest.approx(-span / 2)  # over the two scored tokens
 
 
 def test_observation_tokens_get_exactly_zero_gradient():
@@ -38,7 +56,7 @@ def test_observation_tokens_get_exactly_zero_gradient():
     mask = [0, 1, 1, 0, 0, 1]
     logp = torch.log_softmax(logits[:, :-1].detach(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     sample = {"ids": ids[0].tolist(), "loss_mask": mask, "advantages": [0.0] * 6}
-    attach_teacher_logps([sample], [[x + 1.0 for x in logp[0].tolist()]])  # the teacher likes every token more
+    attach_teacher_logps([sample], [[x + 1.0 for x in logp[0].tolist()]], [own_spans(mask)])  # the teacher likes every token more
     batch = collate([sample], 0)
     loss, metrics = batch_loss(logits[:, :-1], batch, RLConfig(objective="opd"))
     loss.backward()
@@ -47,16 +65,105 @@ def test_observation_tokens_get_exactly_zero_gradient():
     assert metrics["kl_teacher"] == pytest.approx(-1.0) and loss.item() == pytest.approx(-1.0)  # A = +1 on each sampled token
 
 
-def test_a_student_that_is_its_teacher_gets_zero_advantage(tiny_model_dir):
+@pytest.mark.parametrize("ppo_epochs", [1, 2], ids=["one-update", "old-logp-pass"])
+def test_a_student_that_is_its_teacher_gets_zero_advantage_at_any_sampling_temperature(tiny_model_dir, ppo_epochs):
+    """The teacher scores at temperature 1; the student's log-probs in the teacher term are its temperature-1 ones too,
+    whatever rl.temperature samples at (the loss's own with one update, else the old-policy pass's), so the loss of a
+    student equal to its teacher is 0 at 0.7 as at 1 (log-probs at 0.7 would leave a KL of their own)."""
     teacher = HFBackend(str(tiny_model_dir), dtype="float32")
     samples = [{"ids": [5, 17, 99, 4, 250, 31, 7], "loss_mask": [0, 0, 1, 1, 0, 1], "advantages": [0.0] * 6},
                {"ids": [8, 9, 10, 11], "loss_mask": [0, 1, 1], "advantages": [0.0] * 3}]
     attach_teacher_logps(samples, *teacher_logps(teacher, samples, teacher.tokenizer))
-    batch = collate(samples, 0)
-    _, logits = logprobs_of(teacher.model, batch, 1.0)
-    student = token_logprobs(logits, batch["input_ids"][:, 1:])
-    advantages, kl = teacher_term(batch["advantages"], batch["teacher_logp"], student, batch["loss_mask"])
-    assert advantages.abs().max().item() < 1e-5 and abs(kl.item()) < 1e-5
+    for temperature in (1.0, 0.7):
+        cfg = RLConfig(objective="opd", temperature=temperature, ppo_epochs=ppo_epochs, precision="fp32")
+        assert needs_old_logp(cfg) == (ppo_epochs > 1)
+        if needs_old_logp(cfg):
+            attach_logprobs(teacher.model, samples, "old_logp", cfg, 0, torch.device("cpu"), "fp32", unscaled_key="old_logp_t1")
+        batch = collate(samples, 0)
+        logp, logits = logprobs_of(teacher.model, batch, temperature)
+        loss, metrics = batch_loss(logits, batch, cfg)
+        assert abs(metrics["kl_teacher"]) < 1e-5 and abs(loss.item()) < 1e-5, temperature
+        if temperature != 1.0:  # the log-probs it samples with are another distribution than the teacher's
+            assert (logp - batch["teacher_logp"])[batch["teacher_span"] > 0].abs().max().item() > 0.01
+
+
+class CapitalPassage:
+    def search(self, queries):
+        return [[{"title": "Paris", "text": "Paris is the capital of France."}] for _ in queries]
+
+
+def test_opd_with_rls_default_sampling_on_a_tool_episode_checked_value_by_value(tiny_model_dir):
+    """rl's defaults (params.yaml) keep DAPO's dynamic sampling on; OPD with an outcome term (0.5) and sampling at 0.7.
+    The tiny random student, its turns scaffolded (<search> then <answer>), calls search and answers: two groups of two
+    episodes, one with a reward spread, one without (DAPO would drop it for RL; OPD keeps it: the teacher's signal is
+    in every episode). build_samples, the teacher's log-probs (a random teacher of the same vocabulary) and rl's update
+    (train_on) are each checked against values computed here from the two models' raw log-probs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from unison.agents.runtime import Episode, EpisodeSettings, run_episodes
+    from unison.agents.toolbox import Toolbox
+    from unison.protocol import chat_prompt
+    from unison.train.loop import Trainer
+    from unison.train.rl import build_samples, score_episodes, train_on
+    from unison.train.rollout import episode_view
+
+    cfg = RLConfig(objective="opd", outcome_weight=0.5, temperature=0.7, group_size=2, prompts_per_step=2, micro_batch_size=3,
+                   lr=1e-4, precision="fp32", seed=0)
+    assert cfg.dynamic_sampling and cfg.estimator == "grpo"  # the defaults
+    tools = ("search", "python")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    rows = make_rows(2)
+    episodes = [Episode(key=f"{k}/{g}", prompt_ids=chat_prompt(tok, row["prompt"]), seed=10 * k + g, scaffold=["search", "answer"],
+                        tools=tools) for k, row in enumerate(rows) for g in range(2)]
+    run_episodes(episodes, HFBackend(model=model, tokenizer=tok), Toolbox(CapitalPassage()),
+                 EpisodeSettings(temperature=cfg.temperature, top_p=1.0, max_turns=2, max_tokens_per_turn=6, max_model_len=512))
+    for e in episodes:
+        assert [s.kind for s in e.segments] == ["gen", "obs", "gen"] and e.n_tool_calls == 1 and e.finish_reason == "answer"
+        assert "Paris is the capital of France." in e.segments[1].text
+    rows[0]["reward_model"]["ground_truth"] = [episodes[0].answer]  # group 0: right, wrong; group 1: wrong, wrong
+    views = [episode_view(e, rows[i // 2]["prompt"]) for i, e in enumerate(episodes)]
+    rewards = score_episodes(episodes, rows, 2, views, cfg, LABEL, tools, step=1)
+    assert rewards["verifiable"] == [1.0, 0.0, 0.0, 0.0] and rewards["total"][2] == rewards["total"][3]
+    assert len(build_samples(views, rewards, cfg.model_copy(update={"objective": "reward"}))[0]) == 2  # RL drops group 1
+    samples, kept = build_samples(views, rewards, cfg)
+    assert len(samples) == 4 and kept == 1.0
+    outcome = []  # grpo by hand: (r - mean) / (unbiased std + 1e-6) within each group
+    for g in (0, 1):
+        r = rewards["total"][2 * g : 2 * g + 2]
+        outcome += [(x - statistics.mean(r)) / (statistics.stdev(r) + 1e-6) for x in r]
+    assert outcome[0] == pytest.approx(-outcome[1]) and abs(outcome[0]) > 0.7 and outcome[2:] == [0.0, 0.0]
+    for s, v, a in zip(samples, views, outcome):
+        assert s["ids"] == v.ids and s["loss_mask"] == v.loss_mask[1:]
+        assert 0 < sum(s["loss_mask"]) < len(s["loss_mask"]) - len(episodes[0].segments[1].ids)  # prompt, prefills, observation off
+        assert s["advantages"] == pytest.approx([0.5 * a * m for m in s["loss_mask"]], abs=1e-6)
+
+    torch.manual_seed(1)
+    teacher = HFBackend(model=LlamaForCausalLM(model.config).eval(), tokenizer=tok)
+    stats = attach_teacher_logps(samples, *teacher_logps(teacher, samples, tok))
+    assert stats == {"teacher_tokens": sum(v.sampled for v in views), "teacher_straddling": 0}
+    with torch.no_grad():  # both models' raw log-probs (temperature 1) of every target, before the update
+        raw = [[torch.log_softmax(m(torch.tensor([s["ids"]])).logits[0, :-1].float(), -1).gather(-1, torch.tensor(s["ids"][1:])[:, None])
+                .squeeze(-1).tolist() for m in (teacher.model, model)] for s in samples]
+        at_temperature = [torch.log_softmax(model(torch.tensor([s["ids"]])).logits[0, :-1].float() / 0.7, -1)
+                          .gather(-1, torch.tensor(s["ids"][1:])[:, None]).squeeze(-1).tolist() for s in samples]
+    terms, kls, kls_at_temperature = [], [], []
+    for s, (t_lp, s_lp), s_lp_07, a in zip(samples, raw, at_temperature, outcome):
+        for t, m in enumerate(s["loss_mask"]):
+            if m:
+                assert s["teacher_logp"][t] == pytest.approx(t_lp[t], abs=1e-5)
+                terms.append(-(0.5 * a + t_lp[t] - s_lp[t]))  # ratio 1 at the step's only update: the token's loss is -A
+                kls.append(s_lp[t] - t_lp[t])
+                kls_at_temperature.append(s_lp_07[t] - t_lp[t])
+    first = collate(samples[:1], tok.pad_token_id)  # the right answer alone: its outcome term does not cancel out
+    loss, _ = batch_loss(logprobs_of(model, first, cfg.temperature)[1], first, cfg)
+    n_first = sum(samples[0]["loss_mask"])
+    assert loss.item() == pytest.approx(sum(terms[:n_first]) / n_first, rel=1e-5)
+    assert loss.item() == pytest.approx(sum(kls[:n_first]) / n_first - 0.5 * outcome[0], rel=1e-5)  # -mean(A): KL - 0.5 x 0.707
+    record = train_on(Trainer("rl", model, 1, cfg), samples, cfg, pad_id=tok.pad_token_id, rng=random.Random(0))
+    assert record["kl_teacher"] == pytest.approx(sum(kls) / len(kls), rel=1e-5)
+    assert record["loss"] == pytest.approx(sum(terms) / len(terms), rel=1e-5)  # the token mean over all four samples
+    assert record["kl_teacher"] != pytest.approx(sum(kls_at_temperature) / len(kls), rel=1e-3)  # the student's log-probs at 0.7
 
 
 def test_length_collapse_warns_when_episodes_shorten_as_the_kl_rises():
@@ -70,13 +177,17 @@ def test_length_collapse_warns_when_episodes_shorten_as_the_kl_rises():
 def test_opd_moves_the_student_toward_its_teacher_and_resumes_after_a_kill(tiny_model_dir, tmp_path):
     """The student was taught Paris and Rome, the teacher Paris only; the teacher scores the student's tokens. After one
     OPD update (no outcome term) the next step's rollouts are closer to the teacher: their reverse KL falls (0.84 -> 0.61
-    on AVX2); a run killed in step 2 resumes from step 1's checkpoint."""
+    on AVX2); a run killed in step 2 resumes from step 1's checkpoint. DAPO's dynamic sampling is on (rl's default):
+    under opd it drops no group, so no batch is rolled out again and every sampled token of every episode is scored."""
     student = teach_answers(tiny_model_dir, tmp_path / "student")
     teacher_dir = teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))
     teacher = HFBackend(str(teacher_dir), dtype="float32")
-    cfg = rl_config(steps=2, objective="opd", outcome_weight=0.0, group_size=4, lr=1e-4)
+    cfg = rl_config(steps=2, objective="opd", outcome_weight=0.0, group_size=4, lr=1e-4, dynamic_sampling=True)
     records = run(student, cfg, tmp_path, "straight", teacher=teacher)
     assert all(r["teacher_tokens"] > 0 and math.isfinite(r["kl_teacher"]) for r in records)
+    for r in records:
+        assert r["rollout_rounds"] == 1 and r["kept_groups"] == 1.0 and r["samples"] == r["episodes"] == 8
+        assert r["teacher_tokens"] == round(r["response_tokens"] * r["episodes"])
     assert records[1]["kl_teacher"] < 0.9 * records[0]["kl_teacher"], [r["kl_teacher"] for r in records]
     assert records[0]["loss"] == pytest.approx(records[0]["kl_teacher"], rel=1e-6)  # ratio 1 at the first update: -mean(A) = KL
 
@@ -91,8 +202,6 @@ def test_opd_moves_the_student_toward_its_teacher_and_resumes_after_a_kill(tiny_
     assert trained == [2]
     a, b = state(tmp_path / "straight" / "out"), state(tmp_path / "resumed" / "out")
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-
 
 
 def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():
@@ -128,10 +237,10 @@ def test_with_worked_examples_the_teacher_scores_the_students_tokens_after_its_o
     ids = prompt + completion
     sample = {"ids": ids, "loss_mask": [0] * (len(prompt) - 1) + [1] * len(completion), "messages": messages}
     examples = "Question: Where is Praxil? <search>Praxil</search> <answer>Tarsk</answer>"
-    plain, _ = teacher_logps(teacher, [sample], tok)
-    context, straddling = teacher_logps(teacher, [sample], tok, worked_examples=examples)
+    plain, _, _ = teacher_logps(teacher, [sample], tok)
+    context, spans, straddling = teacher_logps(teacher, [sample], tok, worked_examples=examples)
     (direct,) = teacher.score([chat_prompt(tok, [{"role": "system", "content": f"You answer.\n\n{examples}"}, messages[1]])], [completion])
-    assert straddling == 0 and len(context[0]) == len(plain[0]) == len(ids) - 1
+    assert straddling == 0 and len(context[0]) == len(plain[0]) == len(ids) - 1 and spans[0] == own_spans(sample["loss_mask"])
     assert context[0][len(prompt) - 1 :] == pytest.approx(direct.logprobs, abs=1e-5)
     assert all(v == 0.0 for v in context[0][: len(prompt) - 1])  # the prompt's own positions are not targets
     assert max(abs(a - b) for a, b in zip(context[0][len(prompt) - 1 :], plain[0][len(prompt) - 1 :])) > 1e-3

@@ -64,10 +64,10 @@ class LLMConfig(Section):
     response_cache: bool = Field(True, description="openai backend: keep each answer under data/.cache/llm by a hash of the request (model, prompt, sampling, request format); a re-run with the same params sends no request")
     max_requests_per_minute: int = Field(0, ge=0, description='client-side rate limits (0 = none); 429 + Retry-After are honoured within timeout_s')
     max_tokens_per_minute: int = Field(0, ge=0, description="openai backend: client-side limit on prompt + max_tokens per minute (counted as the server reports once answered); 0 = none")
-    budget_tokens: int = Field(0, ge=0, description="openai backend: the most prompt + completion tokens (as the server reports them) one stage may spend; reached = the stage stops, keeping its finished shards; 0 = none")
+    budget_tokens: int = Field(0, ge=0, description="openai backend: the most prompt + completion tokens (as the server reports them, else counted here) one stage may spend, all its served models and replicas together; reached = the stage stops, keeping its finished shards; 0 = none")
     price_input_per_million: float = Field(0, ge=0, description="openai backend: the price of a million prompt tokens, for budget_usd and the reported cost")
     price_output_per_million: float = Field(0, ge=0, description="openai backend: the price of a million completion tokens")
-    budget_usd: float = Field(0, ge=0, description="openai backend: the most money one stage may spend at those prices; 0 = none")
+    budget_usd: float = Field(0, ge=0, description="openai backend: the most money one stage may spend at those prices, all its served models and replicas together; 0 = none")
     max_failed_in_row: int = Field(8, ge=1, description="openai backend: requests failed for good (after their retries) one after another that mean the server is gone: the stage stops, keeping its finished shards; a failure before that ends only its episode (finish request_failed)")
     max_failed_share: float = Field(0.05, ge=0, le=1, description="generate: the share of its episodes that may end on a request failed for good (finish request_failed, counted in reports/generate.json) before the stage stops, keeping its finished shards")
 

@@ -416,8 +416,8 @@ class OpenAIBackend:
 
     def _post(self, prompt: list[int], s: Sampling) -> tuple[dict, bool]:
         """The first choice of the answer and whether the vLLM extensions were on: the server's, or the cached answer to
-        the very request this backend sends (its method, server, path and body; a usable answer is the only kind kept)."""
-        self._check_budget()
+        the very request this backend sends (its method, server, path and body; a usable answer is the only kind kept,
+        and a cached one costs nothing, so it is given even past the budget)."""
         while True:
             mode = (self.vllm_extensions, self.token_prompts, self.chat_tools)
             body = self._body(prompt, s, mode)
@@ -428,6 +428,7 @@ class OpenAIBackend:
                 if hit is not None:
                     self._count("cached")
                     return hit["choice"], mode[0]
+            self._check_budget()
             try:
                 choice = self._send(prompt, s, body)
             except RequestRefused as refusal:

@@ -4,10 +4,14 @@ student sampled, and the per-token reverse KL is the advantage (discount 0):
     A_t = log p_teacher(y_t | y_<t) - log p_student(y_t | y_<t)      on the student's sampled tokens (loss_mask 1)
 
 plus `rl.outcome_weight` times the configured estimator's sequence advantage of the verifiable reward (build_samples).
-Prompt and tool-observation tokens have loss_mask 0: no advantage, no gradient. A student that already equals its
-teacher gets A_t = 0 everywhere. A teacher of the student's vocabulary scores the student's own tokens; a teacher of
-another tokenizer scores the student's text after its own rendering of the prompt (token_alignment.py: character
-alignment, tokens straddling a boundary counted).
+Both log-probs are at temperature 1, whatever rl.temperature samples at: the teacher scores at 1 (a server's prompt
+log-probs are the raw model's), so a student equal to its teacher gets A_t = 0 at any sampling temperature.
+Prompt and tool-observation tokens have loss_mask 0: no advantage, no gradient. A teacher of the student's vocabulary
+scores the student's own tokens, each a span of its own; a teacher of another tokenizer scores the student's text after
+its own rendering of the prompt, sampled segment by sampled segment (token_alignment.py), and a span of several student
+tokens shares one A: the teacher's log-prob of the span's text minus the student's. A sampled token the teacher gives
+no score (span 0: an end of turn when the teacher has no end token) gets no teacher term at all, rather than one
+computed from a log-prob of 0.
 """
 from __future__ import annotations
 
@@ -17,45 +21,61 @@ from ..protocol import chat_prompt
 from ..token_alignment import score_across
 
 
-def attach_teacher_logps(samples: list[dict], teacher_logps: list[list[float]], straddling: int = 0) -> dict:
-    """Each sample's teacher log-probs as `teacher_logp`, 0 outside its loss_mask; the loss adds A_t = teacher - student
-    there (teacher_term). Returns the number of tokens scored and of teacher tokens straddling a student token boundary
-    (a teacher of another tokenizer)."""
+def attach_teacher_logps(samples: list[dict], teacher_logps: list[list[float]], span_ids: list[list[int]], straddling: int = 0) -> dict:
+    """Each sample's teacher log-probs as `teacher_logp` and spans as `teacher_span` (0 outside its loss_mask and where
+    the teacher gave no score); the loss adds the teacher term there (teacher_term). Returns the number of sampled
+    tokens with a teacher score and of teacher tokens straddling a student token boundary (a teacher of another
+    tokenizer)."""
     n = 0
-    for s, teacher in zip(samples, teacher_logps):
-        if len(teacher) != len(s["loss_mask"]):
-            raise ValueError(f"opd: the teacher scored {len(teacher)} tokens of a sample with {len(s['loss_mask'])} targets")
-        s["teacher_logp"] = [t * m for t, m in zip(teacher, s["loss_mask"])]
-        n += sum(s["loss_mask"])
+    for s, teacher, spans in zip(samples, teacher_logps, span_ids):
+        if len(teacher) != len(s["loss_mask"]) or len(spans) != len(s["loss_mask"]):
+            raise ValueError(f"opd: the teacher scored {len(teacher)} tokens ({len(spans)} spans) of a sample with "
+                             f"{len(s['loss_mask'])} targets")
+        s["teacher_span"] = [k * m for k, m in zip(spans, s["loss_mask"])]
+        s["teacher_logp"] = [t if k else 0.0 for t, k in zip(teacher, s["teacher_span"])]
+        n += sum(k > 0 for k in s["teacher_span"])
     return {"teacher_tokens": n, "teacher_straddling": straddling}
 
 
-def teacher_term(advantages: torch.Tensor, teacher_logp: torch.Tensor, student_logp: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages + (teacher - student log-prob) on loss_mask tokens, the batch's reverse KL to the teacher: the mean over
-    those tokens of student - teacher log-prob). `student_logp` is the sampling policy's (old_logp, or with one update
-    per step the loss's own, detached: the same policy, so no forward pass of its own is needed)."""
-    gap = (teacher_logp - student_logp.detach()) * loss_mask
-    return advantages + gap, -gap.sum() / loss_mask.sum().clamp(min=1)
+def teacher_term(advantages: torch.Tensor, teacher_logp: torch.Tensor, teacher_span: torch.Tensor,
+                 student_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages + the teacher term, the batch's reverse KL to the teacher: the mean over scored tokens of student -
+    teacher log-prob). Each token of span k gets the teacher's minus the student's log-prob summed over span k; span 0
+    gets nothing. `student_logp`: the sampling policy's at temperature 1 (detached here)."""
+    span = teacher_span.long()
+    scored = (span > 0).to(teacher_logp.dtype)
+    teacher, student = teacher_logp * scored, student_logp.detach() * scored
+    per_span = torch.zeros(span.shape[0], span.shape[1] + 1, dtype=teacher.dtype, device=teacher.device)
+    per_span.scatter_add_(1, span, teacher - student)
+    return advantages + per_span.gather(1, span) * scored, (student - teacher).sum() / scored.sum().clamp(min=1)
 
 
-def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: str = "") -> tuple[list[list[float]], int]:
+def own_spans(loss_mask: list[int]) -> list[int]:
+    """Spans of a teacher of the student's vocabulary: each sampled token its own."""
+    return [t + 1 if m else 0 for t, m in enumerate(loss_mask)]
+
+
+def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: str = "") -> tuple[list[list[float]], list[list[int]], int]:
     """The teacher's log-prob of each sample's every target token (position t scores token t+1, as loss_mask is
-    aligned), and how many teacher tokens straddled a student token boundary. A teacher of the student's
-    vocabulary scores the very tokens: after the sequence's first token when it reads the student's own prompt, else
-    after its own rendering of the prompt with `worked_examples` after the system prompt (rl.teacher_context); a teacher
-    of another tokenizer scores the student's text after that rendering (token_alignment.py)."""
+    aligned), each target's span (0: no teacher score), and how many teacher tokens straddled a student token boundary.
+    A teacher of the student's vocabulary scores the very tokens: after the sequence's first token when it reads the
+    student's own prompt, else after its own rendering of the prompt with `worked_examples` after the system prompt
+    (rl.teacher_context); a teacher of another tokenizer scores the student's text after that rendering
+    (token_alignment.py)."""
     same_vocab = teacher.tokenizer.get_vocab() == student_tok.get_vocab()
     if same_vocab and not worked_examples:
         scores = teacher.score([s["ids"][:1] for s in samples], [s["ids"][1:] for s in samples])
-        return [sc.logprobs for sc in scores], 0
+        return [sc.logprobs for sc in scores], [own_spans(s["loss_mask"]) for s in samples], 0
     firsts = [s["loss_mask"].index(1) if 1 in s["loss_mask"] else len(s["loss_mask"]) for s in samples]  # target t is ids[t + 1]
     heads = [teacher_messages(s["messages"], worked_examples) for s in samples]
     completions = [s["ids"][first + 1 :] for s, first in zip(samples, firsts)]
     if same_vocab:
         scores = teacher.score([chat_prompt(teacher.tokenizer, h) for h in heads], completions)
-        return [[0.0] * first + sc.logprobs for first, sc in zip(firsts, scores)], 0
-    aligned = score_across(teacher, student_tok, list(zip(heads, completions)))
-    return [[0.0] * first + a.logprobs for first, a in zip(firsts, aligned)], sum(a.straddling for a in aligned)
+        return [[0.0] * first + sc.logprobs for first, sc in zip(firsts, scores)], [own_spans(s["loss_mask"]) for s in samples], 0
+    sampled = [s["loss_mask"][first:] for s, first in zip(samples, firsts)]  # which completion tokens the student sampled
+    aligned = score_across(teacher, student_tok, list(zip(heads, completions, sampled)))
+    return ([[0.0] * first + a.logprobs for first, a in zip(firsts, aligned)],
+            [[0] * first + a.span_ids for first, a in zip(firsts, aligned)], sum(a.straddling for a in aligned))
 
 
 def teacher_messages(messages: list[dict], worked_examples: str) -> list[dict]:

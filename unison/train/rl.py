@@ -171,7 +171,7 @@ def collate(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     for r, s in enumerate(samples):
         batch["input_ids"][r, : len(s["ids"])] = torch.tensor(s["ids"])
         batch["attention_mask"][r, : len(s["ids"])] = 1
-    for key in ("loss_mask", "advantages", "old_logp", "ref_logp", "teacher_logp"):
+    for key in ("loss_mask", "advantages", "old_logp", "old_logp_t1", "ref_logp", "teacher_logp", "teacher_span"):
         if key in samples[0]:
             batch[key] = padded([list(s[key]) for s in samples], width - 1)
     return batch
@@ -185,17 +185,27 @@ def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, t
 
 def batch_loss(logits: torch.Tensor, batch: dict, cfg: RLConfig, max_len: int | None = None) -> tuple[torch.Tensor, dict]:
     """policy_loss of a collated batch from its (scaled) logits: clipped PG on loss_mask tokens, + k3 KL if configured;
-    with the teacher's log-probs in the batch (rl.objective opd) the advantages gain teacher - student log-prob, and the
-    metrics the batch's reverse KL to the teacher (`kl_teacher`)."""
+    with the teacher's log-probs in the batch (rl.objective opd) the advantages gain the teacher term (teacher_term, on
+    the sampling policy's log-probs at temperature 1), and the metrics the batch's reverse KL to the teacher
+    (`kl_teacher`)."""
     logp = token_logprobs(logits, batch["input_ids"][:, 1:])
     old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()  # one update: the sampling policy is this one
     advantages, extra = batch["advantages"], {}
     if "teacher_logp" in batch:
-        advantages, kl = teacher_term(advantages, batch["teacher_logp"], old_logp, batch["loss_mask"])
+        student = unscaled_logp(logits, logp, batch, cfg.temperature)
+        advantages, kl = teacher_term(advantages, batch["teacher_logp"], batch["teacher_span"], student)
         extra = {"kl_teacher": kl.item()}
     loss, metrics = policy_loss(logp, old_logp, advantages, batch["loss_mask"], cfg.clip_low, cfg.clip_high,
                                 cfg.dual_clip, batch.get("ref_logp"), cfg.kl_coef, cfg.loss_agg, max_len, logits=logits)
     return loss, {**metrics, **extra}
+
+
+def unscaled_logp(logits: torch.Tensor, logp: torch.Tensor, batch: dict, temperature: float) -> torch.Tensor:
+    """The sampling policy's log-probs at temperature 1 (OPD's teacher term): stored with the policy before the update
+    (`old_logp_t1`), else the loss's own (`logp` from `logits` scaled by 1/temperature), detached."""
+    if "old_logp_t1" in batch:
+        return batch["old_logp_t1"]
+    return (logp if temperature == 1 else token_logprobs(logits * temperature, batch["input_ids"][:, 1:])).detach()
 
 
 def needs_old_logp(cfg: RLConfig) -> bool:
@@ -207,15 +217,20 @@ def needs_old_logp(cfg: RLConfig) -> bool:
 
 
 @torch.no_grad()
-def attach_logprobs(model, samples: list[dict], key: str, cfg: RLConfig, pad_id: int, device, precision: str) -> None:
-    """Each sample's per-token log-probs under `model` (in the training precision) as samples[i][key]."""
+def attach_logprobs(model, samples: list[dict], key: str, cfg: RLConfig, pad_id: int, device, precision: str,
+                    unscaled_key: str | None = None) -> None:
+    """Each sample's per-token log-probs under `model` (in the training precision, at rl.temperature) as samples[i][key],
+    and at temperature 1 as samples[i][unscaled_key] when given."""
     for i in range(0, len(samples), cfg.micro_batch_size):
         chunk = samples[i : i + cfg.micro_batch_size]
         batch = {n: t.to(device) for n, t in collate(chunk, pad_id).items()}
         with autocast(precision, device.type):
-            logp, _ = logprobs_of(model, batch, cfg.temperature)
+            logp, logits = logprobs_of(model, batch, cfg.temperature)
+            unscaled = token_logprobs(logits * cfg.temperature, batch["input_ids"][:, 1:]) if unscaled_key else None
         for r, s in enumerate(chunk):
             s[key] = logp[r, : len(s["ids"]) - 1].tolist()
+            if unscaled_key:
+                s[unscaled_key] = unscaled[r, : len(s["ids"]) - 1].tolist()
 
 
 def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, rng: random.Random) -> dict:
@@ -293,7 +308,8 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
             backend.sleep()
         if samples:
             if needs_old_logp(cfg):
-                attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision)
+                attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision,
+                                unscaled_key="old_logp_t1" if cfg.objective == "opd" else None)
             if cfg.objective == "opd":
                 t_teacher = time.perf_counter()
                 metrics |= attach_teacher_logps(samples, *trainer.from_main(teacher_logps(teacher, samples, tok, worked_examples) if trainer.is_main else None))
