@@ -140,3 +140,17 @@ def test_a_30_mb_answer_does_not_grow_the_process_by_its_size(tiny_model_dir):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "characters long" in result["error"] and result["grew_mb"] < 600, result
+
+
+def test_failed_trajectories_stop_a_stage_only_past_the_share_naming_the_last_failure():
+    from unison.agents.generation import FailureShare, TooManyFailures
+
+    rows = [{"finish_reason": REQUEST_FAILED}] + [{"finish_reason": "answer"}] * 9
+    share = FailureShare(0.1, 20, lambda: "POST http://x/v1 failed after 4 attempts: HTTP 500")
+    share.admit(rows)  # 1 of 20: within 10%
+    share.admit(rows)  # 2 of 20: at 10%, not past it
+    with pytest.raises(TooManyFailures, match=r"^evaluate: teacher: 1 of 2 trajectories ended on a request that failed for good, "
+                                              r"more than llm.max_failed_share 0 allows$"):
+        FailureShare(0.0, 2, stage="evaluate: teacher").admit(rows[:2])
+    with pytest.raises(TooManyFailures, match=r"^generate: 3 of 20 .* 0.1 allows; the last: POST http://x/v1 failed"):
+        share.admit(rows[:1])

@@ -64,17 +64,18 @@ class TooManyFailures(RuntimeError):
 
 class FailureShare:
     """Counts the trajectories that ended on a request failed for good (finish request_failed) against the share of all
-    `total` that llm.max_failed_share allows; `admit` raises TooManyFailures, before a shard that would pass it is written."""
+    `total` that llm.max_failed_share allows; `admit` raises TooManyFailures, before a shard that would pass it is written
+    (generate) or a system's rows are scored (evaluate, `stage`)."""
 
-    def __init__(self, share: float, total: int, last_failure=lambda: ""):
-        self.share, self.total, self.failed, self.last_failure = share, total, 0, last_failure
+    def __init__(self, share: float, total: int, last_failure=lambda: "", stage: str = "generate"):
+        self.share, self.total, self.failed, self.last_failure, self.stage = share, total, 0, last_failure, stage
 
     def admit(self, rows: list[dict]) -> None:
         failed = self.failed + sum(r["finish_reason"] == REQUEST_FAILED for r in rows)
         if failed > self.share * self.total:
             last = self.last_failure()
-            raise TooManyFailures(f"generate: {failed} of {self.total} trajectories ended on a request that failed for good, more "
-                                  f"than llm.max_failed_share {self.share:g} allows" + (f"; the last: {last}" if last else ""))
+            raise TooManyFailures(f"{self.stage}: {failed} of {self.total} trajectories ended on a request that failed for good, "
+                                  f"more than llm.max_failed_share {self.share:g} allows" + (f"; the last: {last}" if last else ""))
         self.failed = failed
 
 

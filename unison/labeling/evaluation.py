@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 from .. import layout
 from ..agents.cluster import Replicas, load_workbench, rollouts, system_context, workbench_or_replicas
+from ..agents.generation import FailureShare
 from ..agents.methods import run_method
 from ..agents.wiring import fault_counters, make_toolbox
 from ..config import ClusterConfig, EvaluateConfig, LabelConfig, SystemSettings
@@ -173,6 +174,7 @@ def run_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluste
             t0 = time.perf_counter()
             n = p.rerank_samples if name == "prm_rerank" else 1
             rows, counters = rollouts(engine, questions, n, teacher, teacher_id(s) if teacher else model_dir, temperature)
+            FailureShare(s.teacher_engine.max_failed_share, len(rows), stage=f"evaluate: {name}").admit(rows)  # a served teacher's
             rows = label_rows(rows, label, judge)
             rows, extra = prm_rerank(rows, load_prm()) if name == "prm_rerank" else (rows, {})
             wall = time.perf_counter() - t0
