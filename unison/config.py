@@ -69,7 +69,7 @@ class LLMConfig(Section):
     price_output_per_million: float = Field(0, ge=0, description="openai backend: the price of a million completion tokens")
     budget_usd: float = Field(0, ge=0, description="openai backend: the most money one stage may spend at those prices, all its served models and replicas together; 0 = none")
     max_failed_in_row: int = Field(8, ge=1, description="openai backend: requests failed for good (after their retries) one after another that mean the server is gone: the stage stops, keeping its finished shards; a failure before that ends only its episode (finish request_failed)")
-    max_failed_share: float = Field(0.05, ge=0, le=1, description="generate: the share of its episodes that may end on a request failed for good (finish request_failed, counted in reports/generate.json) before the stage stops, keeping its finished shards")
+    max_failed_share: float = Field(0.05, ge=0, le=1, description="generate and evaluate: the share of their trajectories that may end on a request failed for good (finish request_failed, counted in reports/generate.json) before the stage stops, generate keeping its finished shards")
 
     @model_validator(mode="after")
     def _budget_needs_prices(self):
