@@ -1,0 +1,96 @@
+"""A fake hosted chat API whose model is a scripted expert of the builtin world (unison/data/builtin.py): a teacher that
+knows how every question is solved, so what a student absorbs from it can be held to a floor that a weak teacher (the
+demo's SmolLM2 debate team) cannot show.
+
+The expert speaks OpenAI's chat completions with native tool calls: `tools` in the request, `tool_calls` with
+JSON-string arguments back (finish_reason tool_calls), the results as `tool` messages in the next request's history, a
+plain final content, `usage` in every answer. Its policy per question, from the question's row (looked up by the user
+message's text):
+  qa    one `search` per supporting entity the row's meta names (hop1: the entity; hop2: the entity, then the related one);
+  math  one `python` call that prints the row's meta expression;
+then the answer. It calls its next planned tool only when the request offers that tool (a turn the scaffold forces to
+answer gets the answer). The answer is read from what the tools returned when they hold it: for qa, the gold answer as
+it appears in a search result; for math, the whole number the python call printed. Otherwise (the search missed the passage,
+the sandbox failed) it falls back to the row's known answer; `ExpertStats` counts which of the two each answer was.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+
+FAKE_MODEL = "expert-fake-2026"
+
+
+@dataclass
+class ExpertStats:
+    """What the fake expert did: answers read from tool results, answers taken from the row (the fallback), requests
+    about questions it does not know."""
+    from_tools: int = 0
+    from_record: int = 0
+    unknown_questions: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, name: str) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+
+def plan(row: dict) -> list[tuple[str, dict]]:
+    """The tool calls that solve `row`: [(function name, arguments)]."""
+    meta = json.loads(row["meta"])
+    if row["task"] == "math":
+        return [("python", {"code": f"print({meta['expression']})"})]
+    return [("search", {"query": entity}) for entity in meta["supporting"]]
+
+
+def read_answer(row: dict, results: list[str]) -> str | None:
+    """The answer as the tool results give it, or None when they do not hold it."""
+    if row["task"] == "math":
+        printed = results[-1].strip() if results else ""
+        if not re.fullmatch(r"-?\d+(\.0+)?", printed):  # a whole number; division prints one as 23.0
+            return None
+        return printed.split(".")[0]
+    gold = row["answers"][0]
+    return gold if any(gold in r for r in results) else None
+
+
+def estimated_tokens(text: str) -> int:
+    """A token count for `usage`: about four characters a token, at least one."""
+    return max(1, len(text) // 4)
+
+
+def fake_expert_chat_api(questions: list[dict], stats: ExpertStats):
+    """respond() for LocalServer: POST /v1/chat/completions answered by the expert of `questions` (question rows), whose
+    doings are counted in `stats`."""
+    by_text = {q["question"]: q for q in questions}
+
+    def respond(req):
+        body = req["json"]
+        msgs = body["messages"]
+        question = next(m["content"] for m in msgs if m["role"] == "user")
+        row = by_text.get(question)
+        results = [m["content"] for m in msgs if m["role"] == "tool"]
+        offered = {t["function"]["name"] for t in body.get("tools") or []} if body.get("tool_choice") != "none" else set()
+        steps = plan(row) if row else []
+        if row is None:
+            stats.count("unknown_questions")
+            message, finish = {"role": "assistant", "content": "I do not know."}, "stop"
+        elif len(results) < len(steps) and steps[len(results)][0] in offered:
+            name, arguments = steps[len(results)]
+            message = {"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{len(results)}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+            finish = "tool_calls"
+        else:
+            answer = read_answer(row, results)
+            stats.count("from_tools" if answer is not None else "from_record")
+            message, finish = {"role": "assistant", "content": answer if answer is not None else row["answers"][0]}, "stop"
+        said = (message["content"] or "") + json.dumps(message.get("tool_calls") or [])
+        prompt_tokens = sum(estimated_tokens(json.dumps(m)) for m in msgs)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": estimated_tokens(said),
+                 "total_tokens": prompt_tokens + estimated_tokens(said)}
+        return 200, {"id": "chatcmpl-expert", "object": "chat.completion", "model": FAKE_MODEL,
+                     "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}, None
+
+    return respond
