@@ -73,12 +73,12 @@ def fake_expert_chat_api(questions: list[dict], stats: ExpertStats):
         row = by_text.get(question)
         results = [m["content"] for m in msgs if m["role"] == "tool"]
         offered = {t["function"]["name"] for t in body.get("tools") or []} if body.get("tool_choice") != "none" else set()
-        steps = plan(row) if row else []
+        remaining = plan(row)[len(results):] if row else []
         if row is None:
             stats.count("unknown_questions")
             message, finish = {"role": "assistant", "content": "I do not know."}, "stop"
-        elif len(results) < len(steps) and steps[len(results)][0] in offered:
-            name, arguments = steps[len(results)]
+        elif remaining and remaining[0][0] in offered:
+            name, arguments = remaining[0]
             message = {"role": "assistant", "content": None, "tool_calls": [{
                 "id": f"call_{len(results)}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
             finish = "tool_calls"
@@ -86,10 +86,10 @@ def fake_expert_chat_api(questions: list[dict], stats: ExpertStats):
             answer = read_answer(row, results)
             stats.count("from_tools" if answer is not None else "from_record")
             message, finish = {"role": "assistant", "content": answer if answer is not None else row["answers"][0]}, "stop"
-        said = (message["content"] or "") + json.dumps(message.get("tool_calls") or [])
         prompt_tokens = sum(estimated_tokens(json.dumps(m)) for m in msgs)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": estimated_tokens(said),
-                 "total_tokens": prompt_tokens + estimated_tokens(said)}
+        completion_tokens = estimated_tokens((message["content"] or "") + json.dumps(message.get("tool_calls") or []))
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
         return 200, {"id": "chatcmpl-expert", "object": "chat.completion", "model": FAKE_MODEL,
                      "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}, None
 
