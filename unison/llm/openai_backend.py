@@ -357,12 +357,8 @@ class OpenAIBackend:
                 raise RequestFailed(f"openai backend: {e}") from None
             meta = answer.get("meta_info") if isinstance(answer, dict) else None
             meta = {k: meta.get(k) for k in ("input_token_logprobs", "input_top_logprobs", "prompt_tokens")} if isinstance(meta, dict) else {}
-            usage = reported_usage({"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": 1})
-            if usage is None:
-                self._count("usage_counted_here")
-                usage = {"prompt_tokens": len(seq), "completion_tokens": 1}
-            self._spend(usage)
-            self.rate_limit.settle(entry, usage["prompt_tokens"] + usage["completion_tokens"])
+            self._settle(entry, reported_usage({"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": 1}),
+                         lambda: {"prompt_tokens": len(seq), "completion_tokens": 1})
             if self.cache is not None and usable(meta):
                 self.cache.put("POST", label, key, meta)
         where = redact(label)
@@ -418,13 +414,15 @@ class OpenAIBackend:
         """The first choice of the answer and whether the vLLM extensions were on: the server's, or the cached answer to
         the very request this backend sends (its method, server, path and body; a usable answer is the only kind kept,
         and a cached one costs nothing, so it is given even past the budget)."""
+        def kept(choice) -> bool:  # what the cache holds: a usable answer with all that was asked
+            return unusable(choice, s, self.api) is None and complete(choice, s, self.api)
+
         while True:
             mode = (self.vllm_extensions, self.token_prompts, self.chat_tools)
             body = self._body(prompt, s, mode)
             key = json.dumps(body, sort_keys=True)
             if self.cache is not None:
-                hit = self.cache.get("POST", self.label, key, usable=lambda v: isinstance(v, dict) and unusable(v.get("choice"), s, self.api) is None
-                                     and complete(v["choice"], s, self.api))
+                hit = self.cache.get("POST", self.label, key, usable=lambda v: isinstance(v, dict) and kept(v.get("choice")))
                 if hit is not None:
                     self._count("cached")
                     return hit["choice"], mode[0]
@@ -436,7 +434,7 @@ class OpenAIBackend:
                     continue
                 self._count("failures")
                 raise RequestFailed(f"openai backend: {refusal.failure}") from None
-            if self.cache is not None and "unison_error" not in choice and complete(choice, s, self.api):
+            if self.cache is not None and kept(choice):
                 self.cache.put("POST", self.label, key, {"choice": choice})
             return choice, mode[0]
 
@@ -448,6 +446,15 @@ class OpenAIBackend:
             self.stats["completion_tokens"] += completion_tokens
             self.stats["cost_usd"] = self.budget.cost(self.stats["prompt_tokens"], self.stats["completion_tokens"])
         self.spend.add(prompt_tokens + completion_tokens, self.budget.cost(prompt_tokens, completion_tokens))
+
+    def _settle(self, entry: list, usage: dict | None, counted_here) -> None:
+        """Spend an answer's usage, the server's or else `counted_here()` (in this backend's tokenizer; the reports say
+        how often: usage_counted_here), and settle its rate-limit entry with it."""
+        if usage is None:
+            self._count("usage_counted_here")
+            usage = counted_here()
+        self._spend(usage)
+        self.rate_limit.settle(entry, usage["prompt_tokens"] + usage["completion_tokens"])
 
     def _check_budget(self) -> None:
         """BudgetExhausted once the shared spend has reached the budget. Checked before each request, so the requests
@@ -478,11 +485,7 @@ class OpenAIBackend:
         choices = answer.get("choices")
         choice = choices[0] if isinstance(choices, list) and choices else None
         error = unusable(choice, s, self.api, usage)
-        if usage is None:  # counted here, in this backend's tokenizer: the run's reports say how often (usage_counted_here)
-            self._count("usage_counted_here")
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": 0 if error else self._completion_tokens(choice)}
-        self._spend(usage)
-        self.rate_limit.settle(entry, usage["prompt_tokens"] + usage["completion_tokens"])
+        self._settle(entry, usage, lambda: {"prompt_tokens": len(prompt), "completion_tokens": 0 if error else self._completion_tokens(choice)})
         if error:
             self._count("malformed_answers")
             return {"text": "", "message": {}, "finish_reason": "stop", "unison_error": f"the server's answer {error}"}

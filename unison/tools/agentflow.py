@@ -41,6 +41,18 @@ def chunks(text: str, size: int = CHUNK_WORDS, overlap: int = CHUNK_OVERLAP) -> 
     return [" ".join(words[start:start + size]) for start in range(0, max(len(words) - overlap, 1), size - overlap)]
 
 
+@functools.cache
+def _page_reader():
+    """(crawl, the index's encoder, the deadline of one fetch), built once per worker."""
+    from .retrieval import load_encoder
+    from .web import Crawl, web_cache
+
+    tools = load_params().tools
+    meta = json.loads((Path(layout.INDEX) / "meta.json").read_text())
+    return (Crawl(allow_networks=tuple(tools.web_allow_networks), **web_cache(tools)),
+            load_encoder(meta["encoder"], meta["query_prefix"], meta["passage_prefix"]), tools.web_timeout_s)
+
+
 def web_rag_search(query: str, url: str) -> str:
     """Read a web page and return its passages most relevant to a query, ranked by the index's encoder.
 
@@ -48,16 +60,10 @@ def web_rag_search(query: str, url: str) -> str:
         query: The question to find on the page.
         url: The page's http(s) URL.
     """
-    from .retrieval import load_encoder
-    from .web import Crawl, web_cache
-
-    tools = load_params().tools
-    crawl = Crawl(allow_networks=tuple(tools.web_allow_networks), **web_cache(tools))
-    pieces = chunks(crawl.page_text(url, time.monotonic() + tools.web_timeout_s))
+    crawl, encoder, timeout_s = _page_reader()
+    pieces = chunks(crawl.page_text(url, time.monotonic() + timeout_s))
     if not pieces or not pieces[0]:
         return f"no text at {url}"
-    meta = json.loads((Path(layout.INDEX) / "meta.json").read_text())
-    encoder = load_encoder(meta["encoder"], meta["query_prefix"], meta["passage_prefix"])
     scores = encoder.encode(pieces, passages=True) @ encoder.encode([query])[0]
     best = np.argsort(-scores, kind="stable")[:TOP_CHUNKS]
     return "\n".join(f"Chunk [{rank + 1}]\n{pieces[k]}" for rank, k in enumerate(best))
