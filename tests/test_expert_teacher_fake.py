@@ -1,4 +1,4 @@
-"""A transfer check no weak teacher can hide: a scripted expert of the builtin world (tests/expert_teacher.py) behind a
+"""A transfer check no weak teacher can hide: a scripted expert of the builtin world (bench/expert.py) behind a
 fake hosted chat API (the one boundary we fake) teaches the real SmolLM2 student through `dvc repro sft`, and the SFT
 student's exact match on held-out test questions, scored by the project's own evaluation, must reach a floor. The demo's
 teacher is weaker than its student, so there a regression that halves what SFT transfers would go unseen; here the
@@ -17,6 +17,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from bench.expert import MODEL, ExpertStats, expert_server
 from unison.agents.methods import MethodContext, run_method
 from unison.agents.runtime import EpisodeSettings
 from unison.agents.wiring import make_toolbox
@@ -28,8 +29,6 @@ from unison.llm.openai_backend import OpenAIBackend
 from unison.recipes import merge
 from unison.tools.retrieval import build_index
 
-from .expert_teacher import FAKE_MODEL, ExpertStats, fake_expert_chat_api
-from .local_http import LocalServer
 from .projects import copy_project, run, tiny_params
 
 ALL_KINDS = {"n_people": 24, "n_orgs": 8, "n_cities": 8, "n_countries": 4, "train_size": 4, "test_size": 24,
@@ -41,8 +40,8 @@ def test_the_fake_expert_answers_hop1_hop2_and_math_by_calling_the_tools_each_ne
     build_index(tmp_path / "raw/corpus.parquet", tmp_path / "index", encoder="hash:1024")  # each entity's own passage first
     questions = read_table(tmp_path / "raw/test.parquet", QUESTION)
     stats = ExpertStats()
-    with LocalServer(fake_expert_chat_api(questions, stats)) as api:
-        backend = OpenAIBackend(f"{api.url}/v1", "expert", tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), api="chat",
+    with expert_server(questions, stats) as url:
+        backend = OpenAIBackend(url, "expert", tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), api="chat",
                                 backoff_s=0.01, timeout_s=30)
         ctx = MethodContext(backend, make_toolbox(ToolsConfig(), str(tmp_path / "index")), EpisodeSettings(temperature=0.0), "expert@api")
         rows = {r["question_id"]: r for r in run_method("single", questions, 1, ctx, 8)}
@@ -54,7 +53,7 @@ def test_the_fake_expert_answers_hop1_hop2_and_math_by_calling_the_tools_each_ne
     assert set(Counter(json.loads(q["meta"])["hop"] for q in questions)) == set(calls)
     assert (stats.from_tools, stats.from_record, stats.unknown_questions) == (len(questions), 0, 0)  # every answer read
     assert backend.stats["prompt_tokens"] > 0 and backend.stats["usage_counted_here"] == 0
-    assert all(r["teacher"] == f"expert@api (server: {FAKE_MODEL})" for r in rows.values())
+    assert all(r["teacher"] == f"expert@api (server: {MODEL})" for r in rows.values())
 
 
 # The tiny overlay's world, student and SFT settings with 48 train questions (1 epoch of 4 a step: 12 optimiser steps) and
@@ -100,8 +99,8 @@ def test_a_student_distilled_from_the_fake_expert_teacher_reaches_the_transfer_f
     params = merge(tiny_params(), TRANSFER)
     _, train, test = generate_world(BuiltinWorldConfig(**params["download"]["builtin"]), params["seed"])  # as download makes them
     stats = ExpertStats()
-    with LocalServer(fake_expert_chat_api(train + test, stats)) as api:
-        teacher = {"backend": "openai", "api": "chat", "base_url": f"{api.url}/v1", "served_name": "expert"}
+    with expert_server(train + test, stats) as url:
+        teacher = {"backend": "openai", "api": "chat", "base_url": url, "served_name": "expert"}
         (project / "params.yaml").write_text(yaml.safe_dump(merge(params, {"teacher": teacher}), sort_keys=False))
         run(project, "dvc", "repro", "sft", timeout=1500)
         lines = run(project, "python", "-c", EVALUATE_TEACHER_AND_SFT, timeout=900).stdout.splitlines()

@@ -1,6 +1,7 @@
-"""A fake hosted chat API whose model is a scripted expert of the builtin world (unison/data/builtin.py): a teacher that
-knows how every question is solved, so what a student absorbs from it can be held to a floor that a weak teacher (the
-demo's SmolLM2 debate team) cannot show.
+"""A scripted expert of the builtin world (unison/data/builtin.py) behind OpenAI's chat completions API on 127.0.0.1: a
+teacher that knows how every question is solved, so what a student absorbs from it can be measured against what it was
+shown (bench/expert_demo.py, bench/token_distillation.py --make-teacher) and held to a floor in the tests, where it stands
+in for a hosted API.
 
 The expert speaks OpenAI's chat completions with native tool calls: `tools` in the request, `tool_calls` with
 JSON-string arguments back (finish_reason tool_calls), the results as `tool` messages in the next request's history, a
@@ -18,9 +19,11 @@ from __future__ import annotations
 import json
 import re
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-FAKE_MODEL = "expert-fake-2026"
+MODEL = "scripted-expert"
 
 
 @dataclass
@@ -61,9 +64,9 @@ def estimated_tokens(text: str) -> int:
     return max(1, len(text) // 4)
 
 
-def fake_expert_chat_api(questions: list[dict], stats: ExpertStats):
-    """respond() for LocalServer: POST /v1/chat/completions answered by the expert of `questions` (question rows), whose
-    doings are counted in `stats`."""
+def expert_chat_api(questions: list[dict], stats: ExpertStats):
+    """respond(request) -> (status, body, headers): POST /v1/chat/completions answered by the expert of `questions`
+    (question rows), whose doings are counted in `stats`; request = {"json": the body}."""
     by_text = {q["question"]: q for q in questions}
 
     def respond(req):
@@ -90,7 +93,36 @@ def fake_expert_chat_api(questions: list[dict], stats: ExpertStats):
         completion_tokens = estimated_tokens((message["content"] or "") + json.dumps(message.get("tool_calls") or []))
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
-        return 200, {"id": "chatcmpl-expert", "object": "chat.completion", "model": FAKE_MODEL,
+        return 200, {"id": "chatcmpl-expert", "object": "chat.completion", "model": MODEL,
                      "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}, None
 
     return respond
+
+
+@contextmanager
+def expert_server(questions: list[dict], stats: ExpertStats):
+    """The expert of `questions` serving /v1/chat/completions on 127.0.0.1 in a thread; yields its base URL (…/v1)."""
+    respond = expert_chat_api(questions, stats)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+            status, answer, _ = respond({"json": body})
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
