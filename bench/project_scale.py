@@ -7,7 +7,7 @@ A colocated verl step (rollout engine and policy on the same GPUs, one after the
                tokens (8 = forward + backward with gradient checkpointing, verl's default), tokens = prompt + response
 and a run is steps x (rollout + training); verl's KL, critic and reward work are the passes counted, the reward
 (rules) and tool calls are not. Every input is stated below with where it comes from; no figure here was measured on a
-GPU. The run sizes are the seeds' (research/seeds.md); an episode's lengths are the seed's max lengths times a fill
+GPU. The run sizes are the seeds' (docs/seeds.md); an episode's lengths are the seed's max lengths times a fill
 fraction: 1 (the bound), 0.25, and the fill unison's demo measured (DEMO_FILL). The seeds publish no mean lengths.
 
     python -m bench.project_scale [--gpus 8,32,128] [--fill 1.0,0.25,demo]
@@ -24,7 +24,7 @@ HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3: one sequence decodes no faster than 
 MFU = 0.30               # assumed for verl's FSDP updates (padded, short RL batches; pre-training FSDP reaches 50%+)
 ROLLOUT_EFFICIENCY = 0.5  # assumed share of peak decode kept through tool waits, turn boundaries and the long tail
 
-# The seeds' RL runs (research/seeds.md): model params, the seed's own GPU count, prompts per step trained on and rolled out (DAPO's generation
+# The seeds' RL runs (docs/seeds.md): model params, the seed's own GPU count, prompts per step trained on and rolled out (DAPO's generation
 # batch; one per step, a lower bound), rollouts per prompt, steps, max prompt and response tokens (the response includes
 # tool observations), the generated share of the response (assumed), and the extra models a step runs: a critic (GAE:
 # a forward and an update like the actor's) or a KL reference (a forward).

@@ -1,18 +1,30 @@
-"""Token-level distillation head to head on a finished demo: the same student start and the same
-token-level teacher, on the demo's 200 test questions.
+"""Token-level distillation head to head on a finished demo: the same student start, the same token-level teacher and
+the same prompts, on the demo's 200 test questions, at one or more step budgets.
 
 Rows (each trained in its own copy of the demo project: data and models hard-linked, this checkout's code):
-  sft_rl       SFT -> RL: the demo's own run (its reports; nothing re-run), or, with `--set`, RL re-run at that budget
+  sft_rl       SFT -> RL: the demo's own run (its reports; nothing re-run), or, with `--set`/`--budgets`, RL re-run there
+  base_rl      RL from the base student
   sft_opd      SFT -> OPD (rl.objective opd, outcome_weight 0, the demo's rl settings otherwise)
-  sft_kd_opd   SFT with logit KD (the teacher's top-k on the demo's trajectories, sft.kd_weight) -> OPD
   base_opd     OPD from the base student
-The token-level teacher is `--teacher` (default: the demo's RL student, the strongest model of the run that can score
-tokens: the 5-agent team is a method, not one model, and its model is the base student's). Each row: EM with its
-Wilson 95% interval, training wall time (the training stages' processes), student tokens sampled, teacher tokens
-scored, and the reverse-KL curve (reports/token_distillation.png). Figures merge into reports/bench.json under
-"token_distillation".
+  sft_kd_opd   SFT with logit KD (the teacher's top-k on the demo's trajectories, sft.kd_weight) -> OPD
+  sft_opd_rl   SFT -> OPD for half the budget, then RL for the other half (OPD annealed into RL, in two phases)
+  base_opd_rl  the same from the base student
+The token-level teacher is `--teacher` (a model folder), or `--make-teacher N`: a SmolLM2 student that the pipeline
+trains (dvc repro sft, bench/expert_demo.py) on the scripted expert's trajectories of N train questions of another
+world of the generated benchmark (seed 1: no entity, passage or question of the demo's world), reported first as its
+own row (`teacher`) on the demo's test questions. Default: the demo's RL student.
 
-    python -m bench.token_distillation --project /path/to/demo [--rows sft_opd,base_opd] [--work DIR] [--set rl.steps=8 ...]
+`--prompts all` trains on every train question (data/rl rewritten as one level) instead of the demo's Pareto
+curriculum. `--set rl.probe_prompts=K` holds K of them out and measures the reverse KL to the teacher there before
+the first step and after each (the curve that shows whether OPD reduces its own objective). Each row: EM with its
+Wilson 95% interval, training seconds (the rl stage's rollout, reward and update time, without the probe), student
+tokens sampled, teacher tokens scored, the reverse KL of the training batches and of the probe per step. Plots:
+reports/token_distillation.png (the probe's KL per step) and reports/token_distillation_em.png (EM against training
+seconds, one line per row over the budgets). Figures merge into reports/bench.json under "token_distillation", one
+entry per row and budget, so runs of a few rows at a time add up.
+
+    python -m bench.token_distillation --project /path/to/demo [--make-teacher 400 | --teacher DIR] [--rows sft_opd,base_opd]
+        [--budgets 8,32,64] [--prompts all] [--work DIR] [--set rl.probe_prompts=16 ...]
 
 `--set` changes a param of every row, sft_rl's included, which is then trained in a copy like the others: the same
 budget for every row.
@@ -30,10 +42,13 @@ import time
 from pathlib import Path
 
 from bench.bench_rollout import git_commit, save_report
+from bench.expert_demo import set_dotted
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("unison", "stages", "configs", "bench")  # this checkout's, linked into each copy
-ROWS = ("sft_rl", "sft_opd", "sft_kd_opd", "base_opd")
+ROWS = ("sft_rl", "base_rl", "sft_opd", "base_opd", "sft_kd_opd", "sft_opd_rl", "base_opd_rl")
+DEFAULT_ROWS = ("sft_rl", "sft_opd", "sft_kd_opd", "base_opd")
+OPD = {"rl.objective": "opd", "rl.outcome_weight": 0.0}
 
 
 def copy_project(demo: Path, dst: Path, teacher: Path) -> Path:
@@ -56,14 +71,7 @@ def set_params(project: Path, changes: dict) -> None:
     import yaml
 
     path = project / "params.yaml"
-    params = yaml.safe_load(path.read_text())
-    for dotted, value in changes.items():
-        *sections, key = dotted.split(".")
-        node = params
-        for s in sections:
-            node = node.setdefault(s, {})
-        node[key] = value
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    path.write_text(yaml.safe_dump(set_dotted(yaml.safe_load(path.read_text()), changes), sort_keys=False))
 
 
 def run(project: Path, *cmd: str) -> float:
@@ -108,70 +116,163 @@ def evaluate_system(system: str, model_dir: str) -> None:
     write_json(metrics, "reports/bench_eval.json")
 
 
+def write_all_train_prompts() -> None:
+    """In a copy: data/rl as every train question at level 1, in place of the demo's Pareto curriculum."""
+    from unison import layout
+    from unison.config import load_params
+    from unison.data.schemas import QUESTION, read_table
+    from unison.tools.registry import enabled_tools, system_prompt
+    from unison.train.pareto import rl_rows, write_rl_data
+
+    params = load_params()
+    questions = read_table(layout.RAW_TRAIN, QUESTION)
+    groups = [{"question_id": q["id"], "correctness": [], "score_tool": 0.0, "score_corr": 0.0, "front": 0, "crowding": 0.0}
+              for q in questions]
+    for old in Path(layout.RL_DATA).glob("level*.parquet"):
+        old.unlink()  # a hard link to the demo's file: unlinked, never written through
+    rows = rl_rows(groups, [1] * len(groups), {q["id"]: q for q in questions},
+                   system_prompt(enabled_tools(params.tools), params.generate.method))
+    write_rl_data(rows, layout.RL_DATA)
+    print(f"token_distillation: data/rl holds all {len(rows)} train questions", flush=True)
+
+
 def rl_figures(project: Path) -> dict:
-    """From an rl run's reports: student tokens sampled, teacher tokens scored, the reverse-KL curve, its step times."""
+    """From an rl run's reports: training seconds (rollouts, rewards and updates; not the probe), student tokens sampled,
+    teacher tokens scored, the reverse KL of each step's batch and of the probe (before the first step, then after each)."""
     with open(project / "reports/rl_curve.csv") as f:
         curve = list(csv.DictReader(f))
     report = json.loads((project / "reports/rl.json").read_text())
-    return {"student_tokens": round(sum(float(r["response_tokens"]) * float(r["episodes"]) for r in curve)),
+    probe = [float(curve[0]["probe_kl_start"])] + [float(r["probe_kl"]) for r in curve] if curve[0].get("probe_kl_start") else []
+    return {"train_s": report["rollout_s_total"] + report["reward_s_total"] + report["train_s_total"],
+            "student_tokens": round(sum(float(r["response_tokens"]) * float(r["episodes"]) for r in curve)),
             "teacher_tokens": int(report.get("teacher_tokens_total", 0)),
-            "kl_curve": [float(r["kl_teacher"]) for r in curve if r.get("kl_teacher")],
-            "rl_rollout_s": report["rollout_s_total"], "rl_train_s": report["train_s_total"], "rl_steps": report["steps"]}
+            "kl_curve": [float(r["kl_teacher"]) for r in curve if r.get("kl_teacher")], "probe_curve": probe,
+            "rl_steps": report["steps"]}
 
 
-def measured(project: Path, train_s: float, extra: dict | None = None) -> dict:
+def joined(phases: list[dict]) -> dict:
+    """The figures of phases trained one after the other as one run (a later phase's start probe repeats the end of the
+    one before)."""
+    out = {k: sum(p[k] for p in phases) for k in ("train_s", "student_tokens", "teacher_tokens", "rl_steps")}
+    out["kl_curve"] = [v for p in phases for v in p["kl_curve"]]
+    out["probe_curve"] = phases[0]["probe_curve"] + [v for p in phases[1:] for v in p["probe_curve"][1:]]
+    return out
+
+
+def measured(project: Path) -> dict:
     m = json.loads((project / "reports/bench_eval.json").read_text())
-    return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], "n": m["questions"], "train_wall_s": train_s,
-            **rl_figures(project), **(extra or {})}
+    return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], "n": m["questions"]}
 
 
-def row(name: str, demo: Path, work: Path, teacher: Path, kd_weight: float, topk: int, overrides: dict) -> dict:
-    if name == "sft_rl" and not overrides:  # the demo's own SFT -> RL
+def phases_of(method: str, steps: int) -> list[tuple[dict, int]]:
+    """(param changes, steps) of each rl run a row's method makes of a budget of `steps`."""
+    if method == "opd_rl":
+        return [(OPD, steps // 2), ({"rl.objective": "reward"}, steps - steps // 2)]
+    return [(OPD if method in ("opd", "kd_opd") else {}, steps)]
+
+
+def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_weight: float, topk: int, overrides: dict,
+        all_prompts: bool) -> dict:
+    start, method = name.split("_", 1)
+    if name == "sft_rl" and not overrides and steps is None and not all_prompts:  # the demo's own SFT -> RL
         m = json.loads((demo / "reports/metrics.json").read_text())["rl"]
-        stages = json.loads((demo / "reports/stage_times.json").read_text())["stages"]
-        return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], "train_wall_s": stages["rl"], **rl_figures(demo)}
-    project = copy_project(demo, work / name, teacher)
+        return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], **rl_figures(demo)}
+    project = copy_project(demo, work / (name if steps is None else f"{name}@{steps}"), teacher)
     py = sys.executable
-    set_params(project, {**({} if name == "sft_rl" else {"rl.objective": "opd", "rl.outcome_weight": 0.0}), **overrides})
-    train_s, extra = 0.0, {}
-    if name == "base_opd":
+    if all_prompts:
+        run(project, py, "-c", "from bench.token_distillation import write_all_train_prompts; write_all_train_prompts()")
+    set_params(project, overrides)
+    import yaml
+
+    steps = steps or yaml.safe_load((project / "params.yaml").read_text())["rl"]["steps"]
+    pre_s, extra = 0.0, {}
+    if start == "base":
         shutil.rmtree(project / "models/sft")
         shutil.copytree(project / "models/base", project / "models/sft", copy_function=os.link)
-    if name == "sft_kd_opd":
+    if method == "kd_opd":
         set_params(project, {"generate.topk": topk, "sft.kd_weight": kd_weight})
-        train_s += run(project, py, "-c", f"from bench.token_distillation import capture_teacher_topk; capture_teacher_topk({topk})")
-        train_s += run(project, py, "-m", "stages.sft")
+        pre_s += run(project, py, "-c", f"from bench.token_distillation import capture_teacher_topk; capture_teacher_topk({topk})")
+        pre_s += run(project, py, "-m", "stages.sft")
         run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/sft')")
         sft = json.loads((project / "reports/bench_eval.json").read_text())
-        extra = {"sft_kd_em": sft["em"], "sft_kd_em_lo": sft["em_lo"], "sft_kd_em_hi": sft["em_hi"]}
-    train_s += run(project, py, "-m", "stages.rl")
+        extra = {"sft_kd_em": sft["em"], "sft_kd_em_lo": sft["em_lo"], "sft_kd_em_hi": sft["em_hi"], "sft_kd_s": pre_s}
+    phases = []
+    for i, (changes, n) in enumerate(phases_of(method, steps)):
+        if i:  # the phase before's student starts this one
+            shutil.rmtree(project / "models/sft")
+            os.replace(project / "models/rl", project / "models/sft")
+        set_params(project, {**changes, "rl.steps": n})
+        run(project, py, "-m", "stages.rl")
+        phases.append(rl_figures(project))
     run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/rl')")
-    return measured(project, train_s, extra)
+    figures = joined(phases)
+    return {**measured(project), **figures, "train_s": figures["train_s"] + pre_s, "budget": steps, **extra}
 
 
-def plot(rows: dict, path: Path) -> None:
+def make_teacher(work: Path, train_questions: int) -> Path:
+    """A SmolLM2 student trained by the pipeline (through sft) on the scripted expert's trajectories of `train_questions`
+    questions of another generated world (seed 1); its model folder."""
+    from bench.expert_demo import expert_pipeline
+
+    project = expert_pipeline(work / "made_teacher", {"seed": 1, "download.builtin.train_size": train_questions}, until="sft")
+    return project / "models/sft"
+
+
+def teacher_row(demo: Path, work: Path, teacher: Path) -> dict:
+    """The token-level teacher itself on the demo's test questions, acting as a student does (`single`, evaluate's
+    temperature)."""
+    project = copy_project(demo, work / "teacher_eval", teacher)
+    run(project, sys.executable, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/teacher')")
+    return measured(project)
+
+
+def plot(rows: dict, probe_path: Path, em_path: Path) -> None:
+    """The probe's reverse KL per step, one line per row and budget; EM against training seconds, one line per row over
+    its budgets, with the intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, r in rows.items():
-        if r.get("kl_curve"):
-            ax.plot(range(1, len(r["kl_curve"]) + 1), r["kl_curve"], marker="o", label=name)
-    ax.set_xlabel("OPD step")
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for key, r in rows.items():
+        curve = r.get("probe_curve") or r.get("kl_curve")
+        if curve:
+            ax.plot(range(len(curve)) if r.get("probe_curve") else range(1, len(curve) + 1), curve, label=key)
+    ax.set_xlabel("step")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("reverse KL to the teacher (nats/token)")
-    ax.legend()
+    ax.set_title("held-out probe (else the training batch)", fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(probe_path, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for name in dict.fromkeys(key.split("@")[0] for key in rows if key != "teacher"):
+        points = sorted((r["train_s"], r["em"], r["em_lo"], r["em_hi"]) for key, r in rows.items() if key.split("@")[0] == name)
+        xs, ems, los, his = zip(*points)
+        ax.errorbar(xs, ems, yerr=[[e - lo for e, lo in zip(ems, los)], [hi - e for e, hi in zip(ems, his)]], marker="o",
+                    capsize=3, label=name)
+    if "teacher" in rows:
+        ax.axhline(rows["teacher"]["em"], color="grey", linestyle="--", label="teacher")
+    ax.set_xlabel("training seconds (rollouts, rewards, updates)")
+    ax.set_ylabel("EM on the test questions")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(em_path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--project", required=True, type=Path, help="a finished demo (make demo): data/, models/, reports/")
     ap.add_argument("--teacher", type=Path, help="the token-level teacher's model folder (default: the demo's models/rl)")
-    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--make-teacher", type=int, metavar="N", help="train the teacher on the scripted expert's trajectories of N "
+                    "train questions of another world (in --work/made_teacher; reused when it holds one)")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of {', '.join(ROWS)}")
+    ap.add_argument("--budgets", default="", help="rl steps, comma-separated: each row trained once per budget (default: rl.steps)")
+    ap.add_argument("--prompts", choices=("curriculum", "all"), default="curriculum", help="the demo's data/rl, or every train question")
     ap.add_argument("--work", type=Path, default=Path("/tmp/unison-token-distillation"))
     ap.add_argument("--kd-weight", type=float, default=0.5)
     ap.add_argument("--topk", type=int, default=8)
@@ -180,24 +281,43 @@ def main() -> None:
     import yaml
 
     overrides = {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.set)}
-    demo = args.project.resolve()
-    teacher = (args.teacher or demo / "models/rl").resolve()
-    stages = json.loads((demo / "reports/stage_times.json").read_text())
+    demo, work = args.project.resolve(), args.work.resolve()
+    if unknown := [r for r in args.rows.split(",") if r not in ROWS]:
+        raise SystemExit(f"--rows: unknown {unknown}; the rows are {', '.join(ROWS)}")
+    budgets = [int(b) for b in args.budgets.split(",") if b] or [None]
     results = {}
-    for name in args.rows.split(","):
-        t0 = time.perf_counter()
-        results[name] = row(name, demo, args.work.resolve(), teacher, args.kd_weight, args.topk, overrides)
-        print(f"token_distillation: {name}: {json.dumps(results[name])} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"\n{'row':<12} {'EM':>6} {'95% CI':>15} {'train s':>8} {'student tok':>11} {'teacher tok':>11}  KL curve")
-    for name, r in results.items():
-        print(f"{name:<12} {r['em']:6.3f} [{r['em_lo']:.3f}, {r['em_hi']:.3f}] {r['train_wall_s']:8.0f} {r['student_tokens']:11d} "
-              f"{r['teacher_tokens']:11d}  {' '.join(f'{v:.3f}' for v in r['kl_curve'])}")
+    if args.make_teacher:
+        made = work / "made_teacher/models/sft"
+        teacher = made if (made / "config.json").is_file() else make_teacher(work, args.make_teacher)
+    else:
+        teacher = (args.teacher or demo / "models/rl").resolve()
+    if args.make_teacher or args.teacher:
+        results["teacher"] = teacher_row(demo, work, teacher)
+        print(f"token_distillation: the teacher {teacher}: EM {results['teacher']['em']:.3f} "
+              f"[{results['teacher']['em_lo']:.3f}, {results['teacher']['em_hi']:.3f}]", flush=True)
+    for budget in budgets:
+        for name in args.rows.split(","):
+            t0 = time.perf_counter()
+            key = name if budget is None else f"{name}@{budget}"
+            results[key] = row(name, demo, work, teacher, budget, args.kd_weight, args.topk, overrides, args.prompts == "all")
+            print(f"token_distillation: {key}: {json.dumps(results[key])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"\n{'row':<16} {'EM':>6} {'95% CI':>15} {'train s':>8} {'student tok':>11} {'teacher tok':>11}  probe KL (else batch KL)")
+    for key, r in results.items():
+        curve = r.get("probe_curve") or r.get("kl_curve") or []
+        print(f"{key:<16} {r['em']:6.3f} [{r['em_lo']:.3f}, {r['em_hi']:.3f}] {r.get('train_s', 0):8.0f} "
+              f"{r.get('student_tokens', 0):11d} {r.get('teacher_tokens', 0):11d}  {' '.join(f'{v:.3f}' for v in curve)}")
+    from bench.bench_rollout import REPORT
+
+    earlier = json.loads(REPORT.read_text()).get("token_distillation", {}) if REPORT.exists() else {}
+    same = earlier.get("teacher_path") == str(teacher) and earlier.get("overrides") == overrides and earlier.get("prompts") == args.prompts
+    merged = {**(earlier.get("rows", {}) if same else {}), **results}  # a run of a few rows adds to the same setup's others
     Path("reports").mkdir(exist_ok=True)
-    plot(results, Path("reports/token_distillation.png"))
+    plot(merged, Path("reports/token_distillation.png"), Path("reports/token_distillation_em.png"))
+    stages = json.loads((demo / "reports/stage_times.json").read_text()) if (demo / "reports/stage_times.json").exists() else {}
     save_report({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(), "demo_commit": stages.get("commit"),
-                 "cpu_kind": stages.get("cpu_kind"), "teacher": str(teacher), "kd_weight": args.kd_weight, "topk": args.topk,
-                 "overrides": overrides,
-                 "rows": results}, key="token_distillation")
+                 "cpu_kind": stages.get("cpu_kind"), "teacher_path": str(teacher), "made_teacher": args.make_teacher,
+                 "kd_weight": args.kd_weight, "topk": args.topk, "overrides": overrides, "prompts": args.prompts,
+                 "rows": merged}, key="token_distillation")
 
 
 if __name__ == "__main__":

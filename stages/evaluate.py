@@ -1,6 +1,8 @@
-"""Stage `evaluate`: the students (base, SFT, DPO when enabled, RL, PRM-reranked SFT) and the teacher system on the
-test split, with the same tools (unison/labeling/evaluation.py). Each trained student is registered in MLflow's model
-registry with its metrics (unison/registry.py), and the headline goes to the pipeline's parent run."""
+"""Stage `evaluate`: the students and the teacher system, scored on the test split with the same tools.
+
+The systems are base, SFT, DPO when enabled, RL, PRM-reranked SFT and the teacher (unison/labeling/evaluation.py). Each
+trained student is registered in MLflow's model registry with its metrics (unison/registry.py), and the headline goes
+to the pipeline's parent run."""
 from __future__ import annotations
 
 from functools import partial

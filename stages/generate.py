@@ -1,7 +1,8 @@
-"""Stage `generate`: run the configured multi-agent teacher with tools on the train questions (N samples each), or, with
-`generate.source` set, import SFT trajectories from that file instead (unison/agents/imports.py); with generate.topk > 0
-the teacher then scores every trajectory's assistant tokens (unison/teacher_topk.py), or, a chat API teacher, keeps the
-top log-probs it returned as it generated."""
+"""Stage `generate`: the teacher's trajectories with tools on the train questions (N samples each), or imported ones.
+
+It runs the configured multi-agent teacher or, with `generate.source` set, imports SFT trajectories from that file
+instead (unison/agents/imports.py); with generate.topk > 0 the teacher then scores every trajectory's assistant tokens
+(unison/teacher_topk.py), or, a chat API teacher, keeps the top log-probs it returned as it generated."""
 from __future__ import annotations
 
 import gc
@@ -52,6 +53,10 @@ def main() -> None:
             metrics["topk_bytes_per_token"] = Path(layout.TOPK).stat().st_size / max(1, metrics["topk_tokens"])
         write_json(toolset(enabled_tools(params.tools)), layout.TOOLSET)
         write_table(rows, OUT, TRAJECTORY)
+        n = max(1, len(rows))
+        print(f"generate: {len(rows)} trajectories on {len({r['question_id'] for r in rows})} questions, "
+              f"{sum(bool(r['final_answer']) for r in rows) / n:.0%} answered; per trajectory {sum(r['n_tool_calls'] for r in rows) / n:.1f} "
+              f"tool calls, {sum(r['n_tokens'] for r in rows) / n:.0f} tokens", flush=True)
         write_json(metrics, layout.report("generate"))
         run.log_metrics(metrics)
         for ep in sample_traces(rows, n=3, seed=params.seed):

@@ -46,12 +46,12 @@ def main() -> None:
             from unison.train.prm import load_prm  # only when asked: the stage runs without a PRM
 
             prm = load_prm(layout.PRM, params.prm.precision)
-        teacher = opd_teacher(params) if cfg.objective == "opd" and is_main_process() else None
+        teacher = opd_teacher(params) if cfg.scores_with_teacher and is_main_process() else None
         tools = enabled_tools(params.tools)
         episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
                             max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
-        model_dirs = [layout.SFT] + ([layout.PRM] if cfg.prm_weight > 0 else []) + ([layout.TEACHER] if cfg.objective == "opd" else [])
-        worked_examples = demonstrations(params.generate) if cfg.objective == "opd" and cfg.teacher_context == "worked_examples" else ""
+        model_dirs = [layout.SFT] + ([layout.PRM] if cfg.prm_weight > 0 else []) + ([layout.TEACHER] if cfg.scores_with_teacher else [])
+        worked_examples = demonstrations(params.generate) if cfg.scores_with_teacher and cfg.teacher_context == "worked_examples" else ""
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} rollouts, objective {cfg.objective}, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}"
@@ -74,7 +74,8 @@ def main() -> None:
                    "final_tool_call_rate": last["tool_call_rate"], "mean_kept_groups": sum(r["kept_groups"] for r in records) / len(records),
                    **{f"{k}_total": sum(r[k] for r in records) for k in ("rollout_s", "reward_s", "train_s")},
                    **({"first_kl_teacher": first["kl_teacher"], "final_kl_teacher": last["kl_teacher"],
-                       "teacher_tokens_total": sum(r["teacher_tokens"] for r in records)} if "kl_teacher" in last else {})}
+                       "teacher_tokens_total": sum(r["teacher_tokens"] for r in records)} if "kl_teacher" in last else {}),
+                   **({"probe_kl_start": first["probe_kl_start"], "final_probe_kl": last["probe_kl"]} if "probe_kl_start" in first else {})}
         write_json(metrics, layout.report("rl"))
         run.log_metrics(metrics)
 

@@ -1,5 +1,7 @@
-"""Stage `sft`: select correct teacher trajectories, build the token view (tool output masked), train the student; with
-sft.kd_weight > 0 also toward the teacher's top-k log-probs that generate kept (logit distillation)."""
+"""Stage `sft`: select correct teacher trajectories, build the token view (tool output masked), train the student.
+
+With sft.kd_weight > 0 the student also learns toward the teacher's top-k log-probs that generate kept (logit
+distillation)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -53,6 +55,8 @@ def main() -> None:
                    "row_tokens": sum(r["row_tokens"] for r in records),
                    **({f"{when}_{k}": records[i][k] for when, i in (("first", 0), ("final", -1)) for k in KD_FIELDS} if cfg.kd_weight else {}),
                    "precision": resolve_precision(cfg.precision, "sft.precision")}  # tokens the model ran, pads included (packing cuts them)
+        print(f"sft: {len(examples)} examples, {len(records)} steps in {metrics['train_s']:.0f} s ({metrics['precision']}), "
+              f"loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}", flush=True)
         write_json(metrics, layout.report("sft"))
         run.log_metrics(metrics)
 

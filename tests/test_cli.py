@@ -17,6 +17,8 @@ def test_overview_lists_every_stage_in_dag_order(capsys):
     stages = list(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
     positions = [out.index(f"\n  {name} ") for name in stages]
     assert positions == sorted(positions) and "unison run sft" in out
+    lines = [line for line in out.splitlines() if any(line.startswith(f"  {name} ") for name in stages)]
+    assert [line for line in lines if not line.endswith(".")] == []  # each stage's line a whole sentence
 
 
 def test_stage_help_lists_its_settings_with_defaults_and_docs():
@@ -43,3 +45,30 @@ def test_stage_module_help_prints_and_runs_nothing(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "stages.sft", "--epochs", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     assert bad.returncode == 1 and "takes no arguments" in bad.stderr and list(tmp_path.iterdir()) == []
+
+
+# A stage that refuses as a tool stage does when the sandbox cannot start, after torch.distributed started (as vLLM's
+# engine starts it), whose excepthook would print a traceback with "[rank0]:" before each line.
+REFUSING_STAGE = """
+import torch.distributed as dist
+from unison.cli import stage_main
+from unison.tools.python_sandbox import SandboxUnavailable
+
+def main():
+    dist.init_process_group("gloo", init_method="file://" + __import__("os").path.abspath("pg"), rank=0, world_size=1)
+    print("generate: started", flush=True)
+    raise SandboxUnavailable("python sandbox: no cgroup here. To fix it, do this")
+
+stage_main("generate", main)
+"""
+
+
+@pytest.mark.parametrize("verbose", ["", "1"])
+def test_a_stage_the_sandbox_refuses_prints_why_and_the_fix_without_a_traceback(tmp_path, verbose):
+    p = subprocess.run([sys.executable, "-c", REFUSING_STAGE], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "UNISON_VERBOSE": verbose})
+    assert p.returncode == 1 and p.stdout == "generate: started\n", (p.stdout, p.stderr)
+    if verbose:  # UNISON_VERBOSE: the traceback, as torch.distributed prints it
+        assert "[rank0]: Traceback" in p.stderr and "SandboxUnavailable: python sandbox: no cgroup here" in p.stderr, p.stderr
+    else:
+        assert p.stderr == "generate: cannot start: python sandbox: no cgroup here. To fix it, do this\n", p.stderr

@@ -51,7 +51,37 @@ def test_every_recipe_and_its_tiny_overlay_validate(recipe):
 
 
 def test_the_method_names_are_the_methods():
+    """One list of methods (config.METHODS): the Literal, the modules of unison/agents/methods, the conversing ones (those
+    that give an agent a new user turn) and the error messages all read it."""
+    from unison.agents.episodes import continuation_ids
+    from unison.agents.methods import get_method
+    from unison.config import CONVERSING_METHODS
+
     assert typing.get_args(GenerateConfig.model_fields["method"].annotation) == METHODS
+    folder = ROOT / "unison" / "agents" / "methods"
+    assert sorted(METHODS) == sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "common"))
+    assert sorted(CONVERSING_METHODS) == sorted(m for m in METHODS if "continue_episode" in (folder / f"{m}.py").read_text())
+    with pytest.raises(ValueError) as unknown:
+        get_method("panel")
+    assert all(m in str(unknown.value) for m in METHODS)
+
+    class Base:  # a tokenizer without a chat template
+        name_or_path, chat_template = "base", None
+
+    with pytest.raises(ValueError) as base:
+        continuation_ids(Base(), "next")
+    assert all(m in str(base.value) for m in METHODS)
+
+
+def test_the_estimator_names_are_the_estimators():
+    """One list of RL estimators (config.RL_ESTIMATORS): the Literal, unison's sequence estimators and verl's map."""
+    from unison.config import RL_ESTIMATORS, SEQUENCE_ESTIMATORS, RLConfig
+    from unison.train.advantages import ESTIMATORS
+    from unison.train.verl_trainer import ESTIMATORS as VERL_ESTIMATORS
+
+    assert typing.get_args(RLConfig.model_fields["estimator"].annotation) == RL_ESTIMATORS
+    assert tuple(ESTIMATORS) == tuple(VERL_ESTIMATORS) == SEQUENCE_ESTIMATORS
+    assert set(RL_ESTIMATORS) - set(SEQUENCE_ESTIMATORS) == {"flow_grpo"}  # advantages.flow_grpo, over turns
 
 
 def overlay(**sections) -> dict:

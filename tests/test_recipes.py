@@ -66,7 +66,7 @@ def test_tiny_runs_on_builtin_data_and_model_with_the_teacher_scaffolded(name, d
         assert tiny[section][key] == paper[section][key], (name, section, key)
 
 
-SEED_FACTS = {  # research/seeds.md, section by section
+SEED_FACTS = {  # docs/seeds.md, section by section
     "agentark": {"generate.method": "debate", "generate.debate.agents": 3, "generate.debate.rounds": 2, "label.step_labels": "agent",
                  "label.judge": "llm", "prm.separator": "\n", "prm.lr": 1e-4, "rl.estimator": "rloo", "rl.prm_weight": 1.0,
                  "rl.prm_temperature": 0.1, "rl.prm_baseline": "token", "rl.lr": 5e-7, "rl.kl_coef": 0.001, "rl.group_size": 8,

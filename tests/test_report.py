@@ -31,6 +31,17 @@ def test_story_names_the_final_student_the_gap_closed_and_the_token_ratio():
     assert story({"rl": METRICS["rl"]}).startswith("No teacher was evaluated")
 
 
+def test_story_says_plainly_when_the_student_passes_the_teacher():
+    """Above the teacher, the share of the gap would read as an error ("closing 203%"): the points it passes by instead."""
+    above = story({**METRICS, "rl": system(0.275, 0.218, 0.341, 43.0), "teacher": system(0.17, 0.124, 0.228, 50.0),
+                   "base": system(0.005, 0.001, 0.028, 49.0)})
+    assert "the student passes the teacher by 10.5 EM points" in above and "gap" not in above
+    below = story(METRICS)
+    assert "closing 75% of the EM gap" in below and "passes the teacher" not in below
+    level = story({**METRICS, "rl": METRICS["teacher"]})  # level with the teacher: the whole gap, not a pass
+    assert "closing 100% of the EM gap" in level and "passes the teacher" not in level
+
+
 def test_stage_metrics_flatten_to_dotted_rows_with_short_numbers():
     stage = {"accuracy": 0.123456, "steps": 12, "enabled": True, "train": {"loss": 1.23456789, "by_task": {"qa": 0.5}},
              "curve": list(range(20)), "rounds": [{"n": 1}]}

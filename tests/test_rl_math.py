@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from unison.train.advantages import dr_grpo, dynamic_sampling_keep, flow_grpo, grpo, leave_one_out_mean, rloo, token_advantages
+from unison.train.advantages import dr_grpo, dynamic_sampling_keep, flow_grpo, grpo, leave_one_out_mean, rloo
 from unison.train.policy_loss import aggregate, entropy_from_logits, kl_k3, policy_loss, token_logprobs
 from unison.train.rewards import (
     check_format,
@@ -23,7 +23,6 @@ from unison.train.rewards import (
     soft_min,
     step_ends,
     step_token_counts,
-    verifiable_reward,
 )
 
 close = lambda a, b, tol=1e-4: torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol)
@@ -60,14 +59,6 @@ def test_group_of_one_keeps_its_reward_and_equal_rewards_give_zero(estimator):
     # all-equal rewards: r - mean = 0, std 0 -> 0/(0+eps) = 0, never NaN
     adv = estimator([1.0, 1.0, 1.0], ["g", "g", "g"])
     assert not torch.isnan(adv).any() and close(adv, [0.0, 0.0, 0.0])
-
-
-def test_token_advantages_survive_tool_observations_and_skip_padding():
-    # row 0: generated, generated, tool, tool, generated, generated, pad; row 1: one token, then padding
-    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 0, 0, 0, 0]])
-    adv = token_advantages(torch.tensor([2.0, -1.0]), mask)
-    # the tokens after the tool observation (positions 4, 5) still carry the sequence advantage 2
-    assert adv.tolist() == [[2, 2, 0, 0, 2, 2, 0], [-1, 0, 0, 0, 0, 0, 0]]
 
 
 def test_flow_grpo_broadcasts_the_rollout_reward_to_every_turn_grouped_by_question():
@@ -176,11 +167,6 @@ def test_token_logprobs_and_entropy():
 
 
 # ---------------------------------------------------------------------------------------------------- rewards
-
-def test_verifiable_reward():
-    assert verifiable_reward(0.6) == 0.6
-    assert verifiable_reward(0.6, threshold=0.5) == 1.0 and verifiable_reward(0.4, threshold=0.5) == 0.0
-
 
 def test_sigma_decays_linearly_to_zero():
     # T = 5: (5-1)/4 = 1, (5-3)/4 = 0.5, (5-5)/4 = 0, step 6 -> max(0, -1/4) = 0; T = 1 -> 0

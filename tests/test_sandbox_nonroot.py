@@ -225,6 +225,25 @@ def test_a_non_root_user_without_a_delegated_cgroup_is_told_how_to_get_one(user)
     assert "set tools.sandbox_isolation: rlimits" in refused, refused
 
 
+def test_make_demo_stops_before_the_first_stage_for_a_non_root_user_without_a_delegated_cgroup(user, tmp_path):
+    """The gate: the refusal and its fix as plain text, a non-zero exit, and no stage run. The directory holds only the
+    Makefile, params.yaml and the project's .venv: it is no DVC project, so a gate that let `dvc repro` through would
+    fail here with DVC's error, not the sandbox's."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("Makefile", "params.yaml"):
+        shutil.copy(ROOT / name, project / name)
+    (project / ".venv").symlink_to(ROOT / ".venv")
+    demo = without_delegation(user).command(["make", "-o", ".venv/.unison-installed", "demo"], cwd=project)  # no setup
+    proc = subprocess.run(demo, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert proc.stdout.startswith("machine: ") and "\nUNAVAILABLE: python sandbox: " in proc.stdout, out
+    assert "To fix it, " in proc.stdout and "set tools.sandbox_isolation: rlimits" in proc.stdout, out
+    assert ".venv/bin/dvc repro: not started" in proc.stderr and "no stage ran" in proc.stderr, out
+    assert "Traceback" not in out and "[rank" not in out and "Running stage" not in out and "DVC" not in out, out
+
+
 @pytest.fixture
 def hybrid_v2(user):
     """The real cgroup v2 mount of this hybrid machine, with systemd not running: else skips."""

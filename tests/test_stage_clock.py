@@ -32,3 +32,20 @@ def test_the_clock_prints_the_machine_and_records_it_with_each_stage(tmp_path):
     assert "not run: teacher (restored)" in result.stdout
     assert record["cpu_kind"] in first and record["precision"] in ("bf16", "fp32") and record["sandbox"]
     assert record["total_s"] >= record["stages"]["download"] and record["commit"]
+
+
+def test_given_the_command_the_clock_runs_it_and_exits_with_its_status(tmp_path):
+    """make demo's form: `python -m unison.stage_clock dvc repro`; its output (stderr too) is echoed and timed."""
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    command = ["sh", "-c", "echo \"Running stage 'download':\"; printf 'bar 1\\rbar 2\\n'; echo failing >&2; exit 3"]
+    result = subprocess.run([sys.executable, "-m", "unison.stage_clock", *command], cwd=tmp_path, capture_output=True,
+                            timeout=120)  # bytes: "\r" as it came
+    out, err = result.stdout.decode(), result.stderr.decode()
+    if "UNAVAILABLE: python sandbox" in out:  # the gate: tests/test_sandbox_nonroot.py shows it for real
+        assert result.returncode == 1 and "no stage ran" in err and "Running stage" not in out
+        return
+    assert result.returncode == 3, (out, err)
+    assert "Running stage 'download':\nbar 1\rbar 2\nfailing\n" in out, out  # a bar redraws in place
+    assert "download " in out.split("stage times")[1]
+    assert list(json.loads((tmp_path / "reports" / "stage_times.json").read_text())["stages"]) == ["download"]

@@ -79,7 +79,11 @@ def outs(entry: dict) -> list[str]:
 
 def stage_main(stage: str, main) -> None:
     """`python -m stages.<stage>` [--help]: print the stage's settings and run nothing, or run it (after deleting the temps
-    that a killed run of any stage left under data/, models/ and reports/)."""
+    that a killed run of any stage left under data/, models/ and reports/). A stage whose tools cannot be sandboxed
+    stops with the refusal and its fix as plain text, exit 1, no traceback (with UNISON_VERBOSE, the traceback)."""
+    from .quiet import verbose
+    from .tools.python_sandbox import SandboxUnavailable
+
     args = sys.argv[1:]
     if args and args[0] in ("-h", "--help"):
         print(stage_help(stage))
@@ -88,7 +92,13 @@ def stage_main(stage: str, main) -> None:
         sys.exit(f"python -m stages.{stage}: takes no arguments (settings live in params.yaml; --help lists them), got {args}")
     for path in remove_stale_temps():
         print(f"{stage}: removed {path}, left by a killed run", flush=True)
-    main()
+    try:
+        main()
+    except SandboxUnavailable as refusal:
+        if verbose():
+            raise
+        sys.stdout.flush()
+        sys.exit(f"{stage}: cannot start: {refusal}")
 
 
 def overview() -> str:

@@ -27,6 +27,10 @@ MODEL_KINDS = ("builtin", "hf", "local")
 LOCAL_BACKENDS = ("vllm", "transformers")
 FIXED_MODULES = ("executor", "verifier", "generator")  # AgentFlow's roles besides the planner (rl.student_role agentflow_planner)
 CHAT_TOP_LOGPROBS = 20  # the most top_logprobs a chat API returns a token (OpenAI's limit): generate.topk with a chat teacher
+METHODS = ("single", "self_consistency", "debate", "dylan", "agentverse", "mav", "chain_of_agents", "agentflow", "gap")  # generate.method: unison/agents/methods/<name>.py
+CONVERSING_METHODS = ("debate", "dylan", "agentverse", "mav", "gap")  # methods that give an agent a new user turn: a chat template
+SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # one advantage per rollout: unison/train/advantages.py ESTIMATORS, verl_trainer.py's map
+RL_ESTIMATORS = (*SEQUENCE_ESTIMATORS, "flow_grpo")  # rl.estimator
 
 
 class ParamsError(ValueError):
@@ -53,23 +57,23 @@ class LLMConfig(Section):
     max_num_seqs: int = Field(0, ge=0, description="vLLM: sequences decoded together at most; 0 = the engine's default (256 on GPUs)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs one engine spans (a model too big for one GPU); with cluster.address, per replica")
     kv_cache_gb: float = Field(2, description='vLLM on CPU: RAM for the KV cache (VLLM_CPU_KVCACHE_SPACE wins if set); 2 = 93k tokens of SmolLM2 in bf16, enough for 256 episodes in flight without preemption (bench_rollout)')
-    block_size: int = Field(32, description='KV-cache block; the prefix cache reuses whole blocks only (CPU default 128 missed the shared system prompt: 32 measured 29% faster on scaffolded rollouts); 0 = engine default')
+    block_size: int = Field(32, description='KV-cache block; the prefix cache reuses whole blocks only, so a small block lets it hit the shared system prompt (docs/benchmarks.md); 0 = engine default')
     max_concurrency: int = Field(8, description="openai backend: requests in flight at once")
     timeout_s: float = Field(120, description='openai backend: the most one request may take (connect, headers, body, retries); with several base URLs each attempt gets an equal share of the time left (for a retry on another)')
     max_retries: int = Field(3, description='on connection errors, timeouts, 429 and 5xx, with exponential backoff (with several base URLs, on another server; one that failed is avoided for 30 s)')
     token_prompts: bool = Field(True, description="openai backend: prompt as token ids; false = decoded text (auto-fallback if the server rejects ids)")
     vllm_extensions: bool = Field(True, description="openai backend: ask for token ids/stop reason (vLLM); false = plain OpenAI, completions re-tokenised here")
-    scoring: Literal["prompt_logprobs", "sglang_generate"] = Field("prompt_logprobs", description="openai backend, api completions: how the server scores given tokens (on-policy distillation, logit distillation): prompt_logprobs = POST /completions with vLLM's prompt_logprobs extension (vLLM's server); sglang_generate = SGLang's native POST /generate (input_ids, return_logprob, logprob_start_len 0, top_logprobs_num), whose /v1/completions ignores prompt_logprobs")
+    scoring: Literal["prompt_logprobs", "sglang_generate"] = Field("prompt_logprobs", description="openai backend, api completions: how the server scores given tokens (on-policy and logit distillation): prompt_logprobs = vLLM's POST /completions extension | sglang_generate = SGLang's POST /generate")
     chat_tools: Literal["native", "text"] = Field("native", description="openai backend, api chat: native = the server's tool calling (tools, tool_calls, tool messages); text = the tag protocol in plain messages (auto-fallback if the server rejects tools)")
     response_cache: bool = Field(True, description="openai backend: keep each answer under data/.cache/llm by a hash of the request (model, prompt, sampling, request format); a re-run with the same params sends no request")
     max_requests_per_minute: int = Field(0, ge=0, description='client-side rate limits (0 = none); 429 + Retry-After are honoured within timeout_s')
     max_tokens_per_minute: int = Field(0, ge=0, description="openai backend: client-side limit on prompt + max_tokens per minute (counted as the server reports once answered); 0 = none")
-    budget_tokens: int = Field(0, ge=0, description="openai backend: the most prompt + completion tokens (as the server reports them, else counted here) one stage may spend, all its served models and replicas together; reached = the stage stops, keeping its finished shards; 0 = none")
+    budget_tokens: int = Field(0, ge=0, description='openai backend: the most prompt + completion tokens one stage may spend, all its served models and replicas together; reached = the stage stops, keeping its finished shards; 0 = none')
     price_input_per_million: float = Field(0, ge=0, description="openai backend: the price of a million prompt tokens, for budget_usd and the reported cost")
     price_output_per_million: float = Field(0, ge=0, description="openai backend: the price of a million completion tokens")
     budget_usd: float = Field(0, ge=0, description="openai backend: the most money one stage may spend at those prices, all its served models and replicas together; 0 = none")
-    max_failed_in_row: int = Field(8, ge=1, description="openai backend: requests failed for good (after their retries) one after another that mean the server is gone: the stage stops, keeping its finished shards; a failure before that ends only its episode (finish request_failed)")
-    max_failed_share: float = Field(0.05, ge=0, le=1, description="generate and evaluate: the share of their trajectories that may end on a request failed for good (finish request_failed, counted in reports/generate.json) before the stage stops, generate keeping its finished shards")
+    max_failed_in_row: int = Field(8, ge=1, description='openai backend: requests failed for good, one after another, that mean the server is gone: the stage stops, keeping its finished shards; a single failure ends only its episode')
+    max_failed_share: float = Field(0.05, ge=0, le=1, description='generate and evaluate: the share of trajectories that may end on a request failed for good (finish request_failed) before the stage stops, generate keeping its finished shards')
 
     @model_validator(mode="after")
     def _budget_needs_prices(self):
@@ -134,22 +138,21 @@ class BuiltinWorldConfig(Section):
     n_orgs: int = Field(30)
     n_cities: int = Field(24)
     n_countries: int = Field(8)
-    train_size: int = Field(50, description='the demo: 50 (so the demo runs in about 20 minutes on a 2-core AVX2 CPU)')
+    train_size: int = Field(50, description='train questions (the demo: 50, for its time on 2 CPU cores: docs/benchmarks.md)')
     test_size: int = Field(200, description='>= 200, so a 95% interval is narrow enough to tell systems apart')
     mix: dict[str, float] = Field(default_factory=lambda: {'hop1': 0.5, 'hop2': 0.25, 'math': 0.25})
 
 
 class DownloadConfig(Section):
     dataset: str = Field('builtin', description='builtin | hf:<name>[:<config>] | local:<path> (`{split}` in it -> split name)')
-    format: str = Field('', description='hf/local format: gsm8k | math500 | hotpotqa | 2wikimultihopqa | musique | bamboogle | nq | qa | math, or a seed\'s row layout: verl (Search-R1/GAP/AFM/ET-Agent RL rows) | agentflow | agentflow_test | agentark; "" = detect from the rows\' columns, else the dataset/file name')
+    format: str = Field('', description='hf/local: gsm8k | math500 | hotpotqa | 2wikimultihopqa | musique | bamboogle | nq | qa | math, or a seed\'s rows: verl | agentflow | agentflow_test | agentark; "" = detect')
     fields: dict[str, str] = Field(default_factory=dict, description='hf/local: column renames on top of the format, e.g. {question: q, answers: gold}')
     split_train: str = Field('train', description='hf/local: split names')
     split_test: str = Field('test')
     test_fraction: float = Field(0.2, description='local: when both splits are one file, the seeded share held out as test')
     corpus: str = Field('', description='hf/local: passages file, {id, contents} (wiki-18, FlashRAG) or {id, title, text}: .jsonl[.gz]/.parquet streamed, .json/.csv; required for QA')
-    inputs: str = Field('imports', min_length=1, description="the folder of the files the pipeline takes in: local: datasets, "
-                        "corpora and generate.source; a DVC dependency of download and generate (editing a file in it re-runs "
-                        "them), so those paths must lie in it")
+    inputs: str = Field('imports', min_length=1, description="the folder of the files the pipeline takes in (local datasets, corpora, "
+                        "generate.source): a DVC dependency of download and generate, so those paths must lie in it")
     builtin: BuiltinWorldConfig = Field(default_factory=BuiltinWorldConfig)
     max_train: int = Field(0, description='0 = all')
     max_test: int = Field(0)
@@ -172,7 +175,7 @@ class TeacherConfig(Section):
     backend: Literal['vllm', 'transformers', 'openai'] = Field('vllm', description='vllm | transformers (models/teacher on this machine) | openai (a server; nothing downloaded)')
     base_url: str | list[str] = Field('', description="openai: e.g. http://127.0.0.1:8000/v1 (`vllm serve`), or a hosted API's /v1 URL; a list of servers of the same model: each request goes to the one with the fewest outstanding")
     served_name: str = Field('', description='openai: the name the server knows the model by; "" = teacher.model without its prefix')
-    api: Literal['chat', 'completions'] = Field('chat', description='openai: chat = POST /chat/completions, messages and native tool calls (every server and hosted API has it; teacher.model is not needed); completions = /completions with token prompts rendered in teacher.tokenizer (token-exact; vLLM, SGLang, llama.cpp)')
+    api: Literal['chat', 'completions'] = Field('chat', description='openai: chat = POST /chat/completions with native tool calls (any server or hosted API) | completions = /completions on token prompts in teacher.tokenizer (token-exact; vLLM, SGLang, llama.cpp)')
     tokenizer: str = Field('', description='openai: spec of the tokenizer that renders prompts; "" = teacher.model\'s (api chat: the student\'s, in whose tokens a chat teacher\'s turns are kept)')
     api_key_env: str = Field('OPENAI_API_KEY', description='openai: env var holding the API key, sent as a Bearer token when set; never logged')
     llm: dict = Field(default_factory=dict, description='overrides of llm.* for the teacher only, e.g. {max_concurrency: 64, vllm_extensions: false}')
@@ -320,20 +323,20 @@ class GAPConfig(Section):
 
 
 class GenerateConfig(Section):
-    method: Literal['single', 'self_consistency', 'debate', 'dylan', 'agentverse', 'mav', 'chain_of_agents', 'agentflow', 'gap'] = Field('self_consistency', description='single | self_consistency | debate | dylan | agentverse | mav | chain_of_agents | agentflow | gap  (defaults below from the seed systems, research/seeds.md)')
+    method: Literal[METHODS] = Field('self_consistency', description=f"{' | '.join(METHODS)}  (defaults below from the seed systems, docs/seeds.md)")
     samples: int = Field(1)
-    temperature: float = Field(0.3, description='the demo teacher (paths + vote, with worked examples; README Results); debate at 0.7 got 3%')
-    top_p: float = Field(1.0, description='< 1 costs ~20% of decode time on CPU (vLLM sorts the vocabulary per request)')
+    temperature: float = Field(0.3, description="the teacher's sampling temperature (docs/guide.md compares the demo's methods at several)")
+    top_p: float = Field(1.0, description='< 1 slows decoding on CPU: vLLM sorts the vocabulary per request (docs/benchmarks.md)')
     max_turns: int = Field(4)
     max_tokens_per_turn: int = Field(96)
     max_tool_calls: int = Field(3)
     scaffold: dict[str, list[str]] = Field(default_factory=lambda: {'qa': ['search', 'answer'], 'math': ['python', 'answer']})
     demonstrations: str = Field('configs/demonstrations/builtin.txt', description='worked examples the teacher\'s acting agents see after the system prompt; students never see them, they learn to act alone (context distillation); "" = none')
-    source: str = Field('', description='"" = the teacher runs generate.method | local:<file>: import SFT trajectories from a jsonl/json/parquet file under download.inputs (a DVC dependency of generate) instead: Alpaca with inline <observation>/<result>, ShareGPT with function_call/observation, OpenAI messages with tool_calls; each answers the train question with the same text')
+    source: str = Field('', description='"" = the teacher runs generate.method | local:<file>: import SFT trajectories from a jsonl/json/parquet file under download.inputs instead (Alpaca, ShareGPT, OpenAI messages: docs/guide.md)')
     shard_size: int = Field(64, description='questions per resumable shard (a killed run keeps its finished shards)')
-    topk: int = Field(0, ge=0, le=64, description="> 0: the teacher's top-k log-probs at every trajectory's assistant tokens are kept (data/trajectories/teacher_topk.parquet) for sft.kd_weight: a local or /completions teacher scores the trajectories; a chat API teacher returns its top_logprobs as it generates (at most 20); 0 = none")
-    episodes_in_flight: int = Field(256, description='episodes (agents x samples of all running questions) the engine works on at once; each question is a flow of its own and the next starts whenever fewer are live (generate, evaluate, pareto). vLLM runs up to max_num_seqs (256 on CPU, 1024 on an H100) at once')
-    roles: dict[str, dict] = Field(default_factory=dict, description='role -> its own model, e.g. {aggregator: {model: Qwen/Qwen2.5-7B-Instruct, backend: openai, base_url: "http://127.0.0.1:8000/v1"}}; other keys override the teacher\'s llm.*; {} = every role on the teacher')
+    topk: int = Field(0, ge=0, le=64, description="> 0: keep the teacher's top-k log-probs at the trajectories' assistant tokens (data/trajectories/teacher_topk.parquet) for sft.kd_weight; a chat API gives at most 20; 0 = none")
+    episodes_in_flight: int = Field(256, description='episodes (agents x samples of all running questions) the engine works on at once in generate, evaluate and pareto; the next question starts whenever fewer are live')
+    roles: dict[str, dict] = Field(default_factory=dict, description="role -> its own model, e.g. {aggregator: {model: Qwen/Qwen2.5-7B-Instruct, backend: openai}}; other keys override the teacher's llm.*; {} = every role on the teacher")
     self_consistency: SelfConsistencyConfig = Field(default_factory=SelfConsistencyConfig, description='AgentArk self_consistency: parallel paths, then an aggregator')
     debate: DebateConfig = Field(default_factory=DebateConfig, description='AgentArk llm_debate')
     dylan: DylanConfig = Field(default_factory=DylanConfig, description='AgentArk DyLAN: 4 agents, 3 rounds, listwise top-2 from round 3, 2/3 consensus exit')
@@ -361,8 +364,8 @@ class LabelConfig(Section):
 
 
 class TrainConfig(Section):
-    """How sft, dpo, prm and rl train (on what hardware), not what they learn: one process as before, or several."""
-    num_processes: int = Field(1, ge=1, description="training processes, one per GPU; > 1 = sft, dpo, prm and rl re-launch themselves through `accelerate launch` (DeepSpeed when the stage's deepspeed_config is set) and split each optimiser step's micro-batches; 1 = one process, as before")
+    """How sft, dpo, prm and rl train (on what hardware), not what they learn: one process, or several."""
+    num_processes: int = Field(1, ge=1, description="training processes, one per GPU; > 1 = sft, dpo, prm and rl re-launch themselves through `accelerate launch` (DeepSpeed with the stage's deepspeed_config) and split each step's micro-batches")
     hostfile: str = Field("", description="a DeepSpeed hostfile (`<host> slots=<GPUs>` a line; passwordless ssh and pdsh) to train on several machines; needs the stage's deepspeed_config; '' = this machine")
     main_process_ip: str = Field("", description="with a hostfile: the address of rank 0's machine; '' = the hostfile's first host")
     main_process_port: int = Field(29500, ge=0, le=65535, description="rank 0's rendezvous port (accelerate's default 29500); 0 = any free port of this machine (one machine only)")
@@ -391,7 +394,7 @@ class PRMConfig(TrainingSettings):
     enabled: bool = Field(False, description='false = models/prm holds a marker only (then evaluate.rerank_samples 1, rl.prm_weight 0)')
     separator: str = Field('\n', description='TRL/AgentArk step separator')
     freeze_backbone: bool = Field(False, description='AgentArk fix_llm: train only the head')
-    epochs: int = Field(1, description="passes over the trajectories (batch_size 8: ~10 s a step on 2 cores)")
+    epochs: int = Field(1, description='passes over the step-labelled trajectories')
     batch_size: int = Field(8)
     max_length: int = Field(1024, description='training examples are cut here (steps past it lose their labels)')
     eval_fraction: float = Field(0.2, description='held-out share of questions (split by question id) for reports/prm.json')
@@ -403,7 +406,7 @@ class SFTConfig(TrainingSettings):
     lora: bool = Field(False)
     lora_r: int = Field(16)
     lora_alpha: int = Field(32)
-    epochs: int = Field(3, description="passes over the correct teacher trajectories (the demo: 8 trajectories, 6 optimiser steps)")
+    epochs: int = Field(3, description='passes over the correct teacher trajectories')
     batch_size: int = Field(4)
     grad_accum: int = Field(1, ge=1, description='micro-batches per optimiser step (with DeepSpeed: its gradient accumulation)')
     max_length: int = Field(768)
@@ -415,7 +418,7 @@ class SFTConfig(TrainingSettings):
 
 class ParetoConfig(Section):
     k: int = Field(3, description='rollouts per train question by models/sft (ET-Agent: 8; the demo: 3)')
-    temperature: float = Field(0.7, description='ET-Agent: 1.0; the demo student at 1.0: pass@1 1%, 4 mixed groups of 100; at 0.7: 10%, 30')
+    temperature: float = Field(0.7, description="the student's rollouts (ET-Agent: 1.0; the demo's student gives more mixed groups below it: docs/results.md)")
     counts: int = Field(64, description='groups taken by Pareto front + crowding before the mixed-outcome filter (ET-Agent: 8000)')
     qa_threshold: float = Field(0.75, description="a QA rollout counts as solved at this score (ET-Agent's post-filter)")
     levels: int = Field(2, description='curriculum levels for rl, easiest (highest mean correctness) first')
@@ -443,7 +446,7 @@ class EvaluateConfig(Section):
     temperature: float = Field(0.0)
     bootstrap: int = Field(1000)
     teacher: bool = Field(True)
-    rerank_samples: int = Field(1, description='prm_rerank: SFT-student samples per question, the PRM keeps one; <= 1 = skip that system (the demo skips it: 4 samples cost 308 s of a 2-core AVX2 run and scored below greedy SFT, 34.5% vs 41.0% on 2026-11-26; the agentark recipe reranks)')
+    rerank_samples: int = Field(1, description='prm_rerank: SFT-student samples per question, the PRM keeps one; <= 1 = skip that system (the demo skips it: docs/benchmarks.md; the agentark recipe reranks)')
     rerank_temperature: float = Field(0.7)
     first_only: bool | None = Field(None, description='`a | b` answers when scoring: null = label.first_only; true = the first item only (GAP eval)')
     engine_per_process: bool | Literal['auto'] = Field('auto', description='each model\'s engine in its own process, which gives all its GPU memory back when it exits; auto = on CUDA only (on CPU a child costs ~10 s of imports and toolbox per engine); same rows either way')
@@ -455,14 +458,15 @@ class RLConfig(TrainingSettings):
     verl_gpus_per_node: int = Field(8, ge=1, description='trainer verl: trainer.n_gpus_per_node')
     verl_max_prompt_length: int = Field(1024, ge=1, description='trainer verl: data.max_prompt_length (tokens)')
     verl_max_response_length: int = Field(2048, ge=1, description='trainer verl: data.max_response_length, tool observations included (tokens)')
-    objective: Literal['reward', 'opd'] = Field('reward', description="reward = the estimator's advantages of the rewards below | opd = on-policy distillation: the teacher block's log-prob minus the student's on every sampled token (docs/design.md §7), plus outcome_weight x the estimator's advantage")
+    objective: Literal['reward', 'opd'] = Field('reward', description="reward = the estimator's advantages of the rewards below | opd = on-policy distillation: teacher minus student log-prob on every sampled token (docs/design.md §7), plus outcome_weight x advantage")
     outcome_weight: float = Field(0.0, ge=0.0, description='opd: weight of the verifiable-reward advantage beside the teacher term; 0 = pure distillation')
-    teacher_context: Literal['student', 'worked_examples'] = Field('student', description="opd: what the teacher reads before the student's completion: student = the student's own prompt | worked_examples = that prompt with generate.demonstrations after the system prompt, as generate's teacher acts (context distillation)")
-    estimator: Literal['grpo', 'dr_grpo', 'rloo', 'flow_grpo'] = Field('grpo', description='grpo | dr_grpo | rloo | flow_grpo (AgentFlow: every assistant turn a sample with the final reward)')
-    student_role: Literal['agent', 'agentflow_planner'] = Field('agent', description="agent = the student acts alone in each rollout | agentflow_planner = the student is the planner of AgentFlow's flow (generate.agentflow): its analysis and each step's sub-goal and tool are its turns, the only tokens in the loss; generate.roles' executor, verifier and generator, fixed modules (e.g. a chat API), do the rest (needs estimator flow_grpo)")
+    teacher_context: Literal['student', 'worked_examples'] = Field('student', description="opd: what the teacher reads before the student's completion: student = the student's own prompt | worked_examples = that prompt with generate.demonstrations (context distillation)")
+    probe_prompts: int = Field(0, ge=0, description="> 0: curriculum prompts (seeded) held out of training; the reverse KL to the teacher on group_size fixed-seed episodes each, before step 1 and after each step; 0 = off")
+    estimator: Literal[RL_ESTIMATORS] = Field('grpo', description=f"{' | '.join(RL_ESTIMATORS)} (flow_grpo, AgentFlow's: every assistant turn a sample with the final reward)")
+    student_role: Literal['agent', 'agentflow_planner'] = Field('agent', description="agent = the student acts alone | agentflow_planner = the student plans AgentFlow's flow (generate.agentflow), only its turns trained; generate.roles' executor, verifier and generator do the rest")
     group_size: int = Field(4, description='rollouts per prompt (seeds: 8)')
     prompts_per_step: int = Field(4, description='curriculum: data/rl level 1 prompts first, then level 2, ...')
-    steps: int = Field(1, description='optimiser steps (the demo: 1, for its 20 minutes; 2 moved its EM by 3 points, 4 the 100-question demo\'s by 0.5)')
+    steps: int = Field(1, description='optimiser steps (the demo: 1, for its time; docs/results.md has what more did)')
     lr: float = Field(1e-05, description="the demo's 135M student; GAP/AgentFlow 1e-6, AgentArk 5e-7 at 3-7B")
     schedule: Literal['linear', 'constant'] = Field('constant')
     weight_decay: float = Field(0.1, ge=0.0)
@@ -492,8 +496,13 @@ class RLConfig(TrainingSettings):
     prm_baseline: Literal['token', 'step'] = Field('token', description='token | step')
     rollout_backend: Literal['vllm', 'transformers'] = Field('vllm', description='vllm (weights pushed into the engine after each update) | transformers (the live model)')
     rollout_batch_size: int = Field(32, description='transformers: sequences per generate call')
-    colocate: Literal['auto', 'sleep', 'off'] = Field('auto', description="vllm rollouts on one GPU with the policy: sleep = the engine frees its GPU memory (weights to CPU RAM, KV cache dropped) while the policy trains, then wakes with the new weights; auto = sleep on CUDA, off elsewhere (vllm-cpu has no sleep mode); off = the engine keeps llm.gpu_memory_utilization throughout")
+    colocate: Literal['auto', 'sleep', 'off'] = Field('auto', description="vllm rollouts on the policy's GPU: sleep = the engine frees its GPU memory while the policy trains, then wakes with the new weights; auto = sleep on CUDA, else off; off = it keeps its memory")
     checkpoint_every: int = Field(1, ge=0, description='steps; to data/.cache/rl-checkpoint/<params+inputs hash>, resumed by a re-run')
+
+    @property
+    def scores_with_teacher(self) -> bool:
+        """Whether the teacher block scores the student's tokens: opd's advantage, or the KL probe."""
+        return self.objective == "opd" or self.probe_prompts > 0
 
     @model_validator(mode="after")
     def _rules(self):
@@ -501,13 +510,16 @@ class RLConfig(TrainingSettings):
             raise ValueError(f"rl.colocate: sleep puts the vLLM engine to sleep, but rl.rollout_backend is {self.rollout_backend!r}; "
                              "set rl.rollout_backend: vllm or rl.colocate: auto")
         if self.objective == "opd" and (self.estimator == "flow_grpo" or self.trainer == "verl"):
-            raise ValueError("rl.objective opd runs on rl.trainer unison with a sequence estimator (grpo | dr_grpo | rloo) for its "
-                             "outcome term")
+            raise ValueError(f"rl.objective opd runs on rl.trainer unison with a sequence estimator ({' | '.join(SEQUENCE_ESTIMATORS)}) "
+                             "for its outcome term")
         if self.prm_weight > 0 and self.estimator == "flow_grpo":
-            raise ValueError("rl.prm_weight > 0 needs a sequence estimator (grpo | dr_grpo | rloo), not flow_grpo")
+            raise ValueError(f"rl.prm_weight > 0 needs a sequence estimator ({' | '.join(SEQUENCE_ESTIMATORS)}), not flow_grpo")
         if self.student_role == "agentflow_planner" and (self.estimator != "flow_grpo" or self.trainer != "unison"):
             raise ValueError("rl.student_role agentflow_planner trains the planner's turns of a flow, each its own prompt: it needs "
                              "rl.estimator flow_grpo on rl.trainer unison")
+        if self.probe_prompts and (self.trainer == "verl" or self.student_role != "agent"):
+            raise ValueError("rl.probe_prompts measures the KL of a student acting alone on rl.trainer unison (rl.student_role "
+                             "agent)")
         if self.trainer == "verl":
             self._verl_rules()
         return self
@@ -515,7 +527,7 @@ class RLConfig(TrainingSettings):
     def _verl_rules(self) -> None:
         """What verl's trainer cannot honour (unison/train/verl_trainer.py maps the rest)."""
         if self.estimator == "flow_grpo":
-            raise ValueError("rl.estimator: 'flow_grpo' has no verl estimator with rl.trainer verl (one of dr_grpo, grpo, rloo; "
+            raise ValueError(f"rl.estimator: 'flow_grpo' has no verl estimator with rl.trainer verl (one of {', '.join(SEQUENCE_ESTIMATORS)}; "
                              "flow_grpo runs with rl.trainer: unison)")
         if self.efficiency_weight or self.prm_weight:
             raise ValueError("rl.efficiency_weight and rl.prm_weight must be 0 with rl.trainer verl: the ET-Agent efficiency "
@@ -532,8 +544,8 @@ class RLConfig(TrainingSettings):
 
 
 class FlywheelConfig(Section):
-    rounds: int = Field(0, description="round k's teacher: round k-1's last student under generate.method + scaffold; its correct train trajectories fine-tune a new student from models/base (sft.*); 0 = off (the demo: a round costs 703 s of a 2-core AVX2 run and its student did not beat round 0's, 46.5% vs 49.0% on 2026-11-26; the et_agent recipe runs 2)")
-    sft_epochs: int = Field(2, ge=0, description="epochs of a round's student over its round's trajectories (the other settings are sft.*); a round's teacher gets about twice round 0's right, so 2 keeps the optimiser steps near round 0's (sft.epochs 4); 0 = sft.epochs")
+    rounds: int = Field(0, description="round k's teacher: round k-1's last student under generate.method + scaffold; its correct train trajectories fine-tune a new student from models/base (sft.*); 0 = off (et_agent runs 2)")
+    sft_epochs: int = Field(2, ge=0, description="epochs of a round's student over its round's trajectories (the other settings are sft.*); 0 = sft.epochs")
 
 
 class ExportConfig(Section):
@@ -553,7 +565,7 @@ def check_remote(url: str, key: str) -> str:
 
 
 class StorageConfig(Section):
-    remote: str = Field("", description="the DVC remote several machines share: s3://bucket/path (endpoint: AWS_ENDPOINT_URL), or an absolute path of a shared directory; \"\" = none; UNISON_DVC_REMOTE overrides it; credentials only in the environment. No stage depends on it")
+    remote: str = Field("", description='the DVC remote machines share: s3://bucket/path (endpoint: AWS_ENDPOINT_URL) or a shared directory\'s absolute path; "" = none; UNISON_DVC_REMOTE overrides it; credentials only in the environment')
 
     @model_validator(mode="after")
     def _remote(self):
@@ -562,7 +574,7 @@ class StorageConfig(Section):
 
 
 class ClusterConfig(Section):
-    address: str = Field("", description='"" = every stage in this process | auto (the local Ray cluster `ray start` made) | ray://host:port: generate, label\'s montecarlo completions, pareto and evaluate run on Ray actors, one engine each; on CPU the rows equal the in-process run\'s (docs/scale.md)')
+    address: str = Field("", description='"" = every stage in this process | auto (the local Ray cluster) | ray://host:port: generate, label\'s montecarlo completions, pareto and evaluate run on Ray actors, one engine each (docs/scale.md)')
     replicas: int = Field(2, ge=1, description="engine actors (data-parallel); each asks llm.tensor_parallel_size GPUs where the cluster has GPUs")
     cpus_per_replica: float = Field(1, gt=0, description="CPUs each actor asks of Ray (its torch threads on CPU)")
     shard_size: int = Field(16, ge=1, description="questions (label: trajectories) per shard an actor runs in evaluate, pareto and label; generate's are generate.shard_size")
@@ -582,10 +594,10 @@ class Params(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description='how sft, dpo, prm and rl train: processes (accelerate launch / DeepSpeed), machines, gradient checkpointing')
     prm: PRMConfig = Field(default_factory=PRMConfig, description='AgentArk prm/finetune2.py: backbone + 2-class head on a separator token after each step')
     sft: SFTConfig = Field(default_factory=SFTConfig)
-    pareto: ParetoConfig = Field(default_factory=ParetoConfig, description='ET-Agent direct rollout + group-wise ParetoConfig sampling (research/seeds.md §3.3-3.4)')
-    dpo: DPOConfig = Field(default_factory=DPOConfig, description='AFM DPO (research/seeds.md §2.4): chosen = correct, rejected = wrong rendering of one question')
+    pareto: ParetoConfig = Field(default_factory=ParetoConfig, description='ET-Agent direct rollout + group-wise Pareto sampling (docs/seeds.md#et-agent)')
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description='AFM DPO (docs/seeds.md#afm): chosen = correct, rejected = wrong rendering of one question')
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
-    rl: RLConfig = Field(default_factory=RLConfig, description='GRPO family on live multi-turn tool rollouts of the SFT student (research/seeds.md §1.5, §3.5, §4.5, §5.2)')
+    rl: RLConfig = Field(default_factory=RLConfig, description='GRPO family on live multi-turn tool rollouts of the SFT student (docs/seeds.md)')
     flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="ET-Agent's data flywheel / STaR rounds after the pipeline (round 0 = teacher -> SFT -> RL)")
     export: ExportConfig = Field(default_factory=ExportConfig, description='the SFT conversations, DPO pairs and RL prompts in LLaMA-Factory, verl and TRL formats (data/export)')
     storage: StorageConfig = Field(default_factory=StorageConfig, description='where DVC data is shared between machines (unison/storage.py); no stage depends on it')
@@ -610,8 +622,8 @@ class Params(Section):
         if not self.prm.enabled and self.evaluate.rerank_samples > 1:
             raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
         chat_teacher = self.teacher_engine().chat
-        if self.rl.objective == "opd" and chat_teacher:
-            raise ValueError(f"rl.objective opd: the teacher ({self.teacher.model}) must score given tokens, and teacher.api "
+        if self.rl.scores_with_teacher and chat_teacher:
+            raise ValueError(f"rl.objective opd or rl.probe_prompts: the teacher ({self.teacher.model}) must score given tokens, and teacher.api "
                              "chat cannot (a chat API returns no log-probs of given tokens): set teacher.api: completions with a "
                              "vLLM server, or a local teacher (teacher.backend vllm | transformers)")
         if self.generate.topk and chat_teacher and self.generate.source:
@@ -620,7 +632,7 @@ class Params(Section):
         if self.generate.topk > CHAT_TOP_LOGPROBS and chat_teacher:
             raise ValueError(f"generate.topk {self.generate.topk}: a chat API teacher returns at most {CHAT_TOP_LOGPROBS} top "
                              "log-probs a token (OpenAI's top_logprobs limit)")
-        if self.rl.objective == "opd" and self.rl.teacher_context == "worked_examples" and not self.generate.demonstrations:
+        if self.rl.scores_with_teacher and self.rl.teacher_context == "worked_examples" and not self.generate.demonstrations:
             raise ValueError("rl.teacher_context worked_examples puts generate.demonstrations in the teacher's prompt, but "
                              "generate.demonstrations is \"\": name the worked examples' file, or set rl.teacher_context: student")
         if self.rl.student_role == "agentflow_planner" and (missing := [r for r in FIXED_MODULES if r not in self.generate.roles]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from ..config import CONVERSING_METHODS, METHODS
 from ..protocol import chat_prompt, question_messages
 from ..tool_format import NativeFormat
 from ..tools.registry import DEFAULT_TOOLS, SYSTEM_PROMPT
@@ -29,8 +30,8 @@ def continuation_ids(tok, user_text: str) -> list[int]:
     """Tokens that close an assistant turn (after its eos) and open a user turn then a new assistant turn."""
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{tok.name_or_path}: no chat template (a base model), so it cannot be given a new user turn: the "
-                         "methods that continue a conversation (debate, dylan, agentverse, mav, gap) need a model with one; "
-                         "a base model acts in single, self_consistency, chain_of_agents or agentflow")
+                         f"methods that continue a conversation ({', '.join(CONVERSING_METHODS)}) need a model with one; "
+                         f"a base model acts in {', '.join(m for m in METHODS if m not in CONVERSING_METHODS)}")
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": PLACEHOLDER},
             {"role": "user", "content": user_text}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

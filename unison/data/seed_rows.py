@@ -1,4 +1,4 @@
-"""One record's question and gold answers: answer lists, and the seed systems' own row layouts (research/seeds.md).
+"""One record's question and gold answers: answer lists, and the seed systems' own row layouts (docs/seeds.md).
 
   verl         the RL rows of Search-R1, GAP, AFM and ET-Agent: `prompt` (chat messages holding the question),
                `reward_model.ground_truth` (a list; a {"target": [...]} struct; that struct as a JSON string; or one

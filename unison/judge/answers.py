@@ -1,4 +1,4 @@
-"""Pull the final answer out of a model's text (DESIGN.md §6, research/seeds.md §1.4, §3.5, §6.2).
+"""Pull the final answer out of a model's text (DESIGN.md §6; the seeds' answer formats: docs/seeds.md).
 
 Order: the last `<answer>` (unclosed counts: generation often stops at `</answer>`), and inside it a
 `\\boxed{...}` if there is one; else the last `\\boxed{...}` anywhere; else the last "Final Answer:"

@@ -36,24 +36,6 @@ def bootstrap_ci(
     return float(values.mean()), float(lo), float(hi)
 
 
-def paired_difference_ci(
-    system_a: Sequence[float],
-    system_b: Sequence[float],
-    n: int = 1000,
-    seed: int = 0,
-    alpha: float = 0.05,
-) -> tuple[float, float, float]:
-    """(mean of a - b, lo, hi) for two systems scored on the same questions in the same order.
-
-    Resampling questions (not each system separately) keeps the pairing, so the interval reflects
-    how consistently one system beats the other; if it excludes 0 the difference is significant.
-    """
-    a, b = np.asarray(system_a, dtype=np.float64), np.asarray(system_b, dtype=np.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"paired scores need the same questions: {a.shape} vs {b.shape}")
-    return bootstrap_ci(a - b, n=n, seed=seed, alpha=alpha)
-
-
 def auc(scores: list[float], labels: list[bool]) -> float | None:
     """ROC AUC by ranks (Mann-Whitney U, ties averaged); None when one class is missing."""
     n_pos = sum(labels)

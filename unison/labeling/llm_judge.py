@@ -1,4 +1,4 @@
-"""An LLM judge through any backend (AgentArk label.py, research/seeds.md §4.3): does the answer match the gold answers?
+"""An LLM judge through any backend (AgentArk label.py, docs/seeds.md#agentarks-labels): does the answer match the gold answers?
 
 The verdict is the first word of the model's reply, "true" or "false"; anything else counts as false and is tallied in
 `unparsable`. The judge name recorded in each row names the model, the prompt template's sha256 and the temperature.

@@ -13,12 +13,18 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
     from `engine.tokenizer` or else `model_dir` (api chat: models/teacher, where the teacher stage keeps the tokenizer
     the transcript is rendered in)."""
     if engine.backend == "vllm":
+        import time
+
         from .vllm_backend import VLLMBackend
 
-        return VLLMBackend(model_dir, dtype=engine.dtype, max_model_len=engine.max_model_len, enforce_eager=engine.enforce_eager,
-                           seed=seed, kv_cache_gb=engine.kv_cache_gb, block_size=engine.block_size or None,
-                           tensor_parallel_size=engine.tensor_parallel_size, gpu_memory_utilization=engine.gpu_memory_utilization,
-                           max_num_seqs=engine.max_num_seqs, sleep_mode=sleep_mode)
+        start = time.perf_counter()
+        print(f"vllm: starting an engine for {model_dir} ...", flush=True)  # its own lines are off (unison/quiet.py)
+        backend = VLLMBackend(model_dir, dtype=engine.dtype, max_model_len=engine.max_model_len, enforce_eager=engine.enforce_eager,
+                              seed=seed, kv_cache_gb=engine.kv_cache_gb, block_size=engine.block_size or None,
+                              tensor_parallel_size=engine.tensor_parallel_size, gpu_memory_utilization=engine.gpu_memory_utilization,
+                              max_num_seqs=engine.max_num_seqs, sleep_mode=sleep_mode)
+        print(f"vllm: {model_dir} ready in {time.perf_counter() - start:.0f} s", flush=True)
+        return backend
     if engine.backend == "transformers":
         from .hf_backend import HFBackend
 

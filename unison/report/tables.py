@@ -68,8 +68,8 @@ def headline_metrics(metrics: dict) -> dict:
 
 
 def story(metrics: dict) -> str:
-    """One or two sentences: teacher EM vs the final student's, the share of the base-to-teacher gap closed, the token
-    ratio."""
+    """One or two sentences: teacher EM vs the final student's, the token ratio, and either the share of the
+    base-to-teacher EM gap the student closed or, when its EM is above the teacher's, by how many points it passes it."""
     best = final_student(metrics)
     if best is None:
         return ""
@@ -81,7 +81,9 @@ def story(metrics: dict) -> str:
             f"the final student, the {label}, reaches {with_ci(b, 'em')} with {b['tokens_per_question']:.0f} tokens "
             f"({b['tokens_per_question'] / t['tokens_per_question']:.0%} of the teacher's)")
     base = metrics.get("base")
-    if base and t["em"] > base["em"]:
+    if b["em"] > t["em"]:
+        text += f"; the student passes the teacher by {100 * (b['em'] - t['em']):.1f} EM points"
+    elif base and t["em"] > base["em"]:
         text += f", closing {(b['em'] - base['em']) / (t['em'] - base['em']):.0%} of the EM gap from the base student ({base['em']:.3f})"
     elif base:
         text += f"; the teacher is not ahead of the base student ({base['em']:.3f}), so there is no gap to close"

@@ -1,7 +1,7 @@
 """The `web_search` and `crawl` tools (off by default), with a disk cache of their answers.
 
 `web_search` POSTs {"q": query, "num": k} to `tools.web_search_url` and reads Serper's {"organic": [{title, link,
-snippet}]} (the contract of AFM's caching Serper proxy, research/seeds.md §2.6); queries joined by `|` run in parallel.
+snippet}]} (the contract of AFM's caching Serper proxy, docs/seeds.md#afms-tools); queries joined by `|` run in parallel.
 `crawl` GETs each URL (several joined by " | ") and strips HTML to text; it fetches only public addresses
 (web_fetch.py). One call, all its items, redirects and retries included, ends by `tools.web_timeout_s`, and no answer
 is read past `tools.web_max_bytes`. Both follow the runtime's handler contract `fn(arg) -> (observation, error kind or

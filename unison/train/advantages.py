@@ -1,4 +1,4 @@
-"""Group-relative advantages for the GRPO family (DESIGN §7; research/seeds.md §1.5, §5.2; verl core_algos).
+"""Group-relative advantages for the GRPO family (DESIGN §7; docs/seeds.md#gaps-training, #flow-grpo; verl core_algos).
 
 A group is the samples of one prompt (`group_ids[i]` names sample i's group; groups need not be contiguous).
 Conventions, as in verl: the std is the unbiased (n-1) one; a group of one has no baseline, so its advantage is
@@ -59,11 +59,6 @@ def rloo(rewards, group_ids: list) -> torch.Tensor:
 
 
 ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
-
-
-def token_advantages(seq_advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """A_{i,t} = A_i * loss_mask_{i,t}: every generated token of a response, before or after a tool observation."""
-    return seq_advantages.to(torch.float32).unsqueeze(-1) * loss_mask.to(torch.float32)
 
 
 def flow_grpo(question_ids: list, rewards, n_turns: list[int], estimator: str = "grpo") -> tuple[torch.Tensor, list[int]]:

@@ -1,4 +1,4 @@
-"""DPO (AFM, research/seeds.md §2.4): chosen = a correct, rejected = a wrong student rendering of the same question.
+"""DPO (AFM, docs/seeds.md#afms-dpo): chosen = a correct, rejected = a wrong student rendering of the same question.
 
 Both sides use the SFT token view (token_view.py), so only generated tokens count: the prompt and every tool observation
 are masked out of the sequence log-probabilities, as AFM's IgnoreObsPairwiseDatasetProcessor masks `<observation>`

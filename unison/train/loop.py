@@ -40,8 +40,8 @@ LossFn = Callable[[object], "tuple[torch.Tensor, dict]"]  # micro-batch -> (loss
 
 def bf16_supported() -> bool:
     """bf16 matmuls in hardware: a CUDA GPU that has them, or a CPU with AVX512-BF16/AMX (oneDNN). Without them a CPU
-    emulates bf16 hundreds of times slower than fp32 (0.3 against 118 GFLOP/s measured on an AVX2 EPYC), so auto
-    means fp32 there."""
+    emulates bf16 hundreds of times slower than fp32 (docs/benchmarks.md, "Facts about the CPU stack"), so auto means
+    fp32 there."""
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
     try:

@@ -50,6 +50,34 @@ def teacher_term(advantages: torch.Tensor, teacher_logp: torch.Tensor, teacher_s
     return advantages + per_span.gather(1, span) * scored, (student - teacher).sum() / scored.sum().clamp(min=1)
 
 
+def span_kls(samples: list[dict]) -> tuple[list[float], int]:
+    """Per teacher span of each sample (a token of its own for a teacher of the student's vocabulary): the student's
+    log-prob (`logp_t1`, temperature 1) minus the teacher's, summed over the span; and how many student tokens the spans
+    cover. Their sum over the tokens is the one-sample estimate of the reverse KL that teacher_term reports."""
+    values, tokens = [], 0
+    for s in samples:
+        per_span: dict[int, float] = {}
+        for student, teacher, span in zip(s["logp_t1"], s["teacher_logp"], s["teacher_span"]):
+            if span:
+                per_span[span] = per_span.get(span, 0.0) + student - teacher
+                tokens += 1
+        values += per_span.values()
+    return values, tokens
+
+
+def probe_figures(samples: list[dict]) -> dict:
+    """The KL probe's figures (rl.probe_prompts): the reverse KL to the teacher in nats per scored student token, the
+    10th, 50th and 90th percentiles of the per-span values (the histogram's shape), the share of spans over 1 nat, and the
+    tokens scored."""
+    values, tokens = span_kls(samples)
+    if not values:
+        return {"probe_kl": 0.0, "probe_kl_p10": 0.0, "probe_kl_p50": 0.0, "probe_kl_p90": 0.0, "probe_over_1nat": 0.0, "probe_tokens": 0}
+    ranked = sorted(values)
+    at = lambda q: ranked[min(len(ranked) - 1, int(q * len(ranked)))]
+    return {"probe_kl": sum(values) / tokens, "probe_kl_p10": at(0.1), "probe_kl_p50": at(0.5), "probe_kl_p90": at(0.9),
+            "probe_over_1nat": sum(v > 1.0 for v in values) / len(values), "probe_tokens": tokens}
+
+
 def own_spans(loss_mask: list[int]) -> list[int]:
     """Spans of a teacher of the student's vocabulary: each sampled token its own."""
     return [t + 1 if m else 0 for t, m in enumerate(loss_mask)]

@@ -1,4 +1,4 @@
-"""ET-Agent group-wise Pareto sampling of RL questions (DESIGN §7; research/seeds.md §3.4, pareto/data_process.py).
+"""ET-Agent group-wise Pareto sampling of RL questions (DESIGN §7; docs/seeds.md#et-agents-pareto-sampling).
 
 A group is one question's K rollouts by the current student: their tool-call counts and correctness scores. Each group
 gets two objectives, both maximised: the population variance of its tool-call counts and of its correctness. Groups

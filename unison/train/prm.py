@@ -1,4 +1,4 @@
-"""PRM: a process reward model (AgentArk prm/finetune2.py, research/seeds.md §4.4; DESIGN §6).
+"""PRM: a process reward model (AgentArk prm/finetune2.py, docs/seeds.md#agentarks-prm; DESIGN §6).
 
 The input is the question, then each step followed by a separator; a 2-class linear head reads the backbone's last
 hidden state at each step's (last) separator token. Loss: cross-entropy against soft targets [1 - y, y] from the step

@@ -1,4 +1,4 @@
-"""RL rewards: verifiable, format, ET-Agent efficiency, AgentArk PRMVR (DESIGN §7; research/seeds.md §3.5, §4.5).
+"""RL rewards: verifiable, format, ET-Agent efficiency, AgentArk PRMVR (DESIGN §7; docs/seeds.md#et-agents-efficiency-reward, #agentarks-rl-reward-prmvr).
 
 Scalar rewards are per sample with `group_ids` naming the sample's prompt (as in advantages.py). Token rewards are
 (batch, tokens) over response positions, with loss_mask = 1 on generated tokens and 0 on tool observations and padding.
@@ -16,12 +16,7 @@ from ..protocol import final_answer, parse_tool_call, split_queries
 from ..tools.registry import TOOLS
 from .advantages import group_indices, leave_one_out_mean
 
-# ---------------------------------------------------------------------------------------------- verifiable, format
-
-def verifiable_reward(score: float, threshold: float | None = None) -> float:
-    """r = score (EM/F1/0-1), or 1[score >= threshold] when a threshold is given."""
-    return float(score) if threshold is None else float(score >= threshold)
-
+# ---------------------------------------------------------------------------------------------------------- format
 
 _OBSERVATION = re.compile(r"\s*<result>.*?</result>", re.DOTALL)
 _TAG = re.compile(r"<(/?)([A-Za-z_][A-Za-z0-9_]*)>")

@@ -1,4 +1,4 @@
-"""RL: the GRPO family on multi-turn tool rollouts with the live policy (DESIGN §7; research/seeds.md §1.5, §3.5, §4.5, §5.2).
+"""RL: the GRPO family on multi-turn tool rollouts with the live policy (DESIGN §7; docs/seeds.md: GAP, ET-Agent, AgentArk, Flow-GRPO).
 
 One step: take the next prompts of the curriculum (level 1 rows first), roll out `group_size` episodes per prompt with
 the current policy and real tools, score every reward component, drop groups whose rewards are all equal and roll out
@@ -24,7 +24,7 @@ from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .loop import Trainer, autocast
-from .opd import attach_teacher_logps, length_collapse, teacher_logps, teacher_term
+from .opd import attach_teacher_logps, length_collapse, probe_figures, teacher_logps, teacher_term
 from .policy_loss import policy_loss, token_logprobs
 from .rewards import efficiency_rewards, judge_response, prmvr_token_rewards, returns_to_go, sigma_factor
 from .rollout import View, check_colocated_memory, engine_sleeps, episode_view, make_rollout_backend, planner_rollout, rollout, turn_views
@@ -60,6 +60,19 @@ def step_prompts(rows: list[dict], start: int, n: int, seed: int) -> list[dict]:
         order = sorted(range(len(rows)), key=lambda k: (rows[k]["level"], rng.random()))
         out.append(rows[order[i]])
     return out
+
+
+def split_probe(rows: list[dict], n: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(the curriculum without its `n` probe prompts, the probe prompts): drawn with the seed, in curriculum order."""
+    if not n:
+        return rows, []
+    if n >= len(rows):
+        raise ValueError(f"rl.probe_prompts {n}: the curriculum (data/rl) has {len(rows)} prompts; hold out fewer")
+    held = set(random.Random(f"{seed}/probe").sample(range(len(rows)), n))
+    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
+
+
+PROBE_ROUND = -1  # the probe's episodes' seeds (rollout's step): the same at every probe, so only the policy differs
 
 
 # --------------------------------------------------------------------------------------------------------- rewards
@@ -258,6 +271,22 @@ def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, 
     return {name: v / max(1, n_steps) for name, v in sums.items()}
 
 
+@torch.no_grad()
+def kl_probe(probe_rows: list[dict], backend, model, teacher, tok, cfg: RLConfig, toolbox, episode_settings, tools, native,
+             pad_id: int, device, precision: str, worked_examples: str) -> dict:
+    """The reverse KL to the teacher on the held-out probe prompts (rl.probe_prompts): group_size episodes each, sampled
+    as in training with the same seeds at every probe; the student's log-probs at temperature 1 against the teacher's on
+    the sampled tokens (probe_figures)."""
+    episodes = rollout(probe_rows, cfg.group_size, backend, toolbox, episode_settings, tools, cfg.seed, PROBE_ROUND, native)
+    views = [episode_view(e, probe_rows[i // cfg.group_size]["prompt"]) for i, e in enumerate(episodes)]
+    samples = [_sample(v.ids, v.loss_mask, [0.0] * len(v.ids), v.messages) for v in views if any(v.loss_mask)]
+    if not samples:
+        return probe_figures([])
+    attach_logprobs(model, samples, "logp", cfg, pad_id, device, precision, unscaled_key="logp_t1")
+    attach_teacher_logps(samples, *teacher_logps(teacher, samples, tok, worked_examples))
+    return probe_figures(samples)
+
+
 # ------------------------------------------------------------------------------------------------------------ loop
 
 def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_settings, tools: tuple[str, ...], label: LabelConfig,
@@ -296,6 +325,10 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
                                    sleep_mode=sleeps) if trainer.is_main else None
     if start and cfg.rollout_backend == "vllm" and trainer.is_main:
         backend.sync(policy)
+    rows, probe_rows = split_probe(rows, cfg.probe_prompts, cfg.seed)
+    probe = (lambda: kl_probe(probe_rows, backend, policy, teacher, tok, cfg, toolbox, episode_settings, tools, native, pad_id,
+                              trainer.device, trainer.precision, worked_examples)) if probe_rows and trainer.is_main else None
+    probed_start = {f"{k}_start": v for k, v in probe().items()} if probe and start == 0 else {}
     for step in range(start, cfg.steps):
         trainer.model.eval()
         collected = (collect_step(step, pos, rows, backend, toolbox, episode_settings, tools, cfg, label, prm, flow, native)
@@ -323,6 +356,10 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
         elif samples and cfg.rollout_backend == "vllm" and trainer.is_main:
             backend.sync(policy)
         times["train_s"] = time.perf_counter() - t2
+        if probe:
+            t_probe = time.perf_counter()
+            metrics |= probe() | probed_start
+            probed_start, times["probe_s"] = {}, time.perf_counter() - t_probe
         rec = step_record(step + 1, rows_seen, episodes, rewards, metrics, kept, len(samples), times, trainer.sched.get_last_lr()[0])
         rec["rollout_rounds"] = rounds
         trainer.log(rec)
@@ -385,4 +422,5 @@ def step_record(step: int, rows, episodes, rewards: dict, metrics: dict, kept_fr
     for key in ("pg_loss", "loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm"):
         rec[key] = metrics.get(key, 0.0)
     rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens", "teacher_straddling", "teacher_s") if key in metrics}  # rl.objective opd
+    rec |= {key: v for key, v in metrics.items() if key.startswith("probe_")}  # rl.probe_prompts
     return {**rec, **times, "step_s": sum(times.values())}

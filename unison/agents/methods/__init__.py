@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from ...config import METHODS  # the methods' names, one per module here; generate.method's Literal reads the same tuple
 from ...teacher_topk import generated_row
 from ...token_view import tokenizer_fingerprint
 from ...tool_format import NativeFormat
@@ -60,9 +61,6 @@ class MethodContext:
 
     def backend_for(self, role: str):
         return self.role_backends.get(role, self.backend)
-
-
-METHODS = ("single", "self_consistency", "debate", "dylan", "agentverse", "mav", "chain_of_agents", "agentflow", "gap")
 
 
 def get_method(name: str):
