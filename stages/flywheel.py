@@ -8,8 +8,8 @@ from unison import layout, registry, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
+from unison.flywheel import cache_dir, plot, publish_rounds, round_zero, run_rounds
 from unison.tools.registry import check_toolset
-from unison.train.flywheel import cache_dir, plot, publish_rounds, round_zero, run_rounds
 
 REPORT, PLOT = Path(layout.FLYWHEEL_REPORT), Path(layout.FLYWHEEL_PLOT)
 
@@ -17,10 +17,10 @@ REPORT, PLOT = Path(layout.FLYWHEEL_REPORT), Path(layout.FLYWHEEL_PLOT)
 def main() -> None:
     params = load_params()
     check_toolset(params.tools, layout.TOOLSET, "flywheel")
-    n, systems = params.flywheel.rounds, params.system_settings()
-    sections = (params.flywheel, systems, params.label, params.sft, params.evaluate)
+    n, system = params.flywheel.rounds, params.system_settings()
+    sections = (params.flywheel, system, params.label, params.sft, params.evaluate)
     with track.stage_run("flywheel", {**params.flywheel.model_dump(), "teacher_method": params.generate.method}) as run:
-        first, base = round_zero(systems)
+        first, base = round_zero(system)
         rounds, work = [first], cache_dir(*sections) if n else None  # hashing the models costs seconds: only when rounds run
         children = []
         for k, row in enumerate(run_rounds(*sections, work), start=1):

@@ -39,7 +39,7 @@ def every_other_answer_right(items: list) -> list[tuple[bool, float, str]]:
 @pytest.fixture
 def project(tracked_project, tiny_model_dir, monkeypatch):
     """The pipeline's outputs the flywheel reads: the questions, the index, models/base and models/rl, reports/metrics.json."""
-    import unison.train.flywheel as flywheel
+    import unison.flywheel as flywheel
 
     root = tracked_project
     params = merge(default_params(), SETTINGS)
@@ -63,7 +63,7 @@ def test_a_flywheel_run_killed_in_round_2_resumes_from_round_1_and_publishes_bot
     import mlflow
 
     import stages.flywheel
-    import unison.train.flywheel as flywheel
+    import unison.flywheel as flywheel
 
     trained = []
     real_train_sft = flywheel.train_sft

@@ -16,7 +16,8 @@ FLOORS = [
     ("labelling and evaluation", ("unison.labeling",)),
     ("training", ("unison.train",)),
     ("stages, flows, bench and the security suite", ("unison.track", "unison.storage", "unison.stage_clock", "unison.recipes", "unison.cli", "unison.report",
-                                                     "unison.registry", "unison.exports", "stages", "flows", "bench", "security")),
+                                                     "unison.registry", "unison.exports", "unison.flywheel", "stages", "flows", "bench",
+                                                     "security")),
 ]
 
 

@@ -28,11 +28,14 @@ from .wiring import demonstrations, episode_settings, make_role_backends, make_t
 
 @dataclass
 class Workbench:
-    """What a system runs on: one model's backend, the tools, and (the teacher) its roles' own backends."""
+    """What a system runs on: one model's backend, the tools, and (the teacher) its roles' own backends.
+    `student_weights`: whether the backend holds weights the pipeline trained, which act in student.tool_format (None: a
+    student's do, the teacher's not; the flywheel's teacher is a trained student)."""
     settings: SystemSettings
     backend: object
     toolbox: object
     roles: dict = field(default_factory=dict)
+    student_weights: bool | None = None
 
 
 def load_workbench(s: SystemSettings, model_dir: str, teacher: bool = False, toolbox=None) -> Workbench:
@@ -62,11 +65,12 @@ def system_context(s: SystemSettings, backend, toolbox, teacher: bool, model_id:
 def run_system(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str,
                temperature: float, top_logprobs: int = 0) -> tuple[list[dict], dict]:
     """A system's trajectory rows on `questions` and what its networked pieces counted meanwhile (remote_counters)."""
-    e, g = workbench, workbench.settings.generate
-    ctx = system_context(e.settings, e.backend, e.toolbox, teacher, model_id, temperature, e.roles, top_logprobs)
-    before = remote_counters({"teacher": e.backend, **e.roles}, e.toolbox)
-    rows = run_method(g.method if teacher else "single", questions, samples, ctx, g.episodes_in_flight)
-    after = remote_counters({"teacher": e.backend, **e.roles}, e.toolbox)
+    generate, networked = workbench.settings.generate, {"teacher": workbench.backend, **workbench.roles}
+    ctx = system_context(workbench.settings, workbench.backend, workbench.toolbox, teacher, model_id, temperature, workbench.roles,
+                         top_logprobs, workbench.student_weights)
+    before = remote_counters(networked, workbench.toolbox)
+    rows = run_method(generate.method if teacher else "single", questions, samples, ctx, generate.episodes_in_flight)
+    after = remote_counters(networked, workbench.toolbox)
     return rows, {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 

@@ -17,9 +17,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
 from .. import layout
-from ..agents.cluster import Replicas, load_workbench, rollouts, system_context, workbench_or_replicas
+from ..agents.cluster import Replicas, load_workbench, rollouts, workbench_or_replicas
 from ..agents.generation import FailureShare
-from ..agents.methods import run_method
 from ..agents.wiring import fault_counters, make_toolbox
 from ..config import ClusterConfig, EvaluateConfig, LabelConfig, SystemSettings
 from ..judge.answers import judged_answer
@@ -77,18 +76,6 @@ def systems_to_evaluate(p: EvaluateConfig, teacher_temperature: float, dpo: bool
         systems.append(("dpo", layout.DPO, p.temperature))
     systems.append(("rl", layout.RL, p.temperature))
     return systems
-
-
-def run_judged(backend, model_id: str, questions: list[dict], samples: int, temperature: float, s: SystemSettings, toolbox,
-               teacher: bool, judge, label: LabelConfig, role_backends: dict | None = None,
-               student_weights: bool | None = None) -> tuple[list[dict], float]:
-    """A system run on `questions` (cluster.system_context: the teacher's method or a student's `single`; weights the
-    pipeline trained act in student.tool_format) and judged: (labeled rows, wall seconds)."""
-    ctx = system_context(s, backend, toolbox, teacher, model_id, temperature, role_backends, student_weights=student_weights)
-    g = s.generate
-    t0 = time.perf_counter()
-    rows = label_rows(run_method(g.method if teacher else "single", questions, samples, ctx, g.episodes_in_flight), label, judge)
-    return rows, time.perf_counter() - t0
 
 
 def engine_per_process(setting: bool | str, cuda: bool) -> bool:

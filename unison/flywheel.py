@@ -7,6 +7,10 @@ correct trajectories (sft.*; like STaR, every round restarts from the base model
 Each round's teacher and student are evaluated on the test split as evaluate does (teacher: method + scaffold at
 generate.temperature; student: `single`, unscaffolded, evaluate.temperature).
 
+A round orchestrates the floors below it, each called in turn and none calling back: agents run a system
+(`cluster.run_system`), labeling judges its rows (`judging.label_rows`) and scores them (`metrics.system_metrics`),
+train fine-tunes the next student (`sft.train_sft`).
+
 The student that teaches the next round is the round's last-trained one (round 0: RL; later rounds: their SFT student),
 not the one with the best test score: choosing on the test split would leak it into the numbers reported here.
 
@@ -21,72 +25,86 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .. import layout
-from ..agents.wiring import demonstrations, make_toolbox
-from ..config import EvaluateConfig, FlywheelConfig, LabelConfig, SFTConfig, SystemSettings
-from ..data.schemas import LABELED, QUESTION, DataError, atomic_dir, atomic_path, read_table, write_json, write_table
-from ..labeling.evaluation import run_judged
-from ..labeling.judging import make_judge
-from ..labeling.metrics import scoring_label, system_metrics
-from ..llm import student_backend, teacher_id
-from ..tool_format import student_format
-from ..tools.registry import enabled_tools
-from .sft import build_examples, select_trajectories, train_sft
+from . import layout
+from .agents.cluster import Workbench, run_system
+from .agents.wiring import demonstrations, make_toolbox
+from .config import EvaluateConfig, FlywheelConfig, LabelConfig, SFTConfig, SystemSettings
+from .data.schemas import LABELED, QUESTION, DataError, atomic_dir, atomic_path, read_table, write_json, write_table
+from .labeling.judging import label_rows, make_judge
+from .labeling.metrics import scoring_label, system_metrics
+from .llm import student_backend, teacher_id
+from .tool_format import student_format
+from .tools.registry import enabled_tools
+from .train.sft import build_examples, select_trajectories, train_sft
 
 FIRST_STUDENT = layout.RL
 DATA, MODELS = Path(layout.FLYWHEEL_DATA), Path(layout.FLYWHEEL)
 KEPT = ("em", "em_lo", "em_hi", "subem", "tokens_per_question")  # per system in a round's row of reports/flywheel.json
 
 
-def cache_dir(fly: FlywheelConfig, s: SystemSettings, label: LabelConfig, sft: SFTConfig, e: EvaluateConfig) -> Path:
+def cache_dir(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig, evaluate: EvaluateConfig) -> Path:
     """Finished rounds are valid only for the same settings and the same first student, base model and questions."""
-    h = hashlib.sha256(json.dumps([section.model_dump() for section in (fly, s, label, sft, e)], sort_keys=True).encode())
-    h.update(demonstrations(s.generate).encode())  # the teacher's worked examples: the file's text, not only its name
+    sections = (flywheel, system, label, sft, evaluate)
+    digest = hashlib.sha256(json.dumps([section.model_dump() for section in sections], sort_keys=True).encode())
+    digest.update(demonstrations(system.generate).encode())  # the teacher's worked examples: the file's text, not only its name
     files = [layout.RAW_TRAIN, layout.RAW_TEST, *sorted(map(str, Path(layout.BASE).glob("*.safetensors"))),
              *sorted(map(str, Path(FIRST_STUDENT).glob("*.safetensors")))]
     for path in files:
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-    return Path(layout.FLYWHEEL_CACHE) / h.hexdigest()[:16]
+                digest.update(chunk)
+    return Path(layout.FLYWHEEL_CACHE) / digest.hexdigest()[:16]
 
 
-def flat(prefix: str, m: dict) -> dict:
-    return {f"{prefix}_{k}": m[k] for k in KEPT if k in m}
+def flat(prefix: str, metrics: dict) -> dict:
+    return {f"{prefix}_{k}": metrics[k] for k in KEPT if k in metrics}
 
 
-def run_round(k: int, teacher_dir: str, fly: FlywheelConfig, s: SystemSettings, label: LabelConfig, sft: SFTConfig, e: EvaluateConfig,
-              toolbox, judge, work: Path) -> dict:
+def judged(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str, temperature: float,
+           label: LabelConfig, judge) -> tuple[list[dict], float]:
+    """A system run on `questions` (agents: the teacher's method or a student's `single`), then judged by `label`
+    (labeling): (labeled rows, wall seconds)."""
+    t0 = time.perf_counter()
+    rows, _ = run_system(workbench, questions, samples, teacher, model_id, temperature)
+    return label_rows(rows, label, judge), time.perf_counter() - t0
+
+
+def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig,
+              evaluate: EvaluateConfig, toolbox, judge, work: Path) -> dict:
     """Round k in `work` (trajectories, student, round.json written last as the round's completion mark); its report row."""
-    g, seed = s.generate, s.seed
-    cfg = sft.model_copy(update={"epochs": fly.sft_epochs or sft.epochs})
+    generate, seed = system.generate, system.seed
+    round_sft = sft.model_copy(update={"epochs": flywheel.sft_epochs or sft.epochs})
     train, test = read_table(layout.RAW_TRAIN, QUESTION), read_table(layout.RAW_TEST, QUESTION)
-    test = test[: e.max_questions or None]
-    eval_label = scoring_label(label, e)
-    print(f"flywheel: round {k}: {teacher_dir} teaches ({g.method}, scaffolded) on {len(train)} train questions", flush=True)
-    backend = student_backend(teacher_dir, s)  # one engine for the teacher's train answers and its test score
-    rows, _ = run_judged(backend, teacher_dir, train, g.samples, g.temperature, s, toolbox, True, judge, label, student_weights=True)
+    test = test[: evaluate.max_questions or None]
+    eval_label = scoring_label(label, evaluate)
+    print(f"flywheel: round {k}: {teacher_dir} teaches ({generate.method}, scaffolded) on {len(train)} train questions", flush=True)
+    # one engine for the teacher's train answers and its test score; the pipeline's own weights, so they act in student.tool_format
+    teacher = Workbench(system, student_backend(teacher_dir, system), toolbox, student_weights=True)
+    rows, _ = judged(teacher, train, generate.samples, True, teacher_dir, generate.temperature, label, judge)
     write_table(rows, work / "train.parquet", LABELED)
-    teacher_rows, teacher_s = run_judged(backend, teacher_dir, test, 1, g.temperature, s, toolbox, True, judge, eval_label,
-                                         student_weights=True)
-    del backend
+    teacher_rows, teacher_s = judged(teacher, test, 1, True, teacher_dir, generate.temperature, eval_label, judge)
+    del teacher
     gc.collect()  # free the engine before training
-    chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
+    chosen = select_trajectories(rows, round_sft.max_per_question, round_sft.dedupe)
     if not chosen:
         raise DataError(work / "train.parquet", f"round {k}: the teacher got no train question right; nothing to distil", field="correct")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(layout.BASE)
-    examples, _ = build_examples(tok, chosen, cfg.max_length, native=student_format(s.student_format, tok, enabled_tools(s.tools), g.method))
-    records = train_sft(layout.BASE, examples, cfg, str(work / "student"))
-    student_rows, student_s = run_judged(student_backend(str(work / "student"), s), str(work / "student"), test, 1,
-                                         e.temperature, s, toolbox, False, judge, eval_label)
+    native = student_format(system.student_format, tok, enabled_tools(system.tools), generate.method)
+    examples, _ = build_examples(tok, chosen, round_sft.max_length, native=native)
+    student_dir = str(work / "student")
+    records = train_sft(layout.BASE, examples, round_sft, student_dir)
+    student = Workbench(system, student_backend(student_dir, system), toolbox)
+    student_rows, student_s = judged(student, test, 1, False, student_dir, evaluate.temperature, eval_label, judge)
+    del student
     gc.collect()
-    teacher_m = system_metrics(teacher_rows, teacher_s, eval_label, e.bootstrap, seed)
-    student_m = system_metrics(student_rows, student_s, eval_label, e.bootstrap, seed)
+    teacher_m = system_metrics(teacher_rows, teacher_s, eval_label, evaluate.bootstrap, seed)
+    student_m = system_metrics(student_rows, student_s, eval_label, evaluate.bootstrap, seed)
     teacher_name = FIRST_STUDENT if k == 1 else str(MODELS / f"round-{k - 1}")
     row = {"round": k, "teacher": teacher_name, "student": str(MODELS / f"round-{k}"), **flat("teacher", teacher_m), **flat("student", student_m),
            "trajectories": len(rows), "correct_trajectories": sum(r["correct"] for r in rows), "sft_examples": len(chosen),
@@ -95,11 +113,11 @@ def run_round(k: int, teacher_dir: str, fly: FlywheelConfig, s: SystemSettings, 
     return row
 
 
-def round_zero(s: SystemSettings) -> tuple[dict, dict]:
+def round_zero(system: SystemSettings) -> tuple[dict, dict]:
     """(the pipeline's own round from reports/metrics.json: its teacher (when evaluate.teacher ran it) and its RL student,
     the base student's metrics)."""
     metrics = json.loads(Path(layout.METRICS).read_text())
-    return {"round": 0, "teacher": teacher_id(s), "student": FIRST_STUDENT, **flat("teacher", metrics.get("teacher", {})),
+    return {"round": 0, "teacher": teacher_id(system), "student": FIRST_STUDENT, **flat("teacher", metrics.get("teacher", {})),
             **flat("student", metrics["rl"])}, flat("base", metrics["base"])
 
 
@@ -129,13 +147,13 @@ def plot(rounds: list[dict], base: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-def run_rounds(fly: FlywheelConfig, s: SystemSettings, label: LabelConfig, sft: SFTConfig, e: EvaluateConfig,
+def run_rounds(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig, evaluate: EvaluateConfig,
                work: Path | None) -> Iterator[dict]:
     """Rounds 1..flywheel.rounds in `work` (a finished round is reused), each one's report row as it finishes."""
-    if not fly.rounds:  # no toolbox: loading the search encoder costs seconds
+    if not flywheel.rounds:  # no toolbox: loading the search encoder costs seconds
         return
-    toolbox, judge = make_toolbox(s.tools), make_judge(label, s, {})
-    for k in range(1, fly.rounds + 1):
+    toolbox, judge = make_toolbox(system.tools), make_judge(label, system, {})
+    for k in range(1, flywheel.rounds + 1):
         done = work / f"round-{k}" / "round.json"
         if done.exists():
             print(f"flywheel: round {k} already done, reusing", flush=True)
@@ -143,7 +161,7 @@ def run_rounds(fly: FlywheelConfig, s: SystemSettings, label: LabelConfig, sft: 
         else:
             (work / f"round-{k}").mkdir(parents=True, exist_ok=True)
             teacher_dir = FIRST_STUDENT if k == 1 else str(work / f"round-{k - 1}" / "student")
-            yield run_round(k, teacher_dir, fly, s, label, sft, e, toolbox, judge, work / f"round-{k}")
+            yield run_round(k, teacher_dir, flywheel, system, label, sft, evaluate, toolbox, judge, work / f"round-{k}")
 
 
 def publish_rounds(work: Path | None, n: int) -> None:
