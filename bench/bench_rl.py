@@ -78,11 +78,10 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from unison.agents.runtime import EpisodeSettings
     from unison.agents.wiring import make_toolbox
     from unison.config import load_params
     from unison.tools.registry import enabled_tools
-    from unison.train.rl import train_rl
+    from unison.train.rl import RLSetup, train_rl
 
     params = load_params()
     model_dir = "models/sft" if Path("models/sft/config.json").exists() else "models/base"
@@ -91,21 +90,20 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"bench_rl: {needed} is missing; run `dvc repro sft` first (from the project root)")
     rows = rl_data(args.prompts * args.steps)
     toolbox, tools = make_toolbox(params.tools), enabled_tools(params.tools)
-    p = params.rl
+    rl = params.rl
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(), "model": model_dir,
               "machine": {"cpus_usable": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
                           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"},
-              "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size, "estimator": p.estimator,
-                           "max_turns": p.max_turns, "max_tokens_per_turn": p.max_tokens_per_turn}, "backends": {}}
+              "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size, "estimator": rl.estimator,
+                           "max_turns": rl.max_turns, "max_tokens_per_turn": rl.max_tokens_per_turn}, "backends": {}}
     for backend in args.backends.split(","):
-        cfg = p.model_copy(update={"rollout_backend": backend, "steps": args.steps, "prompts_per_step": args.prompts,
-                                   "group_size": args.group_size, "checkpoint_every": 0})
-        episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
-                            max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
+        setup = RLSetup(rl.model_copy(update={"rollout_backend": backend, "steps": args.steps, "prompts_per_step": args.prompts,
+                                              "group_size": args.group_size, "checkpoint_every": 0}),
+                        params.label, params.llm, tools, toolbox=toolbox)
         print(f"bench_rl: {backend}: {args.steps} steps x {args.prompts} prompts x {args.group_size} rollouts", flush=True)
         with tempfile.TemporaryDirectory(dir=".cache" if Path(".cache").is_dir() else None) as tmp:
             t0 = time.perf_counter()
-            records = train_rl(model_dir, rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, f"{tmp}/out", f"{tmp}/ckpt")
+            records = train_rl(model_dir, rows, setup, f"{tmp}/out", f"{tmp}/ckpt")
             wall = time.perf_counter() - t0
         steps = records[1:] if len(records) > 1 else records  # the first step pays one-off warm-up costs
         mean = lambda k: sum(r[k] for r in steps) / len(steps)

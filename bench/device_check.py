@@ -107,11 +107,10 @@ def check_prm(model_dir: Path, precision: str) -> tuple[int, dict]:
 
 def check_rl_step(model_dir: Path, work: Path, precision: str, python_tool: bool) -> tuple[int, dict]:
     """One RL step from the SFT model: 4 prompts x 4 rollouts with the tools on the transformers backend, then the update."""
-    from unison.agents.runtime import EpisodeSettings
     from unison.agents.toolbox import Toolbox
     from unison.config import LabelConfig, LLMConfig
     from unison.train.pareto import rl_rows
-    from unison.train.rl import RLConfig, train_rl
+    from unison.train.rl import RLConfig, RLSetup, train_rl
 
     groups = [{"question_id": f"q{i}", "task": "qa", "tool_calls": [0, 1], "correctness": [0.0, 1.0], "score_tool": 0.25,
                "score_corr": 0.25, "front": 0, "crowding": 1.0} for i in range(4)]
@@ -119,11 +118,9 @@ def check_rl_step(model_dir: Path, work: Path, precision: str, python_tool: bool
     cfg = RLConfig(steps=1, prompts_per_step=4, group_size=4, dynamic_sampling=False, rollout_backend="transformers",
                    max_turns=3, max_tokens_per_turn=48, micro_batch_size=8, precision=precision, checkpoint_every=0)
     tools = ("search", "python") if python_tool else ("search",)
-    [record] = train_rl(str(model_dir), rows, cfg, Toolbox(KeywordRetriever()),
-                        EpisodeSettings(temperature=1.0, top_p=1.0, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
-                                        max_model_len=1024), tools,
-                        LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5), LLMConfig(max_model_len=1024),
-                        str(work / "rl"), str(work / "rl-ckpt"))
+    setup = RLSetup(cfg, LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5), LLMConfig(max_model_len=1024),
+                    tools, toolbox=Toolbox(KeywordRetriever()))  # episodes at rl's temperature 1.0 and top_p 1.0, 1024 tokens
+    [record] = train_rl(str(model_dir), rows, setup, str(work / "rl"), str(work / "rl-ckpt"))
     tokens = int(record["response_tokens"] * record["episodes"])  # sampled; the update's tokens/s is in train_s
     keep = ("episodes", "samples", "loss", "grad_norm", "tool_calls_per_episode", "turns_per_episode", "rollout_s", "train_s")
     return tokens, {"tools": list(tools), **{k: record[k] for k in keep if k in record}}

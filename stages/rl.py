@@ -11,7 +11,6 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from unison import layout, track
-from unison.agents.runtime import EpisodeSettings
 from unison.agents.wiring import demonstrations, make_role_backends, make_toolbox
 from unison.cli import stage_main
 from unison.config import load_params
@@ -20,7 +19,8 @@ from unison.tool_format import student_format
 from unison.tools.registry import check_toolset, enabled_tools
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, run_key, write_records_csv
-from unison.train.rl import load_rl_data, train_rl
+from unison.train.prm import load_prm
+from unison.train.rl import RLSetup, load_rl_data, train_rl
 
 CURVE_CSV = Path(layout.RL_CURVE)
 VERL_DATA, VERL_WORK = Path(layout.VERL_DATA), Path(layout.VERL_WORK)
@@ -29,42 +29,28 @@ VERL_DATA, VERL_WORK = Path(layout.VERL_DATA), Path(layout.VERL_WORK)
 def main() -> None:
     params = load_params()
     check_toolset(params.tools, layout.TOOLSET, "rl")
-    cfg = params.rl
-    if cfg.trainer == "verl":
+    rl = params.rl
+    if rl.trainer == "verl":
         return main_verl(params)
-    if run_distributed("rl", params.train, cfg.deepspeed_config):
+    if run_distributed("rl", params.train, rl.deepspeed_config):
         return
-    settings = {"seed": params.seed, **cfg.model_dump(), **params.model_dump(include={"llm", "tools", "label", "train"}),
+    settings = {"seed": params.seed, **rl.model_dump(), **params.model_dump(include={"llm", "tools", "label", "train"}),
                 "tool_format": params.student.tool_format}
-    if cfg.student_role == "agentflow_planner":  # the fixed modules and the flow change what the planner learns
+    if rl.student_role == "agentflow_planner":  # the fixed modules and the flow change what the planner learns
         settings |= {"roles": params.generate.roles, "agentflow": params.generate.agentflow.model_dump()}
     with track.stage_run("rl", settings) as run:
         paths = sorted(Path(layout.RL_DATA).glob("level*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
-        prm = None
-        if cfg.prm_weight > 0 and is_main_process():  # rank 0 rolls out and scores
-            from unison.train.prm import load_prm  # only when asked: the stage runs without a PRM
-
-            prm = load_prm(layout.PRM, params.prm.precision)
-        teacher = opd_teacher(params) if cfg.scores_with_teacher and is_main_process() else None
-        tools = enabled_tools(params.tools)
-        episode_settings = EpisodeSettings(temperature=cfg.temperature, top_p=cfg.top_p, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
-                            max_tool_calls=cfg.max_tool_calls, max_model_len=params.llm.max_model_len)
-        model_dirs = [layout.SFT] + ([layout.PRM] if cfg.prm_weight > 0 else []) + ([layout.TEACHER] if cfg.scores_with_teacher else [])
-        worked_examples = demonstrations(params.generate) if cfg.scores_with_teacher and cfg.teacher_context == "worked_examples" else ""
+        model_dirs = [layout.SFT] + ([layout.PRM] if rl.prm_weight > 0 else []) + ([layout.TEACHER] if rl.scores_with_teacher else [])
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
-        print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {cfg.steps} steps x {cfg.prompts_per_step} prompts x "
-              f"{cfg.group_size} rollouts, objective {cfg.objective}, estimator {cfg.estimator}, rollouts on {cfg.rollout_backend}"
-              + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}" if cfg.student_role == "agentflow_planner" else ""),
+        print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {rl.steps} steps x {rl.prompts_per_step} prompts x "
+              f"{rl.group_size} rollouts, objective {rl.objective}, estimator {rl.estimator}, rollouts on {rl.rollout_backend}"
+              + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}" if rl.student_role == "agentflow_planner" else ""),
               flush=True)
-        toolbox = make_toolbox(params.tools) if is_main_process() else None
-        planner = cfg.student_role == "agentflow_planner" and is_main_process()
-        flow = (make_role_backends(params.generate.roles, params.teacher_engine(), params.seed), params.generate.agentflow) if planner else None
-        records = train_rl(layout.SFT, rows, cfg, toolbox, episode_settings, tools, params.label, params.llm, layout.RL,
-                           checkpoint_path("rl", {**settings, "worked_examples": worked_examples}, inputs), prm=prm, on_step=lambda r: run.log_metrics(r, step=r["step"]),
-                           gradient_checkpointing=params.train.gradient_checkpointing, teacher=teacher, worked_examples=worked_examples,
-                           flow=flow, native=student_format(params.student.tool_format, AutoTokenizer.from_pretrained(layout.SFT),
-                                                            tools, params.generate.method))
+        setup = rl_setup(params)
+        records = train_rl(layout.SFT, rows, setup, layout.RL,
+                           checkpoint_path("rl", {**settings, "worked_examples": setup.worked_examples}, inputs),
+                           on_step=lambda record: run.log_metrics(record, step=record["step"]))
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return
         write_records_csv(records, CURVE_CSV)
@@ -78,6 +64,24 @@ def main() -> None:
                    **({"probe_kl_start": first["probe_kl_start"], "final_probe_kl": last["probe_kl"]} if "probe_kl_start" in first else {})}
         write_json(metrics, layout.report("rl"))
         run.log_metrics(metrics)
+
+
+def rl_setup(params) -> RLSetup:
+    """The run's settings as one bundle; rank 0, which rolls out and scores, also gets the toolbox, the PRM (rl.prm_weight
+    > 0), the teacher (rl.objective opd) and AgentFlow's fixed modules (rl.student_role agentflow_planner)."""
+    rl, rank0 = params.rl, is_main_process()
+    tools = enabled_tools(params.tools)
+    planner = rl.student_role == "agentflow_planner" and rank0
+    return RLSetup(
+        rl=rl, label=params.label, llm=params.llm, tools=tools,
+        toolbox=make_toolbox(params.tools) if rank0 else None,
+        native=student_format(params.student.tool_format, AutoTokenizer.from_pretrained(layout.SFT), tools, params.generate.method),
+        prm=load_prm(layout.PRM, params.prm.precision) if rl.prm_weight > 0 and rank0 else None,
+        teacher=opd_teacher(params) if rl.scores_with_teacher and rank0 else None,
+        worked_examples=demonstrations(params.generate) if rl.scores_with_teacher and rl.teacher_context == "worked_examples" else "",
+        roles=make_role_backends(params.generate.roles, params.teacher_engine(), params.seed) if planner else None,
+        agentflow=params.generate.agentflow if planner else None,
+        gradient_checkpointing=params.train.gradient_checkpointing)
 
 
 def opd_teacher(params):

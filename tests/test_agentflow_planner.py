@@ -9,12 +9,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from unison.agents.runtime import EpisodeSettings
 from unison.agents.toolbox import Toolbox
 from unison.config import AgentFlowConfig, LLMConfig, ParamsError, validate_params
 from unison.llm.hf_backend import HFBackend
 from unison.llm.openai_backend import OpenAIBackend
-from unison.train.rl import collect_step, train_rl
+from unison.train.rl import RLSetup, collect_step, train_rl
 
 from .local_http import LocalServer
 from .test_rl import LABEL, make_rows, rl_config, state
@@ -51,17 +50,22 @@ def fake_hosted_fixed_modules(log: list):
     return respond
 
 
-def settings(cfg) -> EpisodeSettings:
-    return EpisodeSettings(temperature=cfg.temperature, top_p=1.0, max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn,
-                           max_model_len=1024)
+def planner_setup(cfg, flow: dict) -> RLSetup:
+    """The RL bundle of a planner run: 1024-token episodes with search, and `flow` (`roles` and `agentflow`)."""
+    return RLSetup(cfg, LABEL, LLMConfig(max_model_len=1024), TOOLS, toolbox=Toolbox(OnePassage()), **flow)
+
+
+def fixed_modules(modules, max_steps: int) -> dict:
+    """RLSetup's `roles` (one backend for the executor, the verifier and the generator) and `agentflow`."""
+    return {"roles": {role: modules for role in ("executor", "verifier", "generator")}, "agentflow": AgentFlowConfig(max_steps=max_steps)}
 
 
 @contextmanager
 def fake_hosted_flow(tok, max_steps: int):
-    """`train_rl`'s `flow`: the fixed modules answered by `fake_hosted_fixed_modules` (the API's request log unread)."""
+    """The fixed modules answered by `fake_hosted_fixed_modules` (the API's request log unread), as `fixed_modules`."""
     with LocalServer(fake_hosted_fixed_modules([])) as api:
         modules = OpenAIBackend(f"{api.url}/v1", "gpt-4o-mini", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=30)
-        yield {role: modules for role in ("executor", "verifier", "generator")}, AgentFlowConfig(max_steps=max_steps)
+        yield fixed_modules(modules, max_steps)
 
 
 def small_planner_config(**kw):
@@ -72,8 +76,7 @@ def small_planner_config(**kw):
 
 
 def train_planner(model_dir, cfg, flow, out, on_step=None) -> list[dict]:
-    return train_rl(str(model_dir), make_rows(), cfg, Toolbox(OnePassage()), settings(cfg), TOOLS, LABEL, LLMConfig(max_model_len=1024),
-                    str(out / "out"), str(out / "ckpt"), on_step=on_step, flow=flow)
+    return train_rl(str(model_dir), make_rows(), planner_setup(cfg, flow), str(out / "out"), str(out / "ckpt"), on_step=on_step)
 
 
 def turn_logprobs(model_dir, samples: list[dict]) -> list[float]:
@@ -99,18 +102,17 @@ def test_only_the_planners_turns_train_and_the_fixed_modules_answer_from_the_api
     rows, log = make_rows(), []
     with LocalServer(fake_hosted_fixed_modules(log)) as api:
         modules = OpenAIBackend(f"{api.url}/v1", "gpt-4o-mini", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=30)
-        flow = ({role: modules for role in ("executor", "verifier", "generator")}, AgentFlowConfig(max_steps=2))
+        setup = planner_setup(cfg, fixed_modules(modules, max_steps=2))
         policy = HFBackend(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer=tok)
-        samples, _, episodes, rewards, kept, rounds, _ = collect_step(0, 0, rows, policy, Toolbox(OnePassage()), settings(cfg), TOOLS,
-                                                                     cfg, LABEL, None, flow)
-        records = train_rl(str(tiny_model_dir), rows, cfg, Toolbox(OnePassage()), settings(cfg), TOOLS, LABEL, LLMConfig(max_model_len=1024),
-                           str(tmp_path / "out"), str(tmp_path / "ckpt"), flow=flow)
+        got = collect_step(0, 0, rows, policy, setup)
+        samples, episodes, rewards = got.samples, got.episodes, got.rewards
+        records = train_rl(str(tiny_model_dir), rows, setup, str(tmp_path / "out"), str(tmp_path / "ckpt"))
 
     # 2 questions x 4 rollouts: per flow the executor, the verifier (STOP after step 1) and the generator asked the API
     first_step = log[: len(log) // 2]
     assert [b["unison_test_role"] for b in first_step].count("executor") == 8 and "unknown" not in {b["unison_test_role"] for b in log}
     assert sorted(b["unison_test_role"] for b in first_step) == ["executor"] * 8 + ["generator"] * 8 + ["verifier"] * 8
-    assert len(episodes) == 8 and rounds == 1 and 0 < sum(rewards["correct"]) < 8  # mixed outcomes: something to learn
+    assert len(episodes) == 8 and got.rounds == 1 and 0 < sum(rewards["correct"]) < 8  # mixed outcomes: something to learn
     renderings = [e.text for e in episodes]
     assert all("<search>" in t and "<result>" in t and t.rstrip().endswith("</answer>") for t in renderings)  # the flow as the student protocol
 
@@ -149,8 +151,8 @@ def test_one_planner_update_raises_the_rewarded_plans_and_lowers_the_punished_on
     cfg = small_planner_config(lr=1e-3)
     with fake_hosted_flow(tok, max_steps=1) as flow:
         policy = HFBackend(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer=tok)
-        samples, _, _, rewards, _, _, _ = collect_step(0, 0, make_rows(), policy, Toolbox(OnePassage()), settings(cfg), TOOLS, cfg,
-                                                       LABEL, None, flow)
+        got = collect_step(0, 0, make_rows(), policy, planner_setup(cfg, flow))
+        samples, rewards = got.samples, got.rewards
         [record] = train_planner(tiny_model_dir, cfg, flow, tmp_path)
     assert rewards["total"] in ([1.0, 0.0], [0.0, 1.0])  # one rollout rewarded, one punished
     assert record["reward_total"] == 0.5 and record["response_tokens"] == sum(rewards["lengths"]) / 2  # train_rl's rollouts

@@ -102,9 +102,10 @@ def test_opd_with_rls_default_sampling_on_a_tool_episode_checked_value_by_value(
 
     from unison.agents.runtime import Episode, EpisodeSettings, run_episodes
     from unison.agents.toolbox import Toolbox
+    from unison.config import LLMConfig
     from unison.protocol import chat_prompt
     from unison.train.loop import Trainer
-    from unison.train.rl import build_samples, score_episodes, train_on
+    from unison.train.rl import RLSetup, build_samples, score_episodes, train_on
     from unison.train.rollout import episode_view
 
     cfg = RLConfig(objective="opd", outcome_weight=0.5, temperature=0.7, group_size=2, prompts_per_step=2, micro_batch_size=3,
@@ -123,7 +124,7 @@ def test_opd_with_rls_default_sampling_on_a_tool_episode_checked_value_by_value(
         assert "Paris is the capital of France." in e.segments[1].text
     rows[0]["reward_model"]["ground_truth"] = [episodes[0].answer]  # group 0: right, wrong; group 1: wrong, wrong
     views = [episode_view(e, rows[i // 2]["prompt"]) for i, e in enumerate(episodes)]
-    rewards = score_episodes(episodes, rows, 2, views, cfg, LABEL, tools, step=1)
+    rewards = score_episodes(episodes, rows, views, RLSetup(cfg, LABEL, LLMConfig(), tools), step=1)
     assert rewards["verifiable"] == [1.0, 0.0, 0.0, 0.0] and rewards["total"][2] == rewards["total"][3]
     assert len(build_samples(views, rewards, cfg.model_copy(update={"objective": "reward"}))[0]) == 2  # RL drops group 1
     samples, kept = build_samples(views, rewards, cfg)

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from unison.agents.runtime import Episode, EpisodeSettings, Segment
+from unison.agents.runtime import Episode, Segment
 from unison.agents.toolbox import Toolbox
 from unison.config import LabelConfig, LLMConfig
 from unison.data.schemas import RL_ROW, DataError, write_table
@@ -22,9 +22,11 @@ from unison.train.pareto import rl_rows
 from unison.train.policy_loss import token_logprobs
 from unison.train.rl import (
     RLConfig,
+    RLSetup,
     batch_loss,
     build_samples,
     collate,
+    collect_step,
     load_rl_data,
     logprobs_of,
     needs_old_logp,
@@ -83,11 +85,14 @@ def rl_config(**kw) -> RLConfig:
     return RLConfig(**{**base, **kw})
 
 
+def rl_setup(cfg, **kw) -> RLSetup:
+    """The bundle these tests run RL with: both tools, no retriever, 512-token episodes."""
+    return RLSetup(cfg, LABEL, LLMConfig(max_model_len=512), ("search", "python"), toolbox=Toolbox(), **kw)
+
+
 def run(model_dir, cfg, tmp_path, name, rows=None, on_step=None, teacher=None):
-    return train_rl(str(model_dir), rows or make_rows(), cfg, Toolbox(), EpisodeSettings(temperature=cfg.temperature, top_p=1.0,
-                    max_turns=cfg.max_turns, max_tokens_per_turn=cfg.max_tokens_per_turn, max_model_len=512), ("search", "python"),
-                    LABEL, LLMConfig(max_model_len=512), str(tmp_path / name / "out"), str(tmp_path / name / "ckpt"), on_step=on_step,
-                    teacher=teacher)
+    return train_rl(str(model_dir), rows or make_rows(), rl_setup(cfg, teacher=teacher), str(tmp_path / name / "out"),
+                    str(tmp_path / name / "ckpt"), on_step=on_step)
 
 
 def state(path):
@@ -230,23 +235,22 @@ def test_dynamic_sampling_refills_until_enough_groups_keep_a_reward_spread(answe
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from unison.llm.hf_backend import HFBackend
-    from unison.train.rl import collect_step
 
     backend = HFBackend(model=AutoModelForCausalLM.from_pretrained(answerer), tokenizer=AutoTokenizer.from_pretrained(answerer))
     rows = make_rows(6)
 
     def collect(**kw):
-        cfg = rl_config(dynamic_sampling=True, group_size=2, format_weight=0.0, **kw)
-        episode_settings = EpisodeSettings(temperature=1.0, top_p=1.0, max_turns=2, max_tokens_per_turn=12, max_model_len=512)
-        return collect_step(0, 0, rows, backend, Toolbox(), episode_settings, ("search", "python"), cfg, LABEL, None)
+        return collect_step(0, 0, rows, backend, rl_setup(rl_config(dynamic_sampling=True, group_size=2, format_weight=0.0, **kw)))
 
-    samples, seen, episodes, rewards, kept, rounds, _ = collect(max_refills=4)
-    spread = [len({rewards["total"][i] for i in range(len(episodes)) if rewards["groups"][i] == g}) > 1 for g in range(2 * rounds)]
-    assert rounds > 1 and len(episodes) == 4 * rounds and len(seen) == 2 * rounds  # this seed's first batch keeps < 2 groups
+    got = collect(max_refills=4)
+    rounds, rewards = got.rounds, got.rewards
+    spread = [len({rewards["total"][i] for i in range(len(got.episodes)) if rewards["groups"][i] == g}) > 1 for g in range(2 * rounds)]
+    assert rounds > 1 and len(got.episodes) == 4 * rounds and len(got.rows) == 2 * rounds  # this seed's first batch keeps < 2 groups
     assert sum(spread[:-2]) < 2 and (sum(spread) >= 2 or rounds == 5)  # refilled only while short, stopped when enough
-    assert len(samples) == 2 * min(2, sum(spread)) and kept == pytest.approx(sum(spread) / (2 * rounds))  # trimmed to 2 groups
-    assert [r["level"] for r in seen] == [r["level"] for r in step_prompts(rows, 0, 2 * rounds, seed=0)]  # curriculum order
-    assert collect(max_refills=0)[5] == 1
+    assert len(got.samples) == 2 * min(2, sum(spread))  # trimmed to 2 groups
+    assert got.kept_share == pytest.approx(sum(spread) / (2 * rounds))
+    assert [r["level"] for r in got.rows] == [r["level"] for r in step_prompts(rows, 0, 2 * rounds, seed=0)]  # curriculum order
+    assert collect(max_refills=0).rounds == 1
 
 
 def test_rewards_are_combined_as_configured(tiny_model_dir):
@@ -263,7 +267,7 @@ def test_rewards_are_combined_as_configured(tiny_model_dir):
     cfg = rl_config(verifiable_weight=1.0, format_weight=0.5, efficiency_weight=1.0, sigma_tool=0.2, sigma_len=0.5, sigma_decay=False,
                     group_size=3, prm_weight=1.0)
     prm = build_prm(tiny_model_dir, "\n", seed=0)  # an untrained head: scores are arbitrary but fixed
-    r = score_episodes(eps, rows, 3, views, cfg, LABEL, tools, step=1, prm=prm)
+    r = score_episodes(eps, rows, views, RLSetup(cfg, LABEL, LLMConfig(), tools, prm=prm), step=1)
     assert r["verifiable"] == [1.0, 0.0, 1.0] and r["format"] == [0.0, 0.0, -1.0] and r["tool_calls"] == [1, 0, 0]
     assert r["lengths"] == [5, 2, 4]
     # f_tool = 2 / (1 + exp(0.2 * (t - 1/3))); lengths [5, 2, 4]: mean 11/3, population std 1.2472 -> z

@@ -228,8 +228,10 @@ def test_format_rejects_tools_not_enabled_and_counts_calls():
 
 
 def test_prm_step_reward_and_soft_min():
-    # logits (0, ln 3) -> p = (0.25, 0.75): r = 0.5; (ln 3, 0) -> -0.5
-    assert close(prm_step_rewards(torch.tensor([[0.0, math.log(3.0)], [math.log(3.0), 0.0]])), [0.5, -0.5])
+    # logits (0, ln 3) -> p = (0.25, 0.75): r = p1 - p0 = 0.5; (ln 3, 0) -> -0.5; one list of steps per trajectory
+    p = torch.softmax(torch.tensor([[0.0, math.log(3.0)], [math.log(3.0), 0.0]]), -1)
+    assert close(prm_step_rewards([p[:, 1].tolist()]), [(p[:, 1] - p[:, 0]).tolist()])
+    assert close(prm_step_rewards([[0.75, 0.25]]), [[0.5, -0.5]])
     r = torch.tensor([[0.2, 0.8, -0.4, 9.9]])
     valid = torch.tensor([[True, True, True, False]])
     # T = 0.1: w = softmax(-2, -8, 4) = (0.00247, 0.0000061, 0.99753); Σ w·r = -0.39852 ≈ min = -0.4; padding 0

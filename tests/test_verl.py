@@ -30,7 +30,7 @@ from unison.protocol import final_answer, observation
 from unison.tools.registry import DEFAULT_TOOLS
 from unison.tools.retrieval import Retriever, build_index, make_retriever
 from unison.tools.search_server import create_app
-from unison.train.rl import load_rl_data, score_episodes
+from unison.train.rl import RLSetup, load_rl_data, score_episodes
 from unison.train.rollout import View
 from unison.train.verl_reward import compute_score
 from unison.train.verl_tools import CLASS_NAME, run_tool, tool_config
@@ -147,7 +147,8 @@ def test_the_verl_reward_on_verls_call_signature_equals_the_in_house_reward(expo
                           extra_info=dict(row["extra_info"]), **kwargs) for text in responses]
         episodes = [SimpleNamespace(text=t, answer=final_answer(t)) for t in responses]
         views = [View([0] * len(t), [1] * len(t), []) for t in responses]
-        theirs = score_episodes(episodes, [in_house[qid]], len(responses), views, params.rl, params.label, DEFAULT_TOOLS, step=1)
+        setup = RLSetup(params.rl.model_copy(update={"group_size": len(responses)}), params.label, params.llm, DEFAULT_TOOLS)
+        theirs = score_episodes(episodes, [in_house[qid]], views, setup, step=1)
         assert [r["score"] for r in ours] == theirs["total"]
         assert [r["format"] for r in ours] == theirs["format"] and [r["verifiable"] for r in ours] == theirs["verifiable"]
     assert [r["score"] for r in ours] == [2.0, 0.0]  # math: right (2 * 1 + 0.5 * 0), wrong

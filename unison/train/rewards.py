@@ -114,10 +114,10 @@ def efficiency_rewards(scores: list[float], tool_calls: list[int], lengths: list
 
 # ------------------------------------------------------------------------------------------------ AgentArk PRMVR
 
-def prm_step_rewards(logits: torch.Tensor) -> torch.Tensor:
-    """r_k = p1 - p0 from the PRM's 2-class logits at each step end (..., 2) -> (...), in [-1, 1]."""
-    p = torch.softmax(logits.float(), -1)
-    return p[..., 1] - p[..., 0]
+def prm_step_rewards(p_good: list[list[float]]) -> list[list[float]]:
+    """r_k = p1 - p0 = 2 * p1 - 1, in [-1, 1], from the PRM's probability p1 that step k is good (its 2-class softmax:
+    p0 = 1 - p1), one list of steps per trajectory as PRM.step_scores gives them."""
+    return [[2 * p - 1 for p in steps] for steps in p_good]
 
 
 def soft_min(step_rewards: torch.Tensor, step_valid: torch.Tensor, temperature: float = 0.1, weighted: bool = True) -> torch.Tensor:

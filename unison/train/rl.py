@@ -14,21 +14,72 @@ import math
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .. import layout
+from ..agents.runtime import Episode, EpisodeSettings
+from ..agents.toolbox import Toolbox
 from ..config import AgentFlowConfig, LabelConfig, LLMConfig, RLConfig
 from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
+from ..tool_format import NativeFormat
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .loop import Trainer, autocast
 from .opd import attach_teacher_logps, length_collapse, probe_figures, teacher_logps, teacher_term
 from .policy_loss import policy_loss, token_logprobs
-from .rewards import efficiency_rewards, judge_response, prmvr_token_rewards, returns_to_go, sigma_factor
+from .prm import PRM
+from .rewards import efficiency_rewards, judge_response, prm_step_rewards, prmvr_token_rewards, returns_to_go, sigma_factor
 from .rollout import View, check_colocated_memory, engine_sleeps, episode_view, make_rollout_backend, planner_rollout, rollout, turn_views
 from .sft import save_model
+
+# ------------------------------------------------------------------------------------------------------- the setup
+
+@dataclass(frozen=True)
+class RLSetup:
+    """What an RL run needs beside the model and the prompts, built once by the stage. Every process: the rl, label and
+    llm sections and the enabled tools. Rank 0 alone, which rolls out and scores (None elsewhere): the toolbox; the PRM
+    (rl.prm_weight > 0); the teacher (rl.objective opd: a backend whose `score` gives its log-probs of the student's
+    tokens, read after `worked_examples` when given, rl.teacher_context worked_examples); for rl.student_role
+    agentflow_planner, the fixed modules' backends by role (`roles`) and the flow's settings (`agentflow`), both or
+    neither. `native`: the student acts in its chat template's tool calls (tool_format.NativeFormat); None: the tags."""
+    rl: RLConfig
+    label: LabelConfig
+    llm: LLMConfig
+    tools: tuple[str, ...]
+    toolbox: Toolbox | None = None
+    native: NativeFormat | None = None
+    prm: PRM | None = None
+    teacher: Any = None
+    worked_examples: str = ""
+    roles: dict | None = None
+    agentflow: AgentFlowConfig | None = None
+    gradient_checkpointing: bool = False
+
+    @property
+    def episode(self) -> EpisodeSettings:
+        """How a rollout samples and how long it may run: rl's temperature, top_p and budgets within llm.max_model_len."""
+        rl = self.rl
+        return EpisodeSettings(temperature=rl.temperature, top_p=rl.top_p, max_turns=rl.max_turns,
+                               max_tokens_per_turn=rl.max_tokens_per_turn, max_tool_calls=rl.max_tool_calls,
+                               max_model_len=self.llm.max_model_len)
+
+
+@dataclass
+class Collected:
+    """A step's rollouts (collect_step): the samples to train on; the rows, episodes and rewards of every batch rolled out
+    (groups numbered across batches); the share of groups with a reward spread; the batches (`rounds`) and timings."""
+    samples: list[dict]
+    rows: list[dict]
+    episodes: list[Episode]
+    rewards: dict
+    kept_share: float
+    rounds: int
+    times: dict[str, float]
+
 
 # ------------------------------------------------------------------------------------------------------------ data
 
@@ -88,26 +139,27 @@ def episode_steps(e) -> list[str]:
     return steps
 
 
-def score_episodes(episodes, rows: list[dict], group_size: int, views: list[View], cfg: RLConfig, label: LabelConfig,
-                   tools: tuple[str, ...], step: int, prm=None) -> dict:
-    """Every reward component per episode and the scalar reward r = w_v*s + w_f*f_fmt + w_e*s*(f_tool*f_len - 1).
+def score_episodes(episodes, rows: list[dict], views: list[View], setup: RLSetup, step: int) -> dict:
+    """Every reward component per episode (rl.group_size of them per row) and the scalar reward
+    r = w_v*s + w_f*f_fmt + w_e*s*(f_tool*f_len - 1); with a PRM, its step rewards (`prm_steps`).
 
     The efficiency term makes w = 1 everywhere ET-Agent's r = s*f_tool*f_len + f_fmt; the PRM adds token rewards.
     """
-    groups = [i // group_size for i in range(len(episodes))]
-    judged = [judge_response(rows[g]["ability"], e.text, rows[g]["reward_model"]["ground_truth"], label, tools)
+    rl = setup.rl
+    groups = [i // rl.group_size for i in range(len(episodes))]
+    judged = [judge_response(rows[g]["ability"], e.text, rows[g]["reward_model"]["ground_truth"], setup.label, setup.tools)
               for e, g in zip(episodes, groups)]
     s, fmt, calls = ([j[k] for j in judged] for k in ("verifiable", "format", "tool_calls"))
     lengths = [v.sampled for v in views]
-    factor = sigma_factor(step, cfg.steps) if cfg.sigma_decay else 1.0
-    eff = efficiency_rewards(s, calls, lengths, fmt, groups, cfg.sigma_tool * factor, cfg.sigma_len * factor)
+    factor = sigma_factor(step, rl.steps) if rl.sigma_decay else 1.0
+    eff = efficiency_rewards(s, calls, lengths, fmt, groups, rl.sigma_tool * factor, rl.sigma_len * factor)
     efficiency = [si * (ft * fl - 1) for si, ft, fl in zip(s, eff["f_tool"], eff["f_len"])]
-    total = [cfg.verifiable_weight * si + cfg.format_weight * fi + cfg.efficiency_weight * ei for si, fi, ei in zip(s, fmt, efficiency)]
+    total = [rl.verifiable_weight * si + rl.format_weight * fi + rl.efficiency_weight * ei for si, fi, ei in zip(s, fmt, efficiency)]
     out = {"groups": groups, "correct": [j["correct"] for j in judged], "verifiable": s, "format": fmt, "efficiency": efficiency,
            "total": total, "tool_calls": calls, "lengths": lengths, "f_tool": eff["f_tool"], "f_len": eff["f_len"]}
-    if prm is not None:
-        probs = prm.step_scores([rows[g]["extra_info"]["question"] for g in groups], [episode_steps(e) for e in episodes])
-        out["prm_steps"] = [[2 * p - 1 for p in row] for row in probs]  # p(good) - p(bad), in [-1, 1]
+    if setup.prm is not None:
+        out["prm_steps"] = prm_step_rewards(setup.prm.step_scores([rows[g]["extra_info"]["question"] for g in groups],
+                                                                  [episode_steps(e) for e in episodes]))
     return out
 
 
@@ -118,7 +170,7 @@ def padded(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: int | None = None) -> tuple[list[dict], float]:
+def build_samples(views: list[View], rewards: dict, rl: RLConfig, max_groups: int | None = None) -> tuple[list[dict], float]:
     """Training samples with token advantages (target-aligned: position t scores token t+1) and the share of groups with a
     reward spread; samples come from the first `max_groups` such groups only (DAPO fills the batch, then trims it).
 
@@ -127,7 +179,7 @@ def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: i
     Flow-GRPO: every turn is a sample with its rollout's reward, normalised over all turns of the question's rollouts.
     """
     groups, total = rewards["groups"], rewards["total"]
-    spread_only = cfg.dynamic_sampling and cfg.objective == "reward"  # opd: every group carries the teacher's signal
+    spread_only = rl.dynamic_sampling and rl.objective == "reward"  # opd: every group carries the teacher's signal
     keep = dynamic_sampling_keep(total, groups) if spread_only else torch.ones(len(views), dtype=torch.bool)
     kept = [i for i in range(len(views)) if keep[i]]
     kept_frac = len({groups[i] for i in kept}) / max(1, len(set(groups)))
@@ -137,14 +189,14 @@ def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: i
     if not kept:
         return [], kept_frac
     samples = []
-    if cfg.estimator == "flow_grpo":
+    if rl.estimator == "flow_grpo":
         per_turn = [turn_views(views[i]) for i in kept]
         adv, owner = flow_grpo([groups[i] for i in kept], [total[i] for i in kept], [len(t) for t in per_turn])
         flat = [t for ts in per_turn for t in ts]
         for v, a in zip(flat, adv.tolist()):
             samples.append(_sample(v.ids, v.loss_mask, [a * m for m in v.loss_mask], v.messages))
         return samples, kept_frac
-    seq_adv = ESTIMATORS[cfg.estimator]([total[i] for i in kept], [groups[i] for i in kept])
+    seq_adv = ESTIMATORS[rl.estimator]([total[i] for i in kept], [groups[i] for i in kept])
     width = max(len(views[i].ids) for i in kept)
     mask = padded([views[i].loss_mask for i in kept], width)
     token_r = torch.zeros_like(mask)
@@ -156,9 +208,9 @@ def build_samples(views: list[View], rewards: dict, cfg: RLConfig, max_groups: i
                 ends[row, end - 1] = True
         steps = [rewards["prm_steps"][i] for i in kept]
         step_r = padded(steps, max(1, max(map(len, steps))))
-        token_r += cfg.prm_weight * prmvr_token_rewards(step_r, ends, mask, [0.0] * len(kept), [groups[i] for i in kept], mode="PRM",
-                                                        baseline=cfg.prm_baseline, temperature=cfg.prm_temperature)
-    outcome = cfg.outcome_weight if cfg.objective == "opd" else 1.0  # opd: the loss adds the teacher's token term
+        token_r += rl.prm_weight * prmvr_token_rewards(step_r, ends, mask, [0.0] * len(kept), [groups[i] for i in kept], mode="PRM",
+                                                       baseline=rl.prm_baseline, temperature=rl.prm_temperature)
+    outcome = rl.outcome_weight if rl.objective == "opd" else 1.0  # opd: the loss adds the teacher's token term
     for row, k in enumerate(last):
         if k >= 0:
             token_r[row, k] += outcome * float(seq_adv[row])
@@ -196,7 +248,7 @@ def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, t
     return token_logprobs(logits, batch["input_ids"][:, 1:]), logits
 
 
-def batch_loss(logits: torch.Tensor, batch: dict, cfg: RLConfig, max_len: int | None = None) -> tuple[torch.Tensor, dict]:
+def batch_loss(logits: torch.Tensor, batch: dict, rl: RLConfig, max_len: int | None = None) -> tuple[torch.Tensor, dict]:
     """policy_loss of a collated batch from its (scaled) logits: clipped PG on loss_mask tokens, + k3 KL if configured;
     with the teacher's log-probs in the batch (rl.objective opd) the advantages gain the teacher term (teacher_term, on
     the sampling policy's log-probs at temperature 1), and the metrics the batch's reverse KL to the teacher
@@ -205,11 +257,11 @@ def batch_loss(logits: torch.Tensor, batch: dict, cfg: RLConfig, max_len: int | 
     old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()  # one update: the sampling policy is this one
     advantages, extra = batch["advantages"], {}
     if "teacher_logp" in batch:
-        student = unscaled_logp(logits, logp, batch, cfg.temperature)
+        student = unscaled_logp(logits, logp, batch, rl.temperature)
         advantages, kl = teacher_term(advantages, batch["teacher_logp"], batch["teacher_span"], student)
         extra = {"kl_teacher": kl.item()}
-    loss, metrics = policy_loss(logp, old_logp, advantages, batch["loss_mask"], cfg.clip_low, cfg.clip_high,
-                                cfg.dual_clip, batch.get("ref_logp"), cfg.kl_coef, cfg.loss_agg, max_len, logits=logits)
+    loss, metrics = policy_loss(logp, old_logp, advantages, batch["loss_mask"], rl.clip_low, rl.clip_high,
+                                rl.dual_clip, batch.get("ref_logp"), rl.kl_coef, rl.loss_agg, max_len, logits=logits)
     return loss, {**metrics, **extra}
 
 
@@ -221,49 +273,49 @@ def unscaled_logp(logits: torch.Tensor, logp: torch.Tensor, batch: dict, tempera
     return (logp if temperature == 1 else token_logprobs(logits * temperature, batch["input_ids"][:, 1:])).detach()
 
 
-def needs_old_logp(cfg: RLConfig) -> bool:
+def needs_old_logp(rl: RLConfig) -> bool:
     """Whether the loss needs the sampling policy's log-probs from a forward pass of their own. With one update per step
     (one PPO epoch, one mini-batch) the policy being trained is the one that sampled, so rho = 1 and its log-probs are
     the loss's own, detached (TRL's num_iterations == 1), OPD's teacher term included: a quarter of the step's compute
     saved."""
-    return cfg.ppo_epochs > 1 or cfg.mini_batches > 1
+    return rl.ppo_epochs > 1 or rl.mini_batches > 1
 
 
 @torch.no_grad()
-def attach_logprobs(model, samples: list[dict], key: str, cfg: RLConfig, pad_id: int, device, precision: str,
+def attach_logprobs(model, samples: list[dict], key: str, rl: RLConfig, pad_id: int, device, precision: str,
                     unscaled_key: str | None = None) -> None:
     """Each sample's per-token log-probs under `model` (in the training precision, at rl.temperature) as samples[i][key],
     and at temperature 1 as samples[i][unscaled_key] when given."""
-    for i in range(0, len(samples), cfg.micro_batch_size):
-        chunk = samples[i : i + cfg.micro_batch_size]
+    for i in range(0, len(samples), rl.micro_batch_size):
+        chunk = samples[i : i + rl.micro_batch_size]
         batch = {n: t.to(device) for n, t in collate(chunk, pad_id).items()}
         with autocast(precision, device.type):
-            logp, logits = logprobs_of(model, batch, cfg.temperature)
-            unscaled = token_logprobs(logits * cfg.temperature, batch["input_ids"][:, 1:]) if unscaled_key else None
+            logp, logits = logprobs_of(model, batch, rl.temperature)
+            unscaled = token_logprobs(logits * rl.temperature, batch["input_ids"][:, 1:]) if unscaled_key else None
         for r, s in enumerate(chunk):
             s[key] = logp[r, : len(s["ids"]) - 1].tolist()
             if unscaled_key:
                 s[unscaled_key] = unscaled[r, : len(s["ids"]) - 1].tolist()
 
 
-def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, rng: random.Random) -> dict:
+def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, rng: random.Random) -> dict:
     """PPO epochs over the step's samples: each mini-batch one optimiser step, its micro-batches weighted by their share
     of the mini-batch's loss units (tokens for token_mean, sequences otherwise)."""
     sums, n_steps = {}, 0
-    for _ in range(cfg.ppo_epochs):
+    for _ in range(rl.ppo_epochs):
         order = list(range(len(samples)))
         rng.shuffle(order)
-        size = math.ceil(len(order) / cfg.mini_batches)
+        size = math.ceil(len(order) / rl.mini_batches)
         for mb in (order[i : i + size] for i in range(0, len(order), size)):
-            units = {i: sum(samples[i]["loss_mask"]) if cfg.loss_agg == "token_mean" else float(any(samples[i]["loss_mask"])) for i in mb}
+            units = {i: sum(samples[i]["loss_mask"]) if rl.loss_agg == "token_mean" else float(any(samples[i]["loss_mask"])) for i in mb}
             max_len = max(len(samples[i]["ids"]) for i in mb) - 1
-            micros = [mb[i : i + cfg.micro_batch_size] for i in range(0, len(mb), cfg.micro_batch_size)]
+            micros = [mb[i : i + rl.micro_batch_size] for i in range(0, len(mb), rl.micro_batch_size)]
             weights = [sum(units[i] for i in micro) / max(1e-9, sum(units.values())) for micro in micros]
 
             def loss_fn(micro):
                 batch = {n: t.to(trainer.device) for n, t in collate([samples[i] for i in micro], pad_id).items()}
-                _, logits = logprobs_of(trainer.model, batch, cfg.temperature)
-                return batch_loss(logits, batch, cfg, max_len)
+                _, logits = logprobs_of(trainer.model, batch, rl.temperature)
+                return batch_loss(logits, batch, rl, max_len)
 
             for name, v in trainer.step(micros, loss_fn, weights).items():
                 sums[name] = sums.get(name, 0.0) + v
@@ -272,43 +324,39 @@ def train_on(trainer: Trainer, samples: list[dict], cfg: RLConfig, pad_id: int, 
 
 
 @torch.no_grad()
-def kl_probe(probe_rows: list[dict], backend, model, teacher, tok, cfg: RLConfig, toolbox, episode_settings, tools, native,
-             pad_id: int, device, precision: str, worked_examples: str) -> dict:
+def kl_probe(probe_rows: list[dict], backend, model, tok, setup: RLSetup, pad_id: int, device, precision: str) -> dict:
     """The reverse KL to the teacher on the held-out probe prompts (rl.probe_prompts): group_size episodes each, sampled
     as in training with the same seeds at every probe; the student's log-probs at temperature 1 against the teacher's on
     the sampled tokens (probe_figures)."""
-    episodes = rollout(probe_rows, cfg.group_size, backend, toolbox, episode_settings, tools, cfg.seed, PROBE_ROUND, native)
-    views = [episode_view(e, probe_rows[i // cfg.group_size]["prompt"]) for i, e in enumerate(episodes)]
+    rl = setup.rl
+    episodes = rollout(probe_rows, rl.group_size, backend, setup.toolbox, setup.episode, setup.tools, rl.seed, PROBE_ROUND, setup.native)
+    views = [episode_view(e, probe_rows[i // rl.group_size]["prompt"]) for i, e in enumerate(episodes)]
     samples = [_sample(v.ids, v.loss_mask, [0.0] * len(v.ids), v.messages) for v in views if any(v.loss_mask)]
     if not samples:
         return probe_figures([])
-    attach_logprobs(model, samples, "logp", cfg, pad_id, device, precision, unscaled_key="logp_t1")
-    attach_teacher_logps(samples, *teacher_logps(teacher, samples, tok, worked_examples))
+    attach_logprobs(model, samples, "logp", rl, pad_id, device, precision, unscaled_key="logp_t1")
+    attach_teacher_logps(samples, *teacher_logps(setup.teacher, samples, tok, setup.worked_examples))
     return probe_figures(samples)
 
 
 # ------------------------------------------------------------------------------------------------------------ loop
 
-def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_settings, tools: tuple[str, ...], label: LabelConfig,
-             llm: LLMConfig, out_dir: str, checkpoint_dir: str, prm=None, on_step=None, gradient_checkpointing: bool = False,
-             teacher=None, worked_examples: str = "", flow: tuple[dict, AgentFlowConfig] | None = None, native=None) -> list[dict]:
-    """Train from `model_dir`, resuming from `checkpoint_dir` if a killed run left one there; save to `out_dir` atomically.
-    `teacher` (rl.objective opd, rank 0): a backend whose `score` gives the teacher's log-probs of the student's tokens,
-    read after `worked_examples` when given (rl.teacher_context: worked_examples). `flow` (rl.student_role
-    agentflow_planner, rank 0): the fixed modules' backends by role and the flow's settings (planner_rollout). `native`:
-    the student acts in its chat template's tool calls (tool_format.NativeFormat).
+def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, checkpoint_dir: str, on_step=None) -> list[dict]:
+    """Train from `model_dir` on the curriculum `rows` as `setup` says, resuming from `checkpoint_dir` if a killed run
+    left one there; save to `out_dir` atomically. `on_step`: called with each step's record.
 
     Several processes: rank 0 rolls out and scores each step exactly as one process would (the same seeds, so the same
     episodes) and hands the samples to every process; the PPO updates are split between them (Trainer.step). Rollouts
     are not spread: at scale they belong to the Ray cluster or verl (docs/scale.md)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(cfg.seed)
+    rl = setup.rl
+    torch.manual_seed(rl.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    trainer = Trainer("rl", model, cfg.steps, cfg, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if rl.kl_coef > 0 else None
+    trainer = Trainer("rl", model, rl.steps, rl, gradient_checkpointing=setup.gradient_checkpointing, on_step=on_step)
     if trainer.zero_stage == 3 and trainer.acc.num_processes > 1:
         raise ValueError("params.yaml rl.deepspeed_config: ZeRO-3 shards the policy, but rank 0 rolls out with the whole "
                          "policy; use configs/deepspeed/zero2.json")
@@ -317,56 +365,54 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
     saved = trainer.load_checkpoint(checkpoint_dir)
     start, pos = (saved["rl_step"], saved["pos"]) if saved else (0, 0)  # pos: prompts of the curriculum drawn so far
     policy = trainer.unwrapped()
-    sleeps = trainer.is_main and engine_sleeps(cfg.colocate, cfg.rollout_backend, torch.cuda.is_available())
-    if sleeps and not cfg.deepspeed_config:
-        check_colocated_memory(sum(p.numel() for p in policy.parameters()), llm.gpu_memory_utilization,
+    sleeps = trainer.is_main and engine_sleeps(rl.colocate, rl.rollout_backend, torch.cuda.is_available())
+    if sleeps and not rl.deepspeed_config:
+        check_colocated_memory(sum(p.numel() for p in policy.parameters()), setup.llm.gpu_memory_utilization,
                                torch.cuda.get_device_properties(trainer.device).total_memory, reference=ref is not None)
-    backend = make_rollout_backend(cfg.rollout_backend, policy, tok, model_dir, llm, cfg.seed, cfg.rollout_batch_size,
+    backend = make_rollout_backend(rl.rollout_backend, policy, tok, model_dir, setup.llm, rl.seed, rl.rollout_batch_size,
                                    sleep_mode=sleeps) if trainer.is_main else None
-    if start and cfg.rollout_backend == "vllm" and trainer.is_main:
+    if start and rl.rollout_backend == "vllm" and trainer.is_main:
         backend.sync(policy)
-    rows, probe_rows = split_probe(rows, cfg.probe_prompts, cfg.seed)
-    probe = (lambda: kl_probe(probe_rows, backend, policy, teacher, tok, cfg, toolbox, episode_settings, tools, native, pad_id,
-                              trainer.device, trainer.precision, worked_examples)) if probe_rows and trainer.is_main else None
+    rows, probe_rows = split_probe(rows, rl.probe_prompts, rl.seed)
+    probe = (lambda: kl_probe(probe_rows, backend, policy, tok, setup, pad_id, trainer.device, trainer.precision)
+             ) if probe_rows and trainer.is_main else None
     probed_start = {f"{k}_start": v for k, v in probe().items()} if probe and start == 0 else {}
-    for step in range(start, cfg.steps):
+    for step in range(start, rl.steps):
         trainer.model.eval()
-        collected = (collect_step(step, pos, rows, backend, toolbox, episode_settings, tools, cfg, label, prm, flow, native)
-                     if trainer.is_main else None)
-        samples, rows_seen, episodes, rewards, kept, rounds, times = trainer.from_main(collected)
-        pos += rounds * cfg.prompts_per_step
+        collected = trainer.from_main(collect_step(step, pos, rows, backend, setup) if trainer.is_main else None)
+        samples, times = collected.samples, collected.times
+        pos += collected.rounds * rl.prompts_per_step
         t2 = time.perf_counter()
         metrics = {}
         if sleeps:
             backend.sleep()
         if samples:
-            if needs_old_logp(cfg):
-                attach_logprobs(trainer.model, samples, "old_logp", cfg, pad_id, trainer.device, trainer.precision,
-                                unscaled_key="old_logp_t1" if cfg.objective == "opd" else None)
-            if cfg.objective == "opd":
+            if needs_old_logp(rl):
+                attach_logprobs(trainer.model, samples, "old_logp", rl, pad_id, trainer.device, trainer.precision,
+                                unscaled_key="old_logp_t1" if rl.objective == "opd" else None)
+            if rl.objective == "opd":
                 t_teacher = time.perf_counter()
-                metrics |= attach_teacher_logps(samples, *trainer.from_main(teacher_logps(teacher, samples, tok, worked_examples) if trainer.is_main else None))
+                scored = teacher_logps(setup.teacher, samples, tok, setup.worked_examples) if trainer.is_main else None
+                metrics |= attach_teacher_logps(samples, *trainer.from_main(scored))
                 metrics["teacher_s"] = time.perf_counter() - t_teacher
             if ref is not None:
-                attach_logprobs(ref, samples, "ref_logp", cfg, pad_id, trainer.device, trainer.precision)
+                attach_logprobs(ref, samples, "ref_logp", rl, pad_id, trainer.device, trainer.precision)
             trainer.model.train()
-            metrics |= train_on(trainer, samples, cfg, pad_id, random.Random(f"{cfg.seed}/{step}"))
+            metrics |= train_on(trainer, samples, rl, pad_id, random.Random(f"{rl.seed}/{step}"))
         if sleeps:
             backend.wake_up(policy if samples else None)
-        elif samples and cfg.rollout_backend == "vllm" and trainer.is_main:
+        elif samples and rl.rollout_backend == "vllm" and trainer.is_main:
             backend.sync(policy)
         times["train_s"] = time.perf_counter() - t2
         if probe:
             t_probe = time.perf_counter()
             metrics |= probe() | probed_start
             probed_start, times["probe_s"] = {}, time.perf_counter() - t_probe
-        rec = step_record(step + 1, rows_seen, episodes, rewards, metrics, kept, len(samples), times, trainer.sched.get_last_lr()[0])
-        rec["rollout_rounds"] = rounds
-        trainer.log(rec)
-        if cfg.objective == "opd" and trainer.is_main and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r])):
+        trainer.log(step_record(step + 1, collected, metrics, trainer.sched.get_last_lr()[0]))
+        if rl.objective == "opd" and trainer.is_main and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r])):
             print(warning, flush=True)
         if trainer.checkpoint_due(step + 1):
-            trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": cfg.model_dump()})
+            trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": rl.model_dump()})
     with trainer.whole_model() as trained:
         if trainer.is_main:
             save_model(trained, tok, out_dir, lora=False)
@@ -374,53 +420,54 @@ def train_rl(model_dir: str, rows: list[dict], cfg: RLConfig, toolbox, episode_s
     return trainer.records
 
 
-def collect_step(step: int, pos: int, rows: list[dict], backend, toolbox, episode_settings, tools, cfg: RLConfig, label: LabelConfig, prm,
-                 flow: tuple[dict, AgentFlowConfig] | None = None, native=None):
+def collect_step(step: int, pos: int, rows: list[dict], backend, setup: RLSetup) -> Collected:
     """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills` more
-    while fewer than prompts_per_step groups keep a reward spread. Returns the samples of the first prompts_per_step kept
-    groups, the rows, episodes and rewards of every batch (groups numbered across batches), the share of groups with a
-    reward spread, batches and timings."""
-    n, samples, rows_seen, episodes, merged, kept_groups, times = cfg.prompts_per_step, [], [], [], {}, 0, {"rollout_s": 0.0, "reward_s": 0.0}
+    while fewer than prompts_per_step groups keep a reward spread. The samples are those of the first prompts_per_step
+    kept groups."""
+    rl, episode = setup.rl, setup.episode
+    per_step, samples, rows_seen, episodes, merged, kept_groups = rl.prompts_per_step, [], [], [], {}, 0
+    times = {"rollout_s": 0.0, "reward_s": 0.0}
     rounds = 0
-    while rounds == 0 or (cfg.dynamic_sampling and kept_groups < n and rounds <= cfg.max_refills):
+    while rounds == 0 or (rl.dynamic_sampling and kept_groups < per_step and rounds <= rl.max_refills):
         t0 = time.perf_counter()
-        batch_rows = step_prompts(rows, pos + rounds * n, n, cfg.seed)
-        if flow:
-            eps, views = planner_rollout(batch_rows, cfg.group_size, backend, flow[0], toolbox, episode_settings, tools, cfg.seed,
-                                         pos // n + rounds, flow[1])
+        batch_rows = step_prompts(rows, pos + rounds * per_step, per_step, rl.seed)
+        if setup.agentflow is not None:
+            eps, views = planner_rollout(batch_rows, rl.group_size, backend, setup.roles, setup.toolbox, episode, setup.tools, rl.seed,
+                                         pos // per_step + rounds, setup.agentflow)
         else:
-            eps = rollout(batch_rows, cfg.group_size, backend, toolbox, episode_settings, tools, cfg.seed, pos // n + rounds, native)
-            views = [episode_view(e, batch_rows[i // cfg.group_size]["prompt"]) for i, e in enumerate(eps)]
+            eps = rollout(batch_rows, rl.group_size, backend, setup.toolbox, episode, setup.tools, rl.seed, pos // per_step + rounds,
+                          setup.native)
+            views = [episode_view(e, batch_rows[i // rl.group_size]["prompt"]) for i, e in enumerate(eps)]
         t1 = time.perf_counter()
-        rewards = score_episodes(eps, batch_rows, cfg.group_size, views, cfg, label, tools, step + 1, prm)
-        new, kept_frac = build_samples(views, rewards, cfg, max_groups=max(0, n - kept_groups))
+        rewards = score_episodes(eps, batch_rows, views, setup, step + 1)
+        new, kept_frac = build_samples(views, rewards, rl, max_groups=max(0, per_step - kept_groups))
         times["rollout_s"] += t1 - t0
         times["reward_s"] += time.perf_counter() - t1
-        rewards["groups"] = [g + rounds * n for g in rewards["groups"]]
+        rewards["groups"] = [g + rounds * per_step for g in rewards["groups"]]
         for key, values in rewards.items():
             merged.setdefault(key, []).extend(values)
         samples += new
         rows_seen += batch_rows
         episodes += eps
-        kept_groups += round(kept_frac * n)
+        kept_groups += round(kept_frac * per_step)
         rounds += 1
-    return samples, rows_seen, episodes, merged, kept_groups / (rounds * n), rounds, times
+    return Collected(samples, rows_seen, episodes, merged, kept_groups / (rounds * per_step), rounds, times)
 
 
-def step_record(step: int, rows, episodes, rewards: dict, metrics: dict, kept_frac: float, n_samples: int, times: dict,
-                lr: float) -> dict:
-    """One row of reports/rl_curve.csv: reward components, behaviour, loss terms, timings."""
+def step_record(step: int, collected: Collected, metrics: dict, lr: float) -> dict:
+    """One row of reports/rl_curve.csv: reward components, behaviour, loss terms, timings, rollout batches."""
+    rows, episodes, rewards, times = collected.rows, collected.episodes, collected.rewards, collected.times
     n = len(episodes)
     mean = lambda xs: sum(xs) / max(1, len(xs))
-    rec = {"step": step, "level": mean([r["level"] for r in rows]), "episodes": n, "samples": n_samples,
+    rec = {"step": step, "level": mean([r["level"] for r in rows]), "episodes": n, "samples": len(collected.samples),
            "reward_total": mean(rewards["total"]), "reward_verifiable": mean(rewards["verifiable"]),
            "reward_format": mean(rewards["format"]), "reward_efficiency": mean(rewards["efficiency"]),
            "reward_prm": mean([mean(s) for s in rewards["prm_steps"]]) if "prm_steps" in rewards else 0.0,
            "accuracy": mean(rewards["correct"]), "tool_call_rate": mean([float(c > 0) for c in rewards["tool_calls"]]),
            "tool_calls_per_episode": mean(rewards["tool_calls"]), "turns_per_episode": mean([e.turn for e in episodes]),
-           "response_tokens": mean(rewards["lengths"]), "kept_groups": kept_frac, "lr": lr}
+           "response_tokens": mean(rewards["lengths"]), "kept_groups": collected.kept_share, "lr": lr}
     for key in ("pg_loss", "loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm"):
         rec[key] = metrics.get(key, 0.0)
     rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens", "teacher_straddling", "teacher_s") if key in metrics}  # rl.objective opd
     rec |= {key: v for key, v in metrics.items() if key.startswith("probe_")}  # rl.probe_prompts
-    return {**rec, **times, "step_s": sum(times.values())}
+    return {**rec, **times, "step_s": sum(times.values()), "rollout_rounds": collected.rounds}
