@@ -278,3 +278,44 @@ def test_twenty_opd_steps_reduce_the_reverse_kl_on_held_out_prompts_and_the_prob
     print("probe KL:", " ".join(f"{v:.3f}" for v in curve))
     assert curve[0] == still[0]["probe_kl_start"]  # the same policy, the same prompts, the same seeds
     assert curve[-1] <= (1 - KL_FALL) * curve[0], curve
+
+
+def test_the_probes_sampled_reverse_kl_estimates_trls_full_vocabulary_reverse_kl_on_the_same_tokens(tiny_model_dir, tmp_path):
+    """The reference: TRL's GKD loss at beta 1 (GKDTrainer.generalized_jsd_loss), the reverse KL summed over the whole
+    vocabulary at every scored position of the student's own episodes. The probe's value on the very same tokens is its
+    one-sample estimate (log p_student - log p_teacher of the sampled token), so over 64 episodes of a student taught
+    Paris and Rome against a teacher taught Paris the two agree within the estimate's standard error (x 3), and the
+    teacher's log-probs that the probe used are the ones TRL's teacher logits give."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.gkd import GKDTrainer
+
+    from unison.train.opd import span_kls
+    from unison.train.rl import probe_samples
+    from unison.train.rollout import make_rollout_backend
+
+    from .test_rl import rl_setup
+
+    student_dir = teach_answers(tiny_model_dir, tmp_path / "student")
+    teacher_dir = teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))
+    tok = AutoTokenizer.from_pretrained(student_dir)
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    setup = rl_setup(rl_config(group_size=16, objective="opd"), teacher=HFBackend(model=teacher, tokenizer=tok))
+    backend = make_rollout_backend("transformers", student, tok, str(student_dir), setup.llm, 0)
+    samples = probe_samples(make_rows(4), backend, student, tok, setup, tok.eos_token_id, torch.device("cpu"), "fp32")
+    assert len(samples) == 64
+    values, tokens = span_kls(samples)
+    ours = sum(values) / tokens
+    spread = statistics.pstdev(values) / math.sqrt(len(values))
+    with torch.no_grad():
+        batch = collate(samples, tok.eos_token_id)
+        s_logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        t_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["input_ids"][:, 1:].masked_fill(batch["teacher_span"] == 0, -100)
+    trl = GKDTrainer.generalized_jsd_loss(s_logits, t_logits, labels=labels, beta=1.0).item()
+    t_logp = torch.log_softmax(t_logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    scored = batch["teacher_span"] > 0
+    assert torch.allclose(t_logp[scored], batch["teacher_logp"][scored], atol=1e-5)  # the probe's teacher scores
+    print(f"reverse KL per scored token: TRL (whole vocabulary) {trl:.4f}, the probe's estimate {ours:.4f} +- {spread:.4f} "
+          f"over {tokens} tokens")
+    assert trl > 0.05 and abs(ours - trl) < 3 * spread + 0.01

@@ -324,19 +324,23 @@ def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, r
 
 
 @torch.no_grad()
-def kl_probe(probe_rows: list[dict], backend, model, tok, setup: RLSetup, pad_id: int, device, precision: str) -> dict:
-    """The reverse KL to the teacher on the held-out probe prompts (rl.probe_prompts): group_size episodes each, sampled
-    as in training with the same seeds at every probe; the student's log-probs at temperature 1 against the teacher's on
-    the sampled tokens (probe_figures)."""
+def probe_samples(probe_rows: list[dict], backend, model, tok, setup: RLSetup, pad_id: int, device, precision: str) -> list[dict]:
+    """The probe's samples (rl.probe_prompts): group_size episodes of each held-out prompt, sampled as in training with
+    the same seeds at every probe, each with the student's log-probs at temperature 1 (`logp_t1`) and the teacher's
+    (`teacher_logp`, `teacher_span`) on its sampled tokens."""
     rl = setup.rl
     episodes = rollout(probe_rows, rl.group_size, backend, setup.toolbox, setup.episode, setup.tools, rl.seed, PROBE_ROUND, setup.native)
     views = [episode_view(e, probe_rows[i // rl.group_size]["prompt"]) for i, e in enumerate(episodes)]
     samples = [_sample(v.ids, v.loss_mask, [0.0] * len(v.ids), v.messages) for v in views if any(v.loss_mask)]
-    if not samples:
-        return probe_figures([])
-    attach_logprobs(model, samples, "logp", rl, pad_id, device, precision, unscaled_key="logp_t1")
-    attach_teacher_logps(samples, *teacher_logps(setup.teacher, samples, tok, setup.worked_examples))
-    return probe_figures(samples)
+    if samples:
+        attach_logprobs(model, samples, "logp", rl, pad_id, device, precision, unscaled_key="logp_t1")
+        attach_teacher_logps(samples, *teacher_logps(setup.teacher, samples, tok, setup.worked_examples))
+    return samples
+
+
+def kl_probe(probe_rows: list[dict], backend, model, tok, setup: RLSetup, pad_id: int, device, precision: str) -> dict:
+    """The reverse KL to the teacher on the held-out probe prompts (probe_figures of probe_samples)."""
+    return probe_figures(probe_samples(probe_rows, backend, model, tok, setup, pad_id, device, precision))
 
 
 # ------------------------------------------------------------------------------------------------------------ loop
