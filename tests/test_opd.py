@@ -257,9 +257,10 @@ def test_split_probe_holds_out_seeded_prompts_and_refuses_to_hold_out_the_whole_
         split_probe(rows, 6, seed=0)
 
 
-# Measured on 2 CPU cores (fp32), the probe's reverse KL before the first step and after the 20th: 0.0 -> 0.0 (seed 0).
-# The floor asks for less than half of that fall.
-KL_FALL = 0.0
+# Measured on 2 CPU cores (AVX2, fp32, seed 0), the probe's reverse KL before the first step and after each of the 20:
+# 1.113 1.111 0.970 0.891 1.023 0.869 0.765 0.725 0.681 0.611 0.382 0.465 0.402 0.434 0.395 0.295 0.445 0.283 0.172 0.120
+# 0.100, a fall of 91%. The floor asks for a fall of half: an OPD that moves the student half as far fails.
+KL_FALL = 0.5
 
 
 @pytest.mark.slow
