@@ -114,7 +114,7 @@ def main_verl(params) -> None:
         metrics = {"trainer": "verl", "steps": len(records), "first_reward": records[0]["reward_total"],
                    "final_reward": records[-1]["reward_total"]}
         write_json(metrics, layout.report("rl"))
-        run.log_metrics({k: v for k, v in metrics.items() if k != "engine"})
+        run.log_metrics(metrics)
 
 
 if __name__ == "__main__":
