@@ -17,7 +17,11 @@ from pathlib import Path
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
-from flows.pipeline import SERVED_PROJECT, served_data_change, served_pipeline  # first: it sets PREFECT_HOME before prefect loads
+from flows.pipeline import (  # first: it sets PREFECT_HOME before prefect loads
+    SERVED_PROJECT,
+    served_data_change,
+    served_pipeline,
+)
 
 
 def deployments(cron: str, data_check_every_s: int) -> list[RunnerDeployment]:

@@ -2,8 +2,8 @@
 
 Outputs: data/raw/{train,test,corpus}.parquet (unison/data/splits.py), models/base/ (the student's starting weights,
 `student.model`; with student.tool_format native, its tokenizer carries the chat template with tool calls it is
-trained and served in), metrics reports/download.json. The teacher has a stage of its own (stages/teacher.py), so changing it
-never re-runs this one.
+trained and served in), metrics reports/download.json. The teacher has a stage of its own (stages/teacher.py), so
+changing it never re-runs this one.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def main() -> None:
         if info and info["source"] == student and info.get("tool_format", "tags") == params.student.tool_format:
             print(f"download: {MODEL_DIR} already holds {student}", flush=True)
         else:
-            print(f"download: materialising {student} -> {MODEL_DIR} ({params.student.tool_format} tool calls) ...", flush=True)
+            print(f"download: materialising {student} -> {MODEL_DIR} ({params.student.tool_format} tool calls) ...",
+                  flush=True)
             info = models.materialize_model(student, MODEL_DIR, install_template if native else None)
         metrics = {**counts, "model": {"n_parameters": info["n_parameters"]}}
         write_json(metrics, METRICS)

@@ -19,7 +19,8 @@ LABELED_PATH = layout.LABELED
 START = layout.SFT
 OUT = layout.DPO
 LOSS_CSV = layout.DPO_LOSS
-FIELDS = ["step", "epoch", "loss", "reward_chosen", "reward_rejected", "reward_margin", "accuracy", "grad_norm", "lr", "elapsed_s"]
+FIELDS = ["step", "epoch", "loss", "reward_chosen", "reward_rejected", "reward_margin", "accuracy", "grad_norm", "lr",
+          "elapsed_s"]
 
 
 def main() -> None:
@@ -28,7 +29,8 @@ def main() -> None:
     cfg = params.dpo
     if cfg.enabled and run_distributed("dpo", params.train, cfg.deepspeed_config):
         return
-    settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}  # a checkpoint resumes on the same processes
+    # a checkpoint resumes on the same processes
+    settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}
     with track.stage_run("dpo", settings) as run:
         if not cfg.enabled:
             with atomic_dir(OUT) as tmp:
@@ -37,7 +39,8 @@ def main() -> None:
             write_json({"enabled": False}, layout.report("dpo"))
             print("dpo: disabled (dpo.enabled: false); wrote the marker models/dpo/dpo.json", flush=True)
             return
-        from transformers import AutoTokenizer  # only when enabled: the marker above is the demo's ~10 s stage otherwise
+        # only when enabled: the marker above is the demo's ~10 s stage otherwise
+        from transformers import AutoTokenizer
 
         from unison.tool_format import student_format
         from unison.tools.registry import enabled_tools
@@ -50,8 +53,8 @@ def main() -> None:
         print(f"dpo: {stats['pairs']} pairs from {stats['questions']} questions", flush=True)
         checkpoint = checkpoint_path("dpo", settings, [Path(LABELED_PATH), *sorted(Path(START).glob("*.safetensors"))])
         records = train_dpo(START, views, cfg, OUT, on_step=lambda r: run.log_metrics(
-            {k: r[k] for k in ("loss", "reward_margin", "accuracy")}, step=r["step"]), gradient_checkpointing=params.train.gradient_checkpointing,
-            checkpoint_dir=checkpoint)
+            {k: r[k] for k in ("loss", "reward_margin", "accuracy")}, step=r["step"]),
+            gradient_checkpointing=params.train.gradient_checkpointing, checkpoint_dir=checkpoint)
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return
         write_records_csv(records, LOSS_CSV, FIELDS)

@@ -28,17 +28,19 @@ def main() -> None:
     questions = read_table(layout.RAW_TEST, QUESTION)[: p.max_questions or None]
     metrics: dict[str, dict] = {}
     with track.stage_run("evaluate", {"seed": params.seed, **p.model_dump(), "teacher_method": g.method,
-                                      "episodes_in_flight": g.episodes_in_flight, "teacher": params.teacher.model_dump(),
+                                      "episodes_in_flight": g.episodes_in_flight,
+                                      "teacher": params.teacher.model_dump(),
                                       "cluster": params.cluster.model_dump()}) as run:
         with atomic_dir(OUT) as out:  # reports/eval/ appears whole, with no system left over from an earlier run
             scoring = scoring_label(params.label, p)
-            for name, rows, m in evaluate_systems(params.system_settings(), p, scoring, params.cluster, systems, questions,
-                                                  partial(load_prm, layout.PRM, params.prm.precision)):
+            for name, rows, m in evaluate_systems(params.system_settings(), p, scoring, params.cluster, systems,
+                                                  questions, partial(load_prm, layout.PRM, params.prm.precision)):
                 write_table(rows, out / f"{name}.parquet", LABELED)
                 metrics[name] = m
                 run.log_metrics({f"{name}.{k}": v for k, v in m.items()})
-                print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy ({params.label.judge} judge) "
-                      f"{m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]", flush=True)
+                print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy "
+                      f"({params.label.judge} judge) {m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, "
+                      f"{m['accuracy_hi']:.3f}]", flush=True)
         write_json(metrics, layout.METRICS)
         run.log_artifact(layout.METRICS)
         run.log_pipeline_metrics(headline_metrics(metrics))

@@ -1,6 +1,8 @@
-"""Stage `export`: the SFT conversations, DPO pairs and RL prompts as LLaMA-Factory, verl and TRL datasets (data/export).
+"""Stage `export`: the SFT conversations, DPO pairs and RL prompts as LLaMA-Factory, verl and TRL datasets \
+(data/export).
 
-No model is loaded, only the student's tokenizer (models/base); the same inputs and settings write the same bytes. What each file holds: unison/exports.py.
+No model is loaded, only the student's tokenizer (models/base); the same inputs and settings write the same bytes. What
+each file holds: unison/exports.py.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ def main() -> None:
     params = load_params()
     check_toolset(params.tools, layout.TOOLSET, "export")
     tools = enabled_tools(params.tools)
-    settings = {**params.export.model_dump(), "sft.max_per_question": params.sft.max_per_question, "sft.dedupe": params.sft.dedupe,
-                "sft.max_length": params.sft.max_length,
+    settings = {**params.export.model_dump(), "sft.max_per_question": params.sft.max_per_question,
+                "sft.dedupe": params.sft.dedupe, "sft.max_length": params.sft.max_length,
                 "dpo.max_pairs_per_question": params.dpo.max_pairs_per_question, "tools": ",".join(tools),
                 "tool_format": params.student.tool_format}
     with track.stage_run("export", settings) as run:
@@ -34,7 +36,8 @@ def main() -> None:
         write_json(counts, layout.report("export"))
         run.log_metrics(counts)
         print(f"export: {counts['sft_conversations']} SFT conversations ({counts['sft_questions']} questions), "
-              f"{counts['dpo_pairs']} DPO pairs, {counts['rl_prompts']} RL prompts in {counts['rl_levels']} curriculum levels -> {OUT}/", flush=True)
+              f"{counts['dpo_pairs']} DPO pairs, {counts['rl_prompts']} RL prompts in {counts['rl_levels']} curriculum "
+              f"levels -> {OUT}/", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ def main() -> None:
     params = load_params()
     g, systems = params.generate, params.system_settings()
     questions = read_table(layout.RAW_TRAIN, QUESTION)
-    with track.stage_run("generate", {**g.model_dump(), **params.model_dump(include={"seed", "llm", "teacher", "tools", "cluster"})}) as run:
+    with track.stage_run("generate",
+                         {**g.model_dump(),
+                          **params.model_dump(include={"seed", "llm", "teacher", "tools", "cluster"})}) as run:
         shards = None
         if g.source:
             t0 = time.perf_counter()
@@ -46,17 +48,20 @@ def main() -> None:
             metrics.update(generated_figures(topk, g.topk))
         elif g.topk:
             gc.collect()  # the generating engine's memory, before the scoring one starts
-            topk, figures = capture_topk(teacher_backend(systems), rows, g.topk, progress=lambda line: print(line, flush=True))
+            topk, figures = capture_topk(teacher_backend(systems), rows, g.topk,
+                                         progress=lambda line: print(line, flush=True))
             metrics.update(figures)
-        write_table(topk, layout.TOPK, TEACHER_TOPK, empty_ok=True)  # empty without generate.topk: the output exists either way
+        # empty without generate.topk: the output exists either way
+        write_table(topk, layout.TOPK, TEACHER_TOPK, empty_ok=True)
         if g.topk:
             metrics["topk_bytes_per_token"] = Path(layout.TOPK).stat().st_size / max(1, metrics["topk_tokens"])
         write_json(toolset(enabled_tools(params.tools)), layout.TOOLSET)
         write_table(rows, OUT, TRAJECTORY)
         n = max(1, len(rows))
         print(f"generate: {len(rows)} trajectories on {len({r['question_id'] for r in rows})} questions, "
-              f"{sum(bool(r['final_answer']) for r in rows) / n:.0%} answered; per trajectory {sum(r['n_tool_calls'] for r in rows) / n:.1f} "
-              f"tool calls, {sum(r['n_tokens'] for r in rows) / n:.0f} tokens", flush=True)
+              f"{sum(bool(r['final_answer']) for r in rows) / n:.0%} answered; per trajectory "
+              f"{sum(r['n_tool_calls'] for r in rows) / n:.1f} tool calls, "
+              f"{sum(r['n_tokens'] for r in rows) / n:.0f} tokens", flush=True)
         write_json(metrics, layout.report("generate"))
         run.log_metrics(metrics)
         for ep in sample_traces(rows, n=3, seed=params.seed):

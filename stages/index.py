@@ -15,9 +15,10 @@ def main() -> None:
     params = load_params()
     p = params.index
     with track.stage_run("index", {"seed": params.seed, **p.model_dump()}) as run:
-        meta = build_index(CORPUS, layout.INDEX, encoder=p.encoder, kind=p.kind, nlist=p.nlist, nprobe=p.nprobe, hnsw_m=p.hnsw_m,
-                           hnsw_ef_search=p.hnsw_ef_search, batch_size=p.batch_size, query_prefix=p.query_prefix,
-                           passage_prefix=p.passage_prefix, seed=params.seed, train_sample=p.train_sample)
+        meta = build_index(CORPUS, layout.INDEX, encoder=p.encoder, kind=p.kind, nlist=p.nlist, nprobe=p.nprobe,
+                           hnsw_m=p.hnsw_m, hnsw_ef_search=p.hnsw_ef_search, batch_size=p.batch_size,
+                           query_prefix=p.query_prefix, passage_prefix=p.passage_prefix, seed=params.seed,
+                           train_sample=p.train_sample)
         recall = title_recall_at_1(Retriever(layout.INDEX, topk=1), p.recall_sample, params.seed)
         metrics = {"count": meta["count"], "dim": meta["dim"], "embed_seconds": meta["embed_seconds"],
                    "build_seconds": meta["build_seconds"],

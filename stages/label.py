@@ -19,12 +19,14 @@ def main() -> None:
     backends: dict = {}
     judge = make_judge(p, systems, backends)
     judged_by = judge_identity(p, judge)
-    with track.stage_run("label", {"seed": params.seed, **p.model_dump(), **judged_by, "cluster": params.cluster.model_dump()}) as run:
+    with track.stage_run("label", {"seed": params.seed, **p.model_dump(), **judged_by,
+                                   "cluster": params.cluster.model_dump()}) as run:
         rows = label_trajectories(read_table(IN, TRAJECTORY), p, systems, params.cluster, judge, backends)
         check_step_labels(rows, OUT)
         write_table(rows, OUT, LABELED)
         metrics = label_metrics(rows, p, judge)
-        tasks = ", ".join(f"{k.removeprefix('accuracy_')} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("accuracy_"))
+        tasks = ", ".join(f"{k.removeprefix('accuracy_')} {v:.3f}" for k, v in sorted(metrics.items())
+                          if k.startswith("accuracy_"))
         print(f"label: {len(rows)} trajectories, accuracy {metrics['accuracy']:.3f} ({tasks}) by the {p.judge} judge; "
               f"{metrics['steps']} step labels ({p.step_labels}), mean {metrics['step_label_mean']:.3f}", flush=True)
         write_json({**metrics, **judged_by, "judge": p.judge, "step_labels": p.step_labels}, layout.report("label"))

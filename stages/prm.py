@@ -24,7 +24,8 @@ def main() -> None:
     cfg = params.prm
     if cfg.enabled and run_distributed("prm", params.train, cfg.deepspeed_config):
         return
-    settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}  # a checkpoint resumes on the same processes
+    # a checkpoint resumes on the same processes
+    settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}
     with track.stage_run("prm", settings) as run:
         if not cfg.enabled:
             with atomic_dir(OUT) as tmp:
@@ -39,16 +40,18 @@ def main() -> None:
         print(f"prm: {len(train)} train / {len(held)} held-out trajectories "
               f"({len({r['question_id'] for r in held})} held-out questions)", flush=True)
         checkpoint = checkpoint_path("prm", settings, [Path(IN), *sorted(Path(layout.BASE).glob("*.safetensors"))])
-        prm, records = train_prm(layout.BASE, train, cfg, OUT, gradient_checkpointing=params.train.gradient_checkpointing,
+        prm, records = train_prm(layout.BASE, train, cfg, OUT,
+                                 gradient_checkpointing=params.train.gradient_checkpointing,
                                  on_step=lambda r: run.log_metrics({"loss": r["loss"], "lr": r["lr"]}, step=r["step"]),
                                  checkpoint_dir=checkpoint)
         if not is_main_process():  # another process of a launched run: rank 0 writes and evaluates
             return
         write_records_csv(records, LOSS_CSV, LOSS_FIELDS)
-        metrics = {"enabled": True, "train_trajectories": len(train), "train_steps": sum(len(r["steps"]) for r in train),
-                   "eval_trajectories": len(held), "steps": len(records), "first_loss": records[0]["loss"],
-                   "final_loss": records[-1]["loss"], "train_s": records[-1]["elapsed_s"],
-                   "precision": resolve_precision(cfg.precision, "prm.precision"), **evaluate_prm(prm, held, cfg.batch_size)}
+        metrics = {"enabled": True, "train_trajectories": len(train),
+                   "train_steps": sum(len(r["steps"]) for r in train), "eval_trajectories": len(held),
+                   "steps": len(records), "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+                   "train_s": records[-1]["elapsed_s"], "precision": resolve_precision(cfg.precision, "prm.precision"),
+                   **evaluate_prm(prm, held, cfg.batch_size)}
         write_json(metrics, layout.report("prm"))
         run.log_metrics(metrics)
         print(f"prm: {metrics}", flush=True)

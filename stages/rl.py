@@ -1,8 +1,9 @@
 """Stage `rl`: GRPO-family RL of the SFT student on the Pareto-selected prompts (data/rl/level*.parquet), live rollouts.
 
 A killed run resumes from data/.cache/rl-checkpoint/<key>, the key hashing every setting and input that changes results.
-rl.trainer verl hands the stage to verl's trainer over the export's data/export/verl parquet (unison/train/verl_trainer.py);
-its config and checkpoints go to data/.cache/verl/<key>, which a re-run resumes (trainer.resume_mode auto).
+rl.trainer verl hands the stage to verl's trainer over the export's data/export/verl parquet
+(unison/train/verl_trainer.py); its config and checkpoints go to data/.cache/verl/<key>, which a re-run resumes
+(trainer.resume_mode auto).
 """
 from __future__ import annotations
 
@@ -39,13 +40,17 @@ def main() -> None:
     if rl.student_role == "agentflow_planner":  # the fixed modules and the flow change what the planner learns
         settings |= {"roles": params.generate.roles, "agentflow": params.generate.agentflow.model_dump()}
     with track.stage_run("rl", settings) as run:
-        paths = sorted(Path(layout.RL_DATA).glob("level*.parquet"), key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
+        paths = sorted(Path(layout.RL_DATA).glob("level*.parquet"),
+                       key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
-        model_dirs = [layout.SFT] + ([layout.PRM] if rl.prm_weight > 0 else []) + ([layout.TEACHER] if rl.scores_with_teacher else [])
+        model_dirs = ([layout.SFT] + ([layout.PRM] if rl.prm_weight > 0 else [])
+                      + ([layout.TEACHER] if rl.scores_with_teacher else []))
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
-        print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {rl.steps} steps x {rl.prompts_per_step} prompts x "
-              f"{rl.group_size} rollouts, objective {rl.objective}, estimator {rl.estimator}, rollouts on {rl.rollout_backend}"
-              + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}" if rl.student_role == "agentflow_planner" else ""),
+        print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {rl.steps} steps x "
+              f"{rl.prompts_per_step} prompts x {rl.group_size} rollouts, objective {rl.objective}, estimator "
+              f"{rl.estimator}, rollouts on {rl.rollout_backend}"
+              + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}"
+                 if rl.student_role == "agentflow_planner" else ""),
               flush=True)
         setup = rl_setup(params)
         records = train_rl(layout.SFT, rows, setup, layout.RL,
@@ -55,50 +60,58 @@ def main() -> None:
             return
         write_records_csv(records, CURVE_CSV)
         first, last = records[0], records[-1]
-        metrics = {"steps": len(records), "prompts": len(rows), "first_reward": first["reward_total"], "final_reward": last["reward_total"],
-                   "first_accuracy": first["accuracy"], "final_accuracy": last["accuracy"],
-                   "final_tool_call_rate": last["tool_call_rate"], "mean_kept_groups": sum(r["kept_groups"] for r in records) / len(records),
+        metrics = {"steps": len(records), "prompts": len(rows), "first_reward": first["reward_total"],
+                   "final_reward": last["reward_total"], "first_accuracy": first["accuracy"],
+                   "final_accuracy": last["accuracy"], "final_tool_call_rate": last["tool_call_rate"],
+                   "mean_kept_groups": sum(r["kept_groups"] for r in records) / len(records),
                    **{f"{k}_total": sum(r[k] for r in records) for k in ("rollout_s", "reward_s", "train_s")},
                    **({"first_kl_teacher": first["kl_teacher"], "final_kl_teacher": last["kl_teacher"],
-                       "teacher_tokens_total": sum(r["teacher_tokens"] for r in records)} if "kl_teacher" in last else {}),
-                   **({"probe_kl_start": first["probe_kl_start"], "final_probe_kl": last["probe_kl"]} if "probe_kl_start" in first else {})}
+                       "teacher_tokens_total": sum(r["teacher_tokens"] for r in records)}
+                      if "kl_teacher" in last else {}),
+                   **({"probe_kl_start": first["probe_kl_start"], "final_probe_kl": last["probe_kl"]}
+                      if "probe_kl_start" in first else {})}
         write_json(metrics, layout.report("rl"))
         run.log_metrics(metrics)
 
 
 def rl_setup(params) -> RLSetup:
-    """The run's settings as one bundle; rank 0, which rolls out and scores, also gets the toolbox, the PRM (rl.prm_weight
-    > 0), the teacher (rl.objective opd) and AgentFlow's fixed modules (rl.student_role agentflow_planner)."""
+    """The run's settings as one bundle; rank 0, which rolls out and scores, also gets the toolbox, the PRM
+    (rl.prm_weight > 0), the teacher (rl.objective opd) and AgentFlow's fixed modules (rl.student_role
+    agentflow_planner)."""
     rl, rank0 = params.rl, is_main_process()
     tools = enabled_tools(params.tools)
     planner = rl.student_role == "agentflow_planner" and rank0
     return RLSetup(
         rl=rl, label=params.label, llm=params.llm, tools=tools,
         toolbox=make_toolbox(params.tools) if rank0 else None,
-        native=student_format(params.student.tool_format, AutoTokenizer.from_pretrained(layout.SFT), tools, params.generate.method),
+        native=student_format(params.student.tool_format, AutoTokenizer.from_pretrained(layout.SFT), tools,
+                              params.generate.method),
         prm=load_prm(layout.PRM, params.prm.precision) if rl.prm_weight > 0 and rank0 else None,
         teacher=opd_teacher(params) if rl.scores_with_teacher and rank0 else None,
-        worked_examples=demonstrations(params.generate) if rl.scores_with_teacher and rl.teacher_context == "worked_examples" else "",
+        worked_examples=(demonstrations(params.generate)
+                         if rl.scores_with_teacher and rl.teacher_context == "worked_examples" else ""),
         roles=make_role_backends(params.generate.roles, params.teacher_engine(), params.seed) if planner else None,
         agentflow=params.generate.agentflow if planner else None,
         gradient_checkpointing=params.train.gradient_checkpointing)
 
 
 def opd_teacher(params):
-    """The teacher block's backend, which scores the student's tokens (rl.objective opd): the very tokens when it has the
-    student's vocabulary, else the student's text through the character alignment (unison/token_alignment.py)."""
+    """The teacher block's backend, which scores the student's tokens (rl.objective opd): the very tokens when it has
+    the student's vocabulary, else the student's text through the character alignment (unison/token_alignment.py)."""
     from unison.llm import teacher_backend
 
     return teacher_backend(params.system_settings())
 
 
 def main_verl(params) -> None:
-    """rl.trainer verl: write verl's config (tool config + main_ppo overrides), run verl, models/rl from its last step."""
+    """rl.trainer verl: write verl's config (tool config + main_ppo overrides), run verl, models/rl from its last
+    step."""
     from unison.train.verl_trainer import require_verl, run_verl, write_verl_config
 
     require_verl()
     tools = enabled_tools(params.tools)
-    settings = {"seed": params.seed, **params.rl.model_dump(), **params.model_dump(include={"llm", "tools", "label", "export"})}
+    settings = {"seed": params.seed, **params.rl.model_dump(),
+                **params.model_dump(include={"llm", "tools", "label", "export"})}
     with track.stage_run("rl", settings) as run:
         paths = sorted(VERL_DATA.glob("level*.parquet"))
         if not paths:
@@ -107,8 +120,8 @@ def main_verl(params) -> None:
         work = VERL_WORK / key
         overrides = write_verl_config(params.rl, params.llm, params.label, params.tools, params.export.verl_agent,
                                       [str(p.resolve()) for p in paths], str(Path(layout.SFT).resolve()), work, tools)
-        print(f"rl: verl over {len(paths)} level file(s), {params.rl.verl_nnodes} node(s) x {params.rl.verl_gpus_per_node} GPUs; "
-              f"config in {work}", flush=True)
+        print(f"rl: verl over {len(paths)} level file(s), {params.rl.verl_nnodes} node(s) x "
+              f"{params.rl.verl_gpus_per_node} GPUs; config in {work}", flush=True)
         records = run_verl(overrides, work, params.rl.steps, layout.RL)
         write_records_csv(records, CURVE_CSV)
         metrics = {"trainer": "verl", "steps": len(records), "first_reward": records[0]["reward_total"],

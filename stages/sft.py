@@ -30,7 +30,8 @@ def main() -> None:
     cfg = params.sft
     if run_distributed("sft", params.train, cfg.deepspeed_config):
         return
-    settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}  # a checkpoint resumes on the same processes
+    # a checkpoint resumes on the same processes
+    settings = {"seed": cfg.seed, **cfg.model_dump(), "train": params.train.model_dump()}
     with track.stage_run("sft", settings) as run:
         rows = read_table(layout.LABELED, LABELED)
         chosen = select_trajectories(rows, cfg.max_per_question, cfg.dedupe)
@@ -42,21 +43,25 @@ def main() -> None:
         examples, stats = build_examples(tok, chosen, cfg.max_length, topk, native)
         print(f"sft: {len(chosen)} of {len(rows)} trajectories selected; drift: {stats['drifted_examples']} examples, "
               f"{stats['drift_tokens']} tokens", flush=True)
-        inputs = [Path(layout.LABELED), *([Path(layout.TOPK)] if cfg.kd_weight else []), *sorted(Path(layout.BASE).glob("*.safetensors"))]
+        inputs = [Path(layout.LABELED), *([Path(layout.TOPK)] if cfg.kd_weight else []),
+                  *sorted(Path(layout.BASE).glob("*.safetensors"))]
         checkpoint = checkpoint_path("sft", settings, inputs)
         records = train_sft(layout.BASE, examples, cfg, layout.SFT, checkpoint_dir=checkpoint,
-                            on_step=lambda r: run.log_metrics({k: r[k] for k in ("loss", "lr", *KD_FIELDS) if k in r}, step=r["step"]),
+                            on_step=lambda r: run.log_metrics({k: r[k] for k in ("loss", "lr", *KD_FIELDS) if k in r},
+                                                              step=r["step"]),
                             gradient_checkpointing=params.train.gradient_checkpointing)
         if not is_main_process():  # another process of a launched run: rank 0 writes
             return
         write_records_csv(records, LOSS_CSV, LOSS_FIELDS + (KD_FIELDS if cfg.kd_weight else []))
+        # tokens the model ran, pads included (packing cuts them)
         metrics = {**stats, "selected": len(chosen), "steps": len(records), "final_loss": records[-1]["loss"],
                    "first_loss": records[0]["loss"], "train_s": records[-1]["elapsed_s"],
                    "row_tokens": sum(r["row_tokens"] for r in records),
-                   **({f"{when}_{k}": records[i][k] for when, i in (("first", 0), ("final", -1)) for k in KD_FIELDS} if cfg.kd_weight else {}),
-                   "precision": resolve_precision(cfg.precision, "sft.precision")}  # tokens the model ran, pads included (packing cuts them)
-        print(f"sft: {len(examples)} examples, {len(records)} steps in {metrics['train_s']:.0f} s ({metrics['precision']}), "
-              f"loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}", flush=True)
+                   **({f"{when}_{k}": records[i][k] for when, i in (("first", 0), ("final", -1)) for k in KD_FIELDS}
+                      if cfg.kd_weight else {}),
+                   "precision": resolve_precision(cfg.precision, "sft.precision")}
+        print(f"sft: {len(examples)} examples, {len(records)} steps in {metrics['train_s']:.0f} s "
+              f"({metrics['precision']}), loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}", flush=True)
         write_json(metrics, layout.report("sft"))
         run.log_metrics(metrics)
 

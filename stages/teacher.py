@@ -21,11 +21,13 @@ OUT = Path(layout.TEACHER)
 
 def teacher_info(t: TeacherConfig, student_model: str) -> dict:
     """What models/teacher/unison_model.json says of this teacher block (a local teacher: its source). A chat teacher's
-    turns are kept in the student's tokens, so its folder holds the student's tokenizer unless teacher.tokenizer says."""
+    turns are kept in the student's tokens, so its folder holds the student's tokenizer unless teacher.tokenizer
+    says."""
     if t.backend != "openai":
         return {"source": t.model}
-    return {"source": t.model, "base_url": served_at(t.base_url), "served_name": t.served_name or t.model.partition(":")[2],
-            "api": t.api, "tokenizer": t.tokenizer or (student_model if t.api == "chat" else t.model)}
+    return {"source": t.model, "base_url": served_at(t.base_url),
+            "served_name": t.served_name or t.model.partition(":")[2], "api": t.api,
+            "tokenizer": t.tokenizer or (student_model if t.api == "chat" else t.model)}
 
 
 def main() -> None:
@@ -46,8 +48,9 @@ def main() -> None:
             from transformers import AutoTokenizer
 
             if not AutoTokenizer.from_pretrained(OUT).chat_template:
-                print(f"teacher: {t.model} has no chat template (a base model): it reads each conversation as paragraphs "
-                      "after its BOS, when it acts and when it scores (protocol.chat_prompt)", flush=True)
+                print(f"teacher: {t.model} has no chat template (a base model): it reads each "
+                      "conversation as paragraphs after its BOS, when it acts and when it scores "
+                      "(protocol.chat_prompt)", flush=True)
         run.log_metrics({"teacher_parameters": float(info["n_parameters"])})
 
 

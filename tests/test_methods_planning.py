@@ -14,7 +14,15 @@ from unison.agents.methods.chain_of_agents import double_check_score
 from unison.agents.methods.gap import parse_plan, plan_levels, query_of, topological_levels
 from unison.agents.runtime import EpisodeSettings
 from unison.agents.toolbox import Toolbox
-from unison.config import AgentFlowConfig, ChainOfAgentsConfig, GAPConfig, GenerateConfig, LLMConfig, Params, ToolsConfig
+from unison.config import (
+    AgentFlowConfig,
+    ChainOfAgentsConfig,
+    GAPConfig,
+    GenerateConfig,
+    LLMConfig,
+    Params,
+    ToolsConfig,
+)
 from unison.llm.base import Completion
 from unison.llm.hf_backend import HFBackend
 from unison.protocol import chat_prompt

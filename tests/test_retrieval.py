@@ -17,7 +17,15 @@ import requests
 
 from unison.config import ToolsConfig
 from unison.data.schemas import DataError
-from unison.tools.retrieval import KINDS, RemoteRetriever, Retriever, build_index, format_passages, make_retriever, title_recall_at_1
+from unison.tools.retrieval import (
+    KINDS,
+    RemoteRetriever,
+    Retriever,
+    build_index,
+    format_passages,
+    make_retriever,
+    title_recall_at_1,
+)
 from unison.tools.search_server import create_app, server_config
 
 from .local_http import free_port, uvicorn_serving

@@ -12,7 +12,14 @@ from unison.data.schemas import DataError
 from unison.labeling.judging import label_rows
 from unison.labeling.labels import check_step_labels
 from unison.labeling.llm_judge import PROMPT_SHA256, LLMJudge, parse_verdict
-from unison.labeling.steps import agent_labels, agent_solutions, montecarlo_labels, rule_judge, step_prefixes, student_steps
+from unison.labeling.steps import (
+    agent_labels,
+    agent_solutions,
+    montecarlo_labels,
+    rule_judge,
+    step_prefixes,
+    student_steps,
+)
 from unison.llm.hf_backend import HFBackend
 from unison.protocol import observation
 from unison.token_view import token_view

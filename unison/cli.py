@@ -78,9 +78,10 @@ def outs(entry: dict) -> list[str]:
 
 
 def stage_main(stage: str, main) -> None:
-    """`python -m stages.<stage>` [--help]: print the stage's settings and run nothing, or run it (after deleting the temps
-    that a killed run of any stage left under data/, models/ and reports/). A stage whose tools cannot be sandboxed
-    stops with the refusal and its fix as plain text, exit 1, no traceback (with UNISON_VERBOSE, the traceback)."""
+    """`python -m stages.<stage>` [--help]: print the stage's settings and run nothing, or run it (after deleting the
+    temps that a killed run of any stage left under data/, models/ and reports/). A stage whose tools cannot be
+    sandboxed stops with the refusal and its fix as plain text, exit 1, no traceback (with UNISON_VERBOSE, the
+    traceback)."""
     from .quiet import verbose
     from .tools.python_sandbox import SandboxUnavailable
 
@@ -89,7 +90,8 @@ def stage_main(stage: str, main) -> None:
         print(stage_help(stage))
         return
     if args:
-        sys.exit(f"python -m stages.{stage}: takes no arguments (settings live in params.yaml; --help lists them), got {args}")
+        sys.exit(f"python -m stages.{stage}: takes no arguments (settings live in params.yaml; --help lists "
+                 f"them), got {args}")
     for path in remove_stale_temps():
         print(f"{stage}: removed {path}, left by a killed run", flush=True)
     try:
@@ -125,14 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         return served_main(rest)
     if command in names:
         if rest and rest[0] not in ("-h", "--help"):
-            print(f"unison {command}: use `unison run {command}` to run it; `unison {command} --help` lists its settings", file=sys.stderr)
+            print(f"unison {command}: use `unison run {command}` to run it; `unison {command} --help` "
+                  "lists its settings", file=sys.stderr)
             return 2
         print(stage_help(command))
         return 0
     if command == "run":
-        ap = argparse.ArgumentParser(prog="unison run", description="Run a stage through DVC (its upstream too when changed).")
+        ap = argparse.ArgumentParser(prog="unison run",
+                                     description="Run a stage through DVC (its upstream too when changed).")
         ap.add_argument("stage", choices=names)
-        ap.add_argument("--single", action="store_true", help="only this stage (dvc repro -s): its inputs must already exist")
+        ap.add_argument("--single", action="store_true",
+                        help="only this stage (dvc repro -s): its inputs must already exist")
         ap.add_argument("--force", action="store_true", help="run even if DVC finds nothing changed (dvc repro -f)")
         args = ap.parse_args(rest)
         return run(["dvc", "repro", *(["-s"] if args.single else []), *(["-f"] if args.force else []), args.stage])
@@ -143,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
         recipes_main(rest if "--out" in rest or "--list" in rest or not rest else [*rest, "--out", "params.yaml"])
         return 0
-    print(f"unison: unknown command {command!r}; stages: {', '.join(names)}; commands: run, demo, recipe (see unison --help)",
-          file=sys.stderr)
+    print(f"unison: unknown command {command!r}; stages: {', '.join(names)}; commands: run, demo, recipe "
+          "(see unison --help)", file=sys.stderr)
     return 2
 
 

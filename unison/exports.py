@@ -1,14 +1,16 @@
 """Data out (design §3): what `sft`, `dpo` and `rl` train on, in the formats LLaMA-Factory, verl and TRL read.
 
     data/export/llamafactory/dataset_info.json   <name>_sft (sharegpt) and <name>_dpo (sharegpt, ranking)
-    data/export/llamafactory/sft.jsonl           {system, conversations: [{from, value}]}: human, gpt (or function_call),
-                                                 observation, gpt, ...; a native student's also `tools`
-    data/export/llamafactory/dpo.jsonl           {system, conversations: [human], chosen: {from: gpt, value}, rejected: ...}
-    data/export/trl/sft.jsonl                    {messages: [{role, content}]}: system, user, assistant, tool, assistant, ...;
-                                                 a native student's with tool_calls, and `tools`
+    data/export/llamafactory/sft.jsonl           {system, conversations: [{from, value}]}: human, gpt (or
+                                                 function_call), observation, gpt, ...; a native student's also `tools`
+    data/export/llamafactory/dpo.jsonl           {system, conversations: [human], chosen: {from: gpt, value},
+                                                 rejected: ...}
+    data/export/trl/sft.jsonl                    {messages: [{role, content}]}: system, user, assistant, tool,
+                                                 assistant, ...; a native student's with tool_calls, and `tools`
     data/export/trl/sft_tokenized.jsonl          {input_ids, assistant_masks}: sft's token views under the student's
                                                  tokenizer, the mask 1 where sft trains (what TRL's SFTTrainer trains)
-    data/export/verl/level<k>.parquet            data/rl's rows + agent_name and extra_info.{ability, need_tools_kwargs, tools_kwargs}
+    data/export/verl/level<k>.parquet            data/rl's rows + agent_name and extra_info.{ability, need_tools_kwargs,
+                                                 tools_kwargs}
 
 The conversations are the student renderings `sft` trains on (sft.select_trajectories, same settings), in the
 student's tool format (student.tool_format). Native: LLaMA-Factory's sharegpt gets the tools' schemas in its `tools`
@@ -22,12 +24,13 @@ JSON call format the student does not write). LLaMA-Factory leaves observations 
 with its default settings it trains every token of sft.jsonl, system prompt and observations included. So TRL gets
 sft_tokenized.jsonl too: the exact ids and mask `sft` trains on (truncated at sft.max_length), which TRL's SFTTrainer
 turns into labels as they are, with its default SFTConfig. Consecutive segments of one role are one turn (the runtime
-generated them as one token stream), and an observation nothing answers is dropped. The DPO pairs are dpo.build_pairs'; LLaMA-Factory's
-ranking format holds one message per side, so chosen and rejected are whole completions with their `<result>` blocks
-inline, which stock LLaMA-Factory scores (unison's own `dpo` masks them). The verl rows carry, per enabled tool,
-`tools_kwargs[tool].create_kwargs = {ground_truth, question, data_source}` (verl's Search-R1 preprocessing), which
-verl's RLHFDataset hands to its tool agent loop; `need_tools_kwargs` is true. extra_info.ability repeats the row's task
-because verl hands a custom reward function extra_info, not ability (unison.train.verl_reward judges by it).
+generated them as one token stream), and an observation nothing answers is dropped. The DPO pairs are dpo.build_pairs';
+LLaMA-Factory's ranking format holds one message per side, so chosen and rejected are whole completions with their
+`<result>` blocks inline, which stock LLaMA-Factory scores (unison's own `dpo` masks them). The verl rows carry, per
+enabled tool, `tools_kwargs[tool].create_kwargs = {ground_truth, question, data_source}` (verl's Search-R1
+preprocessing), which verl's RLHFDataset hands to its tool agent loop; `need_tools_kwargs` is true. extra_info.ability
+repeats the row's task because verl hands a custom reward function extra_info, not ability (unison.train.verl_reward
+judges by it).
 """
 from __future__ import annotations
 
@@ -51,11 +54,13 @@ def student_turns(row: dict, path: str | Path) -> list[dict]:
     ({role, content}) that start and end with the assistant."""
     student = row["student"]
     if [m["role"] for m in student[:2]] != ["system", "user"]:
-        raise DataError(path, f"trajectory {row['id']}: the student rendering must open with system and user", field="student")
+        raise DataError(path, f"trajectory {row['id']}: the student rendering must open with system and user",
+                        field="student")
     turns: list[dict] = []
     for m in student[2:]:
         if m["role"] not in ("assistant", "tool"):
-            raise DataError(path, f"trajectory {row['id']}: unexpected role {m['role']!r} after the question", field="student")
+            raise DataError(path, f"trajectory {row['id']}: unexpected role {m['role']!r} after the question",
+                            field="student")
         if turns and turns[-1]["role"] == m["role"]:
             turns[-1]["content"] += m["content"]
         else:
@@ -100,11 +105,14 @@ def llamafactory_native(rows: list[dict], native) -> list[dict]:
             if m["role"] == "tool" and conversations[-1]["from"] == "observation":
                 conversations[-1]["value"] += SEPARATOR + m["content"]
             elif m.get("tool_calls"):
-                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
-                conversations.append({"from": "function_call", "value": json.dumps(calls[0] if len(calls) == 1 else calls)})
+                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                         for c in m["tool_calls"]]
+                conversations.append({"from": "function_call",
+                                      "value": json.dumps(calls[0] if len(calls) == 1 else calls)})
             else:
                 conversations.append({"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]})
-        out.append({"system": messages[0]["content"], "tools": json.dumps(native.schemas), "conversations": conversations})
+        out.append({"system": messages[0]["content"], "tools": json.dumps(native.schemas),
+                    "conversations": conversations})
     return out
 
 
@@ -112,8 +120,9 @@ def trl_native(row: dict, native) -> dict:
     """A native student's conversation for TRL: messages with tool_calls whose arguments are JSON strings and `tools` a
     JSON string, as OpenAI's API writes them (TRL parses a string `tools`; a JSON loader would otherwise merge every
     row's schemas and arguments into one struct, each with the others' keys as nulls)."""
-    messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in native.messages(row["student"])]
+    messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+                    c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
+                if m.get("tool_calls") else m for m in native.messages(row["student"])]
     return {"messages": messages, "tools": json.dumps(native.schemas)}
 
 
@@ -121,7 +130,8 @@ def dataset_info(name: str, with_pairs: bool, tools: bool = False) -> dict:
     """LLaMA-Factory's dataset descriptions of sft.jsonl (with its `tools` column for a native student) and (when there
     are pairs) dpo.jsonl."""
     columns = {"messages": "conversations", "system": "system"}
-    info = {f"{name}_sft": {"file_name": "sft.jsonl", "formatting": "sharegpt", "columns": {**columns, **({"tools": "tools"} if tools else {})}}}
+    info = {f"{name}_sft": {"file_name": "sft.jsonl", "formatting": "sharegpt",
+                            "columns": {**columns, **({"tools": "tools"} if tools else {})}}}
     if with_pairs:
         info[f"{name}_dpo"] = {"file_name": "dpo.jsonl", "formatting": "sharegpt", "ranking": True,
                                "columns": {**columns, "chosen": "chosen", "rejected": "rejected"}}
@@ -130,9 +140,11 @@ def dataset_info(name: str, with_pairs: bool, tools: bool = False) -> dict:
 
 def verl_schema(tools: tuple[str, ...]) -> pa.Schema:
     """RL_ROW with agent_name, and extra_info with need_tools_kwargs and tools_kwargs (a struct per tool)."""
-    create = pa.struct([("ground_truth", pa.list_(pa.string())), ("question", pa.string()), ("data_source", pa.string())])
+    create = pa.struct([("ground_truth", pa.list_(pa.string())), ("question", pa.string()),
+                        ("data_source", pa.string())])
     tools_kwargs = pa.struct([(t, pa.struct([("create_kwargs", create)])) for t in tools])
-    extra = pa.struct(list(RL_ROW.field("extra_info").type) + [("ability", pa.string()), ("need_tools_kwargs", pa.bool_()),
+    extra = pa.struct(list(RL_ROW.field("extra_info").type) + [("ability", pa.string()),
+                                                                ("need_tools_kwargs", pa.bool_()),
                                                                 ("tools_kwargs", tools_kwargs)])
     fields = [pa.field("extra_info", extra) if f.name == "extra_info" else f for f in RL_ROW]
     return pa.schema(fields + [pa.field("agent_name", pa.string())])
@@ -143,7 +155,8 @@ def verl_rows(rows: list[dict], tools: tuple[str, ...], agent: str) -> list[dict
     for r in rows:
         create = {"ground_truth": list(r["reward_model"]["ground_truth"]), "question": r["extra_info"]["question"],
                   "data_source": r["data_source"]}
-        extra = {**r["extra_info"], "ability": r["ability"], "need_tools_kwargs": True, "tools_kwargs": {t: {"create_kwargs": create} for t in tools}}
+        extra = {**r["extra_info"], "ability": r["ability"], "need_tools_kwargs": True,
+                 "tools_kwargs": {t: {"create_kwargs": create} for t in tools}}
         out.append({**r, "extra_info": extra, "agent_name": agent})
     return out
 
@@ -156,26 +169,31 @@ def read_rl_prompts(rl_dir: str | Path) -> list[dict]:
     return [r for p in paths for r in read_table(p, RL_ROW)]
 
 
-def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], export: ExportConfig, sft: SFTConfig, dpo: DPOConfig,
-                 tools: tuple[str, ...], tok, path: str | Path = layout.LABELED, native=None) -> dict:
+def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], export: ExportConfig, sft: SFTConfig,
+                 dpo: DPOConfig, tools: tuple[str, ...], tok, path: str | Path = layout.LABELED, native=None) -> dict:
     """Write every format under `out_dir` (module docstring), token views under the student's tokenizer `tok` (a
-    `native` student's: its chat template with the tools); counts of what was written. `path` names `labeled` in errors."""
+    `native` student's: its chat template with the tools); counts of what was written. `path` names `labeled` in
+    errors."""
     out = Path(out_dir)
     chosen = select_trajectories(labeled, sft.max_per_question, sft.dedupe)
     if not chosen:
         raise DataError(path, "no correct trajectories to export", field="correct")
     pairs = build_pairs(labeled, dpo.max_pairs_per_question)
-    write_jsonl(llamafactory_native(chosen, native) if native else llamafactory_sft(chosen, path), out / "llamafactory/sft.jsonl")
+    write_jsonl(llamafactory_native(chosen, native) if native else llamafactory_sft(chosen, path),
+                out / "llamafactory/sft.jsonl")
     if pairs:
         write_jsonl(llamafactory_dpo(pairs, path), out / "llamafactory/dpo.jsonl")
     write_json(dataset_info(export.name, bool(pairs), native is not None), out / "llamafactory/dataset_info.json")
-    write_jsonl([trl_native(r, native) if native else {"messages": chat(r, path)} for r in chosen], out / "trl/sft.jsonl")
+    write_jsonl([trl_native(r, native) if native else {"messages": chat(r, path)} for r in chosen],
+                out / "trl/sft.jsonl")
     examples, _ = build_examples(tok, chosen, sft.max_length, native=native)
-    write_jsonl([{"input_ids": ids, "assistant_masks": mask} for ids, mask in examples], out / "trl/sft_tokenized.jsonl")
+    write_jsonl([{"input_ids": ids, "assistant_masks": mask} for ids, mask in examples],
+                out / "trl/sft_tokenized.jsonl")
     levels = sorted({r["level"] for r in rl})
     for level in levels:
         write_table(verl_rows([r for r in rl if r["level"] == level], tools, export.verl_agent),
                     out / f"verl/level{level}.parquet", verl_schema(tools))
     return {"sft_conversations": len(chosen), "sft_questions": len({r["question_id"] for r in chosen}),
-            "sft_train_tokens": sum(sum(mask) for _, mask in examples), "dpo_pairs": len(pairs), "dpo_questions": len({c["question_id"] for c, _ in pairs}),
-            "rl_prompts": len(rl), "rl_levels": len(levels), "tools": list(tools)}
+            "sft_train_tokens": sum(sum(mask) for _, mask in examples), "dpo_pairs": len(pairs),
+            "dpo_questions": len({c["question_id"] for c, _ in pairs}), "rl_prompts": len(rl), "rl_levels": len(levels),
+            "tools": list(tools)}

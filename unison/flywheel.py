@@ -46,11 +46,13 @@ DATA, MODELS = Path(layout.FLYWHEEL_DATA), Path(layout.FLYWHEEL)
 KEPT = ("em", "em_lo", "em_hi", "subem", "tokens_per_question")  # per system in a round's row of reports/flywheel.json
 
 
-def cache_dir(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig, evaluate: EvaluateConfig) -> Path:
+def cache_dir(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig,
+              evaluate: EvaluateConfig) -> Path:
     """Finished rounds are valid only for the same settings and the same first student, base model and questions."""
     sections = (flywheel, system, label, sft, evaluate)
     digest = hashlib.sha256(json.dumps([section.model_dump() for section in sections], sort_keys=True).encode())
-    digest.update(demonstrations(system.generate).encode())  # the teacher's worked examples: the file's text, not only its name
+    # the teacher's worked examples: the file's text, not only its name
+    digest.update(demonstrations(system.generate).encode())
     files = [layout.RAW_TRAIN, layout.RAW_TEST, *sorted(map(str, Path(layout.BASE).glob("*.safetensors"))),
              *sorted(map(str, Path(FIRST_STUDENT).glob("*.safetensors")))]
     for path in files:
@@ -73,16 +75,19 @@ def judged(workbench: Workbench, questions: list[dict], samples: int, teacher: b
     return label_rows(rows, label, judge), time.perf_counter() - t0
 
 
-def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig,
-              evaluate: EvaluateConfig, toolbox, judge, work: Path) -> dict:
-    """Round k in `work` (trajectories, student, round.json written last as the round's completion mark); its report row."""
+def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig,
+              sft: SFTConfig, evaluate: EvaluateConfig, toolbox, judge, work: Path) -> dict:
+    """Round k in `work` (trajectories, student, round.json written last as the round's completion mark); its report
+    row."""
     generate, seed = system.generate, system.seed
     round_sft = sft.model_copy(update={"epochs": flywheel.sft_epochs or sft.epochs})
     train, test = read_table(layout.RAW_TRAIN, QUESTION), read_table(layout.RAW_TEST, QUESTION)
     test = test[: evaluate.max_questions or None]
     eval_label = scoring_label(label, evaluate)
-    print(f"flywheel: round {k}: {teacher_dir} teaches ({generate.method}, scaffolded) on {len(train)} train questions", flush=True)
-    # one engine for the teacher's train answers and its test score; the pipeline's own weights, so they act in student.tool_format
+    print(f"flywheel: round {k}: {teacher_dir} teaches ({generate.method}, scaffolded) on {len(train)} train questions",
+          flush=True)
+    # one engine for the teacher's train answers and its test score; the pipeline's own weights, so they act in
+    # student.tool_format
     teacher = Workbench(system, student_backend(teacher_dir, system), toolbox, student_weights=True)
     rows, _ = judged(teacher, train, generate.samples, True, teacher_dir, generate.temperature, label, judge)
     write_table(rows, work / "train.parquet", LABELED)
@@ -91,7 +96,8 @@ def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: System
     gc.collect()  # free the engine before training
     chosen = select_trajectories(rows, round_sft.max_per_question, round_sft.dedupe)
     if not chosen:
-        raise DataError(work / "train.parquet", f"round {k}: the teacher got no train question right; nothing to distil", field="correct")
+        raise DataError(work / "train.parquet", f"round {k}: the teacher got no train question right; "
+                        "nothing to distil", field="correct")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(layout.BASE)
@@ -106,23 +112,26 @@ def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: System
     teacher_m = system_metrics(teacher_rows, teacher_s, eval_label, evaluate.bootstrap, seed)
     student_m = system_metrics(student_rows, student_s, eval_label, evaluate.bootstrap, seed)
     teacher_name = FIRST_STUDENT if k == 1 else str(MODELS / f"round-{k - 1}")
-    row = {"round": k, "teacher": teacher_name, "student": str(MODELS / f"round-{k}"), **flat("teacher", teacher_m), **flat("student", student_m),
-           "trajectories": len(rows), "correct_trajectories": sum(r["correct"] for r in rows), "sft_examples": len(chosen),
+    row = {"round": k, "teacher": teacher_name, "student": str(MODELS / f"round-{k}"), **flat("teacher", teacher_m),
+           **flat("student", student_m), "trajectories": len(rows),
+           "correct_trajectories": sum(r["correct"] for r in rows), "sft_examples": len(chosen),
            "sft_steps": len(records), "sft_first_loss": records[0]["loss"], "sft_final_loss": records[-1]["loss"]}
     write_json(row, work / "round.json")
     return row
 
 
 def round_zero(system: SystemSettings) -> tuple[dict, dict]:
-    """(the pipeline's own round from reports/metrics.json: its teacher (when evaluate.teacher ran it) and its RL student,
-    the base student's metrics)."""
+    """(the pipeline's own round from reports/metrics.json: its teacher (when evaluate.teacher ran it) and its RL
+    student, the base student's metrics)."""
     metrics = json.loads(Path(layout.METRICS).read_text())
-    return {"round": 0, "teacher": teacher_id(system), "student": FIRST_STUDENT, **flat("teacher", metrics.get("teacher", {})),
-            **flat("student", metrics["rl"])}, flat("base", metrics["base"])
+    return ({"round": 0, "teacher": teacher_id(system), "student": FIRST_STUDENT,
+             **flat("teacher", metrics.get("teacher", {})), **flat("student", metrics["rl"])},
+            flat("base", metrics["base"]))
 
 
 def plot(rounds: list[dict], base: dict, path: Path) -> None:
-    """EM per round with 95% Wilson intervals: the teacher, the student it produced, and the base student for reference."""
+    """EM per round with 95% Wilson intervals: the teacher, the student it produced, and the base student for
+    reference."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,8 +156,8 @@ def plot(rounds: list[dict], base: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-def run_rounds(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig, evaluate: EvaluateConfig,
-               work: Path | None) -> Iterator[dict]:
+def run_rounds(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig,
+               evaluate: EvaluateConfig, work: Path | None) -> Iterator[dict]:
     """Rounds 1..flywheel.rounds in `work` (a finished round is reused), each one's report row as it finishes."""
     if not flywheel.rounds:  # no toolbox: loading the search encoder costs seconds
         return
@@ -165,11 +174,13 @@ def run_rounds(flywheel: FlywheelConfig, system: SystemSettings, label: LabelCon
 
 
 def publish_rounds(work: Path | None, n: int) -> None:
-    """data/flywheel/round-k.parquet and models/flywheel/round-k/ from the finished rounds in `work`, each folder swapped in
-    whole."""
+    """data/flywheel/round-k.parquet and models/flywheel/round-k/ from the finished rounds in `work`, each folder
+    swapped in whole."""
     with atomic_dir(DATA) as data, atomic_dir(MODELS) as models:
-        (data / "README").write_text(f"flywheel.rounds: {n}; round-k.parquet = round k's labeled teacher trajectories\n")
+        (data / "README").write_text(f"flywheel.rounds: {n}; round-k.parquet = round k's labeled "
+                                     "teacher trajectories\n")
         (models / "README").write_text(f"flywheel.rounds: {n}; round-k/ = round k's student\n")
         for k in range(1, n + 1):
             shutil.copy2(work / f"round-{k}" / "train.parquet", data / f"round-{k}.parquet")
-            shutil.copytree(work / f"round-{k}" / "student", models / f"round-{k}", copy_function=os.link)  # the cache keeps its copy
+            # the cache keeps its copy
+            shutil.copytree(work / f"round-{k}" / "student", models / f"round-{k}", copy_function=os.link)

@@ -1,5 +1,5 @@
-"""HTTP with retries for the remote pieces (the `openai` LLM backend, the remote retriever, the web tools): one place for
-backoff, Retry-After and errors."""
+"""HTTP with retries for the remote pieces (the `openai` LLM backend, the remote retriever, the web tools): one place
+for backoff, Retry-After and errors."""
 from __future__ import annotations
 
 import hashlib
@@ -186,8 +186,8 @@ def post_json(url: str, body: dict, *, timeout: float, retries: int = 3, backoff
     """POST `body` as JSON and return the decoded answer, each attempt a `post_json_once`, retried by `with_retries`;
     `timeout` bounds the whole call: connecting, headers, body and every retry."""
     deadline = time.monotonic() + timeout
-    return with_retries("POST", url, lambda: post_json_once(url, body, deadline=deadline, session=session, headers=headers,
-                                                            max_bytes=max_bytes),
+    return with_retries("POST", url, lambda: post_json_once(url, body, deadline=deadline, session=session,
+                                                            headers=headers, max_bytes=max_bytes),
                         retries=retries, backoff_s=backoff_s, deadline=deadline, on_retry=on_retry)
 
 
@@ -229,14 +229,16 @@ def post_json_once(url: str, body: dict, *, deadline: float, session=None, heade
         return json.loads(content)
     except (ValueError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else "not JSON"
-        raise HTTPFailure("POST", url, "error", f"the answer is {why}: {content[:100]!r}", 1, response.status_code) from None
+        raise HTTPFailure("POST", url, "error", f"the answer is {why}: {content[:100]!r}", 1,
+                          response.status_code) from None
 
 
 def read_body(response: requests.Response, url: str, deadline: float, max_bytes: int) -> bytes:
     """The response's body, read by `deadline` (time.monotonic()) and up to `max_bytes` (HTTPFailure beyond)."""
     chunks, size = [], 0
     try:
-        while chunk := response.raw.read1(65536, decode_content=True):  # what has arrived, never waiting to fill a buffer
+        # what has arrived, never waiting to fill a buffer
+        while chunk := response.raw.read1(65536, decode_content=True):
             size += len(chunk)
             if size > max_bytes:
                 raise HTTPFailure("POST", url, "error", f"the answer is over {max_bytes} bytes (stopped reading)", 1,
@@ -252,7 +254,8 @@ def read_body(response: requests.Response, url: str, deadline: float, max_bytes:
 
 class ResponseCache:
     """JSON answers on disk by content, one file per (tool, endpoint, query) under <root>/<2 hex>/<sha256>.json, written
-    atomically; counts hits and misses. The web tools' cache (data/.cache/web) and the openai backend's (data/.cache/llm)."""
+    atomically; counts hits and misses. The web tools' cache (data/.cache/web) and the openai backend's
+    (data/.cache/llm)."""
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)

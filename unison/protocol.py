@@ -22,7 +22,8 @@ ROLE_TAGS = ("think", "plan", "reflection", "suggested_answer", "double_check")
 
 @functools.lru_cache(maxsize=64)
 def _call_pattern(tools: tuple[str, ...]) -> re.Pattern:
-    return re.compile(r"<(%s)>(.*?)</\1>\s*$" % "|".join(map(re.escape, sorted(tools, key=len, reverse=True))), re.DOTALL)
+    return re.compile(r"<(%s)>(.*?)</\1>\s*$" % "|".join(map(re.escape, sorted(tools, key=len, reverse=True))),
+                      re.DOTALL)
 
 
 def final_answer(text: str) -> str | None:
@@ -52,7 +53,8 @@ def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     one, its BOS token and the messages' texts as paragraphs, the model continuing after the last."""
     if not getattr(tokenizer, "chat_template", None):
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        return bos + tokenizer("\n\n".join(m["content"] for m in messages) + "\n\n", add_special_tokens=False)["input_ids"]
+        return bos + tokenizer("\n\n".join(m["content"] for m in messages) + "\n\n",
+                               add_special_tokens=False)["input_ids"]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

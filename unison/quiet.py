@@ -22,7 +22,8 @@ QUIET_ENV = {
     "ACCELERATE_LOG_LEVEL": "ERROR",
     "MLFLOW_LOGGING_LEVEL": "ERROR",
 }
-ERRORS_ONLY = ("DeepSpeed",)  # loggers that set their own level and handler when imported: a filter added now outlives that
+# loggers that set their own level and handler when imported: a filter added now outlives that
+ERRORS_ONLY = ("DeepSpeed",)
 OWN_CODE = r"(unison|stages|flows|bench|security|tests|__main__)\b"  # Python warnings raised in these modules are shown
 
 

@@ -61,12 +61,14 @@ def load_recipe(name: str | Path) -> dict:
     stages = set(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
     unknown = sorted(set(recipe["stages"]) - stages)
     if unknown:
-        raise RecipeError(f"{path}: stages: unknown stage(s) {', '.join(unknown)} (dvc.yaml has {', '.join(sorted(stages))})")
+        raise RecipeError(f"{path}: stages: unknown stage(s) {', '.join(unknown)} (dvc.yaml has "
+                          f"{', '.join(sorted(stages))})")
     return {**recipe, "path": path}
 
 
 def check_overlay(base: dict, over: dict, where: str, prefix: str = "") -> None:
-    """Every key path of `over` exists in `base` with the same shape (mapping or not); free-form maps are not entered."""
+    """Every key path of `over` exists in `base` with the same shape (mapping or not); free-form maps are not
+    entered."""
     for key, value in over.items():
         path = f"{prefix}{key}"
         if key not in base:
@@ -76,8 +78,8 @@ def check_overlay(base: dict, over: dict, where: str, prefix: str = "") -> None:
             if not isinstance(value, dict):
                 raise RecipeError(f"{where}: {path} must be a mapping, got {value!r}")
         elif isinstance(base[key], dict) != isinstance(value, dict):
-            raise RecipeError(f"{where}: {path} is {'a mapping' if isinstance(base[key], dict) else 'a value'} in params.yaml, "
-                              f"got {value!r}")
+            raise RecipeError(f"{where}: {path} is {'a mapping' if isinstance(base[key], dict) else 'a value'} "
+                              f"in params.yaml, got {value!r}")
         elif isinstance(value, dict):
             check_overlay(base[key], value, where, path + ".")
 
@@ -111,7 +113,8 @@ def recipe_params(name: str | Path, tiny: bool = False, base: dict | None = None
     for section in ("params", "tiny") if tiny else ("params",):
         check_overlay(base, recipe[section], f"{recipe['path']} `{section}`")
         out = merge(out, recipe[section])
-        validate_params(out, f"{recipe['path']} `{section}`")  # types and values, by the models params.yaml is checked by
+        # types and values, by the models params.yaml is checked by
+        validate_params(out, f"{recipe['path']} `{section}`")
     return out
 
 
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"recipe {label}: {len(diff := changes(base, params))} params differ from {args.base}")
     print("\n".join(f"  {line}" for line in diff))
     if args.out:
-        text = f"{MARKER} {label} -- written by `python -m unison.recipes`; `git checkout params.yaml` restores the defaults\n"
+        text = (f"{MARKER} {label} -- written by `python -m unison.recipes`; `git checkout params.yaml` "
+                "restores the defaults\n")
         tmp = atomic_path(args.out)
         tmp.write_text(text + yaml.safe_dump(params, sort_keys=False, width=120))
         tmp.replace(args.out)

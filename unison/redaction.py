@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 _USERINFO = re.compile(r"(\w[\w+.-]*://)[^/\s@]*@")
-_SECRET_QUERY = re.compile(r"([?&;][^=&;\s]*(?:key|token|secret|password|passwd|pwd|auth|sig|credential)[^=&;\s]*=)[^&;\s'\"#]*",
-                           re.IGNORECASE)
+_SECRET_QUERY = re.compile(r"([?&;][^=&;\s]*(?:key|token|secret|password|passwd|pwd|auth|sig|credential)[^=&;\s]*=)"
+                           r"[^&;\s'\"#]*", re.IGNORECASE)
 
 
 def redact(text: str) -> str:

@@ -12,7 +12,7 @@ writes in place (stages swap in a new folder), so a version costs no disk. MLflo
 per SmolLM2-135M student (1.2 s with the write to disk), two or three students per pipeline run plus one per flywheel
 round. Another store (a tracking server, S3) gets an upload.
 
-    python -m unison.registry                       # the local folder of this recipe's champion (stdout), what it is (stderr)
+    python -m unison.registry  # the local folder of this recipe's champion (stdout), what it is (stderr)
     python -m unison.registry --model unison-afm-tiny --alias champion
     vllm serve "$(python -m unison.registry)" --served-model-name unison-champion   # its OpenAI-compatible server
 """
@@ -62,7 +62,8 @@ def store_model(run: track.StageRun, model_dir: str | os.PathLike, artifact_path
 def ensure_registered_model(client, name: str, recipe: str) -> None:
     try:
         client.create_registered_model(name, tags={"recipe": recipe},
-                                       description=f"unison students trained under the {recipe} params; `{CHAMPION}` = best EM")
+                                       description=f"unison students trained under the {recipe} params; "
+                                       f"`{CHAMPION}` = best EM")
     except MlflowException as e:
         if e.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
             raise
@@ -75,8 +76,8 @@ def champion_em(client, name: str) -> float | None:
 
 
 def register_student(run: track.StageRun, student: str, model_dir: str | os.PathLike, metrics: dict) -> ModelVersion:
-    """Register `model_dir` (the student `student`, scored `metrics` in this run) as a new version of the recipe's model;
-    alias it `champion` when its EM beats the champion's."""
+    """Register `model_dir` (the student `student`, scored `metrics` in this run) as a new version of the recipe's
+    model; alias it `champion` when its EM beats the champion's."""
     pipeline = track.pipeline_params()
     name, client = model_name(pipeline["recipe"]), run.client
     ensure_registered_model(client, name, pipeline["recipe"])

@@ -42,7 +42,8 @@ def machine() -> dict:
     from .llm.base import cpu_dtype
 
     info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), platform.processor())
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.processor())
     flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
     return {"cpu": name, "cpu_kind": cpu_kind(flags), "cores": os.cpu_count(),
             "precision": "bf16" if cpu_dtype() == "bfloat16" else "fp32"}
@@ -65,20 +66,24 @@ def sandbox() -> tuple[str, bool]:
 
 def commit() -> str:
     result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
     return (result.stdout.strip() or "unknown") + ("+changes" if dirty else "")
 
 
 def main(command: list[str]) -> int:
-    """Run `command` (none: read stdin) and echo and time its output; its exit status, or 1 where the sandbox cannot start."""
+    """Run `command` (none: read stdin) and echo and time its output; its exit status, or 1 where the sandbox cannot
+    start."""
     m, (box, started), code = machine(), sandbox(), commit()  # the commit before dvc repro rewrites dvc.lock
-    print(f"machine: {m['cpu']}, {m['cores']} cores, {m['cpu_kind']}: precision {m['precision']} (auto)\n{box}", flush=True)
+    print(f"machine: {m['cpu']}, {m['cores']} cores, {m['cpu_kind']}: precision {m['precision']} (auto)\n{box}",
+          flush=True)
     if command and not started:
-        print(f"\n{' '.join(command)}: not started: the stages with tools would refuse to start without the python sandbox "
-              "(above, with its fix); no stage ran", file=sys.stderr)
+        print(f"\n{' '.join(command)}: not started: the stages with tools would refuse to start without "
+              "the python sandbox (above, with its fix); no stage ran", file=sys.stderr)
         return 1
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) if command else None
-    # a line ends at "\r" too, untranslated: a progress bar's redraws reach the terminal as they come, not when it closes
+    # a line ends at "\r" too, untranslated: a progress bar's redraws reach the terminal as they come, not when it
+    # closes
     output = io.TextIOWrapper(proc.stdout if proc else sys.stdin.buffer, encoding="utf-8", errors="replace", newline="")
     times: dict[str, float] = {}
     skipped: dict[str, str] = {}  # stage -> "restored" | "unchanged"

@@ -25,7 +25,8 @@ from .token_view import generated_by, token_view, tokenizer_fingerprint, turn_id
 
 TEACHER_TOPK = pa.schema([("id", pa.string()), ("tokenizer", pa.string()), ("k", pa.int32()), ("tokens", pa.int32()),
                           ("top_ids", pa.binary()), ("top_logprobs", pa.binary())])
-MISSING = float("-inf")  # the log-prob of a top-k slot with no token (a chat teacher's position without its distribution)
+# the log-prob of a top-k slot with no token (a chat teacher's position without its distribution)
+MISSING = float("-inf")
 SCORE_BATCH = 8  # trajectories per `score` call (the backend splits a call further by its own token budget)
 
 
@@ -48,11 +49,12 @@ def capture_topk(backend, rows: list[dict], k: int, progress=print) -> tuple[lis
         for row, (_, _, keep), s in zip(chunk, spans, scores):
             ids = np.asarray([s.top_ids[i] for i in keep], dtype="<i4").reshape(len(keep), k)
             logps = np.asarray([s.top_logprobs[i] for i in keep], dtype="<f2").reshape(len(keep), k)
-            out.append({"id": row["id"], "tokenizer": fingerprint, "k": k, "tokens": len(keep), "top_ids": ids.tobytes(),
-                        "top_logprobs": logps.tobytes()})
+            out.append({"id": row["id"], "tokenizer": fingerprint, "k": k, "tokens": len(keep),
+                        "top_ids": ids.tobytes(), "top_logprobs": logps.tobytes()})
         done = start + len(chunk)
         rate = done / max(1e-9, time.perf_counter() - t0)
-        progress(f"generate: teacher top-{k} of {done}/{len(rows)} trajectories ({rate:.1f}/s, ETA {(len(rows) - done) / rate:.0f} s)")
+        progress(f"generate: teacher top-{k} of {done}/{len(rows)} trajectories ({rate:.1f}/s, ETA "
+                 f"{(len(rows) - done) / rate:.0f} s)")
     tokens = sum(r["tokens"] for r in out)
     return out, {"topk_k": k, "topk_tokens": tokens, "topk_s": time.perf_counter() - t0}
 
@@ -98,7 +100,8 @@ def topk_for(tok, rows: list[dict], table: list[dict], path: str = layout.TOPK) 
     for r in rows:
         stored = by_id.get(r["id"])
         if stored is None:
-            raise DataError(path, f"no teacher top-k for trajectory {r['id']} (sft.kd_weight > 0 needs generate.topk > 0)", field="id")
+            raise DataError(path, f"no teacher top-k for trajectory {r['id']} (sft.kd_weight > 0 needs "
+                            "generate.topk > 0)", field="id")
         if stored["tokenizer"] != fingerprint:
             raise DataError(path, f"trajectory {r['id']} was scored under another tokenizer than the student's: logit "
                                   "distillation needs the teacher's vocabulary to be the student's", field="tokenizer")

@@ -55,7 +55,8 @@ def char_spans(tok, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
             continue
         pending.append(t)
         piece = tok.decode(pending, clean_up_tokenization_spaces=False)
-        if piece.endswith("\ufffd") and k + 1 < len(ids):  # an incomplete UTF-8 character: its bytes go on the next token
+        # an incomplete UTF-8 character: its bytes go on the next token
+        if piece.endswith("\ufffd") and k + 1 < len(ids):
             spans.append((len(text), len(text)))
             continue
         spans.append((len(text), len(text) + len(piece)))
@@ -69,7 +70,8 @@ def map_to_student(spans: list[tuple[int, int]], offsets: list[tuple[int, int]],
     (`spans`) holding its last character (a teacher token without characters: the character before it, or the
     segment's first), and each student token's span (module docstring), numbered from 1."""
     ends, origin = [end for _, end in spans], spans[0][0] if spans else 0
-    holders = [bisect_right(ends, max(end - 1, origin)) for _, end in offsets]  # the student token holding the last character
+    # the student token holding the last character
+    holders = [bisect_right(ends, max(end - 1, origin)) for _, end in offsets]
     mapped = [0.0] * len(spans)
     for i, lp in zip(holders, logprobs):
         mapped[i] += lp
@@ -84,7 +86,8 @@ def map_to_student(spans: list[tuple[int, int]], offsets: list[tuple[int, int]],
         if end > start and end in teacher_ends:  # a boundary of both tokenisations
             groups.append(members)
             members = []
-    groups.append([k for k in members if k <= last_text])  # the segment's end closes the last span, not its trailing end of turn
+    # the segment's end closes the last span, not its trailing end of turn
+    groups.append([k for k in members if k <= last_text])
     span_ids, held, n_spans = [0] * len(spans), set(holders), 0
     for group in groups:
         if held.intersection(group):
@@ -114,7 +117,8 @@ def score_across(teacher, student_tok, items: list[tuple[list[dict], list[int], 
             enc = ttok(text[start:end], add_special_tokens=False, return_offsets_mapping=True)
             if flag:
                 scored_end = ids[hi - 1] == student_tok.eos_token_id and ttok.eos_token_id is not None
-                segments.append(_Segment(lo, hi, len(teacher_ids), [(start + a, start + b) for a, b in enc["offset_mapping"]], scored_end))
+                segments.append(_Segment(lo, hi, len(teacher_ids),
+                                         [(start + a, start + b) for a, b in enc["offset_mapping"]], scored_end))
             teacher_ids += list(enc["input_ids"]) + ([ttok.eos_token_id] if flag and scored_end else [])
             lo = hi
         prompts.append(chat_prompt(ttok, messages))
@@ -126,7 +130,8 @@ def score_across(teacher, student_tok, items: list[tuple[list[dict], list[int], 
         n_spans = 0
         for seg in segments:
             hi = seg.hi - seg.scored_end
-            part = map_to_student(spans[seg.lo : hi], seg.offsets, scores.logprobs[seg.first : seg.first + len(seg.offsets)])
+            part = map_to_student(spans[seg.lo : hi], seg.offsets,
+                                  scores.logprobs[seg.first : seg.first + len(seg.offsets)])
             aligned.logprobs[seg.lo : hi] = part.logprobs
             aligned.span_ids[seg.lo : hi] = [k + n_spans if k else 0 for k in part.span_ids]
             n_spans += max(part.span_ids, default=0)

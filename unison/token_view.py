@@ -43,7 +43,8 @@ def token_view(tok, student: list[dict], as_generated: bool = True) -> tuple[lis
 
 def turn_ids(tok, student: list[dict], as_generated: bool = True) -> list[tuple[dict, list[int]]]:
     """Each turn after the prompt with its ids in the token view: as generated, or its text tokenised (a rendered turn,
-    or `as_generated` False; as text, so a "<|im_end|>" in it is no turn marker; the last assistant turn closes with eos)."""
+    or `as_generated` False; as text, so a "<|im_end|>" in it is no turn marker; the last assistant turn closes with
+    eos)."""
     turns, out = student[2:], []
     for k, m in enumerate(turns):
         t = list(m["token_ids"]) if as_generated else []
@@ -68,5 +69,6 @@ def retokenization_drift(tok, ids: list[int]) -> int:
     """How many tokens differ between `ids` and a re-tokenisation of their decoded text (0 = identical)."""
     again = tok(tok.decode(ids), add_special_tokens=False)["input_ids"]
     same_prefix = next((k for k, (a, b) in enumerate(zip(ids, again)) if a != b), min(len(ids), len(again)))
-    same_suffix = next((k for k, (a, b) in enumerate(zip(reversed(ids), reversed(again))) if a != b), min(len(ids), len(again)))
+    same_suffix = next((k for k, (a, b) in enumerate(zip(reversed(ids), reversed(again))) if a != b),
+                       min(len(ids), len(again)))
     return max(len(ids), len(again)) - min(same_prefix + same_suffix, min(len(ids), len(again)))

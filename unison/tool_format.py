@@ -88,24 +88,26 @@ def renders_tools(tok) -> bool:
     probe = {"type": "function", "function": {"name": "unison_probe_tool", "description": "d",
                                               "parameters": {"type": "object", "properties": {}}}}
     try:
-        text = tok.apply_chat_template([{"role": "user", "content": "u"}], tools=[probe], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": "user", "content": "u"}], tools=[probe], tokenize=False,
+                                       add_generation_prompt=True)
     except Exception:  # a template that fails on `tools` renders none
         return False
     return "unison_probe_tool" in text
 
 
 def with_tool_template(tok):
-    """`tok`, its chat template replaced by unison's ChatML template with tool calls when its own renders no tools and is
-    ChatML; ValueError for any other template without tools, or one whose calls unison cannot read."""
+    """`tok`, its chat template replaced by unison's ChatML template with tool calls when its own renders no tools and
+    is ChatML; ValueError for any other template without tools, or one whose calls unison cannot read."""
     if not renders_tools(tok):
         if not getattr(tok, "chat_template", None) or "<|im_start|>" not in tok.get_vocab():
-            raise ValueError(f"student.tool_format native: the chat template of {tok.name_or_path} renders no tools and is "
-                             "not ChatML, so unison has no native format for it; use student.tool_format: tags")
+            raise ValueError(f"student.tool_format native: the chat template of {tok.name_or_path} renders "
+                             "no tools and is not ChatML, so unison has no native format for it; use "
+                             "student.tool_format: tags")
         tok.chat_template = TEMPLATE.read_text()
     elif CALL_OPEN not in tok.chat_template:
-        raise ValueError(f"student.tool_format native: the chat template of {tok.name_or_path} writes tool calls in a form "
-                         f"unison does not read yet (it reads Hermes-style {CALL_OPEN} JSON, as Qwen2.5's and vLLM's "
-                         f"`{PARSER}` parser do); use student.tool_format: tags")
+        raise ValueError(f"student.tool_format native: the chat template of {tok.name_or_path} writes tool "
+                         f"calls in a form unison does not read yet (it reads Hermes-style {CALL_OPEN} JSON, as "
+                         f"Qwen2.5's and vLLM's `{PARSER}` parser do); use student.tool_format: tags")
     return tok
 
 
@@ -119,7 +121,8 @@ class Turn:
 
 
 class NativeFormat:
-    """The student's chat template with tools: prompts, turns read back, observations, and whole renderings with masks."""
+    """The student's chat template with tools: prompts, turns read back, observations, and whole renderings with
+    masks."""
 
     def __init__(self, tok, tools: tuple[str, ...], system: str | None = None):
         self.tok, self.tools = with_tool_template(tok), tuple(tools)
@@ -130,7 +133,8 @@ class NativeFormat:
     # ------------------------------------------------------------------------------------------------ rendering
 
     def _text(self, messages: list[dict], generation: bool) -> str:
-        return self.tok.apply_chat_template(messages, tools=self.schemas, tokenize=False, add_generation_prompt=generation)
+        return self.tok.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                            add_generation_prompt=generation)
 
     def _ids(self, text: str, contents: dict[int, str]) -> list[int]:
         """Token ids of rendered `text` whose placeholders stand for `contents`: the template's own text tokenised as
@@ -171,8 +175,9 @@ class NativeFormat:
             before = self._text(held[:k + 1], False)
             end = before.index(self.eos, start) + len(self.eos)
             if not full.startswith(before[:end]):
-                raise ValueError(f"{self.tok.name_or_path}: its chat template renders a conversation's start differently once "
-                                 "more turns follow, so the turns the student is trained on cannot be masked exactly")
+                raise ValueError(f"{self.tok.name_or_path}: its chat template renders a conversation's start "
+                                 "differently once more turns follow, so the turns the student is trained on cannot "
+                                 "be masked exactly")
             spans.append((start, end))
             cuts |= {start, end}
         for m in _PLACEHOLDER.finditer(full):
@@ -192,8 +197,8 @@ class NativeFormat:
         held, contents = self._placeheld(results, first=len(head))
         after = self._text(head + held, True)
         if not after.startswith(before):
-            raise ValueError(f"{self.tok.name_or_path}: its chat template renders an assistant turn differently once tool "
-                             "results follow it")
+            raise ValueError(f"{self.tok.name_or_path}: its chat template renders an assistant turn "
+                             "differently once tool results follow it")
         tail = before[before.rindex(self.eos) + len(self.eos):]
         return self._ids(tail + after[len(before):], contents)
 
@@ -206,8 +211,8 @@ class NativeFormat:
             start = len(self._text(head, True))
             key = scaffold_key(tag)
             if TOOLS[tag].structured and key is None:
-                raise ValueError(f"generate.scaffold: {tag} takes no single string argument, so a native scaffold cannot "
-                                 "open its call; leave it unforced or use student.tool_format: tags")
+                raise ValueError(f"generate.scaffold: {tag} takes no single string argument, so a native "
+                                 "scaffold cannot open its call; leave it unforced or use student.tool_format: tags")
             arg = json.dumps({key: "\ue000"}, ensure_ascii=False) if key else "\ue000"
             text = self._text(head + [self.assistant_message("", [(tag, arg)])], False)
             opening, close = text[start:text.index(self.eos, start)].split("\ue000")
@@ -284,6 +289,7 @@ class NativeFormat:
         if said:
             answer = final_answer(said)
             out.append(self.assistant_message(said.strip() if answer is None else
-                                              re.sub(r"<answer>(.*?)</answer>", lambda m: m.group(1).strip(), said, flags=re.DOTALL).strip(), []))
+                                              re.sub(r"<answer>(.*?)</answer>", lambda m: m.group(1).strip(), said,
+                                                     flags=re.DOTALL).strip(), []))
         return out
 

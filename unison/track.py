@@ -199,7 +199,8 @@ def _parent_run_id(client: MlflowClient, project_dir: Path) -> str:
         run_id = _recorded_parent(client, record, pipeline_params(project_dir).get("params_hash"))
         if run_id is None:
             run_id = start_pipeline_run(project_dir)
-            tmp = atomic_path(record)  # a stage killed mid-write must not leave a half record every later stage trips on
+            # a stage killed mid-write must not leave a half record every later stage trips on
+            tmp = atomic_path(record)
             tmp.write_text(json.dumps({"run_id": run_id, "tracking_uri": client.tracking_uri}))
             tmp.replace(record)
             record.write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(client.tracking_uri)}))
@@ -277,7 +278,8 @@ def stage_run(stage: str, params: dict | None = None):
     project = Path.cwd().resolve()
     uri = tracking_uri(project)
     exported = os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(uri)  # MLflow 3 exports it as MLFLOW_TRACKING_URI too, which tracking_uri() would then prefer
+    # MLflow 3 exports it as MLFLOW_TRACKING_URI too, which tracking_uri() would then prefer
+    mlflow.set_tracking_uri(uri)
     try:
         client = MlflowClient(uri)
         experiment = experiment_id(client, project)
@@ -292,7 +294,8 @@ def stage_run(stage: str, params: dict | None = None):
             finally:
                 run.flush()
                 mlflow.flush_trace_async_logging()
-    finally:  # the environment as it was: a later stage run in this process (tests, flows) finds its own project's store
+    # the environment as it was: a later stage run in this process (tests, flows) finds its own project's store
+    finally:
         if exported is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
@@ -301,7 +304,8 @@ def stage_run(stage: str, params: dict | None = None):
 
 @contextmanager
 def child_run(parent: StageRun, name: str, params: dict | None = None):
-    """A run nested under a stage's run (e.g. one flywheel round), finished when the block ends (FAILED on an exception)."""
+    """A run nested under a stage's run (e.g. one flywheel round), finished when the block ends (FAILED on an
+    exception)."""
     info = parent.client.get_run(parent.run_id).info
     created = parent.client.create_run(info.experiment_id, run_name=name, tags={"mlflow.parentRunId": parent.run_id})
     run = StageRun(parent.client, created.info.run_id, parent.pipeline_run_id)

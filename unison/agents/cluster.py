@@ -39,7 +39,8 @@ class Workbench:
 
 
 def load_workbench(s: SystemSettings, model_dir: str, teacher: bool = False, toolbox=None) -> Workbench:
-    """The teacher (the `teacher` block) or the student trained into `model_dir`, with `toolbox` (default: new tools)."""
+    """The teacher (the `teacher` block) or the student trained into `model_dir`, with `toolbox` (default: new
+    tools)."""
     from ..llm import student_backend, teacher_backend
 
     backend = teacher_backend(s) if teacher else student_backend(model_dir, s)
@@ -48,7 +49,8 @@ def load_workbench(s: SystemSettings, model_dir: str, teacher: bool = False, too
 
 
 def system_context(s: SystemSettings, backend, toolbox, teacher: bool, model_id: str, temperature: float,
-                   roles: dict | None = None, top_logprobs: int = 0, student_weights: bool | None = None) -> MethodContext:
+                   roles: dict | None = None, top_logprobs: int = 0,
+                   student_weights: bool | None = None) -> MethodContext:
     """The teacher runs generate.method with its scaffold, method settings, roles and worked examples; a student runs
     `single`, unscaffolded, without them. `top_logprobs`: a chat teacher's top log-probs kept with each trajectory.
     Weights the pipeline trained (`student_weights`, by default the student) act in student.tool_format."""
@@ -56,18 +58,19 @@ def system_context(s: SystemSettings, backend, toolbox, teacher: bool, model_id:
     native = None
     if (not teacher if student_weights is None else student_weights) and s.student_format == "native":
         native = NativeFormat(backend.tokenizer, tools, native_system_prompt(g.method))
-    return MethodContext(backend, toolbox, episode_settings(g, s.student_engine.max_model_len, temperature, top_logprobs), teacher=model_id,
-                         scaffold=g.scaffold if teacher else {}, params=getattr(g, g.method, None) if teacher else None,
-                         role_backends=roles or {}, tools=tools, taught_by=g.method,
-                         demonstrations=demonstrations(g) if teacher else "", native=native)
+    return MethodContext(backend, toolbox,
+                         episode_settings(g, s.student_engine.max_model_len, temperature, top_logprobs),
+                         teacher=model_id, scaffold=g.scaffold if teacher else {},
+                         params=getattr(g, g.method, None) if teacher else None, role_backends=roles or {}, tools=tools,
+                         taught_by=g.method, demonstrations=demonstrations(g) if teacher else "", native=native)
 
 
 def run_system(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str,
                temperature: float, top_logprobs: int = 0) -> tuple[list[dict], dict]:
     """A system's trajectory rows on `questions` and what its networked pieces counted meanwhile (remote_counters)."""
     generate, networked = workbench.settings.generate, {"teacher": workbench.backend, **workbench.roles}
-    ctx = system_context(workbench.settings, workbench.backend, workbench.toolbox, teacher, model_id, temperature, workbench.roles,
-                         top_logprobs, workbench.student_weights)
+    ctx = system_context(workbench.settings, workbench.backend, workbench.toolbox, teacher, model_id, temperature,
+                         workbench.roles, top_logprobs, workbench.student_weights)
     before = remote_counters(networked, workbench.toolbox)
     rows = run_method(generate.method if teacher else "single", questions, samples, ctx, generate.episodes_in_flight)
     after = remote_counters(networked, workbench.toolbox)
@@ -109,8 +112,9 @@ class Replicas:
             try:
                 ray.init(address=cluster.address)
             except ConnectionError as error:
-                raise ConnectionError(f"params.yaml cluster.address: no Ray cluster at {cluster.address!r} ({error}); start "
-                                      "one (`ray start --head`) or set cluster.address to \"\" to run in this process") from None
+                raise ConnectionError(f"params.yaml cluster.address: no Ray cluster at {cluster.address!r} "
+                                      f"({error}); start one (`ray start --head`) or set cluster.address to \"\" to "
+                                      "run in this process") from None
         self.cluster, self.build = cluster, (build, *args)
         gpus = gpus if ray.cluster_resources().get("GPU", 0) > 0 else 0
         code = {"env_vars": {"PYTHONPATH": str(ROOT)}}  # this unison, not another install of it on the node
@@ -120,15 +124,16 @@ class Replicas:
         self.actor = ray.remote(Replica).options(num_cpus=cluster.cpus_per_replica, num_gpus=gpus, runtime_env=code)
         self.actors = [self.start() for _ in range(cluster.replicas)]
         self.retried = 0  # shards run again after their actor died
-        print(f"cluster: {cluster.replicas} replicas at {cluster.address} ({cluster.cpus_per_replica} CPUs, {gpus} GPUs each)", flush=True)
+        print(f"cluster: {cluster.replicas} replicas at {cluster.address} ({cluster.cpus_per_replica} CPUs, "
+              f"{gpus} GPUs each)", flush=True)
 
     def start(self):
         return self.actor.remote(os.getcwd(), self.spend, *self.build)
 
     def map(self, work: Callable, shards: list[tuple]) -> Iterator[tuple[int, object]]:
-        """(shard number, work(workbench, *shard)) as shards finish, each shard on a free actor; a shard whose actor died
-        goes to the back of the queue for the next free actor, up to cluster.max_shard_retries times, and a new actor
-        takes the dead one's place."""
+        """(shard number, work(workbench, *shard)) as shards finish, each shard on a free actor; a shard whose actor
+        died goes to the back of the queue for the next free actor, up to cluster.max_shard_retries times, and a new
+        actor takes the dead one's place."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -148,9 +153,10 @@ class Replicas:
                 retries[k] += 1
                 self.retried += 1
                 if retries[k] > self.cluster.max_shard_retries:
-                    raise RuntimeError(f"cluster: shard {k} lost its actor {retries[k]} times (cluster.max_shard_retries "
-                                       f"{self.cluster.max_shard_retries})") from error
-                print(f"cluster: shard {k}'s actor died, running it again ({retries[k]}/{self.cluster.max_shard_retries})", flush=True)
+                    raise RuntimeError(f"cluster: shard {k} lost its actor {retries[k]} times "
+                                       f"(cluster.max_shard_retries {self.cluster.max_shard_retries})") from error
+                print(f"cluster: shard {k}'s actor died, running it again "
+                      f"({retries[k]}/{self.cluster.max_shard_retries})", flush=True)
                 todo.append(k)
                 continue
             free.append(actor)
@@ -181,7 +187,8 @@ class Replicas:
         self.close()
 
 
-def workbench_or_replicas(s: SystemSettings, cluster: ClusterConfig, model_dir: str, teacher: bool = False) -> Workbench | Replicas:
+def workbench_or_replicas(s: SystemSettings, cluster: ClusterConfig, model_dir: str,
+                          teacher: bool = False) -> Workbench | Replicas:
     """The system's Workbench in this process (cluster.address "") or its replicas on the cluster."""
     if not cluster.address:
         return load_workbench(s, model_dir, teacher)
@@ -195,6 +202,7 @@ def rollouts(where: Workbench | Replicas, questions: list[dict], samples: int, t
     if isinstance(where, Workbench):
         return run_system(where, questions, samples, teacher, model_id, temperature)
     size = where.cluster.shard_size
-    shards = [(questions[i : i + size], samples, teacher, model_id, temperature) for i in range(0, len(questions), size)]
+    shards = [(questions[i : i + size], samples, teacher, model_id, temperature)
+              for i in range(0, len(questions), size)]
     results = where.ordered(run_system, shards)
     return [row for rows, _ in results for row in rows], sum_counters([c for _, c in results])

@@ -1,4 +1,5 @@
-"""Episodes for MLflow traces (episode -> agent turn -> LLM call / tool call), rebuilt from a trajectory's transcript."""
+"""Episodes for MLflow traces (episode -> agent turn -> LLM call / tool call), rebuilt from a trajectory's
+transcript."""
 from __future__ import annotations
 
 import random
@@ -16,7 +17,8 @@ def episode_from_row(row: dict) -> dict:
             if agent != current:
                 rounds[agent], current = rounds.get(agent, -1) + 1, agent
             turns.append({"agent": agent, "round": rounds[agent],
-                          "llm_calls": [{"prompt": "", "completion": m["content"], "n_tokens": None, "latency_s": None}], "tool_calls": []})
+                          "llm_calls": [{"prompt": "", "completion": m["content"], "n_tokens": None,
+                                         "latency_s": None}], "tool_calls": []})
         elif m["role"] == "tool" and turns:
             call = parse_tool_call(turns[-1]["llm_calls"][-1]["completion"], tuple(TOOLS))
             tool, arg = call if call else ("unknown", "")

@@ -22,18 +22,20 @@ def start_episode(tok, key: str, question: str, seed: int, scaffold: list[str], 
                   tools: tuple[str, ...] = DEFAULT_TOOLS, native: NativeFormat | None = None) -> Episode:
     """A fresh episode: `system` (the student protocol unless a role has its own) and one user turn; a `native` one
     in its chat template with the tools, under its own system prompt."""
-    prompt = native.prompt_ids(question_messages(question, native.system)) if native else chat_prompt(tok, question_messages(question, system))
+    prompt = (native.prompt_ids(question_messages(question, native.system)) if native else
+              chat_prompt(tok, question_messages(question, system)))
     return Episode(key=key, prompt_ids=prompt, seed=seed, scaffold=list(scaffold), tools=tuple(tools), native=native)
 
 
 def continuation_ids(tok, user_text: str) -> list[int]:
     """Tokens that close an assistant turn (after its eos) and open a user turn then a new assistant turn."""
     if not getattr(tok, "chat_template", None):
-        raise ValueError(f"{tok.name_or_path}: no chat template (a base model), so it cannot be given a new user turn: the "
-                         f"methods that continue a conversation ({', '.join(CONVERSING_METHODS)}) need a model with one; "
-                         f"a base model acts in {', '.join(m for m in METHODS if m not in CONVERSING_METHODS)}")
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": PLACEHOLDER},
-            {"role": "user", "content": user_text}]
+        raise ValueError(f"{tok.name_or_path}: no chat template (a base model), so it cannot be given a "
+                         f"new user turn: the methods that continue a conversation ({', '.join(CONVERSING_METHODS)}) "
+                         "need a model with one; a base model acts in "
+                         f"{', '.join(m for m in METHODS if m not in CONVERSING_METHODS)}")
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": PLACEHOLDER}, {"role": "user", "content": user_text}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     after = text.split(PLACEHOLDER, 1)[1]
     assert after.startswith(tok.eos_token), "chat template must close an assistant turn with eos"
@@ -72,7 +74,8 @@ def tool_totals(rows: list[dict]) -> dict[str, int]:
 
 def student_messages(question: str, segments: list[Segment], system: str = SYSTEM_PROMPT) -> list[dict]:
     """The single-agent rendering: system + user, then assistant segments and tool observations with their ids."""
-    msgs = [{"role": "system", "content": system, "token_ids": []}, {"role": "user", "content": question, "token_ids": []}]
+    msgs = [{"role": "system", "content": system, "token_ids": []},
+            {"role": "user", "content": question, "token_ids": []}]
     for s in segments:
         msgs.append({"role": "assistant" if s.kind == "gen" else "tool", "content": s.text, "token_ids": list(s.ids)})
     return msgs
@@ -116,6 +119,8 @@ def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: li
         "tool_stats": json.dumps(merge_tool_stats(episodes), sort_keys=True),
         "finish_reason": finish_reason,
         "tokenizer": "",  # run_method stamps the fingerprint of the backend's tokenizer
-        # a chat teacher's top log-probs by generated segment (in memory only: run_method lays them out, teacher_topk.py)
-        **({"teacher_tops": tops} if (tops := {tuple(s.ids): s.top for e in episodes for s in e.segments if s.top}) else {}),
+        # a chat teacher's top log-probs by generated segment (in memory only: run_method lays them out,
+        # teacher_topk.py)
+        **({"teacher_tops": tops}
+           if (tops := {tuple(s.ids): s.top for e in episodes for s in e.segments if s.top}) else {}),
     }

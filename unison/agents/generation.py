@@ -39,20 +39,23 @@ SPENT = (".prompt_tokens", ".completion_tokens", ".cost_usd")
 
 
 def shard_dir(s: SystemSettings, questions: list[dict]) -> Path:
-    """Shards are valid only for the same settings (less the spending limits and topk), questions and worked examples, the same code (every .py file of the
-    unison package) and the same index and teacher (every file of data/index, models/teacher and generate.roles' local
-    model folders, by content): a shard made by other code or other weights is never reused."""
+    """Shards are valid only for the same settings (less the spending limits and topk), questions and worked examples,
+    the same code (every .py file of the unison package) and the same index and teacher (every file of data/index,
+    models/teacher and generate.roles' local model folders, by content): a shard made by other code or other weights is
+    never reused."""
     settings = s.model_dump()
     if not s.chat_top_logprobs:
         settings["generate"].pop("topk")  # scored after the trajectories: a new k re-scores them, never re-generates
-    for llm in (settings["student_engine"], settings["teacher_engine"]):  # a larger budget resumes from the shards a smaller one kept
+    # a larger budget resumes from the shards a smaller one kept
+    for llm in (settings["student_engine"], settings["teacher_engine"]):
         for name in SPENDING_LIMITS:
             llm.pop(name, None)
     key = json.dumps([settings, [q["id"] for q in questions]], sort_keys=True)
     key += demonstrations(s.generate)  # the teacher's worked examples: the file's text, not only its name
     code = sorted(PACKAGE.rglob("*.py"))
     roles = [str(spec["model"]) for spec in s.generate.roles.values() if Path(str(spec.get("model", ""))).is_dir()]
-    data = [f for d in dict.fromkeys([layout.INDEX, layout.TEACHER, *roles]) for f in sorted(Path(d).rglob("*")) if f.is_file()]
+    data = [f for d in dict.fromkeys([layout.INDEX, layout.TEACHER, *roles]) for f in sorted(Path(d).rglob("*"))
+            if f.is_file()]
     names = [str(f.relative_to(PACKAGE.parent)) for f in code] + [str(f) for f in data]
     key += json.dumps(dict(zip(names, file_digests(code + data))))
     return Path(layout.GENERATE_CACHE) / hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -64,8 +67,8 @@ class TooManyFailures(RuntimeError):
 
 class FailureShare:
     """Counts the trajectories that ended on a request failed for good (finish request_failed) against the share of all
-    `total` that llm.max_failed_share allows; `admit` raises TooManyFailures, before a shard that would pass it is written
-    (generate) or a system's rows are scored (evaluate, `stage`)."""
+    `total` that llm.max_failed_share allows; `admit` raises TooManyFailures, before a shard that would pass it is
+    written (generate) or a system's rows are scored (evaluate, `stage`)."""
 
     def __init__(self, share: float, total: int, last_failure=lambda: "", stage: str = "generate"):
         self.share, self.total, self.failed, self.last_failure, self.stage = share, total, 0, last_failure, stage
@@ -74,8 +77,9 @@ class FailureShare:
         failed = self.failed + sum(r["finish_reason"] == REQUEST_FAILED for r in rows)
         if failed > self.share * self.total:
             last = self.last_failure()
-            raise TooManyFailures(f"{self.stage}: {failed} of {self.total} trajectories ended on a request that failed for good, "
-                                  f"more than llm.max_failed_share {self.share:g} allows" + (f"; the last: {last}" if last else ""))
+            raise TooManyFailures(f"{self.stage}: {failed} of {self.total} trajectories ended on a request that "
+                                  f"failed for good, more than llm.max_failed_share {self.share:g} allows"
+                                  + (f"; the last: {last}" if last else ""))
         self.failed = failed
 
 
@@ -121,16 +125,20 @@ def read_shard(path: Path) -> list[dict]:
 def summarize(rows: list[dict]) -> dict:
     n = len(rows)
     return {"trajectories": n, "questions": len({r["question_id"] for r in rows}),
-            "llm_calls_per_traj": sum(r["n_llm_calls"] for r in rows) / n, "tokens_per_traj": sum(r["n_tokens"] for r in rows) / n,
-            "tool_calls_per_traj": sum(r["n_tool_calls"] for r in rows) / n, "tool_errors": sum(r["tool_errors"] for r in rows),
+            "llm_calls_per_traj": sum(r["n_llm_calls"] for r in rows) / n,
+            "tokens_per_traj": sum(r["n_tokens"] for r in rows) / n,
+            "tool_calls_per_traj": sum(r["n_tool_calls"] for r in rows) / n,
+            "tool_errors": sum(r["tool_errors"] for r in rows),
             "answered_rate": sum(bool(r["final_answer"]) for r in rows) / n,
             "request_failed": sum(r["finish_reason"] == REQUEST_FAILED for r in rows),
             **{f"finish_{k}": v / n for k, v in Counter(r["finish_reason"] for r in rows).items()}, **tool_totals(rows)}
 
 
-def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: list[dict], shards: Path) -> tuple[list[dict], dict]:
-    """Every question's trajectories, shard by shard in `shards` (finished shards reused; the engine starts only when some
-    shard is left to do), in this process or over the replicas of cluster.address; (rows in question order, metrics)."""
+def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: list[dict],
+                          shards: Path) -> tuple[list[dict], dict]:
+    """Every question's trajectories, shard by shard in `shards` (finished shards reused; the engine starts only when
+    some shard is left to do), in this process or over the replicas of cluster.address; (rows in question order,
+    metrics)."""
     g = s.generate
     shards.mkdir(parents=True, exist_ok=True)
     size = g.shard_size
@@ -157,7 +165,8 @@ def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: 
         except Exception as error:  # a server gone for good: the finished shards stay; the stage logs the counters
             error.counters = getattr(error, "counters", counters)
             faults = [f"{k}={v:g}" for k, v in error.counters.items() if k.startswith(FAULTS)]
-            error.add_note("generate: " + ", ".join(faults + [f"{k}={v:g}" for k, v in error.counters.items() if k.endswith(SPENT)]))
+            error.add_note("generate: "
+                           + ", ".join(faults + [f"{k}={v:g}" for k, v in error.counters.items() if k.endswith(SPENT)]))
             raise
         wall_s = time.perf_counter() - t0
     rows = [r for path in paths for r in read_shard(path)]
@@ -165,7 +174,8 @@ def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: 
     return rows, {**summarize(rows), "wall_s": wall_s, **counters}
 
 
-def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path], failures: FailureShare) -> dict:
+def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path],
+             failures: FailureShare) -> dict:
     """The pending questions as flows on this process's engine, each shard written once its questions are done; the
     counters of the pieces behind a network (also on the error, when a server fails for good)."""
     g = s.generate
@@ -184,11 +194,12 @@ def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, d
 
 def run_on_cluster(s: SystemSettings, replicas: Replicas, shards: list[tuple[int, list[dict]]], paths: list[Path],
                    failures: FailureShare) -> dict:
-    """Each shard on a replica (cluster.address), written here as it comes back (once `failures` admits it); the counters
-    summed."""
+    """Each shard on a replica (cluster.address), written here as it comes back (once `failures` admits it); the
+    counters summed."""
     g, counters = s.generate, []
     with replicas:
-        for j, (rows, c) in replicas.map(run_system, [(qs, g.samples, True, teacher_id(s), g.temperature, s.chat_top_logprobs)
+        for j, (rows, c) in replicas.map(run_system, [(qs, g.samples, True, teacher_id(s), g.temperature,
+                                                       s.chat_top_logprobs)
                                                       for _, qs in shards]):
             k = shards[j][0]
             failures.admit(rows)

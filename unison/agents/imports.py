@@ -5,19 +5,21 @@ Formats, told apart by the records' fields (jsonl, json or parquet):
             result inline in `output` as <observation>...</observation> (AFM, GAP), <result>...</result> (ET-Agent) or
             <information>...</information> (Search-R1); optional `system`; `history` must be empty.
   sharegpt  LLaMA-Factory's ShareGPT: `conversations` of {from, value}, from human | gpt | function_call (JSON
-            {"name", "arguments"}, or a list of them for parallel calls) | observation | system; optional `system`, `tools`.
+            {"name", "arguments"}, or a list of them for parallel calls) | observation | system; optional `system`,
+            `tools`.
   openai    `messages` of {role, content}: system, user, assistant (with `tool_calls` [{function: {name, arguments}}])
             and tool messages.
 
-Each record becomes one TRAJECTORY row. `messages` keeps the record's conversation in its own words; `student` renders it
-in the student protocol (unison/protocol.py): the student's system prompt and the question, then assistant turns and
+Each record becomes one TRAJECTORY row. `messages` keeps the record's conversation in its own words; `student` renders
+it in the student protocol (unison/protocol.py): the student's system prompt and the question, then assistant turns and
 tool turns. Tool calls become the protocol's tags (wiki_search -> search, crawl_page -> crawl, code -> python without
 its ```python fence; search, python, web_search and crawl stay), several queries of one search call joined by " | ";
-each call's result becomes one `tool` turn, `\\n<result>\\n...\\n</result>\\n` (results of one call joined by `\\n---\\n`, as
-the toolbox joins parallel queries), which SFT masks: the records carry no token ids, so every turn is tokenised on its
-own under the student's tokenizer and the mask covers exactly the assistant turns (token_view.py). A last reply with no
-<answer> tag is the answer as a whole. What a file cannot say is filled plainly: teacher = generate.source, method
-"import", n_llm_calls, n_tokens and tool_errors 0, tool_stats {}, finish_reason "import", tokenizer "".
+each call's result becomes one `tool` turn, `\\n<result>\\n...\\n</result>\\n` (results of one call joined by
+`\\n---\\n`, as the toolbox joins parallel queries), which SFT masks: the records carry no token ids, so every turn is
+tokenised on its own under the student's tokenizer and the mask covers exactly the assistant turns (token_view.py). A
+last reply with no <answer> tag is the answer as a whole. What a file cannot say is filled plainly: teacher =
+generate.source, method "import", n_llm_calls, n_tokens and tool_errors 0, tool_stats {}, finish_reason "import",
+tokenizer "".
 
 Which question a record answers: the question of its user turn (after a "Question:"/"Task:" marker when it has one),
 matched to download's train questions by normalised text (protocol.normalize_answer). The trajectory takes that
@@ -54,8 +56,8 @@ def trajectory_format(row: dict, path) -> str:
         return "openai"
     if "instruction" in row and "output" in row:
         return "alpaca"
-    raise DataError(path, f"unknown trajectory format (fields {sorted(row)}): expected Alpaca records (instruction, input, "
-                          "output), ShareGPT (conversations) or OpenAI messages (messages)", row=0)
+    raise DataError(path, f"unknown trajectory format (fields {sorted(row)}): expected Alpaca records "
+                          "(instruction, input, output), ShareGPT (conversations) or OpenAI messages (messages)", row=0)
 
 
 def _string(value, path, row: int, field: str) -> str:
@@ -88,12 +90,14 @@ def split_output(text: str, path, row: int) -> list[list[str]]:
 
 
 def alpaca(rec: dict, path, row: int) -> tuple[str, list[dict], list[list[str]]]:
-    instruction, output = _string(rec.get("instruction"), path, row, "instruction"), _string(rec.get("output"), path, row, "output")
+    instruction, output = (_string(rec.get("instruction"), path, row, "instruction"),
+                           _string(rec.get("output"), path, row, "output"))
     query = _string(rec.get("input") or "", path, row, "input")
     if rec.get("history"):
         raise DataError(path, "earlier turns: an imported trajectory answers one question", row, "history")
     source = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
-    source += [{"role": "user", "content": "\n".join(p for p in (instruction, query) if p)}, {"role": "assistant", "content": output}]
+    source += [{"role": "user", "content": "\n".join(p for p in (instruction, query) if p)},
+               {"role": "assistant", "content": output}]
     return question_after_marker(query or instruction), source, split_output(output, path, row)
 
 
@@ -116,7 +120,8 @@ def sharegpt_calls(value: str, path, row: int, field: str) -> list[tuple[str, ob
     return [(c["name"], c.get("arguments", {})) for c in calls]
 
 
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool", "system": "system"}
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool",
+                  "system": "system"}
 
 
 def sharegpt(rec: dict, path, row: int) -> tuple[str, list[dict], list[list[str]]]:
@@ -129,7 +134,8 @@ def sharegpt(rec: dict, path, row: int) -> tuple[str, list[dict], list[list[str]
         field, role = f"conversations[{k}]", m.get("from")
         value = _string(m.get("value"), path, row, field)
         if role not in SHAREGPT_ROLES or (role == "system" and k):
-            raise DataError(path, f"unknown role {role!r} here (system first, then {', '.join(list(SHAREGPT_ROLES)[:4])})", row, field)
+            raise DataError(path, f"unknown role {role!r} here (system first, then "
+                            f"{', '.join(list(SHAREGPT_ROLES)[:4])})", row, field)
         source.append({"role": SHAREGPT_ROLES[role], "content": value})
         if role == "human":
             if question is not None or turns:
@@ -161,14 +167,17 @@ def openai(rec: dict, path, row: int) -> tuple[str, list[dict], list[list[str]]]
         calls = m.get("tool_calls") or []
         functions = [c.get("function") if isinstance(c, dict) else None for c in calls]
         if not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in functions):
-            raise DataError(path, f"expected tool_calls of {{function: {{name, arguments}}}}, got {calls!r:.80}", row, field)
-        source.append({"role": role, "content": "\n".join(t for t in (text, json.dumps(functions) if calls else "") if t)})
+            raise DataError(path, f"expected tool_calls of {{function: {{name, arguments}}}}, got {calls!r:.80}", row,
+                            field)
+        source.append({"role": role,
+                       "content": "\n".join(t for t in (text, json.dumps(functions) if calls else "") if t)})
         if role == "user":
             if question is not None or turns:
                 raise DataError(path, "a second user message: an imported trajectory answers one question", row, field)
             question = question_after_marker(text)
         elif role == "assistant":
-            call = render_calls([(f["name"], f.get("arguments", {})) for f in functions], path, row, field) if calls else ""
+            call = (render_calls([(f["name"], f.get("arguments", {})) for f in functions], path, row, field)
+                    if calls else "")
             turns.append(["assistant", "\n".join(t for t in (text, call) if t)])
         elif role == "tool":
             turns.append(["tool", text])
@@ -197,9 +206,11 @@ def checked_turns(turns: list[list[str]], tools: tuple[str, ...], path, row: int
         call = parse_tool_call(merged[k - 1][1], tuple(TOOLS)) if k else None
         if call is None:
             said = merged[k - 1][1][-60:] if k else ""
-            raise DataError(path, f"a tool result follows no call of a student-protocol tool ({', '.join(TOOLS)}): ...{said!r}", row, field)
+            raise DataError(path, "a tool result follows no call of a student-protocol tool "
+                            f"({', '.join(TOOLS)}): ...{said!r}", row, field)
         if call[0] not in tools:
-            raise DataError(path, f"calls {call[0]}, which this run does not enable (tools.web_search_url, tools.crawl)", row, field)
+            raise DataError(path, f"calls {call[0]}, which this run does not enable "
+                            "(tools.web_search_url, tools.crawl)", row, field)
     if not merged or merged[-1][0] != "assistant" or not merged[-1][1]:
         raise DataError(path, "the trajectory does not end with a reply", row, field)
     if "<answer>" not in merged[-1][1]:
@@ -207,7 +218,8 @@ def checked_turns(turns: list[list[str]], tools: tuple[str, ...], path, row: int
     return merged
 
 
-def import_trajectories(g: GenerateConfig, tools: tuple[str, ...], dataset: str, questions: list[dict]) -> tuple[list[dict], dict]:
+def import_trajectories(g: GenerateConfig, tools: tuple[str, ...], dataset: str,
+                        questions: list[dict]) -> tuple[list[dict], dict]:
     """TRAJECTORY rows of the records in generate.source that ask a train question (`questions`, of download.dataset
     `dataset`) calling only `tools` (the enabled ones), and the metrics."""
     spec = g.source
@@ -226,15 +238,18 @@ def import_trajectories(g: GenerateConfig, tools: tuple[str, ...], dataset: str,
         if q is None:
             unmatched += 1
             continue
-        student = [{"role": "system", "content": system, "token_ids": []}, {"role": "user", "content": q["question"], "token_ids": []}]
+        student = [{"role": "system", "content": system, "token_ids": []},
+                   {"role": "user", "content": q["question"], "token_ids": []}]
         student += [{"role": r, "content": observation(t) if r == "tool" else t, "token_ids": []} for r, t in turns]
         answers = re.findall(r"<answer>(.*?)</answer>", "".join(t for r, t in turns if r == "assistant"), re.DOTALL)
-        row = trajectory_row(q, samples[q["id"]], "import", spec, source, student, answers[-1].strip() if answers else "", [], "import")
+        row = trajectory_row(q, samples[q["id"]], "import", spec, source, student,
+                             answers[-1].strip() if answers else "", [], "import")
         rows.append({**row, "n_tool_calls": sum(r == "tool" for r, _ in turns)})
         samples[q["id"]] += 1
     if not rows:
         raise DataError(path, f"none of its {len(records)} {kind} records asks a train question of download.dataset "
-                              f"({dataset}): generate.source's trajectories must answer questions download materialises")
+                              f"({dataset}): generate.source's trajectories must answer questions "
+                              "download materialises")
     print(f"generate: imported {len(rows)} {kind} trajectories for {len(samples)} train questions from {path}; "
           f"{unmatched} records ask no train question", flush=True)
     return rows, {**summarize(rows), "import_records": len(records), "import_unmatched": unmatched}

@@ -3,8 +3,8 @@
 `run_episodes` keeps every live episode — all questions, samples and agents — in one continuously batched engine run
 (lock-step batches for backends without streaming); tool calls run concurrently in a thread pool, each with a deadline
 (the toolbox's `call_deadline_s`); finished episodes leave the batch. `scheduler.run_flows` runs many multi-round
-flows (a teacher method on one question each) on one engine, so no question waits for another's round to end. Every episode is token-in/token-out: its ids are the prompt
-plus each segment's ids exactly as generated or appended.
+flows (a teacher method on one question each) on one engine, so no question waits for another's round to end. Every
+episode is token-in/token-out: its ids are the prompt plus each segment's ids exactly as generated or appended.
 """
 from __future__ import annotations
 
@@ -41,9 +41,11 @@ class Episode:
     key: str
     prompt_ids: list[int]
     seed: int
-    scaffold: list[str] = field(default_factory=list)  # forced tag per turn: "search" | "python" | "answer" | "think" ...
+    # forced tag per turn: "search" | "python" | "answer" | "think" ...
+    scaffold: list[str] = field(default_factory=list)
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools this episode may call; () = a role that only writes (critic, ranker)
-    native: NativeFormat | None = None  # the student's chat template with tools (tool_format.py); None = the tag protocol
+    # the student's chat template with tools (tool_format.py); None = the tag protocol
+    native: NativeFormat | None = None
     segments: list[Segment] = field(default_factory=list)
     finish_reason: str | None = None
     n_llm_calls: int = 0
@@ -89,7 +91,8 @@ _GENERATE = GenerateConfig.model_fields
 
 @dataclass
 class EpisodeSettings:
-    """How an episode samples and how long it may run; the defaults are params.yaml's (generate.*, llm.max_model_len)."""
+    """How an episode samples and how long it may run; the defaults are params.yaml's (generate.*,
+    llm.max_model_len)."""
     temperature: float = _GENERATE["temperature"].default
     top_p: float = _GENERATE["top_p"].default
     max_turns: int = _GENERATE["max_turns"].default
@@ -104,7 +107,8 @@ REQUEST_FAILED = "request_failed"  # an episode's finish when its model's server
 
 def _finish(e: Episode, reason: str, eos_id: int | None = None) -> None:
     e.finish_reason = reason
-    if eos_id is not None and e.segments and e.segments[-1].kind == "gen" and (not e.segments[-1].ids or e.segments[-1].ids[-1] != eos_id):
+    if (eos_id is not None and e.segments and e.segments[-1].kind == "gen"
+            and (not e.segments[-1].ids or e.segments[-1].ids[-1] != eos_id)):
         e.segments[-1].ids.append(eos_id)  # close the turn as the student must learn to
 
 
@@ -205,7 +209,8 @@ class EngineLoop:
         for rid, c in sorted(finished, key=lambda rc: self.order[id(self.inflight[rc[0]][0])]):
             e, scaffold = self.inflight.pop(rid)
             toolbox, cfg, _ = self.setup[id(e)]
-            if c.finish_reason == "failed":  # its server failed for good, after its retries: the episode ends here, counted
+            # its server failed for good, after its retries: the episode ends here, counted
+            if c.finish_reason == "failed":
                 e.events.append({"type": "llm", "turn": e.turn, "error": c.error, "latency_s": step_s})
                 _finish(e, REQUEST_FAILED)
                 call = None
@@ -227,7 +232,8 @@ class EngineLoop:
             text, err, secs = self._result(call)
             e.n_tool_calls += 1
             e.count_tool(call.tool, err)
-            e.events.append({"type": "tool", "tool": call.tool, "input": call.arg, "output": text, "error": err, "latency_s": secs})
+            e.events.append({"type": "tool", "tool": call.tool, "input": call.arg, "output": text, "error": err,
+                             "latency_s": secs})
             e.segments.append(_native_obs(call, text) if e.native else _obs(self.tok, text))
             if e.finish_reason is None:
                 again.append(e)
@@ -309,7 +315,8 @@ class Batch:
 flow_thread = threading.local()  # .driver, .flow: in a flow thread of `scheduler.run_flows`, its driver and index
 
 
-def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: EpisodeSettings, desc: str = "episodes") -> list[Episode]:
+def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: EpisodeSettings,
+                 desc: str = "episodes") -> list[Episode]:
     """Run all episodes to completion; returns them (mutated).
 
     Inside a flow of `scheduler.run_flows` on the same backend, the episodes join that run's engine with every other
@@ -327,7 +334,8 @@ def run_episodes(episodes: list[Episode], backend, toolbox: Toolbox, cfg: Episod
     return episodes
 
 
-def _turn_request(e: Episode, tok, cfg: EpisodeSettings, prefills: bool = True) -> tuple[tuple[list[int], Sampling], tuple]:
+def _turn_request(e: Episode, tok, cfg: EpisodeSettings,
+                  prefills: bool = True) -> tuple[tuple[list[int], Sampling], tuple]:
     """The next turn's (prompt, sampling), with the scaffold's prefill for this turn, and the scaffold. A backend that
     cannot prefill (`prefills` False: a chat API) is told the tag instead (`Sampling.forced`) and writes it itself."""
     tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
@@ -336,17 +344,21 @@ def _turn_request(e: Episode, tok, cfg: EpisodeSettings, prefills: bool = True) 
         prefill = ""
     prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
     budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
-    stop = [s for s in (close, end) if s] if tag else [] if e.native else stops_for(e.tools)  # a native turn ends at eos
-    sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)),
-                        stop=stop, seed=e.seed * 1009 + e.turn,
-                        forced="" if prefills else tag or "", top_logprobs=cfg.top_logprobs)
+    # a native turn ends at eos
+    stop = [s for s in (close, end) if s] if tag else [] if e.native else stops_for(e.tools)
+    sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
+                        max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)), stop=stop,
+                        seed=e.seed * 1009 + e.turn, forced="" if prefills else tag or "",
+                        top_logprobs=cfg.top_logprobs)
     return (e.ids + prefill_ids, sampling), (prefill, prefill_ids, close)
 
 
-def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, step_s: float) -> tuple[str, str] | None:
+def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
+                      step_s: float) -> tuple[str, str] | None:
     """Append the generated segment and decide what happens next: the tool call to run and/or the episode's end."""
     prefill, prefill_ids, close = scaffold
-    seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids), [None] * len(prefill_ids) + c.top if c.top else None)
+    seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids),
+                  [None] * len(prefill_ids) + c.top if c.top else None)
     stop = c.stop
     if close and stop != close:  # the scaffold closes the tag the model left open (after the stop that opens the close)
         rest = closing(c.text, stop, close)
@@ -354,9 +366,11 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
         seg.ids += tok(rest, add_special_tokens=False)["input_ids"]
         stop = close
     _record(e, seg, c, step_s)
-    tool = stop[stop.rindex("</") + 2:-1] if stop and "</" in stop and stop != "</answer>" else None  # a custom tool's close is "}</name>
+    # a custom tool's close is "}</name>
+    tool = stop[stop.rindex("</") + 2:-1] if stop and "</" in stop and stop != "</answer>" else None
     call = None
-    if c.error:  # the backend could not use the answer (a malformed tool call): the model is told, as for an unparsable call
+    # the backend could not use the answer (a malformed tool call): the model is told, as for an unparsable call
+    if c.error:
         e.count_tool(tool or "tool_call", "malformed")
         e.segments.append(_obs(tok, f"error: {c.error}"))
     elif stop == "</answer>":
@@ -371,7 +385,8 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
             e.segments.append(_obs(tok, "error: could not parse the tool call"))
     elif tool in ROLE_TAGS and stop == close and e.turn < len(e.scaffold):
         pass  # a scaffolded thought (ReAct): the scaffold's next tag opens the next turn
-    elif c.finish_reason == "refusal":  # a hosted model declined: a finish of its own in the row, never a silent empty answer
+    # a hosted model declined: a finish of its own in the row, never a silent empty answer
+    elif c.finish_reason == "refusal":
         _finish(e, "refusal")
     elif c.finish_reason == "stop":
         _finish(e, "eos")
@@ -385,7 +400,8 @@ def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
 
 
 def _record(e: Episode, seg: Segment, c, step_s: float, completion: str | None = None) -> None:
-    """Append a generated segment and count its LLM call (`completion`: the text as written, when it is not seg.text)."""
+    """Append a generated segment and count its LLM call (`completion`: the text as written, when it is not
+    seg.text)."""
     e.segments.append(seg)
     if c.model:
         e.served_models.add(c.model)
@@ -401,10 +417,12 @@ def _apply_native(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, ste
     prefill, prefill_ids, close = scaffold
     text, ids, eos = prefill + c.text, prefill_ids + list(c.token_ids), tok.eos_token_id
     role = close is not None and close.startswith("</") and close[2:-1] in ROLE_TAGS
-    if close is None and c.stop and text.endswith(c.stop):  # a forced answer cut at its blank line: the reply ends before it
+    # a forced answer cut at its blank line: the reply ends before it
+    if close is None and c.stop and text.endswith(c.stop):
         text = text[: -len(c.stop)]
         ids = prefill_ids + tok(c.text[: -len(c.stop)], add_special_tokens=False)["input_ids"]
-    if close and not role and c.stop != close:  # the scaffold closes the call the model left open (its stop opens the close)
+    # the scaffold closes the call the model left open (its stop opens the close)
+    if close and not role and c.stop != close:
         rest = closing(c.text, c.stop, close)
         text += rest
         ids += tok(rest, add_special_tokens=False)["input_ids"]
@@ -443,12 +461,14 @@ def _native_obs(call: ToolCall, text: str) -> Segment:
     e, parts = call.episode, call.parts or [call.arg]
     results = call.results if call.results and len(call.results) == len(parts) else [text] * len(parts)
     assistant = e.native.assistant_message("", [(call.tool, p) for p in parts])
-    return Segment("obs", observation(text), e.native.observation_ids(assistant, [{"role": "tool", "content": r} for r in results]))
+    return Segment("obs", observation(text),
+                   e.native.observation_ids(assistant, [{"role": "tool", "content": r} for r in results]))
 
 
 def closing(text: str, stop: str | None, close: str) -> str:
     """What the scaffold appends to close a forced tag after a turn that ended at `stop`: the rest of `close` after what
-    the model already wrote of it (its last token may carry past the stop, `"}` where the stop is `"`), else all of it."""
+    the model already wrote of it (its last token may carry past the stop, `"}` where the stop is `"`), else all of
+    it."""
     tail = text[text.rfind(stop):] if stop and stop in text else ""
     return close[len(tail):] if tail and close.startswith(tail) else close
 

@@ -18,7 +18,8 @@ from .toolbox import Toolbox
 T = TypeVar("T")
 
 
-def run_flows(flows: list[Callable[[], T]], backend, max_episodes: int, desc: str = "flows", unit: str = "flow") -> list[T]:
+def run_flows(flows: list[Callable[[], T]], backend, max_episodes: int, desc: str = "flows",
+              unit: str = "flow") -> list[T]:
     """Run the flows (functions that call `run_episodes`, maybe several times, e.g. a method on one question)
     concurrently on one engine; their results in order.
 

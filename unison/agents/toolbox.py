@@ -11,8 +11,8 @@ class Toolbox:
     observation string and its error kind (None if it worked).
 
     Error kinds: timeout, error, blocked, empty_result, empty_query, empty_code, unavailable, unknown_tool; your tools'
-    argument_too_long, invalid_arguments, tool_error, output_cut, server_died (tools/custom.py); and the runtime's unparsable,
-    malformed, exception. The runtime gives up on a call after its tool's deadline (`deadline_for`:
+    argument_too_long, invalid_arguments, tool_error, output_cut, server_died (tools/custom.py); and the runtime's
+    unparsable, malformed, exception. The runtime gives up on a call after its tool's deadline (`deadline_for`:
     a `timeout` observation)."""
 
     def __init__(self, retriever=None, settings: ToolsConfig | None = None, web_cache_dir: str = ""):

@@ -31,10 +31,12 @@ def demonstrations(g: GenerateConfig) -> str:
     return Path(path).read_text().strip()
 
 
-def episode_settings(g: GenerateConfig, max_model_len: int, temperature: float, top_logprobs: int = 0) -> EpisodeSettings:
+def episode_settings(g: GenerateConfig, max_model_len: int, temperature: float,
+                     top_logprobs: int = 0) -> EpisodeSettings:
     """An episode's sampling and limits: generate's, at `temperature` (the teacher's, a student's, a completer's)."""
-    return EpisodeSettings(temperature=temperature, top_p=g.top_p, max_turns=g.max_turns, max_tokens_per_turn=g.max_tokens_per_turn,
-                           max_tool_calls=g.max_tool_calls, max_model_len=max_model_len, top_logprobs=top_logprobs)
+    return EpisodeSettings(temperature=temperature, top_p=g.top_p, max_turns=g.max_turns,
+                           max_tokens_per_turn=g.max_tokens_per_turn, max_tool_calls=g.max_tool_calls,
+                           max_model_len=max_model_len, top_logprobs=top_logprobs)
 
 
 def make_role_backends(roles: dict, teacher: EngineConfig, seed: int) -> dict:
@@ -59,8 +61,8 @@ def make_role_backends(roles: dict, teacher: EngineConfig, seed: int) -> dict:
 
 def fault_counters(backends: dict, toolbox: Toolbox | None) -> dict[str, float]:
     """Retries and failures of the pieces behind a network: `teacher_retries` / `teacher_failures` summed over the
-    distinct backends (only the openai backend keeps them; 0 for local ones) and the remote retriever's `search_requests`
-    / `search_retries` / `search_failures` (0 in process, and all 0 when nothing ran: no toolbox)."""
+    distinct backends (only the openai backend keeps them; 0 for local ones) and the remote retriever's
+    `search_requests` / `search_retries` / `search_failures` (0 in process, and all 0 when nothing ran: no toolbox)."""
     distinct = {id(b): getattr(b, "stats", {}) for b in backends.values()}.values()
     search = getattr(toolbox.retriever, "stats", {}) if toolbox is not None else {}
     return {**{f"teacher_{k}": float(sum(stats.get(k, 0) for stats in distinct)) for k in ("retries", "failures")},
@@ -68,8 +70,8 @@ def fault_counters(backends: dict, toolbox: Toolbox | None) -> dict[str, float]:
 
 
 def remote_counters(backends: dict, toolbox: Toolbox) -> dict[str, float]:
-    """Counters of the pieces behind a network (for MLflow): each backend's `stats` (openai: requests, retries, failures,
-    ...) by role, `fault_counters`, and the web cache's hits and misses."""
+    """Counters of the pieces behind a network (for MLflow): each backend's `stats` (openai: requests, retries,
+    failures, ...) by role, `fault_counters`, and the web cache's hits and misses."""
     out = {f"backend.{role}.{k}": float(v) for role, b in backends.items() for k, v in getattr(b, "stats", {}).items()}
     out.update(fault_counters(backends, toolbox))
     caches = {id(h.cache): h.cache for h in toolbox.handlers.values() if getattr(h, "cache", None) is not None}

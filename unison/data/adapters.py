@@ -26,13 +26,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from unison.data.schemas import DataError
-from unison.data.seed_rows import answer_list, gsm8k_final_answer, read_agentark, read_agentflow, read_agentflow_test, read_verl
+from unison.data.seed_rows import (
+    answer_list,
+    gsm8k_final_answer,
+    read_agentark,
+    read_agentflow,
+    read_agentflow_test,
+    read_verl,
+)
 
 QUESTION_COLUMNS = ("question", "problem", "query", "Question")
 ANSWER_COLUMNS = ("answers", "answer", "golden_answers", "Answer")
 ID_COLUMNS = ("id", "_id", "unique_id", "qid", "idx")
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
-SEED_COLUMNS = ("question", "query", "answer", "result", "gt")  # the seed layouts' question and answer columns (not meta)
+# the seed layouts' question and answer columns (not meta)
+SEED_COLUMNS = ("question", "query", "answer", "result", "gt")
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,8 @@ class Format:
     parse_answer: Callable[[str], str] | None = None
     alias_column: str | None = None  # extra acceptable answers
     keys: tuple[str, ...] = ()  # columns that mark a seed system's row layout, whatever the file is called
-    read: Callable[[dict, str, object, int], tuple[str, list[str], str]] | None = None  # that layout -> question, answers, task
+    # that layout -> question, answers, task
+    read: Callable[[dict, str, object, int], tuple[str, list[str], str]] | None = None
 
 
 FORMATS = {

@@ -91,7 +91,8 @@ class _NameMaker:
         raise RuntimeError("ran out of invented names; lower the entity counts")
 
 
-def build_world(world: BuiltinWorldConfig, rng: random.Random) -> tuple[list[Country], list[City], list[Org], list[Person]]:
+def build_world(world: BuiltinWorldConfig,
+                rng: random.Random) -> tuple[list[Country], list[City], list[Org], list[Person]]:
     """Invent the entities and their facts."""
     if world.n_cities < world.n_countries:
         raise ValueError("download.builtin: n_cities must be >= n_countries (every country has a city)")

@@ -99,12 +99,14 @@ def corpus_tables(path: str | os.PathLike) -> Iterator[pa.Table]:
     if not path.is_file():
         raise DataError(path, "file not found (download.corpus)")
     if not path.name.lower().endswith(STREAMED + (".json", ".csv")):
-        raise DataError(path, f"unsupported corpus file type; use one of {STREAMED + ('.json', '.csv')} (download.corpus)")
+        raise DataError(path, f"unsupported corpus file type; use one of {STREAMED + ('.json', '.csv')} "
+                        "(download.corpus)")
     row = 0
     for raw in _raw_batches(path):
         ids, titles, texts = zip(*(passage(r, path, row + i) for i, r in enumerate(raw)))
         row += len(raw)
-        yield pa.table([pa.array(ids, pa.string()), pa.array(titles, pa.string()), pa.array(texts, pa.string())], schema=CORPUS)
+        yield pa.table([pa.array(ids, pa.string()), pa.array(titles, pa.string()), pa.array(texts, pa.string())],
+                       schema=CORPUS)
     if row == 0:
         raise DataError(path, "no rows")
 

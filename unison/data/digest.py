@@ -1,4 +1,5 @@
-"""Content hashes of files that may be large (model weights, a faiss index), cheap to ask again while they are unchanged.
+"""Content hashes of files that may be large (model weights, a faiss index), cheap to ask again while they are
+unchanged.
 
 A file's sha256 is remembered in data/.cache/digests.json against its size, mtime, ctime and inode (DVC keeps its hashes
 the same way): an unchanged multi-GB file is read once, and any write to it (ctime moves even when mtime is set back)
@@ -29,7 +30,8 @@ def sha256_file(path: Path) -> str:
 
 
 def file_digests(files: Iterable[Path], memo_path: Path = MEMO) -> list[str]:
-    """Each file's sha256, from the memo where its stat is unchanged; the memo is updated (entries of deleted files dropped)."""
+    """Each file's sha256, from the memo where its stat is unchanged; the memo is updated (entries of deleted files
+    dropped)."""
     try:
         memo = json.loads(memo_path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):

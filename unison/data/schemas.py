@@ -145,11 +145,13 @@ def validate_rows(rows: list[dict], schema: pa.Schema, path: str | os.PathLike) 
                 raise DataError(path, f"meta is not JSON: {e}", i, "meta") from None
 
 
-TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[a-z0-9_]+\.(tmp|old)$")  # what atomic_path/atomic_dir leave beside a target
+# what atomic_path/atomic_dir leave beside a target
+TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[a-z0-9_]+\.(tmp|old)$")
 
 
 def temp_prefix(path: Path) -> str:
-    """`.<name>.<pid>.`: temps beside `path` name the process writing them, so a later run can tell a dead writer's apart."""
+    """`.<name>.<pid>.`: temps beside `path` name the process writing them, so a later run can tell a dead writer's
+    apart."""
     return f".{path.name}.{os.getpid()}."
 
 
@@ -164,7 +166,8 @@ def atomic_path(path: str | os.PathLike):
 
 @contextmanager
 def atomic_dir(path: str | os.PathLike):
-    """Yield a temp dir beside `path`; when the block completes, swap it into place (a failed block leaves `path` as it was)."""
+    """Yield a temp dir beside `path`; when the block completes, swap it into place (a failed block leaves `path` as it
+    was)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent))
@@ -191,9 +194,9 @@ def alive(pid: int) -> bool:
 
 
 def remove_stale_temps(roots: Iterable[str | os.PathLike] = ("data", "models", "reports")) -> list[Path]:
-    """Delete the temp files and folders that atomic_path/atomic_dir writers killed mid-write left under `roots`; the ones
-    removed. A temp is stale when the process its name records is gone, or is this one (a pid reused after a restart: this
-    process has written nothing yet when a stage starts)."""
+    """Delete the temp files and folders that atomic_path/atomic_dir writers killed mid-write left under `roots`; the
+    ones removed. A temp is stale when the process its name records is gone, or is this one (a pid reused after a
+    restart: this process has written nothing yet when a stage starts)."""
     removed = []
     for root in map(Path, roots):
         for parent, dirs, files in os.walk(root):

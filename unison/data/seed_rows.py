@@ -19,8 +19,10 @@ from pathlib import Path
 from .schemas import TASKS, DataError
 
 MATH_MARKERS = ("math", "gsm8k", "aime", "amc", "olympiad", "deepmath")  # a source or file name naming a math set
-QUESTION_MARKER = re.compile(r"\b(?:Question|Task):\s*")  # GAP/AFM "\n\nQuestion: q", AFM code "\n\nTask:\nq", Search-R1
-# AgentFlow appends this to every question (data/aime24_data.py, test/*/data/data.json); the student protocol has its own.
+# GAP/AFM "\n\nQuestion: q", AFM code "\n\nTask:\nq", Search-R1
+QUESTION_MARKER = re.compile(r"\b(?:Question|Task):\s*")
+# AgentFlow appends this to every question (data/aime24_data.py, test/*/data/data.json); the student protocol has its
+# own.
 AGENTFLOW_SUFFIX = ("When ready, output the final answer enclosed in <answer> and </answer> tags. "
                     "Do not generate any content after the </answer> tag.")
 
@@ -33,7 +35,8 @@ def gsm8k_final_answer(solution: str) -> str:
 
 
 def answer_list(value, path, row: int, field: str) -> list[str]:
-    """A gold answer or list of them as a non-empty list of strings (a list kept as JSON text, as csv has it, is read)."""
+    """A gold answer or list of them as a non-empty list of strings (a list kept as JSON text, as csv has it, is
+    read)."""
     if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
         try:
             value = json.loads(value)
@@ -77,8 +80,8 @@ def _prompt_question(prompt, path, row: int) -> str:
         raise DataError(path, "no user message", row, "prompt")
     if QUESTION_MARKER.search(users[-1]) or any(m.get("role") == "system" for m in prompt):
         return question_after_marker(users[-1])
-    raise DataError(path, "cannot tell the question from its instructions: no 'Question:' or 'Task:' in the user message, no "
-                    "system message and no extra_info.question", row, "prompt")
+    raise DataError(path, "cannot tell the question from its instructions: no 'Question:' or 'Task:' in the "
+                    "user message, no system message and no extra_info.question", row, "prompt")
 
 
 def read_verl(raw: dict, name: str, path, row: int) -> tuple[str, list[str], str]:
@@ -102,7 +105,8 @@ def read_verl(raw: dict, name: str, path, row: int) -> tuple[str, list[str], str
         asked, gold = _text(gold.get("question")), gold["target"]
     answers = answer_list(gold, path, row, field)
     extra = raw.get("extra_info") if isinstance(raw.get("extra_info"), dict) else {}
-    question = _text(raw.get("question")) or _text(extra.get("question")) or asked or _prompt_question(raw.get("prompt"), path, row)
+    question = (_text(raw.get("question")) or _text(extra.get("question")) or asked
+                or _prompt_question(raw.get("prompt"), path, row))
     ability = raw.get("ability")
     task = ability if ability in TASKS else task_from_name(str(raw.get("data_source") or ""))
     return question, answers, task

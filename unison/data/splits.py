@@ -21,7 +21,8 @@ from .schemas import QUESTION, atomic_dir, write_table
 
 
 def load_splits(p: DownloadConfig, seed: int) -> tuple[Iterable[pa.Table], list[dict], list[dict]]:
-    """(corpus tables, train, test) for the configured dataset; an hf/local corpus is read as the tables are consumed."""
+    """(corpus tables, train, test) for the configured dataset; an hf/local corpus is read as the tables are
+    consumed."""
     spec = p.dataset
     if spec == "builtin":
         corpus, train, test = builtin.generate_world(p.builtin, seed)
@@ -47,8 +48,8 @@ def split_counts(rows: list[dict]) -> dict:
 
 
 def write_splits(p: DownloadConfig, seed: int, raw: Path) -> dict:
-    """raw/{train,test,corpus}.parquet for the configured dataset (train and test cut to download.max_*), the folder swapped
-    in whole; their counts."""
+    """raw/{train,test,corpus}.parquet for the configured dataset (train and test cut to download.max_*), the folder
+    swapped in whole; their counts."""
     corpus, train, test = load_splits(p, seed)
     train = train[: p.max_train or None]
     test = test[: p.max_test or None]

@@ -61,7 +61,8 @@ def extract_answer(text: str | None) -> str | None:
 
 
 def judged_answer(prediction: str | None) -> str | None:
-    """The answer the judges read in a recorded final answer: extract_answer's, else untagged text itself; None if none."""
+    """The answer the judges read in a recorded final answer: extract_answer's, else untagged text itself; None if
+    none."""
     answer = extract_answer(prediction)
     if answer is None and prediction and "<answer>" not in prediction:
         answer = prediction.strip()

@@ -10,7 +10,8 @@ import numpy as np
 
 
 def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> tuple[float, float, float]:
-    """(successes / n, lo, hi): the (1 - alpha) Wilson score interval, which stays inside [0, 1] and is not empty at 0 or n."""
+    """(successes / n, lo, hi): the (1 - alpha) Wilson score interval, which stays inside [0, 1] and is not empty at 0
+    or n."""
     if n <= 0:
         raise ValueError(f"wilson_interval needs n >= 1 trials, got n={n}")
     if not 0 <= successes <= n:

@@ -1,5 +1,5 @@
-"""Evaluation: the students (base, SFT, DPO when enabled, RL, PRM-reranked SFT) and the teacher system on the test split,
-with the same tools.
+"""Evaluation: the students (base, SFT, DPO when enabled, RL, PRM-reranked SFT) and the teacher system on the test
+split, with the same tools.
 
 Students run the plain protocol (`single`, unscaffolded); the teacher runs its configured method with its scaffold.
 `prm_rerank` samples `evaluate.rerank_samples` answers per question from the SFT student and keeps the one models/prm
@@ -33,13 +33,15 @@ COST_FIELDS = ("n_llm_calls", "n_tokens", "n_tool_calls", "tool_errors")
 
 
 def prm_pick(group: list[tuple[dict, float]]) -> dict:
-    """The sample the PRM prefers: answered ones before unanswered, then the highest weakest-step score (first on ties)."""
+    """The sample the PRM prefers: answered ones before unanswered, then the highest weakest-step score (first on
+    ties)."""
     return max(group, key=lambda rs: (judged_answer(rs[0]["final_answer"]) is not None, rs[1]))[0]
 
 
 def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
-    """Per question, the answered sample whose weakest step the PRM scores highest, carrying the cost of all its samples;
-    and the same samples' majority vote, mean correctness (a random pick), pass@N and the PRM's outcome AUC, to compare."""
+    """Per question, the answered sample whose weakest step the PRM scores highest, carrying the cost of all its
+    samples; and the same samples' majority vote, mean correctness (a random pick), pass@N and the PRM's outcome AUC, to
+    compare."""
     scores = prm.step_scores([r["question"] for r in rows], [student_steps(r["student"]) for r in rows])
     groups = defaultdict(list)
     for r, s in zip(rows, scores):
@@ -55,11 +57,13 @@ def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
         best.append(float(any(r["correct"] for r, _ in group)))
     pick_accuracy, mean_accuracy = sum(bool(c["correct"]) for c in chosen) / len(chosen), sum(mean) / len(mean)
     return chosen, {"samples_per_question": len(rows) / len(groups), "vote_accuracy": sum(vote) / len(vote),
-                    "prm_pick_accuracy": pick_accuracy, "candidate_mean_accuracy": mean_accuracy, "random_pick_accuracy": mean_accuracy,
-                    "prm_beats_mean": pick_accuracy > mean_accuracy,
-                    "prm_pick_answered_rate": sum(judged_answer(c["final_answer"]) is not None for c in chosen) / len(chosen),
+                    "prm_pick_accuracy": pick_accuracy, "candidate_mean_accuracy": mean_accuracy,
+                    "random_pick_accuracy": mean_accuracy, "prm_beats_mean": pick_accuracy > mean_accuracy,
+                    "prm_pick_answered_rate": sum(judged_answer(c["final_answer"]) is not None
+                                                  for c in chosen) / len(chosen),
                     "pass_at_n": sum(best) / len(best),
-                    "prm_outcome_auc": auc([s for g in groups.values() for _, s in g], [r["correct"] for g in groups.values() for r, _ in g])}
+                    "prm_outcome_auc": auc([s for g in groups.values() for _, s in g],
+                                           [r["correct"] for g in groups.values() for r, _ in g])}
 
 
 def systems_to_evaluate(p: EvaluateConfig, teacher_temperature: float, dpo: bool) -> list[tuple[str, str, float]]:
@@ -95,13 +99,15 @@ def engine_groups(systems: list[tuple[str, str, float]]) -> list[list[tuple[str,
     return groups
 
 
-def evaluate_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluster: ClusterConfig, systems: list[tuple[str, str, float]],
-                     questions: list[dict], load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
+def evaluate_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluster: ClusterConfig,
+                     systems: list[tuple[str, str, float]], questions: list[dict],
+                     load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
     """Each system run on `questions` and judged by `label` (evaluate's scoring, metrics.scoring_label), one engine at a
     time (or one set of Ray replicas on cluster.address):
-    (system, labeled rows, metrics) as each finishes. The judge runs here. With evaluate.engine_per_process each engine lives in its own spawned process, which gives all its memory back when it
-    exits; `load_prm` must then be picklable (a module-level function or a partial of one). `load_prm()` gives the PRM
-    that prm_rerank scores with (loaded only when that system's turn comes)."""
+    (system, labeled rows, metrics) as each finishes. The judge runs here. With evaluate.engine_per_process each engine
+    lives in its own spawned process, which gives all its memory back when it exits; `load_prm` must then be picklable
+    (a module-level function or a partial of one). `load_prm()` gives the PRM that prm_rerank scores with (loaded only
+    when that system's turn comes)."""
     import torch
 
     settings = (s, p, label, cluster)
@@ -114,7 +120,8 @@ def evaluate_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, c
     for group in engine_groups(systems):
         receive, send = spawn.Pipe(duplex=False)
         # a plain (non-daemon) process: vLLM with tensor_parallel_size > 1 starts worker processes of its own
-        child = spawn.Process(target=send_systems, args=(send, settings, group, questions, load_prm), name=f"evaluate-{group[0][0]}")
+        child = spawn.Process(target=send_systems, args=(send, settings, group, questions, load_prm),
+                              name=f"evaluate-{group[0][0]}")
         child.start()
         send.close()
         try:
@@ -128,7 +135,8 @@ def evaluate_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, c
         yield from result
 
 
-def send_systems(send, settings: tuple, systems: list[tuple[str, str, float]], questions: list[dict], load_prm: Callable) -> None:
+def send_systems(send, settings: tuple, systems: list[tuple[str, str, float]], questions: list[dict],
+                 load_prm: Callable) -> None:
     """A child process of evaluate_systems: run_systems whole (`settings`: its first four arguments), sent back as
     (True, results) or (False, the traceback)."""
     import traceback
@@ -140,8 +148,9 @@ def send_systems(send, settings: tuple, systems: list[tuple[str, str, float]], q
         raise
 
 
-def run_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluster: ClusterConfig, systems: list[tuple[str, str, float]],
-                questions: list[dict], load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
+def run_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluster: ClusterConfig,
+                systems: list[tuple[str, str, float]], questions: list[dict],
+                load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
     """evaluate_systems in this process."""
     judge = make_judge(label, s, {})
     toolbox = None if cluster.address else make_toolbox(s.tools)  # in process, one toolbox serves every system
@@ -157,15 +166,19 @@ def run_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluste
                 engine = (workbench_or_replicas(s, cluster, model_dir, teacher) if toolbox is None else
                           load_workbench(s, model_dir, teacher, toolbox))
                 loaded = model_dir
-            print(f"evaluate: {name} ({s.generate.method if teacher else 'single'}, {model_dir}) on {len(questions)} questions", flush=True)
+            print(f"evaluate: {name} ({s.generate.method if teacher else 'single'}, {model_dir}) on "
+                  f"{len(questions)} questions", flush=True)
             t0 = time.perf_counter()
             n = p.rerank_samples if name == "prm_rerank" else 1
-            rows, counters = rollouts(engine, questions, n, teacher, teacher_id(s) if teacher else model_dir, temperature)
-            FailureShare(s.teacher_engine.max_failed_share, len(rows), stage=f"evaluate: {name}").admit(rows)  # a served teacher's
+            rows, counters = rollouts(engine, questions, n, teacher, teacher_id(s) if teacher else model_dir,
+                                      temperature)
+            # a served teacher's
+            FailureShare(s.teacher_engine.max_failed_share, len(rows), stage=f"evaluate: {name}").admit(rows)
             rows = label_rows(rows, label, judge)
             rows, extra = prm_rerank(rows, load_prm()) if name == "prm_rerank" else (rows, {})
             wall = time.perf_counter() - t0
-            faults = {k: counters.get(k, 0.0) for k in fault_counters({}, None)}  # this system's, the toolbox's included
+            # this system's, the toolbox's included
+            faults = {k: counters.get(k, 0.0) for k in fault_counters({}, None)}
             yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, s.seed), **extra, **faults}
     finally:
         if isinstance(engine, Replicas):

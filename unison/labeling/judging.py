@@ -18,7 +18,8 @@ def label_rows(rows: list[dict], label: LabelConfig, judge=None) -> list[dict]:
     out = []
     for r, (correct, value, name) in zip(rows, verdicts):
         steps = student_steps(r["student"])
-        out.append({**r, "correct": correct, "score": value, "judge": name, "steps": steps, "step_labels": [float(value)] * len(steps)})
+        out.append({**r, "correct": correct, "score": value, "judge": name, "steps": steps,
+                    "step_labels": [float(value)] * len(steps)})
     return out
 
 
@@ -41,4 +42,5 @@ def make_judge(label: LabelConfig, s: SystemSettings, backends: dict):
     """label.judge: rule | llm (label.judge_model at label.judge_temperature); `backends` caches backends by model."""
     if label.judge == "rule":
         return rule_judge(label)
-    return LLMJudge(label_backend(label, s, label.judge_model, backends), label.judge_model, label.judge_temperature, seed=s.seed)
+    return LLMJudge(label_backend(label, s, label.judge_model, backends), label.judge_model, label.judge_temperature,
+                    seed=s.seed)

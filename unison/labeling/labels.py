@@ -21,7 +21,8 @@ def accuracy_metrics(rows: list[dict]) -> dict:
     per_q = defaultdict(list)
     for r in rows:
         per_q[r["question_id"]].append(r["correct"])
-    return {"accuracy": sum(r["correct"] for r in rows) / len(rows), "mean_score": sum(r["score"] for r in rows) / len(rows),
+    return {"accuracy": sum(r["correct"] for r in rows) / len(rows),
+            "mean_score": sum(r["score"] for r in rows) / len(rows),
             "questions_with_a_correct_sample": sum(any(v) for v in per_q.values()) / len(per_q),
             **{f"accuracy_{t}": sum(v) / len(v) for t, v in by_task.items()}}
 
@@ -68,7 +69,8 @@ def label_trajectories(trajectories: list[dict], p: LabelConfig, s: SystemSettin
         where = (Replicas(cluster, s.student_engine.tensor_parallel_size, completer, p, s) if cluster.address else
                  Workbench(s, label_backend(p, s, p.mc_model, backends), make_toolbox(s.tools)))
         try:
-            labeled = montecarlo_labels(rows, where, episode_settings(s.generate, s.student_engine.max_model_len, p.mc_temperature),
+            labeled = montecarlo_labels(rows, where,
+                                        episode_settings(s.generate, s.student_engine.max_model_len, p.mc_temperature),
                                         judge, p.mc_rollouts, s.seed, scaffold, enabled_tools(s.tools))
         finally:
             if isinstance(where, Replicas):

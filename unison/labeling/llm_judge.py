@@ -1,4 +1,5 @@
-"""An LLM judge through any backend (AgentArk label.py, docs/seeds.md#agentarks-labels): does the answer match the gold answers?
+"""An LLM judge through any backend (AgentArk label.py, docs/seeds.md#agentarks-labels): does the answer match the gold
+answers?
 
 The verdict is the first word of the model's reply, "true" or "false"; anything else counts as false and is tallied in
 `unparsable`. The judge name recorded in each row names the model, the prompt template's sha256 and the temperature.
@@ -26,7 +27,8 @@ class LLMJudge:
     """A batch judge (see unison.judge.steps): one generate call for all items."""
 
     def __init__(self, backend, model: str, temperature: float = 0.0, max_tokens: int = 4, seed: int = 0):
-        self.backend, self.model, self.temperature, self.max_tokens, self.seed = backend, model, temperature, max_tokens, seed
+        self.backend, self.model, self.temperature, self.max_tokens, self.seed = (backend, model, temperature,
+                                                                                   max_tokens, seed)
         self.name = f"llm:{model}:prompt-sha256={PROMPT_SHA256}:temperature={temperature}"
         self.calls = self.unparsable = 0
 
@@ -36,7 +38,8 @@ class LLMJudge:
         tok = self.backend.tokenizer
         prompts = [chat_prompt(tok, [{"role": "user", "content": PROMPT.format(
             question=items[k][1], gold="\n".join(items[k][3]), answer=answers[k])}]) for k in asked]
-        sampling = [Sampling(temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed + k) for k in asked]
+        sampling = [Sampling(temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed + k)
+                    for k in asked]
         replies = self.backend.generate(prompts, sampling) if prompts else []
         out = [(False, 0.0, "no-answer")] * len(items)
         for k, c in zip(asked, replies):

@@ -34,7 +34,8 @@ def per_correct(rows: list[dict]) -> dict:
     """
     correct = sum(bool(r["correct"]) for r in rows)
     totals = {"tool_calls": "n_tool_calls", "turns": "n_llm_calls", "tokens": "n_tokens"}
-    return {f"{key}_per_correct": sum(r[field] for r in rows) / correct if correct else None for key, field in totals.items()}
+    return {f"{key}_per_correct": sum(r[field] for r in rows) / correct if correct else
+            None for key, field in totals.items()}
 
 
 def system_metrics(rows: list[dict], wall_s: float, label: LabelConfig, n_boot: int, seed: int) -> dict:
@@ -48,7 +49,8 @@ def system_metrics(rows: list[dict], wall_s: float, label: LabelConfig, n_boot: 
            **with_interval("accuracy", wilson_interval(sum(bool(r["correct"]) for r in rows), n)),
            "answer_tokens": sum(map(answer_tokens, rows)) / n,
            "questions": n, "wall_s_per_question": wall_s / n}
-    for field, key in (("n_llm_calls", "llm_calls"), ("n_tokens", "tokens"), ("n_tool_calls", "tool_calls"), ("tool_errors", "tool_errors")):
+    for field, key in (("n_llm_calls", "llm_calls"), ("n_tokens", "tokens"), ("n_tool_calls", "tool_calls"),
+                       ("tool_errors", "tool_errors")):
         out[f"{key}_per_question"] = sum(r[field] for r in rows) / n
     out.update(per_correct(rows))
     for task in sorted({r["task"] for r in rows}):
@@ -60,7 +62,8 @@ def system_metrics(rows: list[dict], wall_s: float, label: LabelConfig, n_boot: 
 
 
 def scoring_label(label: LabelConfig, evaluate: EvaluateConfig) -> LabelConfig:
-    """`label` with first_only replaced by evaluate.first_only unless that is null (GAP: train on all, score the first)."""
+    """`label` with first_only replaced by evaluate.first_only unless that is null (GAP: train on all, score the
+    first)."""
     if evaluate.first_only is None:
         return label
     return label.model_copy(update={"first_only": evaluate.first_only})

@@ -1,5 +1,5 @@
-"""A trained student served by vLLM's own OpenAI server with a stock tool parser, evaluated through the `openai` client in
-the standard agent loop: send the question with the tools' schemas, run each returned tool call with unison's tools,
+"""A trained student served by vLLM's own OpenAI server with a stock tool parser, evaluated through the `openai` client
+in the standard agent loop: send the question with the tools' schemas, run each returned tool call with unison's tools,
 send each result as a `tool` message, read the final content. Scored as evaluate scores a system.
 
     vllm serve models/rl --enable-auto-tool-choice --tool-call-parser hermes
@@ -30,16 +30,17 @@ from .metrics import scoring_label, system_metrics
 OUT_JSON, OUT_ROWS = "reports/served.json", "reports/served.parquet"
 
 
-def served_episode(client, model: str, q: dict, tools: tuple[str, ...], toolbox, system: str, max_turns: int, max_tokens: int,
-                   max_tool_calls: int, temperature: float, seed: int) -> dict:
+def served_episode(client, model: str, q: dict, tools: tuple[str, ...], toolbox, system: str, max_turns: int,
+                   max_tokens: int, max_tool_calls: int, temperature: float, seed: int) -> dict:
     """One question through the agent loop; a row of evaluate's shape, its student rendering in the tag protocol."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": q["question"]}]
-    student = [{"role": "system", "content": system_prompt(tools), "token_ids": []}, {"role": "user", "content": q["question"], "token_ids": []}]
+    student = [{"role": "system", "content": system_prompt(tools), "token_ids": []},
+               {"role": "user", "content": q["question"], "token_ids": []}]
     counts = {"n_llm_calls": 0, "n_tool_calls": 0, "n_tokens": 0, "tool_errors": 0}
     final, finish = "", "max_turns"
     for _ in range(max_turns):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=schemas(tools), temperature=temperature,
-                                               max_tokens=max_tokens, seed=seed)
+        reply = client.chat.completions.create(model=model, messages=messages, tools=schemas(tools),
+                                               temperature=temperature, max_tokens=max_tokens, seed=seed)
         choice = reply.choices[0]
         counts["n_llm_calls"] += 1
         counts["n_tokens"] += reply.usage.completion_tokens if reply.usage else 0
@@ -69,7 +70,8 @@ def served_episode(client, model: str, q: dict, tools: tuple[str, ...], toolbox,
                     {"role": "tool", "content": observation(SEPARATOR.join(results)), "token_ids": []}]
     return {"id": f"{q['id']}/served/0", "question_id": q["id"], "sample": 0, "method": "served", "teacher": model,
             "question": q["question"], "answers": list(q["answers"]), "task": q["task"],
-            "messages": [{"role": m["role"], "name": None, "content": m.get("content") or json.dumps(m.get("tool_calls"))} for m in messages],
+            "messages": [{"role": m["role"], "name": None,
+                          "content": m.get("content") or json.dumps(m.get("tool_calls"))} for m in messages],
             "student": student, "final_answer": final, **counts, "tool_stats": "{}", "finish_reason": finish,
             "tokenizer": ""}
 
@@ -91,31 +93,36 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="unison evaluate --served", description=__doc__.split("\n\n")[0])
     ap.add_argument("--served", required=True, metavar="URL", help="the server's /v1 URL")
     ap.add_argument("--model", default="", help="the served model's name; default: the server's first")
-    ap.add_argument("--max-questions", type=int, default=0, help="the first N test questions; 0 = evaluate.max_questions")
+    ap.add_argument("--max-questions", type=int, default=0,
+                    help="the first N test questions; 0 = evaluate.max_questions")
     ap.add_argument("--api-key-env", default="OPENAI_API_KEY", help="env var holding the server's key, if it wants one")
     args = ap.parse_args(argv)
     from openai import OpenAI
 
     params = load_params()
     p, g = params.evaluate, params.generate
-    client = OpenAI(base_url=args.served, api_key=os.environ.get(args.api_key_env) or "EMPTY", max_retries=2, timeout=600)
+    client = OpenAI(base_url=args.served, api_key=os.environ.get(args.api_key_env) or "EMPTY", max_retries=2,
+                    timeout=600)
     model = args.model or client.models.list().data[0].id
     questions = read_table(layout.RAW_TEST, QUESTION)[: args.max_questions or p.max_questions or None]
     tools, toolbox = enabled_tools(params.tools), make_toolbox(params.tools)
     system = native_system_prompt(g.method)
-    print(f"evaluate --served: {model} at {args.served} on {len(questions)} questions, tools {', '.join(tools)}", flush=True)
+    print(f"evaluate --served: {model} at {args.served} on {len(questions)} questions, tools {', '.join(tools)}",
+          flush=True)
     t0, rows = time.perf_counter(), []
     for k, q in enumerate(questions):
-        rows.append(served_episode(client, model, q, tools, toolbox, system, g.max_turns, g.max_tokens_per_turn, g.max_tool_calls,
-                                   p.temperature, params.seed))
+        rows.append(served_episode(client, model, q, tools, toolbox, system, g.max_turns, g.max_tokens_per_turn,
+                                   g.max_tool_calls, p.temperature, params.seed))
         if (k + 1) % 20 == 0 or k + 1 == len(questions):
             rate = (k + 1) / (time.perf_counter() - t0)
-            print(f"evaluate --served: {k + 1}/{len(questions)} questions, {rate:.2f} q/s, eta {(len(questions) - k - 1) / rate:.0f} s", flush=True)
+            print(f"evaluate --served: {k + 1}/{len(questions)} questions, {rate:.2f} q/s, eta "
+                  f"{(len(questions) - k - 1) / rate:.0f} s", flush=True)
     label = scoring_label(params.label, p)
     rows = label_rows(rows, label, make_judge(label, params.system_settings(), {}))
-    metrics = {**system_metrics(rows, time.perf_counter() - t0, label, p.bootstrap, params.seed), "model": model, "url": args.served}
+    metrics = {**system_metrics(rows, time.perf_counter() - t0, label, p.bootstrap, params.seed), "model": model,
+               "url": args.served}
     write_table(rows, OUT_ROWS, LABELED)
     write_json(metrics, OUT_JSON)
-    print(f"evaluate --served: EM {metrics['em']:.3f} [{metrics['em_lo']:.3f}, {metrics['em_hi']:.3f}] on {metrics['questions']} "
-          f"questions -> {OUT_JSON}", flush=True)
+    print(f"evaluate --served: EM {metrics['em']:.3f} [{metrics['em_lo']:.3f}, {metrics['em_hi']:.3f}] on "
+          f"{metrics['questions']} questions -> {OUT_JSON}", flush=True)
     return 0

@@ -1,7 +1,8 @@
-"""Step labels (DESIGN §6): outcome, Monte Carlo (Math-Shepherd) and per-agent (AgentArk) labels of labeled trajectories.
+"""Step labels (DESIGN §6): outcome, Monte Carlo (Math-Shepherd) and per-agent (AgentArk) labels of labeled
+trajectories.
 
-A judge is any callable `judge(items) -> [(correct, score, judge_name)]` over items `(task, question, prediction, answers)`:
-`rule_judge(params)` (unison.judge.score) or unison.judge.llm_judge.LLMJudge.
+A judge is any callable `judge(items) -> [(correct, score, judge_name)]` over items `(task, question, prediction,
+answers)`: `rule_judge(params)` (unison.judge.score) or unison.judge.llm_judge.LLMJudge.
 """
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def agent_labels(rows: list[dict], judge) -> list[tuple[list[str], list[float]]]
 
 
 def step_prefixes(tok, student: list[dict], as_generated: bool = True) -> list[list[int]]:
-    """Token ids of the trajectory up to the end of each step (its tool observations included), as generated (re-rendered
-    under `tok` when `as_generated` is False: the ids are another tokenizer's)."""
+    """Token ids of the trajectory up to the end of each step (its tool observations included), as generated
+    (re-rendered under `tok` when `as_generated` is False: the ids are another tokenizer's)."""
     from ..token_view import token_view
 
     starts = [j for j in range(2, len(student)) if student[j]["role"] == "assistant"]
@@ -75,11 +76,13 @@ def step_prefixes(tok, student: list[dict], as_generated: bool = True) -> list[l
 
 def montecarlo_labels(rows: list[dict], where, cfg, judge, rollouts: int, seed: int,
                       scaffold: dict[str, list[str]], tools: tuple[str, ...]) -> list[tuple[list[str], list[float]]]:
-    """Math-Shepherd: label of step k = fraction of `rollouts` completions from the prefix ending at step k judged correct.
+    """Math-Shepherd: label of step k = fraction of `rollouts` completions from the prefix ending at step k judged
+    correct.
 
     The last step's completion is the trajectory itself: its label is the row's own correctness, no rollouts. The
     completions run on the completer's engine (all prefixes of all rows in one `run_episodes` call) or, cut in
-    cluster.shard_size trajectories, on its replicas (`where`: an agents.cluster Workbench or Replicas); the judge runs here."""
+    cluster.shard_size trajectories, on its replicas (`where`: an agents.cluster Workbench or Replicas); the judge runs
+    here."""
     from ..agents.cluster import Workbench
 
     t0 = time.perf_counter()
@@ -89,7 +92,8 @@ def montecarlo_labels(rows: list[dict], where, cfg, judge, rollouts: int, seed: 
     else:
         size = where.cluster.shard_size
         shards = [(rows[i : i + size], cfg, rollouts, seed, scaffold, tools) for i in range(0, len(rows), size)]
-        done = [(n * size + i, k, answer) for n, part in enumerate(where.ordered(montecarlo_answers, shards)) for i, k, answer in part]
+        done = [(n * size + i, k, answer) for n, part in enumerate(where.ordered(montecarlo_answers, shards))
+                for i, k, answer in part]
     print(f"label: montecarlo {len(done)} completions in {time.perf_counter() - t0:.1f} s", flush=True)
     verdicts = judge([(rows[i]["task"], rows[i]["question"], answer, rows[i]["answers"]) for i, _, answer in done])
     steps = [student_steps(r["student"]) for r in rows]
@@ -117,8 +121,8 @@ def montecarlo_answers(workbench, rows: list[dict], cfg, rollouts: int, seed: in
         for k, prefix in enumerate(step_prefixes(tok, r["student"], generated_by(tok, r))[:-1]):
             follow = scaffold.get(r["task"], [])[k + 1:]
             for j in range(rollouts):
-                episodes.append(Episode(key=f"{r['id']}/step{k}/mc{j}", prompt_ids=prefix, seed=stable_seed(seed, r["id"], k, j),
-                                        scaffold=list(follow), tools=tools))
+                episodes.append(Episode(key=f"{r['id']}/step{k}/mc{j}", prompt_ids=prefix,
+                                        seed=stable_seed(seed, r["id"], k, j), scaffold=list(follow), tools=tools))
                 owners.append((i, k))
     run_episodes(episodes, workbench.backend, workbench.toolbox, cfg, desc="montecarlo")
     return [(i, k, e.answer) for (i, k), e in zip(owners, episodes)]

@@ -6,8 +6,8 @@ from .base import Completion, Sampling
 
 
 def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode: bool = False):
-    """Build the backend `engine.backend` names (vllm | transformers | openai); `sleep_mode` (vllm on CUDA) lets the engine
-    hand its GPU memory back between uses (RL: while the policy trains).
+    """Build the backend `engine.backend` names (vllm | transformers | openai); `sleep_mode` (vllm on CUDA) lets the
+    engine hand its GPU memory back between uses (RL: while the policy trains).
 
     For `openai`, `model_dir` is the served model's name unless `engine.api_model` is set, and the tokenizer is loaded
     from `engine.tokenizer` or else `model_dir` (api chat: models/teacher, where the teacher stage keeps the tokenizer
@@ -19,10 +19,11 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
 
         start = time.perf_counter()
         print(f"vllm: starting an engine for {model_dir} ...", flush=True)  # its own lines are off (unison/quiet.py)
-        backend = VLLMBackend(model_dir, dtype=engine.dtype, max_model_len=engine.max_model_len, enforce_eager=engine.enforce_eager,
-                              seed=seed, kv_cache_gb=engine.kv_cache_gb, block_size=engine.block_size or None,
-                              tensor_parallel_size=engine.tensor_parallel_size, gpu_memory_utilization=engine.gpu_memory_utilization,
-                              max_num_seqs=engine.max_num_seqs, sleep_mode=sleep_mode)
+        backend = VLLMBackend(model_dir, dtype=engine.dtype, max_model_len=engine.max_model_len,
+                              enforce_eager=engine.enforce_eager, seed=seed, kv_cache_gb=engine.kv_cache_gb,
+                              block_size=engine.block_size or None, tensor_parallel_size=engine.tensor_parallel_size,
+                              gpu_memory_utilization=engine.gpu_memory_utilization, max_num_seqs=engine.max_num_seqs,
+                              sleep_mode=sleep_mode)
         print(f"vllm: {model_dir} ready in {time.perf_counter() - start:.0f} s", flush=True)
         return backend
     if engine.backend == "transformers":
@@ -32,29 +33,33 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
     from .openai_backend import Budget, OpenAIBackend, RateLimit, stage_spend
 
     if not engine.base_url:
-        raise ValueError("params.yaml teacher.base_url: the openai backend needs the server's URL, e.g. http://127.0.0.1:8000/v1")
-    tokenizer = engine.tokenizer or (layout.TEACHER if engine.api == "chat" else str(model_dir))  # chat: the transcript's, kept there
+        raise ValueError("params.yaml teacher.base_url: the openai backend needs the server's URL, e.g. "
+                         "http://127.0.0.1:8000/v1")
+    # chat: the transcript's, kept there
+    tokenizer = engine.tokenizer or (layout.TEACHER if engine.api == "chat" else str(model_dir))
     return OpenAIBackend(engine.base_url, engine.api_model or str(model_dir), tokenizer=tokenizer,
-                         max_concurrency=engine.max_concurrency, timeout_s=engine.timeout_s, max_retries=engine.max_retries,
-                         api_key_env=engine.api_key_env, token_prompts=engine.token_prompts, vllm_extensions=engine.vllm_extensions,
+                         max_concurrency=engine.max_concurrency, timeout_s=engine.timeout_s,
+                         max_retries=engine.max_retries, api_key_env=engine.api_key_env,
+                         token_prompts=engine.token_prompts, vllm_extensions=engine.vllm_extensions,
                          cache_dir=layout.LLM_CACHE if engine.response_cache else None,
                          budget=Budget(engine.budget_tokens, engine.budget_usd, engine.price_input_per_million,
                                        engine.price_output_per_million),
                          rate_limit=RateLimit(engine.max_requests_per_minute, engine.max_tokens_per_minute),
-                         api=engine.api, chat_tools=engine.chat_tools, scoring=engine.scoring, max_failed_in_row=engine.max_failed_in_row,
-                         spend=stage_spend())
+                         api=engine.api, chat_tools=engine.chat_tools, scoring=engine.scoring,
+                         max_failed_in_row=engine.max_failed_in_row, spend=stage_spend())
 
 
 
 
 def teacher_backend(s: SystemSettings):
-    """The teacher of the `teacher` block: models/teacher on this machine, or its server (tokenizer from models/teacher)."""
+    """The teacher of the `teacher` block: models/teacher on this machine, or its server (tokenizer from
+    models/teacher)."""
     return make_backend(layout.TEACHER, s.teacher_engine, seed=s.seed)
 
 
 def teacher_id(s: SystemSettings) -> str:
-    """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote (`served_at`:
-    credentials redacted, several servers in sorted order)."""
+    """The teacher as recorded in each trajectory: its model spec, and where it is served when it is remote
+    (`served_at`: credentials redacted, several servers in sorted order)."""
     engine = s.teacher_engine
     return f"{engine.api_model}@{served_at(engine.base_url)}" if engine.backend == "openai" else s.teacher_model
 

@@ -12,9 +12,12 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     seed: int = 0
     logprobs: bool = False  # return the sampled tokens' logprobs (RL needs them; they cost ~15% of decode on CPU)
-    forced: str = ""  # the tag the scaffold opens this turn, for a backend that cannot prefill it (`prefills` False: chat)
-    prompt_logprobs: int | None = None  # a scoring request (openai backend's `score`): the prompt tokens' log-probs, top k
-    top_logprobs: int = 0  # a chat API teacher (generate.topk): the k likeliest tokens at each generated token (Completion.top)
+    # the tag the scaffold opens this turn, for a backend that cannot prefill it (`prefills` False: chat)
+    forced: str = ""
+    # a scoring request (openai backend's `score`): the prompt tokens' log-probs, top k
+    prompt_logprobs: int | None = None
+    # a chat API teacher (generate.topk): the k likeliest tokens at each generated token (Completion.top)
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -22,11 +25,14 @@ class Completion:
     text: str
     token_ids: list[int]
     logprobs: list[float] | None
-    finish_reason: str  # "stop" (eos or stop string) | "length" | "refusal" (a chat API declined) | "failed" (a server failed for good)
+    # "stop" (eos or stop string) | "length" | "refusal" (a chat API declined) | "failed" (a server failed for good)
+    finish_reason: str
     stop: str | None = None  # the stop string that ended it, if any
-    error: str | None = None  # an answer the backend could not use (a chat teacher's malformed tool call): the runtime's observation
+    # an answer the backend could not use (a chat teacher's malformed tool call): the runtime's observation
+    error: str | None = None
     model: str | None = None  # the model name the server answered with (openai backend; None for a local engine)
-    top: list | None = None  # per token_ids position: the teacher's [(student token id, log-prob)] best first, or None (chat.student_top)
+    # per token_ids position: the teacher's [(student token id, log-prob)] best first, or None (chat.student_top)
+    top: list | None = None
 
 
 @dataclass

@@ -2,11 +2,12 @@
 student protocol's text.
 
 The runtime renders every episode in the student's chat template and tag protocol (unison/protocol.py) and stays
-token-in/token-out in the student's tokens; a chat teacher only ever sees messages. `Template` reads a rendered transcript
-back into turns (it learns the template's markers by rendering a probe conversation; only special tokens count as
-markers, so text in a turn cannot open another); `messages` turns each assistant
+token-in/token-out in the student's tokens; a chat teacher only ever sees messages. `Template` reads a rendered
+transcript back into turns (it learns the template's markers by rendering a probe conversation; only special tokens
+count as markers, so text in a turn cannot open another); `messages` turns each assistant
 turn's tool calls and the runtime's `<result>` observations into the API's form:
-  native  the server's tool calling: `tools` with JSON schemas (tools/registry.py), assistant `tool_calls`, `tool` messages;
+  native  the server's tool calling: `tools` with JSON schemas (tools/registry.py), assistant `tool_calls`, `tool`
+          messages;
   text    plain messages in the tag protocol (a server without tool calling): observations come back as user turns.
 A turn the scaffold forces (`Sampling.forced`: a chat API cannot prefill) becomes `tool_choice` naming the tool (native)
 or an instruction (FORCED). `protocol_answer` turns the answer back into protocol text: tool calls through
@@ -59,15 +60,17 @@ class Template:
 
     @classmethod
     def probe(cls, tok) -> "Template":
-        """The markers of `tok`'s template, read from a rendered probe conversation; ValueError if it cannot be read back."""
+        """The markers of `tok`'s template, read from a rendered probe conversation; ValueError if it cannot be read
+        back."""
         roles = ("system", "user", "assistant", "user")
         rendered = tok.apply_chat_template([{"role": r, "content": c} for r, c in zip(roles, PROBE)], tokenize=False,
                                            add_generation_prompt=True)
-        text = marked_text(tok, tok(rendered, add_special_tokens=False)["input_ids"])  # as protocol.chat_prompt tokenises
+        # as protocol.chat_prompt tokenises
+        text = marked_text(tok, tok(rendered, add_special_tokens=False)["input_ids"])
         at = [text.find(p) for p in PROBE]
         if min(at) < 0 or at != sorted(at):
-            raise ValueError("teacher.api chat: the student's chat template does not render system, user and assistant turns "
-                             "in order, so a transcript cannot be read back into messages")
+            raise ValueError("teacher.api chat: the student's chat template does not render system, user and "
+                             "assistant turns in order, so a transcript cannot be read back into messages")
         cut = [text[a + len(p):b] for a, p, b in zip(at, PROBE, at[1:])]
         t = cls(text[:at[0]], cut[0], cut[1], cut[2])
         if text[at[3] + len(PROBE[3]):] != t.after_user:
@@ -75,8 +78,8 @@ class Template:
         return t
 
     def turns(self, text: str) -> list[tuple[str, str]]:
-        """[(role, content)] of a transcript rendered in this template, as `marked_text` (its last turn the open assistant
-        turn)."""
+        """[(role, content)] of a transcript rendered in this template, as `marked_text` (its last turn the open
+        assistant turn)."""
         if not text.startswith(self.start) or self.after_system not in text:
             raise ValueError(f"a transcript not in the student's chat template: {text[:120]!r}")
         system, rest = text[len(self.start):].split(self.after_system, 1)
@@ -101,7 +104,8 @@ def assistant_messages(text: str, native: bool, first_call: int) -> list[dict]:
         if call:
             tool, arg = call
             before = said[:said.rstrip().rfind(f"<{tool}>")].strip()
-            out.append({"role": "assistant", "content": before, "tool_calls": [{  # "" beside tool calls: what every server takes
+            # "" beside tool calls: what every server takes
+            out.append({"role": "assistant", "content": before, "tool_calls": [{
                 "id": f"call_{k}", "type": "function",
                 "function": {"name": tool, "arguments": json.dumps(call_arguments(tool, arg))}}]})
             out.append({"role": "tool", "tool_call_id": f"call_{k}", "content": observed})
@@ -149,7 +153,8 @@ def request_fields(msgs: list[dict], stop: list[str], forced: str, native: bool)
 
 def called_tools(msgs: list[dict]) -> list[str]:
     """The protocol's tools that the messages' assistant turns called, in TOOLS order."""
-    names = {(c.get("function") or {}).get("name") for m in msgs if m.get("role") == "assistant" for c in m.get("tool_calls") or []}
+    names = {(c.get("function") or {}).get("name") for m in msgs if m.get("role") == "assistant"
+             for c in m.get("tool_calls") or []}
     return [t for t in TOOLS if t in names]
 
 
@@ -160,7 +165,8 @@ def message_text(content) -> str:
     return content if isinstance(content, str) else ""
 
 
-def protocol_answer(choice: dict, stop: list[str], forced: str, native: bool = True) -> tuple[str, str | None, str, str | None]:
+def protocol_answer(choice: dict, stop: list[str], forced: str,
+                    native: bool = True) -> tuple[str, str | None, str, str | None]:
     """A chat answer's first choice as protocol text: (text, the stop tag that ends it, finish reason, error)."""
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content = message_text(message.get("content"))
@@ -171,7 +177,8 @@ def protocol_answer(choice: dict, stop: list[str], forced: str, native: bool = T
         functions = [c.get("function") if isinstance(c, dict) else None for c in calls]
         try:
             if not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in functions):
-                raise ValueError(f"expected tool_calls of {{function: {{name, arguments}}}}, got {json.dumps(calls)[:120]}")
+                raise ValueError(f"expected tool_calls of {{function: {{name, arguments}}}}, got "
+                                 f"{json.dumps(calls)[:120]}")
             tag = calls_as_tag([(f["name"], f.get("arguments") or {}) for f in functions])
         except ValueError as e:
             return content, None, "stop", f"an unusable tool call: {e}"
@@ -181,12 +188,14 @@ def protocol_answer(choice: dict, stop: list[str], forced: str, native: bool = T
         return "\n".join(t for t in (content.strip(), tag) if t), f"</{tool}>", "stop", None
     length = choice.get("finish_reason") == "length"
     if forced in TOOLS and native:  # a named tool_choice answered with text: no call to run
-        return content, None, "length" if length else "stop", f"an unusable tool call: text where the turn asked for a {forced} call"
+        return (content, None, "length" if length else "stop",
+                f"an unusable tool call: text where the turn asked for a {forced} call")
     if forced:
         opening, close = f"<{forced}>", f"</{forced}>" if forced not in SCAFFOLD else SCAFFOLD[forced][1]
         inner = content.split(opening, 1)[1] if opening in content else content
         inner = inner.split(close, 1)[0] if close in inner else inner
-        return opening + inner.strip() + ("" if length else close), None if length else close, "length" if length else "stop", None
+        return (opening + inner.strip() + ("" if length else close), None if length else close,
+                "length" if length else "stop", None)
     closes = [s for s in stop if s.startswith("</")]
     hits = sorted((content.find(s), s) for s in closes if s in content)
     if hits:  # a model that writes the tags itself: up to the first closing tag
@@ -197,15 +206,16 @@ def protocol_answer(choice: dict, stop: list[str], forced: str, native: bool = T
         return content.rstrip() + opened[1], opened[1], "stop", None
     if length or not content.strip():
         return content, None, "length" if length else "stop", None
-    return f"<answer>{content.strip()}</answer>", "</answer>", "stop", None  # a plain last reply is the answer as a whole
+    # a plain last reply is the answer as a whole
+    return f"<answer>{content.strip()}</answer>", "</answer>", "stop", None
 
 
 def student_top(tok, text: str, ids: list[int], content: str, entries: list[dict]) -> list | None:
-    """The chat teacher's top log-probs (`logprobs.content`: {token, logprob, top_logprobs}) on the student's tokens `ids`
-    of the protocol text `text` made from its `content`: a student token that begins where a teacher token begins (both
-    tokenisations break there) gets that position's alternatives, each as the student's first token of its string, the
-    log-probs of strings sharing that first token summed: [(student id, log-prob)] best first. Other tokens (inside a
-    teacher token, the protocol's own tags, a tool call's arguments, which APIs give no log-probs for) get None. None
+    """The chat teacher's top log-probs (`logprobs.content`: {token, logprob, top_logprobs}) on the student's tokens
+    `ids` of the protocol text `text` made from its `content`: a student token that begins where a teacher token begins
+    (both tokenisations break there) gets that position's alternatives, each as the student's first token of its string,
+    the log-probs of strings sharing that first token summed: [(student id, log-prob)] best first. Other tokens (inside
+    a teacher token, the protocol's own tags, a tool call's arguments, which APIs give no log-probs for) get None. None
     when the tokens do not spell `content` or `ids` do not spell `text`."""
     from difflib import SequenceMatcher
 

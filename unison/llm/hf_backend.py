@@ -1,4 +1,5 @@
-"""transformers backend: batched `generate` on a live model (RL rollouts on changing weights, or where vLLM is absent)."""
+"""transformers backend: batched `generate` on a live model (RL rollouts on changing weights, or where vLLM is
+absent)."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,8 @@ SCORE_TOKENS = 4096  # tokens per scoring forward pass: its fp32 logits are SCOR
 class HFBackend:
     name = "transformers"
 
-    def __init__(self, model_dir: str | None = None, dtype: str = "auto", model=None, tokenizer=None, batch_size: int = 32):
+    def __init__(self, model_dir: str | None = None, dtype: str = "auto", model=None, tokenizer=None,
+                 batch_size: int = 32):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if dtype == "auto":
@@ -89,10 +91,11 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         gen = self.model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(s.max_tokens for s in sampling),
-            do_sample=s0.temperature > 0, temperature=s0.temperature if s0.temperature > 0 else None,
-            top_p=s0.top_p if s0.temperature > 0 else None, top_k=None, pad_token_id=pad,
-            stopping_criteria=self._stopping(stops) if stops else None, output_logits=want_logprobs, return_dict_in_generate=True,
+            input_ids=ids.to(device), attention_mask=mask.to(device),
+            max_new_tokens=max(s.max_tokens for s in sampling), do_sample=s0.temperature > 0,
+            temperature=s0.temperature if s0.temperature > 0 else None, top_p=s0.top_p if s0.temperature > 0 else None,
+            top_k=None, pad_token_id=pad, stopping_criteria=self._stopping(stops) if stops else None,
+            output_logits=want_logprobs, return_dict_in_generate=True,
         )
         self.model.train(was_training)
         seqs = gen.sequences[:, width:].tolist()
@@ -105,5 +108,6 @@ class HFBackend:
             toks = toks[: s.max_tokens]
             finished = eos_at is not None or stop is not None
             lp = [logps[r, k, t].item() for k, t in enumerate(toks)] if logps is not None and s.logprobs else None
-            out.append(Completion(self.tokenizer.decode(toks, skip_special_tokens=True), toks, lp, "stop" if finished else "length", stop))
+            out.append(Completion(self.tokenizer.decode(toks, skip_special_tokens=True), toks, lp,
+                                  "stop" if finished else "length", stop))
         return out

@@ -1,16 +1,17 @@
-"""Any OpenAI-compatible server (`vllm serve`, SGLang, llama.cpp, hosted APIs) over `requests`: POST {base_url}/completions,
-or {base_url}/chat/completions (`api="chat"`: messages and native tool calls, unison/llm/chat.py; what hosted APIs offer).
+"""Any OpenAI-compatible server (`vllm serve`, SGLang, llama.cpp, hosted APIs) over `requests`: POST
+{base_url}/completions, or {base_url}/chat/completions (`api="chat"`: messages and native tool calls,
+unison/llm/chat.py; what hosted APIs offer).
 
-With `api="chat"` the tokenizer is the student's: the runtime renders the transcript in it, the server gets it as messages
-(native tool calling, or the tag protocol in plain text: `chat_tools`, stepped down once to text when an unprobed server
-rejects `tools`), and the answer comes back as protocol text, tokenised here (`stats["retokenized"]`). A chat API cannot
-prefill, so a backend with `prefills` False gets the scaffold's tag in `Sampling.forced`. Each completion carries the
-model name the server answered with (`Completion.model`), from the response cache too.
+With `api="chat"` the tokenizer is the student's: the runtime renders the transcript in it, the server gets it as
+messages (native tool calling, or the tag protocol in plain text: `chat_tools`, stepped down once to text when an
+unprobed server rejects `tools`), and the answer comes back as protocol text, tokenised here (`stats["retokenized"]`). A
+chat API cannot prefill, so a backend with `prefills` False gets the scaffold's tag in `Sampling.forced`. Each
+completion carries the model name the server answered with (`Completion.model`), from the response cache too.
 
-Episodes stay token-in/token-out: the prompt goes as token ids and, with the vLLM extensions on, the sampled ids come back
-(`return_token_ids`; or `logprobs` tokens as "token_id:N"). Servers without them get plain OpenAI requests: the decoded
-text prompt, stop strings applied here (the standard API drops the stop string and does not say which one hit), and
-the returned text tokenised locally (counted in `stats["retokenized"]`). Until a first request succeeds, a 400/422
+Episodes stay token-in/token-out: the prompt goes as token ids and, with the vLLM extensions on, the sampled ids come
+back (`return_token_ids`; or `logprobs` tokens as "token_id:N"). Servers without them get plain OpenAI requests: the
+decoded text prompt, stop strings applied here (the standard API drops the stop string and does not say which one hit),
+and the returned text tokenised locally (counted in `stats["retokenized"]`). Until a first request succeeds, a 400/422
 answer, or any error whose body rejects the request's fields (llama.cpp answers a token-id prompt with a 500 of
 validation errors), steps down once per call: first the extensions, then token prompts.
 `stats` counts requests, retries (each resend after a connection error, timeout, 429 or 5xx) and failures (requests
@@ -22,18 +23,19 @@ A bad answer is that turn's counted error (`malformed_answers`; the completion's
 anything of it is tokenised or kept: a body of the wrong shape, or an answer longer than max_tokens (by the usage the
 server reports, or by its length at MAX_CHARS_PER_TOKEN).
 
-Paying for it: `stats` adds the server's reported `prompt_tokens` and `completion_tokens` (a server that reports no usage
-has them counted here, in this backend's tokenizer: `usage_counted_here`), `cost_usd` at the given prices, and `cached`
-(answers taken from the response cache, `cache_dir`: keyed by the request as sent, its method, server, path and body:
-model, messages or prompt, tools, tool_choice, sampling, log-probs, seed and extensions; only a usable answer holding
-what was asked is kept, so a re-run with the same params sends nothing, a change of any misses, and an error is asked
-again). A `Budget` stops the backend (BudgetExhausted) once the spend reaches it; a `RateLimit` spaces requests and tokens.
+Paying for it: `stats` adds the server's reported `prompt_tokens` and `completion_tokens` (a server that reports no
+usage has them counted here, in this backend's tokenizer: `usage_counted_here`), `cost_usd` at the given prices, and
+`cached` (answers taken from the response cache, `cache_dir`: keyed by the request as sent, its method, server, path and
+body: model, messages or prompt, tools, tool_choice, sampling, log-probs, seed and extensions; only a usable answer
+holding what was asked is kept, so a re-run with the same params sends nothing, a change of any misses, and an error is
+asked again). A `Budget` stops the backend (BudgetExhausted) once the spend reaches it; a `RateLimit` spaces requests
+and tokens.
 
 Several base URLs (replicas of one served model): each attempt goes to the server with the fewest requests outstanding
 (ties round-robin), a retry to another one; a server whose attempt failed (connection error, timeout, 429, 5xx) is
 avoided for AVOID_S seconds (unless every server is; then the one avoided longest is tried). The request, its seed
-included, is the same whichever server answers. `stats` adds `server{i}.requests` / `server{i}.errors` (attempts sent to the
-i-th URL / failed there as above), so no URL is in a counter's name.
+included, is the same whichever server answers. `stats` adds `server{i}.requests` / `server{i}.errors` (attempts sent to
+the i-th URL / failed there as above), so no URL is in a counter's name.
 """
 from __future__ import annotations
 
@@ -86,7 +88,8 @@ class RequestRefused(Exception):
         self.failure = failure
 
 
-MAX_CHARS_PER_TOKEN = 64  # an answer longer than max_tokens x this many characters is longer than any tokenizer's tokens
+# an answer longer than max_tokens x this many characters is longer than any tokenizer's tokens
+MAX_CHARS_PER_TOKEN = 64
 
 
 def reported_usage(usage) -> dict | None:
@@ -119,7 +122,8 @@ def unusable(choice, s: Sampling, api: str, usage: dict | None = None) -> str | 
         message = choice.get("message")
         if not isinstance(message, dict):
             return "has no message"
-        if not isinstance(message.get("content"), (str, list, type(None))) or not isinstance(message.get("tool_calls"), (list, type(None))):
+        if (not isinstance(message.get("content"), (str, list, type(None)))
+                or not isinstance(message.get("tool_calls"), (list, type(None)))):
             return "has a message of the wrong shape (content: text, tool_calls: a list)"
     elif not isinstance(choice.get("text"), str) or not isinstance(choice.get("token_ids"), (list, type(None))):
         return "has a choice of the wrong shape (text: a string, token_ids: a list)"
@@ -217,7 +221,8 @@ class RateLimit:
 
     WINDOW_S = 60.0
 
-    def __init__(self, requests_per_minute: int = 0, tokens_per_minute: int = 0, clock=time.monotonic, sleep=time.sleep):
+    def __init__(self, requests_per_minute: int = 0, tokens_per_minute: int = 0, clock=time.monotonic,
+                 sleep=time.sleep):
         self.rpm, self.tpm, self.clock, self.sleep = requests_per_minute, tokens_per_minute, clock, sleep
         self._sent: collections.deque = collections.deque()  # [time, tokens] per request in the window
         self._lock = threading.Lock()
@@ -230,7 +235,8 @@ class RateLimit:
                 while self._sent and self._sent[0][0] <= now - self.WINDOW_S:
                     self._sent.popleft()
                 used = sum(t for _, t in self._sent)
-                full = (self.rpm and len(self._sent) >= self.rpm) or (self.tpm and self._sent and used + tokens > self.tpm)
+                full = ((self.rpm and len(self._sent) >= self.rpm)
+                        or (self.tpm and self._sent and used + tokens > self.tpm))
                 if not full:
                     entry = [now, tokens]
                     self._sent.append(entry)
@@ -251,14 +257,16 @@ def servers_label(urls: list[str]) -> str:
 class OpenAIBackend:
     name = "openai"
 
-    def __init__(self, base_url: str | list[str], model: str, tokenizer=None, max_concurrency: int = 8, timeout_s: float = 120.0,
-                 max_retries: int = 3, api_key_env: str = "OPENAI_API_KEY", token_prompts: bool = True,
-                 vllm_extensions: bool = True, backoff_s: float = 0.5, cache_dir: str | os.PathLike | None = None,
-                 budget: Budget = Budget(), rate_limit: RateLimit | None = None, api: str = "completions", chat_tools: str = "native",
-                 scoring: str = "prompt_logprobs", max_failed_in_row: int = 8, spend: Spend | RemoteSpend | None = None):
-        """`base_url`: a server's /v1 URL or a list of servers of the same model; `tokenizer`: a tokenizer or a local dir /
-        hub name to load one from (default: `model`); `spend`: what the budget is checked against, shared with other
-        backends (default: this backend's own)."""
+    def __init__(self, base_url: str | list[str], model: str, tokenizer=None, max_concurrency: int = 8,
+                 timeout_s: float = 120.0, max_retries: int = 3, api_key_env: str = "OPENAI_API_KEY",
+                 token_prompts: bool = True, vllm_extensions: bool = True, backoff_s: float = 0.5,
+                 cache_dir: str | os.PathLike | None = None, budget: Budget = Budget(),
+                 rate_limit: RateLimit | None = None, api: str = "completions", chat_tools: str = "native",
+                 scoring: str = "prompt_logprobs", max_failed_in_row: int = 8,
+                 spend: Spend | RemoteSpend | None = None):
+        """`base_url`: a server's /v1 URL or a list of servers of the same model; `tokenizer`: a tokenizer or a local
+        dir / hub name to load one from (default: `model`); `spend`: what the budget is checked against, shared with
+        other backends (default: this backend's own)."""
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
             from transformers import AutoTokenizer
 
@@ -268,7 +276,8 @@ class OpenAIBackend:
         self.prefills = api != "chat"
         self.template = Template.probe(tokenizer) if api == "chat" else None
         eos = tokenizer.eos_token_id if api == "chat" else None
-        self.eos_marker = marked_text(tokenizer, [eos]) if eos is not None else ""  # how a chat turn's end reads as text
+        # how a chat turn's end reads as text
+        self.eos_marker = marked_text(tokenizer, [eos]) if eos is not None else ""
         path = "/chat/completions" if api == "chat" else "/completions"
         bases = [url.rstrip("/") for url in ([base_url] if isinstance(base_url, str) else base_url)]
         self.urls = [url + path for url in bases]
@@ -284,8 +293,9 @@ class OpenAIBackend:
         key = os.environ.get(api_key_env) if api_key_env else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.stats = {"requests": 0, "retries": 0, "failures": 0, "retokenized": 0, "text_mismatch": 0, "downgrades": 0,
-                      "cached": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0, "tool_calls": 0, "malformed_tool_calls": 0,
-                      "refusals": 0, "malformed_answers": 0, "top_logprob_tokens": 0, "usage_counted_here": 0}
+                      "cached": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0, "tool_calls": 0,
+                      "malformed_tool_calls": 0, "refusals": 0, "malformed_answers": 0, "top_logprob_tokens": 0,
+                      "usage_counted_here": 0}
         if len(self.urls) > 1:
             self.stats |= {f"server{i}.{k}": 0 for i in range(len(self.urls)) for k in ("requests", "errors")}
         self._outstanding = [0] * len(self.urls)
@@ -303,12 +313,13 @@ class OpenAIBackend:
     def score(self, prompts: list[list[int]], completions: list[list[int]], top_k: int = 0) -> list[TokenScores]:
         """Each completion's token log-probs after its prompt, and the top_k alternatives: one request per pair, cached,
         retried and budgeted like generate's: /completions with vLLM's `prompt_logprobs` extension, or SGLang's native
-        /generate (`scoring: sglang_generate`; SGLang's /v1/completions ignores prompt_logprobs). A chat API cannot score
-        given tokens, nor can a server without the extension: a ValueError names the server."""
+        /generate (`scoring: sglang_generate`; SGLang's /v1/completions ignores prompt_logprobs). A chat API cannot
+        score given tokens, nor can a server without the extension: a ValueError names the server."""
         check_scorable(prompts, completions)
         if self.api == "chat":
-            raise ValueError(f"openai backend {redact(self.label)}: a chat API gives no log-probs of given tokens; scoring needs a "
-                             "/completions server with vLLM's prompt_logprobs, or SGLang's /generate (teacher.api: completions)")
+            raise ValueError(f"openai backend {redact(self.label)}: a chat API gives no log-probs of given tokens; "
+                             "scoring needs a /completions server with vLLM's prompt_logprobs, or SGLang's /generate "
+                             "(teacher.api: completions)")
         if self.scoring == "sglang_generate":
             return list(self._pool.map(lambda pair: self._sglang_score(*pair, top_k), zip(prompts, completions)))
         s = Sampling(max_tokens=1, prompt_logprobs=top_k)
@@ -318,13 +329,15 @@ class OpenAIBackend:
     def _token_scores(self, choice: dict, start: int, completion: list[int], top_k: int) -> TokenScores:
         positions = (choice.get("prompt_logprobs") or [])[start : start + len(completion)]
         if len(positions) != len(completion) or not all(isinstance(d, dict) for d in positions):
-            raise ValueError(f"openai backend {redact(self.label)}: the answer has no prompt_logprobs for the scored tokens: the "
-                             "server cannot score (vLLM's server returns them on /completions; SGLang's ignores the field)")
+            raise ValueError(f"openai backend {redact(self.label)}: the answer has no prompt_logprobs for the "
+                             "scored tokens: the server cannot score (vLLM's server returns them on /completions; "
+                             "SGLang's ignores the field)")
         chosen, top_ids, top_lps = [], [], []
         for d, token in zip(positions, completion):
             entries = {int(k): v for k, v in d.items()}  # token id (a JSON key) -> {logprob, rank, decoded_token}
             chosen.append(float(entries[token]["logprob"]))
-            ranked = sorted((v["rank"], k, float(v["logprob"])) for k, v in entries.items() if v["rank"] <= top_k)[:top_k]
+            ranked = sorted((v["rank"], k, float(v["logprob"])) for k, v in entries.items()
+                            if v["rank"] <= top_k)[:top_k]
             top_ids.append([k for _, k, _ in ranked])
             top_lps.append([lp for _, _, lp in ranked])
         return TokenScores(chosen, top_ids, top_lps) if top_k else TokenScores(chosen)
@@ -356,7 +369,8 @@ class OpenAIBackend:
                 self._count("failures")
                 raise RequestFailed(f"openai backend: {e}") from None
             meta = answer.get("meta_info") if isinstance(answer, dict) else None
-            meta = {k: meta.get(k) for k in ("input_token_logprobs", "input_top_logprobs", "prompt_tokens")} if isinstance(meta, dict) else {}
+            meta = ({k: meta.get(k) for k in ("input_token_logprobs", "input_top_logprobs", "prompt_tokens")}
+                    if isinstance(meta, dict) else {})
             self._settle(entry, reported_usage({"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": 1}),
                          lambda: {"prompt_tokens": len(seq), "completion_tokens": 1})
             if self.cache is not None and usable(meta):
@@ -365,14 +379,16 @@ class OpenAIBackend:
         chosen, tops = meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []
         start = len(prompt)
         if not usable(meta):
-            raise ValueError(f"sglang backend {where}: input_token_logprobs has {len(chosen)} entries for {len(seq)} tokens sent "
-                             "(a server that is not SGLang's, or one that ignored logprob_start_len 0)")
+            raise ValueError(f"sglang backend {where}: input_token_logprobs has {len(chosen)} entries for "
+                             f"{len(seq)} tokens sent (a server that is not SGLang's, or one that ignored "
+                             "logprob_start_len 0)")
         logprobs, top_ids, top_lps = [], [], []
         for j in range(start, len(seq)):
             entry = chosen[j]
-            if not (isinstance(entry, list) and len(entry) >= 2 and entry[1] == seq[j] and isinstance(entry[0], (int, float))):
-                raise ValueError(f"sglang backend {where}: input_token_logprobs[{j}] is {entry!r}, not the log-prob of token "
-                                 f"{seq[j]} (the answer is aligned otherwise than SGLang's)")
+            if not (isinstance(entry, list) and len(entry) >= 2 and entry[1] == seq[j]
+                    and isinstance(entry[0], (int, float))):
+                raise ValueError(f"sglang backend {where}: input_token_logprobs[{j}] is {entry!r}, not the "
+                                 f"log-prob of token {seq[j]} (the answer is aligned otherwise than SGLang's)")
             logprobs.append(float(entry[0]))
             if top_k:
                 ranked = sorted(((float(lp), int(i)) for lp, i, *_ in tops[j] or []), key=lambda t: -t[0])[:top_k]
@@ -398,8 +414,8 @@ class OpenAIBackend:
             if s.top_logprobs:
                 body |= {"logprobs": True, "top_logprobs": s.top_logprobs}
             return body
-        body = {"model": self.model, "prompt": prompt if tokens else self.tokenizer.decode(prompt), "max_tokens": s.max_tokens,
-                "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+        body = {"model": self.model, "prompt": prompt if tokens else self.tokenizer.decode(prompt),
+                "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         if s.logprobs:
             body["logprobs"] = 0  # the sampled token's logprob only
         if s.prompt_logprobs is not None:  # vLLM's extension: score the prompt
@@ -422,7 +438,8 @@ class OpenAIBackend:
             body = self._body(prompt, s, mode)
             key = json.dumps(body, sort_keys=True)
             if self.cache is not None:
-                hit = self.cache.get("POST", self.label, key, usable=lambda v: isinstance(v, dict) and kept(v.get("choice")))
+                hit = self.cache.get("POST", self.label, key,
+                                     usable=lambda v: isinstance(v, dict) and kept(v.get("choice")))
                 if hit is not None:
                     self._count("cached")
                     return hit["choice"], mode[0]
@@ -485,11 +502,13 @@ class OpenAIBackend:
         choices = answer.get("choices")
         choice = choices[0] if isinstance(choices, list) and choices else None
         error = unusable(choice, s, self.api, usage)
-        self._settle(entry, usage, lambda: {"prompt_tokens": len(prompt), "completion_tokens": 0 if error else self._completion_tokens(choice)})
+        self._settle(entry, usage, lambda: {"prompt_tokens": len(prompt),
+                                            "completion_tokens": 0 if error else self._completion_tokens(choice)})
         if error:
             self._count("malformed_answers")
             return {"text": "", "message": {}, "finish_reason": "stop", "unison_error": f"the server's answer {error}"}
-        served = {"unison_model": answer["model"]} if isinstance(answer.get("model"), str) else {}  # kept in the cache too
+        # kept in the cache too
+        served = {"unison_model": answer["model"]} if isinstance(answer.get("model"), str) else {}
         return {**choice, **served}
 
     def _completion_tokens(self, choice: dict) -> int:
@@ -511,19 +530,21 @@ class OpenAIBackend:
         # one server: each attempt may use all the time left (a long answer is not cut to a share); several
         # replicas: equal shares, so a hung one leaves time for the retry on another
         attempts = shared_deadlines(deadline, self.max_retries + 1) if len(urls) > 1 else itertools.repeat(deadline)
-        return with_retries("POST", servers_label(urls), lambda: self._attempt(body, self._local.session, next(attempts), urls),
+        return with_retries("POST", servers_label(urls),
+                            lambda: self._attempt(body, self._local.session, next(attempts), urls),
                             retries=self.max_retries, backoff_s=self.backoff_s, deadline=deadline,
                             on_retry=lambda: self._count("retries"))
 
     def _attempt(self, body: dict, session, deadline: float, urls: list[str]):
-        """One POST of `body` to the server `_pick` chooses by `deadline`, at its URL in `urls`, counted against it while
-        outstanding."""
+        """One POST of `body` to the server `_pick` chooses by `deadline`, at its URL in `urls`, counted against it
+        while outstanding."""
         i = self._pick()
         try:
             answer = post_json_once(urls[i], body, deadline=deadline, session=session, headers=self.headers)
         except AttemptFailed as failure:
             if not self._probed and (failure.status or 0) >= 500 and REJECTED_FIELDS.search(failure.detail):
-                raise AttemptFailed("error", failure.detail + " (read as a rejection of the request's fields)", 422) from None
+                raise AttemptFailed("error", failure.detail + " (read as a rejection of the request's fields)",
+                                    422) from None
             if len(self.urls) > 1 and retryable(failure):
                 with self._lock:
                     self._avoid_until[i] = time.monotonic() + AVOID_S
@@ -537,8 +558,8 @@ class OpenAIBackend:
         return answer
 
     def _pick(self) -> int:
-        """The server with the fewest requests outstanding among those not avoided (ties: round-robin); every one avoided:
-        the one avoided longest. Counts the request against it."""
+        """The server with the fewest requests outstanding among those not avoided (ties: round-robin); every one
+        avoided: the one avoided longest. Counts the request against it."""
         n = len(self.urls)
         with self._lock:
             now = time.monotonic()
@@ -555,12 +576,13 @@ class OpenAIBackend:
         return i
 
     def _step_down(self, mode: tuple[bool, bool, str], failure: HTTPFailure) -> bool:
-        """After a 400/422 on an unprobed server: drop the vLLM extensions, then token prompts (chat: native tool calls for
-        the tag protocol in plain text). False: nothing left to drop."""
+        """After a 400/422 on an unprobed server: drop the vLLM extensions, then token prompts (chat: native tool calls
+        for the tag protocol in plain text). False: nothing left to drop."""
         with self._lock:
             if self._probed:
                 return False
-            if (self.vllm_extensions, self.token_prompts, self.chat_tools) != mode:  # another thread stepped down already
+            # another thread stepped down already
+            if (self.vllm_extensions, self.token_prompts, self.chat_tools) != mode:
                 return True
             if self.api == "chat":
                 if self.chat_tools != "native":
@@ -588,8 +610,8 @@ class OpenAIBackend:
                 self._failed_in_row += 1
                 gone = self._failed_in_row >= self.max_failed_in_row
             if gone:
-                raise RequestFailed(f"{failure} ({self._failed_in_row} requests in a row failed for good: llm.max_failed_in_row "
-                                    f"{self.max_failed_in_row})") from None
+                raise RequestFailed(f"{failure} ({self._failed_in_row} requests in a row failed for good: "
+                                    f"llm.max_failed_in_row {self.max_failed_in_row})") from None
             return Completion("", [], None, "failed", None, str(failure))
         with self._lock:
             self._failed_in_row = 0
@@ -608,13 +630,15 @@ class OpenAIBackend:
             self._count("text_mismatch")
         logprobs = lp.get("token_logprobs") if s.logprobs else None
         stop = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
-        if stop is None and s.stop and (not ext or "stop_reason" not in choice):  # the server did not apply or report stops
+        # the server did not apply or report stops
+        if stop is None and s.stop and (not ext or "stop_reason" not in choice):
             ids, stop = truncate_at_stop(tok, ids, s.stop)
         if logprobs is not None:
             logprobs = logprobs[: len(ids)] if len(logprobs) >= len(ids) else None  # misaligned with re-tokenised ids
         finished = stop is not None or choice.get("finish_reason") != "length"
-        return Completion(tok.decode(ids, skip_special_tokens=True), list(ids), logprobs, "stop" if finished else "length", stop,
-                          choice.get("unison_error"), choice.get("unison_model"))
+        return Completion(tok.decode(ids, skip_special_tokens=True), list(ids), logprobs,
+                          "stop" if finished else "length", stop, choice.get("unison_error"),
+                          choice.get("unison_model"))
 
     def _chat_completion(self, choice: dict, s: Sampling) -> Completion:
         """A chat answer as protocol text in the student's tokens (unison/llm/chat.py), counted."""
@@ -628,12 +652,13 @@ class OpenAIBackend:
             self._count("malformed_tool_calls")
         if finish == "refusal":
             self._count("refusals")
-        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # its words, never turn markers
+        # its words, never turn markers
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         top = None
         logprobs = choice.get("logprobs")
         entries = logprobs.get("content") if isinstance(logprobs, dict) else None
         if s.top_logprobs and isinstance(entries, list) and isinstance(message, dict):
             top = student_top(self.tokenizer, text, ids, message_text(message.get("content")), entries)
             self._count("top_logprob_tokens", sum(t is not None for t in top or []))
-        return Completion(self.tokenizer.decode(ids, skip_special_tokens=True), ids, None, finish, stop, error, choice.get("unison_model"),
-                          top)
+        return Completion(self.tokenizer.decode(ids, skip_special_tokens=True), ids, None, finish, stop, error,
+                          choice.get("unison_model"), top)

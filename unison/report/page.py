@@ -1,6 +1,6 @@
-"""reports/report.html and reports/summary.md -- the teacher-vs-student story, the headline table (EM and SubEM with Wilson
-95% CIs, F1, answer length, cost), the PRM rerank and flywheel comparisons when present, the stage metrics as tables, and
-the plots."""
+"""reports/report.html and reports/summary.md -- the teacher-vs-student story, the headline table (EM and SubEM with
+Wilson 95% CIs, F1, answer length, cost), the PRM rerank and flywheel comparisons when present, the stage metrics as
+tables, and the plots."""
 from __future__ import annotations
 
 import html
@@ -12,9 +12,10 @@ from ..data.schemas import atomic_path
 from .tables import flywheel_rows, headline_rows, key_value_rows, markdown_table, rerank_rows, story
 
 STAGES = ("download", "teacher", "index", "generate", "label", "prm", "sft", "pareto", "dpo", "rl")
-HEADLINE_NOTE = ("EM and SubEM: share of test questions (SQuAD normalisation; SubEM only for answers up to 5x the gold's length), "
-                 "with Wilson 95% intervals. F1: mean token F1. answer tokens: words in the extracted final answer. Cost per "
-                 "question; tokens/correct: all generated tokens over the answers the label judge accepts.")
+HEADLINE_NOTE = ("EM and SubEM: share of test questions (SQuAD normalisation; SubEM only for answers up to 5x the "
+                 "gold's length), with Wilson 95% intervals. F1: mean token F1. answer tokens: words in the extracted "
+                 "final answer. Cost per question; tokens/correct: all generated tokens over the answers the "
+                 "label judge accepts.")
 WIDE_PLOTS = ("rl_curves.png",)  # multi-panel figures take a whole row of the page
 
 
@@ -32,10 +33,14 @@ def figure(src: str, wide: bool = False) -> str:
     return f"<figure class='{'wide' if wide else ''}'><img src='{html.escape(src)}' alt='{html.escape(src)}'></figure>"
 
 
-CSS = """body{font-family:system-ui,sans-serif;font-size:15px;line-height:1.45;max-width:1240px;margin:1.5em auto;padding:0 1em;color:#222}
-h1{font-size:1.6em;margin-bottom:.3em}h2{margin-top:1.6em;border-bottom:1px solid #ddd;padding-bottom:.2em}h3{margin:.4em 0;font-size:1em}
-p.story{font-size:1.1em;background:#f4f7fb;border-left:4px solid #4a78b5;padding:.7em 1em}p.note{color:#555;font-size:.9em}
-table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ccc;padding:4px 7px;text-align:right;white-space:nowrap}
+CSS = """body{font-family:system-ui,sans-serif;font-size:15px;line-height:1.45;max-width:1240px;margin:1.5em auto;\
+padding:0 1em;color:#222}
+h1{font-size:1.6em;margin-bottom:.3em}h2{margin-top:1.6em;border-bottom:1px solid #ddd;padding-bottom:.2em}\
+h3{margin:.4em 0;font-size:1em}
+p.story{font-size:1.1em;background:#f4f7fb;border-left:4px solid #4a78b5;padding:.7em 1em}p.note{color:#555;\
+font-size:.9em}
+table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ccc;padding:4px 7px;text-align:right;\
+white-space:nowrap}
 th{background:#f0f0f0;white-space:normal;vertical-align:bottom}td:first-child,th:first-child{text-align:left}
 table.headline{font-size:.92em}table.headline td:nth-child(2){font-weight:600}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:12px}figure{margin:0}
@@ -45,18 +50,21 @@ figure.wide{grid-column:1/-1}figure img{width:100%;height:auto;border:1px solid 
 
 def render_html(rows: list[dict], stage_metrics: dict, plots: list[str], headline: str = "", rerank: list[dict] = (),
                 flywheel: list[dict] = ()) -> str:
-    """The page: story, headline table, PRM rerank and flywheel tables, plots (paths relative to reports/), stage tables."""
-    sections = [f"<p class='story'>{html.escape(headline)}</p>" if headline else "", "<h2>Headline</h2>", html_table(rows, "headline"),
-                f"<p class='note'>{html.escape(HEADLINE_NOTE)}</p>"]
+    """The page: story, headline table, PRM rerank and flywheel tables, plots (paths relative to reports/), stage
+    tables."""
+    sections = [f"<p class='story'>{html.escape(headline)}</p>" if headline else "", "<h2>Headline</h2>",
+                html_table(rows, "headline"), f"<p class='note'>{html.escape(HEADLINE_NOTE)}</p>"]
     if rerank:
         sections += ["<h2>PRM best-of-N rerank</h2>", html_table(rerank)]
     if flywheel:
         sections += ["<h2>Flywheel rounds</h2>", html_table(flywheel)]
-    sections += ["<h2>Plots</h2><div class='plots'>" + "".join(figure(p, wide=p.endswith(WIDE_PLOTS)) for p in plots) + "</div>"]
-    stages = "".join(f"<div><h3>{html.escape(name)}</h3>{html_table(key_value_rows(m))}</div>" for name, m in stage_metrics.items())
+    sections += ["<h2>Plots</h2><div class='plots'>" + "".join(figure(p, wide=p.endswith(WIDE_PLOTS)) for p in plots)
+                 + "</div>"]
+    stages = "".join(f"<div><h3>{html.escape(name)}</h3>{html_table(key_value_rows(m))}</div>"
+                     for name, m in stage_metrics.items())
     sections += [f"<h2>Stage metrics</h2><div class='stages'>{stages}</div>" if stages else ""]
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>unison report</title><style>{CSS}</style></head><body>"
-            f"<h1>unison: student vs teacher</h1>{''.join(sections)}</body></html>")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>unison report</title>"
+            f"<style>{CSS}</style></head><body><h1>unison: student vs teacher</h1>{''.join(sections)}</body></html>")
 
 
 def summary_markdown(rows: list[dict], headline: str, rerank: list[dict], flywheel: list[dict]) -> str:
@@ -70,10 +78,12 @@ def summary_markdown(rows: list[dict], headline: str, rerank: list[dict], flywhe
 
 
 def write_pages(metrics: dict, plots: list[str]) -> str:
-    """reports/report.html and reports/summary.md from `metrics` (reports/metrics.json), the stages' reports/<stage>.json,
-    reports/flywheel.json when there and `plots`; the summary's markdown."""
-    stage_metrics = {s: json.loads(Path(layout.report(s)).read_text()) for s in STAGES if Path(layout.report(s)).exists()}
-    flywheel = flywheel_rows(json.loads(Path(layout.FLYWHEEL_REPORT).read_text())) if Path(layout.FLYWHEEL_REPORT).exists() else []
+    """reports/report.html and reports/summary.md from `metrics` (reports/metrics.json), the stages'
+    reports/<stage>.json, reports/flywheel.json when there and `plots`; the summary's markdown."""
+    stage_metrics = {s: json.loads(Path(layout.report(s)).read_text()) for s in STAGES
+                     if Path(layout.report(s)).exists()}
+    flywheel = (flywheel_rows(json.loads(Path(layout.FLYWHEEL_REPORT).read_text()))
+                if Path(layout.FLYWHEEL_REPORT).exists() else [])
     rows, headline, rerank = headline_rows(metrics), story(metrics), rerank_rows(metrics)
     summary = summary_markdown(rows, headline, rerank, flywheel)
     for path, text in ((layout.REPORT_HTML, render_html(rows, stage_metrics, plots, headline, rerank, flywheel)),

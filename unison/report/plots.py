@@ -15,7 +15,8 @@ from ..data.schemas import atomic_dir
 from .tables import LABELS, teacher_first
 
 PLOTS = Path(layout.PLOTS)
-LOSS_CURVES = {layout.SFT_LOSS: "SFT loss (masked CE)", layout.PRM_LOSS: "PRM loss (step CE)", layout.DPO_LOSS: "DPO loss"}
+LOSS_CURVES = {layout.SFT_LOSS: "SFT loss (masked CE)", layout.PRM_LOSS: "PRM loss (step CE)",
+               layout.DPO_LOSS: "DPO loss"}
 RL_PANELS = {"reward and accuracy": ("reward_total", "accuracy"),
              "reward terms": ("reward_verifiable", "reward_format", "reward_efficiency", "reward_prm"),
              "behaviour": ("tool_call_rate", "tool_calls_per_episode", "turns_per_episode"),
@@ -51,7 +52,8 @@ def plot_accuracy_vs_tokens(metrics: dict, path: Path) -> None:
 
 
 def plot_per_task(metrics: dict, path: Path) -> None:
-    tasks = sorted({k[len("accuracy_"):] for m in metrics.values() for k in m if k.startswith("accuracy_") and k[-3:] not in ("_lo", "_hi")})
+    tasks = sorted({k[len("accuracy_"):] for m in metrics.values() for k in m
+                    if k.startswith("accuracy_") and k[-3:] not in ("_lo", "_hi")})
     fig, ax = plt.subplots(figsize=(5.5, 4))
     width = 0.8 / max(1, len(metrics))
     for i, (name, m) in enumerate(teacher_first(metrics).items()):
@@ -81,8 +83,8 @@ def plot_loss(loss_csv: Path, path: Path, title: str) -> None:
 
 
 def plot_rl_curves(curve_csv: Path, path: Path) -> None:
-    """RL over training, 2x2 panels: reward and accuracy, reward terms, tool use and turns (does tool use collapse?), and
-    policy-update terms."""
+    """RL over training, 2x2 panels: reward and accuracy, reward terms, tool use and turns (does tool use collapse?),
+    and policy-update terms."""
     recs = read_csv(curve_csv)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     steps = [int(r["step"]) for r in recs]
@@ -100,8 +102,8 @@ def plot_rl_curves(curve_csv: Path, path: Path) -> None:
 
 
 def make_plots(metrics: dict) -> list[str]:
-    """Draw the report's plots into reports/plots (the folder swapped in whole); every plot to show, as a path relative to
-    reports/ (other stages' too)."""
+    """Draw the report's plots into reports/plots (the folder swapped in whole); every plot to show, as a path relative
+    to reports/ (other stages' too)."""
     with atomic_dir(PLOTS) as out:
         plot_accuracy_vs_tokens(metrics, out / "accuracy_vs_tokens.png")
         plot_per_task(metrics, out / "accuracy_per_task.png")

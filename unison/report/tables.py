@@ -6,10 +6,11 @@ import numbers
 
 LABELS = {"base": "base student", "sft": "SFT student", "prm_rerank": "SFT + PRM best-of-N", "dpo": "DPO student",
           "rl": "RL student", "teacher": "teacher"}
-RERANK = {"prm_pick_accuracy": "PRM pick accuracy", "candidate_mean_accuracy": "candidate mean accuracy (a random pick)",
-          "prm_beats_mean": "PRM pick beats the candidate mean", "vote_accuracy": "majority-vote accuracy", "pass_at_n": "pass@N",
-          "prm_pick_answered_rate": "PRM picks with an answer", "prm_outcome_auc": "PRM outcome AUC",
-          "samples_per_question": "samples per question"}
+RERANK = {"prm_pick_accuracy": "PRM pick accuracy",
+          "candidate_mean_accuracy": "candidate mean accuracy (a random pick)",
+          "prm_beats_mean": "PRM pick beats the candidate mean", "vote_accuracy": "majority-vote accuracy",
+          "pass_at_n": "pass@N", "prm_pick_answered_rate": "PRM picks with an answer",
+          "prm_outcome_auc": "PRM outcome AUC", "samples_per_question": "samples per question"}
 MAX_LIST_ITEMS = 8  # stage-metric lists longer than this are shortened in the tables
 
 
@@ -37,11 +38,13 @@ def headline_rows(metrics: dict) -> list[dict]:
     teacher_tokens = metrics.get("teacher", {}).get("tokens_per_question")
     rows = []
     for name, m in teacher_first(metrics).items():
-        rows.append({"system": LABELS.get(name, name), "EM [95% CI]": with_ci(m, "em"), "SubEM [95% CI]": with_ci(m, "subem"),
-                     "F1": number(m.get("f1"), ".3f"), "answer tokens": number(m.get("answer_tokens"), ".1f"),
+        rows.append({"system": LABELS.get(name, name), "EM [95% CI]": with_ci(m, "em"),
+                     "SubEM [95% CI]": with_ci(m, "subem"), "F1": number(m.get("f1"), ".3f"),
+                     "answer tokens": number(m.get("answer_tokens"), ".1f"),
                      "LLM calls/q": number(m.get("llm_calls_per_question"), ".2f"),
                      "gen tokens/q": number(m.get("tokens_per_question"), ".0f"),
-                     "% of teacher tokens": f"{100 * m['tokens_per_question'] / teacher_tokens:.0f}%" if teacher_tokens else "-",
+                     "% of teacher tokens": (f"{100 * m['tokens_per_question'] / teacher_tokens:.0f}%"
+                                             if teacher_tokens else "-"),
                      "tool calls/q": number(m.get("tool_calls_per_question"), ".2f"),
                      "tokens/correct": number(m.get("tokens_per_correct"), ".0f"),
                      "wall s/q": number(m.get("wall_s_per_question"), ".2f")})
@@ -61,7 +64,8 @@ def headline_metrics(metrics: dict) -> dict:
     out = {}
     for who, name in (("teacher", "teacher" if "teacher" in metrics else None), ("student", final_student(metrics))):
         if name:
-            out |= {f"{who}_em": metrics[name]["em"], f"{who}_tokens_per_question": metrics[name]["tokens_per_question"]}
+            out |= {f"{who}_em": metrics[name]["em"],
+                    f"{who}_tokens_per_question": metrics[name]["tokens_per_question"]}
     if out.get("teacher_tokens_per_question") and "student_em" in out:
         out["student_to_teacher_tokens"] = out["student_tokens_per_question"] / out["teacher_tokens_per_question"]
     return out
@@ -69,7 +73,8 @@ def headline_metrics(metrics: dict) -> dict:
 
 def story(metrics: dict) -> str:
     """One or two sentences: teacher EM vs the final student's, the token ratio, and either the share of the
-    base-to-teacher EM gap the student closed or, when its EM is above the teacher's, by how many points it passes it."""
+    base-to-teacher EM gap the student closed or, when its EM is above the teacher's, by how many points it passes
+    it."""
     best = final_student(metrics)
     if best is None:
         return ""
@@ -77,22 +82,26 @@ def story(metrics: dict) -> str:
     if "teacher" not in metrics:
         return f"No teacher was evaluated; the final student, the {label}, reaches EM {with_ci(b, 'em')}."
     t = metrics["teacher"]
-    text = (f"The teacher reaches EM {with_ci(t, 'em')} with {t['tokens_per_question']:.0f} generated tokens per question; "
-            f"the final student, the {label}, reaches {with_ci(b, 'em')} with {b['tokens_per_question']:.0f} tokens "
-            f"({b['tokens_per_question'] / t['tokens_per_question']:.0%} of the teacher's)")
+    text = (f"The teacher reaches EM {with_ci(t, 'em')} with {t['tokens_per_question']:.0f} generated "
+            f"tokens per question; the final student, the {label}, reaches {with_ci(b, 'em')} with "
+            f"{b['tokens_per_question']:.0f} tokens ({b['tokens_per_question'] / t['tokens_per_question']:.0%} "
+            "of the teacher's)")
     base = metrics.get("base")
     if b["em"] > t["em"]:
         text += f"; the student passes the teacher by {100 * (b['em'] - t['em']):.1f} EM points"
     elif base and t["em"] > base["em"]:
-        text += f", closing {(b['em'] - base['em']) / (t['em'] - base['em']):.0%} of the EM gap from the base student ({base['em']:.3f})"
+        text += (f", closing {(b['em'] - base['em']) / (t['em'] - base['em']):.0%} of the EM gap from the base student "
+                 f"({base['em']:.3f})")
     elif base:
         text += f"; the teacher is not ahead of the base student ({base['em']:.3f}), so there is no gap to close"
-    overlap = b.get("em_lo") is not None and t.get("em_lo") is not None and b["em_lo"] <= t["em_hi"] and t["em_lo"] <= b["em_hi"]
+    overlap = (b.get("em_lo") is not None and t.get("em_lo") is not None and b["em_lo"] <= t["em_hi"]
+               and t["em_lo"] <= b["em_hi"])
     return text + (". Their 95% intervals overlap: this test split cannot tell them apart." if overlap else ".")
 
 
 def rerank_rows(metrics: dict) -> list[dict]:
-    """The PRM best-of-N comparison (pick vs the candidates' mean, vote, pass@N) as measure/value rows; [] without it."""
+    """The PRM best-of-N comparison (pick vs the candidates' mean, vote, pass@N) as measure/value rows; [] without
+    it."""
     m = metrics.get("prm_rerank", {})
     return [{"measure": label, "value": format_value(m[key])} for key, label in RERANK.items() if key in m]
 
@@ -124,16 +133,19 @@ def key_value_rows(stage_json: dict) -> list[dict]:
 
 
 def flywheel_rows(flywheel: dict) -> list[dict]:
-    """reports/flywheel.json's `rounds` as table rows: round, teacher and student with EM (one "key [95% CI]" column where
-    `_lo` and `_hi` are there) and tokens, the round's correct trajectories and SFT steps."""
+    """reports/flywheel.json's `rounds` as table rows: round, teacher and student with EM (one "key [95% CI]" column
+    where `_lo` and `_hi` are there) and tokens, the round's correct trajectories and SFT steps."""
     rounds = flywheel.get("rounds") or []
-    shown = ("round", "teacher", "teacher_em", "teacher_tokens_per_question", "student", "student_em", "student_tokens_per_question",
+    shown = ("round", "teacher", "teacher_em", "teacher_tokens_per_question", "student", "student_em",
+             "student_tokens_per_question",
              "correct_trajectories", "sft_steps")  # the rest stays in reports/flywheel.json
     present = {k for r in rounds for k in r}
-    columns = [c for c in shown if c in present] + [f"{c}_{end}" for c in ("teacher_em", "student_em") for end in ("lo", "hi") if f"{c}_{end}" in present]
+    columns = [c for c in shown if c in present] + [f"{c}_{end}" for c in ("teacher_em", "student_em")
+                                                    for end in ("lo", "hi") if f"{c}_{end}" in present]
     with_interval = {c for c in columns if f"{c}_lo" in columns and f"{c}_hi" in columns}
     bounds = {f"{c}_{end}" for c in with_interval for end in ("lo", "hi")}
-    return [{(f"{c} [95% CI]" if c in with_interval else c): (with_ci(r, c) if c in with_interval else format_value(r.get(c)))
+    return [{(f"{c} [95% CI]" if c in with_interval else
+              c): (with_ci(r, c) if c in with_interval else format_value(r.get(c)))
              for c in columns if c not in bounds} for r in rounds]
 
 

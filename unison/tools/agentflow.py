@@ -24,7 +24,8 @@ def _retriever():
 
 
 def wikipedia_rag_search(query: str) -> str:
-    """Search the Wikipedia passages of the recipe's corpus and return the relevant pages with their titles, URLs and text.
+    """Search the Wikipedia passages of the recipe's corpus and return the relevant pages with their titles, URLs \
+and text.
 
     Args:
         query: The search query for Wikipedia.

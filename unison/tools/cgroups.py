@@ -34,9 +34,10 @@ PARENT_PREFIX = "unison-sandbox-"  # + the stage process's pid namespace and pid
 STAGE_LEAF = "unison-stage"  # v2, not root: where the delegated cgroup's processes move, beside the runs' parent
 SCOPE_WAIT_S = 10.0  # how long systemd may take to move this process into the scope it asked for
 GENERIC_FIX = "give this process a writable cgroup (run it as root, or in a cgroup subtree delegated to its user)"
-USER_MANAGER_FIX = ("as root, let every user's systemd manager delegate them: `sudo mkdir -p /etc/systemd/system/user@.service.d "
-                    "&& printf '[Service]\\nDelegate=cpu cpuset io memory pids\\n' | sudo tee "
-                    "/etc/systemd/system/user@.service.d/delegate.conf && sudo systemctl daemon-reload`, then log in again")
+USER_MANAGER_FIX = ("as root, let every user's systemd manager delegate them: `sudo mkdir -p "
+                    "/etc/systemd/system/user@.service.d && printf '[Service]\\nDelegate=cpu cpuset io memory "
+                    "pids\\n' | sudo tee /etc/systemd/system/user@.service.d/delegate.conf && sudo systemctl "
+                    "daemon-reload`, then log in again")
 _run_numbers = itertools.count()
 
 
@@ -129,7 +130,8 @@ def _root_v2_base(mine: Path) -> Path:
     if mine == CGROUP_ROOT:
         return mine
     handed_down = lambda cgroup: set((cgroup / "cgroup.subtree_control").read_text().split())  # noqa: E731
-    if set(CONTROLLERS) <= handed_down(mine.parent) or not set(CONTROLLERS) <= set((CGROUP_ROOT / "cgroup.controllers").read_text().split()):
+    if (set(CONTROLLERS) <= handed_down(mine.parent)
+            or not set(CONTROLLERS) <= set((CGROUP_ROOT / "cgroup.controllers").read_text().split())):
         return mine.parent  # where the root lacks them too, create_parent names what is missing
     if missing := set(CONTROLLERS) - handed_down(CGROUP_ROOT):
         _write(CGROUP_ROOT / "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(missing)))
@@ -180,17 +182,17 @@ def _systemd_scope(mine: Path) -> Path:
             f"cgroup v2 without systemd, and {_user()} has no cgroup delegated to it ({mine} is not writable)",
             f"as root, delegate one to it: `sudo sh -c 'mkdir -p {delegated} && chown {uid} {delegated} "
             f"{delegated}/cgroup.procs {delegated}/cgroup.threads {delegated}/cgroup.subtree_control && "
-            f"echo +memory +pids +cpu > {CGROUP_ROOT}/cgroup.subtree_control'`, then start the stage from a shell moved "
-            f"into it: `echo $$ | sudo tee {delegated}/cgroup.procs`")
+            f"echo +memory +pids +cpu > {CGROUP_ROOT}/cgroup.subtree_control'`, then start the stage "
+            f"from a shell moved into it: `echo $$ | sudo tee {delegated}/cgroup.procs`")
     env = dict(os.environ)
     if "DBUS_SESSION_BUS_ADDRESS" not in env:  # busctl --user looks for $XDG_RUNTIME_DIR/bus
         env.setdefault("XDG_RUNTIME_DIR", f"/run/user/{uid}")
         if not Path(env["XDG_RUNTIME_DIR"], "bus").exists():
             raise CgroupUnavailable(
-                f"cgroup v2 under systemd; {_user()} has no writable cgroup ({mine}) and no systemd user manager to ask "
-                f"for one (no user bus at {env['XDG_RUNTIME_DIR']}/bus)",
-                f"`sudo loginctl enable-linger {_user_name()}` (starts its systemd user manager, and keeps it running), "
-                "or start the stage from a login session (ssh, a desktop)")
+                f"cgroup v2 under systemd; {_user()} has no writable cgroup ({mine}) and no systemd "
+                f"user manager to ask for one (no user bus at {env['XDG_RUNTIME_DIR']}/bus)",
+                f"`sudo loginctl enable-linger {_user_name()}` (starts its systemd user manager, and "
+                "keeps it running), or start the stage from a login session (ssh, a desktop)")
     unit = f"unison-{os.getpid()}.scope"
     fix = "start the stage under `systemd-run --user --scope -p Delegate=yes <command>`"
     try:
@@ -204,17 +206,19 @@ def _systemd_scope(mine: Path) -> Path:
     give_up = time.monotonic() + SCOPE_WAIT_S
     while not (scope := own_cgroups(PROC_SELF_CGROUP.read_text()).get("", "")).endswith(f"/{unit}"):
         if time.monotonic() > give_up:
-            raise CgroupUnavailable(f"cgroup v2 under systemd: asked the systemd user manager of {_user()} for the scope "
-                                    f"{unit}, and this process was not in it after {SCOPE_WAIT_S:g} s", fix)
+            raise CgroupUnavailable("cgroup v2 under systemd: asked the systemd user manager of "
+                                    f"{_user()} for the scope {unit}, and this process was not in it after "
+                                    f"{SCOPE_WAIT_S:g} s", fix)
         time.sleep(0.01)
     return CGROUP_ROOT / scope
 
 
 def scope_command(pid: int) -> list[str]:
-    """busctl asking the user's systemd manager for a transient scope unison-PID.scope with Delegate=yes holding `pid`."""
-    return [shutil.which("busctl") or "busctl", "--user", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-            "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))", f"unison-{pid}.scope", "fail",
-            "2", "PIDs", "au", "1", str(pid), "Delegate", "b", "true", "0"]
+    """busctl asking the user's systemd manager for a transient scope unison-PID.scope with Delegate=yes holding
+    `pid`."""
+    return [shutil.which("busctl") or "busctl", "--user", "call", "org.freedesktop.systemd1",
+            "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
+            f"unison-{pid}.scope", "fail", "2", "PIDs", "au", "1", str(pid), "Delegate", "b", "true", "0"]
 
 
 def _v1_delegation_fix() -> str:

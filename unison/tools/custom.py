@@ -1,5 +1,6 @@
-"""Your own tools beside the built-in ones: Python functions (tools.functions, functions.py) and the tools of MCP servers
-(tools.mcp, mcp_servers.py), as `Tool`s the protocol, the native format, the chat teacher and every acting stage use.
+"""Your own tools beside the built-in ones: Python functions (tools.functions, functions.py) and the tools of MCP
+servers (tools.mcp, mcp_servers.py), as `Tool`s the protocol, the native format, the chat teacher and every acting stage
+use.
 
 The operator's tool code is trusted; the arguments a model chooses are not. Before a call its JSON arguments are
 bounded (tools.custom_max_argument_chars) and checked against the tool's schema (no extra keys); the result is cut at
@@ -44,8 +45,9 @@ def checked(name: str, parameters: dict, settings: ToolsConfig, run):
 
     def handler(arg: str) -> tuple[str, str | None]:
         if len(arg) > settings.custom_max_argument_chars:
-            return (f"error: the arguments of {name} are {len(arg)} characters, over the {settings.custom_max_argument_chars} "
-                    "allowed (tools.custom_max_argument_chars)", "argument_too_long")
+            return (f"error: the arguments of {name} are {len(arg)} characters, over the "
+                    f"{settings.custom_max_argument_chars} allowed (tools.custom_max_argument_chars)",
+                    "argument_too_long")
         try:
             arguments = json.loads(arg) if arg.strip() else {}
         except (json.JSONDecodeError, RecursionError) as e:
@@ -56,7 +58,8 @@ def checked(name: str, parameters: dict, settings: ToolsConfig, run):
             return f"error: the arguments of {name} are nested too deeply", "invalid_arguments"
         if problem is not None:
             at = "/".join(map(str, problem.absolute_path)) or "the arguments"
-            return f"error: invalid arguments for {name} at {at}: {problem.message[:300]}; expected {signature(parameters)}", "invalid_arguments"
+            return (f"error: invalid arguments for {name} at {at}: {problem.message[:300]}; expected "
+                    f"{signature(parameters)}"), "invalid_arguments"
         text, kind, length = run(arguments)
         if length > cap or len(text) > cap:
             return f"{text[:cap]}\n... (cut at {cap} of {max(length, len(text))} characters)", kind or "output_cut"
@@ -86,9 +89,11 @@ def _function_tools(settings: ToolsConfig) -> tuple[list[Tool], list]:
                             settings.custom_max_output_chars)
 
     def build(name, parameters):
-        return lambda s, resources: checked(name, parameters, s, lambda args: runner.call(name, args, s.custom_timeout_s))
+        return lambda s, resources: checked(name, parameters, s,
+                                            lambda args: runner.call(name, args, s.custom_timeout_s))
 
-    tools = [_tool(f["name"], f.get("description", ""), f["parameters"], f"function {spec}", build(f["name"], f["parameters"]))
+    tools = [_tool(f["name"], f.get("description", ""), f["parameters"], f"function {spec}",
+                   build(f["name"], f["parameters"]))
              for spec, f in schemas.items()]
     return tools, [runner.close]
 
@@ -131,7 +136,8 @@ def custom_tools(settings: ToolsConfig) -> list[Tool]:
         names = [t.name for t in tools]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
-            raise ValueError(f"tools.functions / tools.mcp: tools named alike: {twice} ({[t.origin for t in tools if t.name in twice]})")
+            raise ValueError(f"tools.functions / tools.mcp: tools named alike: {twice} "
+                             f"({[t.origin for t in tools if t.name in twice]})")
     except BaseException:
         for close in closers:
             close()

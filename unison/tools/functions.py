@@ -66,7 +66,8 @@ def render_value(value) -> str:
 
 def serve(specs: list[str], memory_mb: int, max_chars: int) -> None:
     """A worker (`python -m unison.tools.functions`): load the functions, then answer each line [name, arguments] of its
-    stdin with a line [ok, text cut at `max_chars`, the text's whole length]; what the functions print goes to stderr."""
+    stdin with a line [ok, text cut at `max_chars`, the text's whole length]; what the functions print goes to
+    stderr."""
     limit = memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     answers = os.fdopen(os.dup(1), "w")
@@ -126,7 +127,8 @@ class FunctionRunner:
             process.stdin.flush()
             if not select.select([process.stdout], [], [], timeout_s)[0]:
                 process = self._replace(process)
-                return f"error: {name} gave no answer within {timeout_s:g} s; it was stopped (tools.custom_timeout_s)", "timeout", 0
+                return (f"error: {name} gave no answer within {timeout_s:g} s; it was stopped (tools.custom_timeout_s)",
+                        "timeout", 0)
             line = process.stdout.readline()
             if not line:
                 raise BrokenPipeError
@@ -134,7 +136,8 @@ class FunctionRunner:
         except (BrokenPipeError, OSError):
             code = process.poll()
             process = self._replace(process)
-            return f"error: {name} ended its process (exit code {code}; tools.function_memory_mb bounds its memory)", "tool_error", 0
+            return (f"error: {name} ended its process (exit code {code}; tools.function_memory_mb bounds its memory)",
+                    "tool_error", 0)
         finally:
             self.idle.put(process)
         return (text, None, length) if ok else (f"error: {name} raised {text}", "tool_error", length)

@@ -42,9 +42,11 @@ class McpServer:
         if self.cfg.url:
             return self.cfg.url
         command, *args = self.cfg.command
-        if command in ("python", "python3"):  # the interpreter unison runs in, whatever PATH a scheduler gives the stage
+        # the interpreter unison runs in, whatever PATH a scheduler gives the stage
+        if command in ("python", "python3"):
             command = sys.executable
-        return stdio_client(StdioServerParameters(command=command, args=args, env={**get_default_environment(), **self.cfg.env}),
+        return stdio_client(StdioServerParameters(command=command, args=args,
+                                                  env={**get_default_environment(), **self.cfg.env}),
                             errlog=self.log)
 
     async def _hold(self, ready: asyncio.Future) -> None:
@@ -76,7 +78,8 @@ class McpServer:
                 e = e.exceptions[0]
             where = " ".join(self.cfg.command) or self.cfg.url
             raise ValueError(f"tools.mcp {self.cfg.name!r} ({where}): could not start it and list its tools: "
-                             f"{type(e).__name__}: {e}" + (f" (its stderr: {self.log.name})" if self.log else "")) from None
+                             f"{type(e).__name__}: {e}"
+                             + (f" (its stderr: {self.log.name})" if self.log else "")) from None
 
     def tools(self) -> list:
         """The tools it lists that its allow-list keeps (all of them without one); ValueError for an allowed name it
@@ -84,20 +87,23 @@ class McpServer:
         names = [t.name for t in self.listed]
         missing = [n for n in self.cfg.tools if n not in names]
         if missing:
-            raise ValueError(f"tools.mcp {self.cfg.name!r}: tools {missing} are allowed but the server lists only {names}")
+            raise ValueError(f"tools.mcp {self.cfg.name!r}: tools {missing} are allowed but the server "
+                             f"lists only {names}")
         return [t for t in self.listed if not self.cfg.tools or t.name in self.cfg.tools]
 
     def _disconnect(self) -> None:
         if self.stop is not None:
             self.loop.call_soon_threadsafe(self.stop.set)
             try:
-                asyncio.run_coroutine_threadsafe(asyncio.wait_for(asyncio.shield(self.holder), 10), self.loop).result(15)
+                asyncio.run_coroutine_threadsafe(asyncio.wait_for(asyncio.shield(self.holder), 10),
+                                                 self.loop).result(15)
             except Exception:  # a dead server's client may fail to close: it is gone either way
                 pass
 
     def call(self, name: str, arguments: dict, timeout_s: float) -> tuple[str, str | None]:
         """(text, error kind or None) of one call: its text content, `tool_error` when the tool reported an error,
-        `timeout` when it gave no answer in time, `server_died` when the connection broke (the server is restarted, once)."""
+        `timeout` when it gave no answer in time, `server_died` when the connection broke (the server is restarted,
+        once)."""
         client = self.client
         future = asyncio.run_coroutine_threadsafe(client.call_tool(name, arguments), self.loop)
         try:
@@ -116,11 +122,11 @@ class McpServer:
             if self.client is not failed_client:  # another thread restarted it already
                 return
             if self.restarts >= 1:
-                raise ToolServerGone(f"MCP server {self.cfg.name!r} failed again after its restart: {type(error).__name__}: "
-                                     f"{error}") from error
+                raise ToolServerGone(f"MCP server {self.cfg.name!r} failed again after its restart: "
+                                     f"{type(error).__name__}: {error}") from error
             self.restarts += 1
-            print(f"tools.mcp {self.cfg.name!r}: the connection failed ({type(error).__name__}: {error}); restarting it once",
-                  flush=True)
+            print(f"tools.mcp {self.cfg.name!r}: the connection failed ({type(error).__name__}: {error}); "
+                  "restarting it once", flush=True)
             self._disconnect()
             try:
                 self._connect()

@@ -15,7 +15,8 @@ def python_handler(settings: ToolsConfig):
                          max_output_chars=settings.python_max_output_chars)
         if res.ok:
             return res.output or "(no output)", None
-        kind = "timeout" if res.error == "timeout" else "unavailable" if res.error.startswith("sandbox unavailable") else "error"
+        kind = ("timeout" if res.error == "timeout" else
+                "unavailable" if res.error.startswith("sandbox unavailable") else "error")
         return f"error: {res.error}\n{res.output}".strip(), kind
 
     return run

@@ -101,9 +101,9 @@ def start_sandbox(isolation: str = "strict", memory_mb: int = 512, total_memory_
     global _isolation, _runs_cgroup
     missing = [tool for tool in ("bwrap", "prlimit", "setpriv", "sh") if shutil.which(tool) is None]
     if missing:
-        raise SandboxUnavailable(f"python sandbox: not found on PATH: {', '.join(missing)}. The python tool needs bubblewrap "
-                                 "(`make setup` installs it) and util-linux's prlimit and setpriv; no setting runs "
-                                 "model code without them")
+        raise SandboxUnavailable(f"python sandbox: not found on PATH: {', '.join(missing)}. The python tool "
+                                 "needs bubblewrap (`make setup` installs it) and util-linux's prlimit and setpriv; "
+                                 "no setting runs model code without them")
     with _start_lock:
         runs_cgroup = None
         if isolation == "strict":
@@ -112,28 +112,32 @@ def start_sandbox(isolation: str = "strict", memory_mb: int = 512, total_memory_
                 cgroups.set_memory(runs_cgroup, total_memory_mb)
                 if runs_cgroup.version == 1 and os.geteuid() != 0 and not _bwrap_disables_userns():
                     raise cgroups.CgroupUnavailable(
-                        f"{shutil.which('bwrap')} lacks --disable-userns (bubblewrap 0.8 and later have it): under cgroup "
-                        "v1 the code, running as this user, could make a user namespace of its own, mount its run's "
-                        "cgroups and raise their limits", "install bubblewrap 0.8 or later, or run the stage as root")
+                        f"{shutil.which('bwrap')} lacks --disable-userns (bubblewrap 0.8 and later have "
+                        "it): under cgroup v1 the code, running as this user, could make a user namespace of its own, "
+                        "mount its run's cgroups and raise their limits",
+                        "install bubblewrap 0.8 or later, or run the stage as root")
             except (cgroups.CgroupUnavailable, OSError) as e:
                 raise SandboxUnavailable(
-                    f"python sandbox: {e}. With tools.sandbox_isolation: strict (the default) each run is bounded as a whole by a "
-                    "cgroup (memory of all its processes, memfd, shared memory and /tmp; processes; CPU). To fix it, "
-                    f"{getattr(e, 'fix', cgroups.GENERIC_FIX)}; or set tools.sandbox_isolation: rlimits to accept "
-                    "per-process limits only (weaker: one run can then hold many times python_memory_mb)") from None
+                    f"python sandbox: {e}. With tools.sandbox_isolation: strict (the default) each run is bounded "
+                    "as a whole by a cgroup (memory of all its processes, memfd, shared memory and /tmp; processes; "
+                    f"CPU). To fix it, {getattr(e, 'fix', cgroups.GENERIC_FIX)}; or set tools.sandbox_isolation: "
+                    "rlimits to accept per-process limits only (weaker: one run can then hold many times "
+                    "python_memory_mb)") from None
         probe = _run("print('ok')", 30, memory_mb, 2000, runs_cgroup)
         if not probe.ok or probe.output != "ok\n":
             failed = f"python sandbox: the probe run failed ({probe.error}): {probe.output.strip()}"
             if os.geteuid() != 0 and _userns_restricted():
                 raise SandboxUnavailable(
                     f"{failed}. {APPARMOR_USERNS_SYSCTL} is 1: Ubuntu 24.04's restriction on unprivileged user "
-                    "namespaces, which bwrap needs when not run as root, holds unless an AppArmor profile allows them for "
-                    "bwrap. To fix it, `sudo make apparmor-bwrap` in the project writes this profile to "
-                    "/etc/apparmor.d/unison-bwrap and loads it (or save it there yourself and run `sudo apparmor_parser -r "
-                    f"/etc/apparmor.d/unison-bwrap`):\n{bwrap_apparmor_profile()}No setting runs model code with less isolation")
+                    "namespaces, which bwrap needs when not run as root, holds unless an AppArmor profile "
+                    "allows them for bwrap. To fix it, `sudo make apparmor-bwrap` in the project writes "
+                    "this profile to /etc/apparmor.d/unison-bwrap and loads it (or save it there yourself and run "
+                    f"`sudo apparmor_parser -r /etc/apparmor.d/unison-bwrap`):\n{bwrap_apparmor_profile()}No setting "
+                    "runs model code with less isolation")
             raise SandboxUnavailable(failed)
         if runs_cgroup is not None and not probe.peak_memory_mb:
-            raise SandboxUnavailable(f"python sandbox: the probe run's cgroup under {runs_cgroup.dirs[0]} counted no memory")
+            raise SandboxUnavailable(f"python sandbox: the probe run's cgroup under {runs_cgroup.dirs[0]} "
+                                     "counted no memory")
         _isolation, _runs_cgroup = isolation, runs_cgroup
     if runs_cgroup is None:
         return (f"python sandbox: WARNING: tools.sandbox_isolation is rlimits: bubblewrap + per-process rlimits only. "
@@ -184,7 +188,8 @@ def _run(code: str, timeout_s: float, memory_mb: int, max_output_chars: int,
         with _seccomp_pipe(uid is not None) as seccomp:
             command = (cgroups.join_command(cgroup) if cgroup else []) + _command(uid, timeout_s, memory_mb, seccomp)
             proc = subprocess.Popen(command, stdin=source, stdout=output, stderr=subprocess.STDOUT, cwd="/",
-                                    env=SANDBOX_ENV, start_new_session=True, pass_fds=() if seccomp is None else (seccomp,))
+                                    env=SANDBOX_ENV, start_new_session=True,
+                                    pass_fds=() if seccomp is None else (seccomp,))
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -244,8 +249,9 @@ def _command(uid: int | None, timeout_s: float, memory_mb: int, seccomp_fd: int 
 
 
 # A seccomp filter (classic BPF, bwrap --seccomp) for the root path, where the code runs as the sandbox uid with no user
-# namespace of bwrap's: unshare/clone asking for CLONE_NEWUSER fail with EPERM, clone3 (whose flags a filter cannot read)
-# with ENOSYS so that libc falls back to clone, and every syscall of another ABI (i386 via int 0x80, x32) with EPERM.
+# namespace of bwrap's: unshare/clone asking for CLONE_NEWUSER fail with EPERM, clone3 (whose flags a filter cannot
+# read) with ENOSYS so that libc falls back to clone, and every syscall of another ABI (i386 via int 0x80, x32) with
+# EPERM.
 AUDIT_ARCH_X86_64, X32_BIT, CLONE_NEWUSER = 0xC000003E, 0x40000000, 0x10000000
 SYS_CLONE, SYS_UNSHARE, SYS_CLONE3 = 56, 272, 435
 RET_ALLOW, RET_ERRNO = 0x7FFF0000, 0x00050000
@@ -283,7 +289,8 @@ def _bwrap_disables_userns() -> bool:
 
 
 def _filesystem() -> list[str]:
-    """bwrap args: an empty read-only root with only the interpreter and what it needs, and a fresh /dev, /proc, /tmp."""
+    """bwrap args: an empty read-only root with only the interpreter and what it needs, and a fresh /dev, /proc,
+    /tmp."""
     args = []
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
@@ -292,7 +299,8 @@ def _filesystem() -> list[str]:
             args += ["--ro-bind", d, d]
     # /tmp before the interpreter's prefixes, so that a venv or Python under /tmp is bound on top of the private tmpfs
     args += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
-    prefixes = [p for p in sorted({sys.prefix, sys.base_prefix}) if not any(Path(p).is_relative_to(d) for d in SYSTEM_DIRS)]
+    prefixes = [p for p in sorted({sys.prefix, sys.base_prefix})
+                if not any(Path(p).is_relative_to(d) for d in SYSTEM_DIRS)]
     binds = [*prefixes, *(path for path in ETC_FILES if os.path.exists(path))]  # a venv, its Python, bits of /etc
     for d in sorted({str(parent) for path in binds for parent in Path(path).parents} - {"/", "/tmp"}):
         args += ["--perms", "0755", "--dir", d]  # bwrap would make them with the caller's umask

@@ -30,14 +30,16 @@ DEFAULT_TOOLS = tuple(name for name, t in BUILTIN.items() if t.enabled(ToolsConf
 ALIASES = {alias: t.name for t in BUILTIN.values() for alias in (t.name, *t.aliases)}  # a seed's tool name -> the tool
 
 INTRO = "You answer questions using tools."
-OUTRO = "Each tool call is answered by <result>...</result>. You may reason inside <think>...</think>. End with <answer>short answer</answer>."
+OUTRO = ("Each tool call is answered by <result>...</result>. You may reason inside <think>...</think>. End with "
+         "<answer>short answer</answer>.")
 # The role tags a student distilled from a planning teacher writes besides the base protocol, told in its system prompt
 # (in its SFT renderings, and wherever it is prompted after: pareto, rl, evaluate).
 STUDENT_RULES = {
-    "chain_of_agents": "You may also write <plan> for the next steps, <reflection> to rate tool results, <suggested_answer> "
-                       "for a candidate answer and <double_check> to score it from 1 (wrong) to 4 (correct) before <answer>.",
-    "gap": "First write a plan of sub-tasks with their dependencies in <plan>...</plan>; independent tasks are searched "
-           "together in one <search> with their queries joined by |.",
+    "chain_of_agents": "You may also write <plan> for the next steps, <reflection> to rate tool results, "
+                       "<suggested_answer> for a candidate answer and <double_check> to score it from 1 (wrong) to 4 "
+                       "(correct) before <answer>.",
+    "gap": "First write a plan of sub-tasks with their dependencies in <plan>...</plan>; independent "
+           "tasks are searched together in one <search> with their queries joined by |.",
 }
 
 
@@ -61,7 +63,8 @@ def register(tools: list[Tool]) -> None:
             raise ValueError(f"tool {t.name!r} ({t.origin}) has the name of {clash}: rename one")
         TOOLS[t.name], ALIASES[t.name] = t, t.name
         key = scaffold_key(t.name)  # forced, the call is written up to its one string's value, which ends at its quote
-        SCAFFOLD[t.name] = (f'<{t.name}>{{"{key}": "', f'"}}</{t.name}>', '"') if key else (f"<{t.name}>", f"</{t.name}>", "\n")
+        SCAFFOLD[t.name] = ((f'<{t.name}>{{"{key}": "', f'"}}</{t.name}>', '"') if key else
+                            (f"<{t.name}>", f"</{t.name}>", "\n"))
 
 
 def scaffold_key(tool: str) -> str | None:
@@ -74,8 +77,8 @@ def scaffold_key(tool: str) -> str | None:
 
 
 def system_prompt(tools: tuple[str, ...] = DEFAULT_TOOLS, method: str = "") -> str:
-    """The tag protocol's system prompt: a sentence per tool the episode may call, then the role tags students of teacher
-    `method` write."""
+    """The tag protocol's system prompt: a sentence per tool the episode may call, then the role tags students of
+    teacher `method` write."""
     default = [BUILTIN[t].prompt for t in DEFAULT_TOOLS if t in tools]
     extra = [TOOLS[t].prompt for t in TOOLS if t in tools and t not in DEFAULT_TOOLS]
     return " ".join([INTRO, *default, OUTRO, *extra] + ([STUDENT_RULES[method]] if method in STUDENT_RULES else []))

@@ -95,7 +95,8 @@ class HashEncoder:
 
 
 @functools.lru_cache(maxsize=4)
-def load_encoder(spec: str, query_prefix: str | None = None, passage_prefix: str | None = None) -> Encoder | HashEncoder:
+def load_encoder(spec: str, query_prefix: str | None = None,
+                 passage_prefix: str | None = None) -> Encoder | HashEncoder:
     """The encoder named by `spec` (`builtin:all-minilm-l6-v2`, a sentence-transformers name or a local dir, or
     `hash:<dim>`), loaded once per process."""
     if spec.startswith("hash:"):
@@ -140,7 +141,8 @@ def check_corpus(path: str | os.PathLike) -> int:
 
 
 def corpus_batches(path: str | os.PathLike) -> Iterator[tuple[int, pa.Table]]:
-    """(first row, table of up to BATCH_ROWS passages) of a CORPUS parquet file, in order; DataError on an empty value."""
+    """(first row, table of up to BATCH_ROWS passages) of a CORPUS parquet file, in order; DataError on an empty
+    value."""
     row = 0
     for batch in row_group_batches(pq.ParquetFile(path), CORPUS.names):
         table = pa.Table.from_batches([batch]).cast(CORPUS)
@@ -154,19 +156,22 @@ def corpus_batches(path: str | os.PathLike) -> Iterator[tuple[int, pa.Table]]:
 
 def passage_texts(table: pa.Table) -> list[str]:
     """What the encoder embeds for each passage: "title\ntext"."""
-    return [f"{title}\n{text}" for title, text in zip(table.column("title").to_pylist(), table.column("text").to_pylist())]
+    return [f"{title}\n{text}"
+            for title, text in zip(table.column("title").to_pylist(), table.column("text").to_pylist())]
 
 
 def training_vectors(path, count: int, size: int, seed: int, encoder, batch_size: int) -> np.ndarray:
     """The embeddings of `size` passages drawn with `seed` (all of them, in order, when the corpus has no more), each
     batch's share embedded as the corpus streams by: what ivf's k-means trains on (size x dim floats in memory)."""
-    rows = np.arange(count) if count <= size else np.sort(np.random.default_rng(seed).choice(count, size, replace=False))
+    rows = (np.arange(count) if count <= size else
+            np.sort(np.random.default_rng(seed).choice(count, size, replace=False)))
     vectors = np.empty((len(rows), encoder.dim), dtype=np.float32)
     done = 0
     for first, table in corpus_batches(path):
         inside = rows[(rows >= first) & (rows < first + len(table))] - first
         if len(inside):
-            vectors[done:done + len(inside)] = encoder.encode(passage_texts(table.take(inside)), passages=True, batch_size=batch_size)
+            vectors[done:done + len(inside)] = encoder.encode(passage_texts(table.take(inside)), passages=True,
+                                                              batch_size=batch_size)
             done += len(inside)
     return vectors
 
@@ -244,7 +249,8 @@ def build_index(
             index.train(sample)
             del sample
         with pq.ParquetWriter(tmp / "passages.parquet", CORPUS) as passages, \
-                tqdm(total=count, desc="index", unit=" passages", unit_scale=True, file=sys.stderr, mininterval=5) as bar:
+                tqdm(total=count, desc="index", unit=" passages", unit_scale=True, file=sys.stderr,
+                     mininterval=5) as bar:
             for _, table in corpus_batches(corpus_path):
                 t0 = time.time()
                 vectors = enc.encode(passage_texts(table), passages=True, batch_size=batch_size)
@@ -267,7 +273,8 @@ def build_index(
             "hnsw_ef_search": hnsw_ef_search if kind == "hnsw" else None,
             "corpus_sha256": _sha256(corpus_path),
         }
-        build_seconds = round(time.time() - start, 3)  # embedding, indexing and writing the passages; not loading the encoder
+        # embedding, indexing and writing the passages; not loading the encoder
+        build_seconds = round(time.time() - start, 3)
         faiss.write_index(index, str(tmp / "index.faiss"))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     print(f"index: {kind} index of {index.ntotal} x {enc.dim} written to {index_dir} in {build_seconds} s", flush=True)
@@ -350,7 +357,8 @@ class Retriever(SearchTool):
 
     def __init__(self, index_dir: str | os.PathLike, topk: int = ToolsConfig.model_fields["search_topk"].default,
                  max_chars: int = ToolsConfig.model_fields["search_max_chars"].default):
-        """`topk` passages a query, each cut at `max_chars`; the defaults are params.yaml's (tools.search_topk, _max_chars)."""
+        """`topk` passages a query, each cut at `max_chars`; the defaults are params.yaml's (tools.search_topk,
+        _max_chars)."""
         import faiss
 
         index_dir = Path(index_dir)
@@ -361,7 +369,8 @@ class Retriever(SearchTool):
         self.passages = Passages(index_dir / "passages.parquet")
         self.index = faiss.read_index(str(index_dir / "index.faiss"))
         if self.index.ntotal != len(self.passages):
-            raise DataError(index_dir, f"index holds {self.index.ntotal} vectors but passages.parquet {len(self.passages)} rows")
+            raise DataError(index_dir, f"index holds {self.index.ntotal} vectors but passages.parquet "
+                            f"{len(self.passages)} rows")
         if faiss.get_num_gpus() > 0 and self.meta["kind"] != "hnsw":
             self.index = faiss.index_cpu_to_all_gpus(self.index)
         if self.meta["kind"] == "ivf":
@@ -403,7 +412,8 @@ class Retriever(SearchTool):
 
     def _remember(self, key: tuple, hits: list[list[dict]]) -> None:
         """Cache a call's hits (the lock held), evicting the least recently used calls beyond the bounds."""
-        size = sum(len(q) + 64 for q in key[0]) + sum(256 + len(h["title"]) + len(h["text"]) for row in hits for h in row)
+        size = (sum(len(q) + 64 for q in key[0])
+                + sum(256 + len(h["title"]) + len(h["text"]) for row in hits for h in row))
         if size > self.CACHE_BYTES or key in self._cache:
             return
         self._cache[key] = (hits, size)
@@ -434,7 +444,8 @@ def retrieve_hits(answer, queries: int) -> list[list[dict]]:
     (return_scores true) or the bare document (false; then the score is None)."""
     result = answer.get("result") if isinstance(answer, dict) else None
     if not isinstance(result, list) or len(result) != queries or not all(isinstance(hits, list) for hits in result):
-        raise ValueError(f"expected {{'result': [a list of hits per query]}} for {queries} queries, got {str(answer)[:200]}")
+        raise ValueError(f"expected {{'result': [a list of hits per query]}} for {queries} queries, got "
+                         f"{str(answer)[:200]}")
     return [[document_passage(hit["document"], hit.get("score")) if isinstance(hit, dict) and "document" in hit
              else document_passage(hit, None) for hit in hits] for hits in result]
 
@@ -443,8 +454,10 @@ def flashrag_hits(answer, queries: int) -> list[list[dict]]:
     """Passages from FlashRAG's /batch_search answer with return_score: [[documents per query], [scores per query]]."""
     if not (isinstance(answer, list) and len(answer) == 2 and all(isinstance(part, list) and len(part) == queries
                                                                   for part in answer)):
-        raise ValueError(f"expected [documents per query, scores per query] for {queries} queries, got {str(answer)[:200]}")
-    return [[document_passage(d, s) for d, s in zip(documents, scores, strict=True)] for documents, scores in zip(*answer)]
+        raise ValueError(f"expected [documents per query, scores per query] for {queries} queries, got "
+                         f"{str(answer)[:200]}")
+    return [[document_passage(d, s) for d, s in zip(documents, scores, strict=True)]
+            for documents, scores in zip(*answer)]
 
 
 class RemoteRetriever(SearchTool):
@@ -466,7 +479,8 @@ class RemoteRetriever(SearchTool):
         self.url = url.rstrip("/")
         for route in SEARCH_APIS[api]:
             self.url = self.url.removesuffix(route)
-        self.topk, self.max_chars, self.timeout, self.retries, self.backoff_s = topk, max_chars, timeout, retries, backoff_s
+        self.topk, self.max_chars, self.timeout, self.retries, self.backoff_s = (topk, max_chars, timeout, retries,
+                                                                                 backoff_s)
         token = os.environ.get(token_env) if token_env else None
         if token_env and not token:
             raise ValueError(f"params.yaml tools.search_token_env: the environment variable {token_env} is not set")
@@ -484,7 +498,8 @@ class RemoteRetriever(SearchTool):
         self._count("requests")
         try:
             if self.api == "retrieve":
-                return retrieve_hits(self._post({"queries": list(queries), "topk": k, "return_scores": True}), len(queries))
+                return retrieve_hits(self._post({"queries": list(queries), "topk": k, "return_scores": True}),
+                                     len(queries))
             return flashrag_hits(self._post({"query": list(queries), "top_n": k, "return_score": True}), len(queries))
         except ValueError as e:
             self._count("failures")
@@ -498,8 +513,8 @@ class RemoteRetriever(SearchTool):
             self.stats[key] += 1
 
     def _post(self, body: dict):
-        """POST to the api's route with unison.http_client's retries (connection errors, timeouts, 429, 5xx) and bounds (64 MiB,
-        the timeout in all); HTTPFailure names the URL."""
+        """POST to the api's route with unison.http_client's retries (connection errors, timeouts, 429, 5xx) and bounds
+        (64 MiB, the timeout in all); HTTPFailure names the URL."""
         from ..http_client import post_json
 
         return post_json(self.url + self.route, body, headers=self.headers, timeout=self.timeout, retries=self.retries,
@@ -507,8 +522,8 @@ class RemoteRetriever(SearchTool):
 
 
 def title_recall_at_1(retriever: Retriever, sample: int = 500, seed: int = 0) -> float:
-    """Self-retrieval check: query with the titles of `sample` random passages; a hit when the top passage has that title
-    (its own passage, or one with the same title when titles repeat)."""
+    """Self-retrieval check: query with the titles of `sample` random passages; a hit when the top passage has that
+    title (its own passage, or one with the same title when titles repeat)."""
     rows = random.Random(seed).sample(range(len(retriever.passages)), min(sample, len(retriever.passages)))
     chosen = retriever.passages.get(rows)
     tops = retriever.search([p["title"] for p in chosen], topk=1)
@@ -519,6 +534,6 @@ def make_retriever(index_dir: str | os.PathLike, tools: ToolsConfig) -> SearchTo
     """A remote retriever when `tools.search_url` is set, else an in-process one over `index_dir`."""
     topk, max_chars = tools.search_topk, tools.search_max_chars
     if tools.search_url:
-        return RemoteRetriever(tools.search_url, topk, max_chars, timeout=tools.search_timeout_s, token_env=tools.search_token_env,
-                               api=tools.search_api)
+        return RemoteRetriever(tools.search_url, topk, max_chars, timeout=tools.search_timeout_s,
+                               token_env=tools.search_token_env, api=tools.search_api)
     return Retriever(index_dir, topk, max_chars)

@@ -1,6 +1,7 @@
 """An HTTP search server speaking Search-R1's retrieval contract, over an index built by the `index` stage.
 
-    UNISON_SEARCH_TOKEN=... python -m unison.tools.search_server --index data/index --port 8000 --token-env UNISON_SEARCH_TOKEN
+    UNISON_SEARCH_TOKEN=... python -m unison.tools.search_server --index data/index --port 8000 \\
+        --token-env UNISON_SEARCH_TOKEN
 
 `POST /retrieve` {"queries": [...], "topk": k, "return_scores": true}
   -> {"result": [[{"document": {"id", "contents"}, "score": s}, ...] per query]}
@@ -16,7 +17,8 @@ answered 413 as soon as that many bytes arrived (whatever Content-Length says), 
 description of what is wrong. A connection that has not sent a whole request head within `head_timeout_s` is closed,
 so slow clients hold no connection for long, and beyond `max_connections` requests are answered 503.
 """
-# No `from __future__ import annotations`: FastAPI must see the route's body type, a class made in create_app, as a class.
+# No `from __future__ import annotations`: FastAPI must see the route's body type, a class made in create_app, as a
+# class.
 
 import argparse
 import asyncio
@@ -104,7 +106,8 @@ class Guard:
 
 class HeadDeadline(H11Protocol):
     """uvicorn's h11 protocol, closing a connection whose next request head is not complete within HEAD_TIMEOUT_S of
-    connecting or of the last response (uvicorn's keep-alive timer restarts on every byte, so a trickle kept it open)."""
+    connecting or of the last response (uvicorn's keep-alive timer restarts on every byte, so a trickle kept it
+    open)."""
 
     head_timeout_s = HEAD_TIMEOUT_S
 
@@ -136,7 +139,8 @@ def create_app(retriever: Retriever, token: str | None = None, max_topk: int = M
     @app.get("/health")
     def health() -> dict:
         meta = retriever.meta
-        return {"status": "ok", "count": meta["count"], "encoder": meta["encoder"], "kind": meta["kind"], "dim": meta["dim"]}
+        return {"status": "ok", "count": meta["count"], "encoder": meta["encoder"], "kind": meta["kind"],
+                "dim": meta["dim"]}
 
     @app.post("/retrieve")
     def retrieve(request: RetrieveRequest) -> dict:  # sync: FastAPI runs it in its thread pool
@@ -157,8 +161,8 @@ def server_config(app, host: str = "127.0.0.1", port: int = 8000, max_connection
                   head_timeout_s: float = HEAD_TIMEOUT_S) -> uvicorn.Config:
     """uvicorn settings that keep slow or many clients from holding the server (HeadDeadline, limit_concurrency)."""
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout_s": head_timeout_s})
-    return uvicorn.Config(app, host=host, port=port, http=protocol, timeout_keep_alive=5, limit_concurrency=max_connections,
-                          log_level="warning")
+    return uvicorn.Config(app, host=host, port=port, http=protocol, timeout_keep_alive=5,
+                          limit_concurrency=max_connections, log_level="warning")
 
 
 def loopback(host: str) -> bool:
@@ -174,7 +178,8 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1", help="an address other than loopback needs --token-env")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--topk", type=int, default=3, help="default k when a request gives none")
-    parser.add_argument("--token-env", default="", help="environment variable holding the bearer token clients must send")
+    parser.add_argument("--token-env", default="",
+                        help="environment variable holding the bearer token clients must send")
     parser.add_argument("--max-topk", type=int, default=MAX_TOPK)
     parser.add_argument("--max-queries", type=int, default=MAX_QUERIES, help="queries per request")
     parser.add_argument("--max-query-chars", type=int, default=MAX_QUERY_CHARS)
@@ -188,8 +193,8 @@ def main() -> None:
         sys.exit(f"search server: refusing to serve on {args.host} without a token; pass --token-env VAR")
     retriever = Retriever(args.index, topk=args.topk)
     app = create_app(retriever, token, args.max_topk, args.max_queries, args.max_query_chars, args.max_body_bytes)
-    print(f"search server: {retriever.meta['count']} passages ({retriever.meta['kind']}) on http://{args.host}:{args.port}"
-          f"{' (token required)' if token else ''}", flush=True)
+    print(f"search server: {retriever.meta['count']} passages ({retriever.meta['kind']}) on "
+          f"http://{args.host}:{args.port}{' (token required)' if token else ''}", flush=True)
     uvicorn.Server(server_config(app, args.host, args.port, args.max_connections)).run()
 
 

@@ -24,7 +24,8 @@ class Tool:
     prefill: str = ""  # what the scaffold writes after the opening tag, before the model's argument
     aliases: tuple[str, ...] = ()  # other names seeds and imported records call it by
     enabled: Callable[[ToolsConfig], bool] = lambda settings: True  # whether params.yaml turns it on
-    parameters: dict | None = None  # a tool of yours: its arguments' JSON schema (a call's tag holds them as a JSON object)
+    # a tool of yours: its arguments' JSON schema (a call's tag holds them as a JSON object)
+    parameters: dict | None = None
     origin: str = "builtin"  # where it comes from: builtin, function <spec>, mcp <server>
 
     @property
@@ -35,9 +36,11 @@ class Tool:
     def schema(self) -> dict:
         """Its OpenAI function schema."""
         parameters = self.parameters if self.structured else {
-            "type": "object", "properties": {self.argument: {"type": "string", "description": self.argument_description}},
+            "type": "object",
+            "properties": {self.argument: {"type": "string", "description": self.argument_description}},
             "required": [self.argument]}
-        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": parameters}}
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": parameters}}
 
     def deadline_s(self, settings: ToolsConfig) -> float:
         """Seconds after which the runtime gives up on a call, under `settings`."""

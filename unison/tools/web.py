@@ -1,8 +1,8 @@
 """The `web_search` and `crawl` tools (off by default), with a disk cache of their answers.
 
 `web_search` POSTs {"q": query, "num": k} to `tools.web_search_url` and reads Serper's {"organic": [{title, link,
-snippet}]} (the contract of AFM's caching Serper proxy, docs/seeds.md#afms-tools); queries joined by `|` run in parallel.
-`crawl` GETs each URL (several joined by " | ") and strips HTML to text; it fetches only public addresses
+snippet}]} (the contract of AFM's caching Serper proxy, docs/seeds.md#afms-tools); queries joined by `|` run in
+parallel. `crawl` GETs each URL (several joined by " | ") and strips HTML to text; it fetches only public addresses
 (web_fetch.py). One call, all its items, redirects and retries included, ends by `tools.web_timeout_s`, and no answer
 is read past `tools.web_max_bytes`. Both follow the runtime's handler contract `fn(arg) -> (observation, error kind or
 None)`: failures are observations of kind timeout / error / blocked / empty_result / empty_query. Answers are cached
@@ -34,8 +34,8 @@ class _WebTool:
 
     name = ""
 
-    def __init__(self, endpoint: str, max_chars: int, timeout_s: float, retries: int, cache: ResponseCache | None, backoff_s: float,
-                 max_bytes: int):
+    def __init__(self, endpoint: str, max_chars: int, timeout_s: float, retries: int, cache: ResponseCache | None,
+                 backoff_s: float, max_bytes: int):
         self.endpoint, self.max_chars, self.max_bytes = endpoint, max_chars, max_bytes
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.cache = cache or ResponseCache()
@@ -64,7 +64,8 @@ class _WebTool:
 
     def fetch(self, method: str, url: str, deadline: float, **kwargs) -> Answer:
         """web_fetch.fetch with this tool's retries and body cap, all within `deadline`."""
-        return with_retries(method, url, lambda: fetch(method, url, deadline=deadline, max_bytes=self.max_bytes, **kwargs),
+        return with_retries(method, url,
+                            lambda: fetch(method, url, deadline=deadline, max_bytes=self.max_bytes, **kwargs),
                             retries=self.retries, backoff_s=self.backoff_s, deadline=deadline)
 
     def split(self, arg: str) -> list[str]:
@@ -78,11 +79,13 @@ class WebSearch(_WebTool):
     name = "web_search"
 
     def __init__(self, url: str, topk: int = 3, max_chars: int = 300, timeout_s: float = 15.0, retries: int = 2,
-                 api_key_env: str = "", cache: ResponseCache | None = None, backoff_s: float = 0.5, max_bytes: int = 2_000_000):
+                 api_key_env: str = "", cache: ResponseCache | None = None, backoff_s: float = 0.5,
+                 max_bytes: int = 2_000_000):
         super().__init__(url, max_chars, timeout_s, retries, cache, backoff_s, max_bytes)
         self.topk = topk
         key = os.environ.get(api_key_env) if api_key_env else None
-        self.headers = {"Content-Type": "application/json", **({"X-API-KEY": key} if key else {})}  # Serper's key header
+        # Serper's key header
+        self.headers = {"Content-Type": "application/json", **({"X-API-KEY": key} if key else {})}
 
     def split(self, arg: str) -> list[str]:
         return split_queries(arg)
@@ -94,8 +97,8 @@ class WebSearch(_WebTool):
         redirect (a redirect would carry the API key elsewhere)."""
         cached = self.cache.get(self.name, self.endpoint, query, usable=lambda v: v.get("num", 0) >= self.topk)
         if cached is None:
-            answer = self.fetch("POST", self.endpoint, deadline, allowed=ANY_ADDRESS, max_redirects=0, headers=self.headers,
-                                body=json.dumps({"q": query, "num": self.topk}).encode())
+            answer = self.fetch("POST", self.endpoint, deadline, allowed=ANY_ADDRESS, max_redirects=0,
+                                headers=self.headers, body=json.dumps({"q": query, "num": self.topk}).encode())
             if answer.cut:
                 raise ValueError(f"the answer is longer than tools.web_max_bytes ({self.max_bytes} bytes)")
             found = json.loads(answer.text)
@@ -109,15 +112,17 @@ class WebSearch(_WebTool):
         hits = self.results(query, deadline)
         if not hits:
             return f"no results for {query!r}", "empty_result"
-        return "\n".join(f"Doc {k} (Title: {h.get('title', '')}) {h.get('snippet', '')[: self.max_chars]} ({h.get('link', '')})"
+        return "\n".join(f"Doc {k} (Title: {h.get('title', '')}) {h.get('snippet', '')[: self.max_chars]} "
+                         f"({h.get('link', '')})"
                          for k, h in enumerate(hits, 1)), None
 
 
 class Crawl(_WebTool):
     name = "crawl"
 
-    def __init__(self, max_chars: int = 2000, timeout_s: float = 15.0, retries: int = 2, cache: ResponseCache | None = None,
-                 backoff_s: float = 0.5, max_bytes: int = 2_000_000, allow_networks: tuple[str, ...] = ()):
+    def __init__(self, max_chars: int = 2000, timeout_s: float = 15.0, retries: int = 2,
+                 cache: ResponseCache | None = None, backoff_s: float = 0.5, max_bytes: int = 2_000_000,
+                 allow_networks: tuple[str, ...] = ()):
         super().__init__("GET", max_chars, timeout_s, retries, cache, backoff_s, max_bytes)
         # tests and operators only: a model's URL may reach these non-public addresses (a local test server, say)
         self.allowed = tuple(ipaddress.ip_network(n) for n in allow_networks)
@@ -194,4 +199,5 @@ def html_to_text(html: str) -> str:
 
 def web_cache(t: ToolsConfig, cache_dir: str | os.PathLike = "") -> dict:
     """The HTTP settings and the answer cache both web tools take."""
-    return {"timeout_s": t.web_timeout_s, "max_bytes": t.web_max_bytes, "cache": ResponseCache(cache_dir or layout.WEB_CACHE)}
+    return {"timeout_s": t.web_timeout_s, "max_bytes": t.web_max_bytes,
+            "cache": ResponseCache(cache_dir or layout.WEB_CACHE)}

@@ -72,7 +72,8 @@ def lookup(host: str, port: int) -> list[tuple]:
 
 
 def fetch(method: str, url: str, *, deadline: float, max_bytes: int, allowed: tuple = (), headers: dict | None = None,
-          body: bytes | None = None, max_redirects: int = MAX_REDIRECTS, content_types: tuple[str, ...] | None = None) -> Answer:
+          body: bytes | None = None, max_redirects: int = MAX_REDIRECTS,
+          content_types: tuple[str, ...] | None = None) -> Answer:
     """One request by `deadline` (time.monotonic()), following up to `max_redirects` redirects; `allowed`: networks
     (ipaddress) it may reach although they are not public.
 

@@ -61,7 +61,8 @@ def rloo(rewards, group_ids: list) -> torch.Tensor:
 ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
 
 
-def flow_grpo(question_ids: list, rewards, n_turns: list[int], estimator: str = "grpo") -> tuple[torch.Tensor, list[int]]:
+def flow_grpo(question_ids: list, rewards, n_turns: list[int],
+              estimator: str = "grpo") -> tuple[torch.Tensor, list[int]]:
     """Flow-GRPO: each planner turn is a sample carrying its rollout's reward, grouped by question over all turns.
 
     Returns the per-turn advantages (rollouts in order, turns in order) and the rollout index of each turn.

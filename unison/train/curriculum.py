@@ -28,7 +28,8 @@ ROLLOUTS = layout.PARETO_ROLLOUTS
 PLOT = layout.PARETO_FRONT  # not under reports/plots: that folder is the report stage's out
 
 
-def student_rollouts(questions: list[dict], k: int, where: Workbench | Replicas, temperature: float, label: LabelConfig) -> list[dict]:
+def student_rollouts(questions: list[dict], k: int, where: Workbench | Replicas, temperature: float,
+                     label: LabelConfig) -> list[dict]:
     """K labeled rollouts per question by the student, on its engine or its replicas (cluster.address): `single`,
     unscaffolded, seeded per (question, sample)."""
     rows, _ = rollouts(where, questions, k, False, STUDENT, temperature)
@@ -36,7 +37,8 @@ def student_rollouts(questions: list[dict], k: int, where: Workbench | Replicas,
 
 
 def choose_groups(groups: list[dict], counts: int, min_groups: int, threshold: float) -> tuple[list[dict], int]:
-    """ET-Agent's Pareto sample, topped up to `min_groups` with selected groups lacking mixed outcomes; (kept, topped up)."""
+    """ET-Agent's Pareto sample, topped up to `min_groups` with selected groups lacking mixed outcomes; (kept, topped
+    up)."""
     kept = pareto_sample(groups, counts, threshold)
     have = {g["question_id"] for g in kept}
     points = [objectives(g["tool_calls"], g["correctness"]) for g in groups]
@@ -46,13 +48,15 @@ def choose_groups(groups: list[dict], counts: int, min_groups: int, threshold: f
     return kept + fill, len(fill)
 
 
-def build_rl(rollouts: list[dict], questions: list[dict], p: ParetoConfig, system: str, path: str = ROLLOUTS) -> tuple[list[dict], list[dict], dict]:
+def build_rl(rollouts: list[dict], questions: list[dict], p: ParetoConfig, system: str,
+             path: str = ROLLOUTS) -> tuple[list[dict], list[dict], dict]:
     """(RL rows, all groups with their objectives and `chosen`, metrics) from labeled rollouts."""
     groups = rollout_groups(rollouts)
     kept, filled = choose_groups(groups, p.counts, p.min_groups, p.qa_threshold)
     if not kept:
         raise DataError(path, f"no question of {len(groups)} has mixed outcomes over its {p.k} rollouts "
-                        "(all right or all wrong); raise pareto.k or pareto.temperature, or set pareto.min_groups > 0", field="score")
+                        "(all right or all wrong); raise pareto.k or pareto.temperature, or set pareto.min_groups > 0",
+                        field="score")
     levels = split_levels(kept, p.levels)
     by_id = {q["id"]: q for q in questions}
     rows = rl_rows(kept, levels, by_id, system)
@@ -83,7 +87,8 @@ def plot_front(groups: list[dict], path: str = PLOT) -> None:
     for chosen, style in ((False, {"c": "0.7", "label": "not chosen"}), (True, {"c": "C3", "label": "chosen"})):
         sub = [g for g in groups if g["chosen"] == chosen]
         ax.scatter([g["score_tool"] for g in sub], [g["score_corr"] for g in sub], s=18, alpha=0.8, **style)
-    ax.set(xlabel="score_tool = Var[tool calls]", ylabel="score_corr = Var[correctness]", title="Pareto sampling of RL questions")
+    ax.set(xlabel="score_tool = Var[tool calls]", ylabel="score_corr = Var[correctness]",
+           title="Pareto sampling of RL questions")
     ax.legend()
     fig.tight_layout()
     tmp = atomic_path(path)
@@ -97,7 +102,8 @@ def rl_curriculum(p: ParetoConfig, s: SystemSettings, label: LabelConfig, cluste
     """The student's rollouts on `questions` (written to ROLLOUTS before build_rl can refuse them), judged by `label`,
     then build_rl; (RL rows, groups, metrics with the rollouts' wall seconds)."""
     where = workbench_or_replicas(s, cluster, STUDENT)
-    print(f"pareto: {p.k} rollouts x {len(questions)} questions with {STUDENT} at temperature {p.temperature}", flush=True)
+    print(f"pareto: {p.k} rollouts x {len(questions)} questions with {STUDENT} at temperature {p.temperature}",
+          flush=True)
     t0 = time.perf_counter()
     try:
         labeled = student_rollouts(questions, p.k, where, p.temperature, label)

@@ -62,7 +62,8 @@ def pair_views(tok, pairs: list[tuple[dict, dict]], max_length: int, native=None
             truncated += len(ids) > max_length
             pair.append((ids[:max_length], mask[:max_length]))
         views.append(tuple(pair))
-    return views, {"pairs": len(views), "questions": len({c["question_id"] for c, _ in pairs}), "truncated_sequences": truncated}
+    return views, {"pairs": len(views), "questions": len({c["question_id"] for c, _ in pairs}),
+                   "truncated_sequences": truncated}
 
 
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -90,8 +91,8 @@ def pair_logps(model, views: list[tuple], pad_id: int, device) -> tuple[torch.Te
     return logps[: len(views)], logps[len(views):]
 
 
-def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, on_step=None, gradient_checkpointing: bool = False,
-              checkpoint_dir: str | None = None) -> list[dict]:
+def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, on_step=None,
+              gradient_checkpointing: bool = False, checkpoint_dir: str | None = None) -> list[dict]:
     """Train from `model_dir` (also the frozen reference), save to `out_dir` atomically with a dpo.json (rank 0); the
     step records. Several processes: each step's pairs are split between them. A killed run resumes from
     `checkpoint_dir` (written every cfg.checkpoint_every steps) when one is given."""
@@ -104,21 +105,26 @@ def train_dpo(model_dir: str, views: list[tuple], cfg: DPOConfig, out_dir: str, 
     batches = [b for epoch in epoch_batches(len(views), cfg.batch_size, cfg.epochs, cfg.seed) for b in epoch]
     trainer = Trainer("dpo", model, len(batches), cfg, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
     trainer.model.eval()
-    with torch.no_grad(), autocast(trainer.precision, trainer.device.type):  # the reference: the starting weights (LoRA's start as zero), scored once
-        ref = [pair_logps(trainer.model, views[i : i + cfg.batch_size], pad, trainer.device) for i in range(0, len(views), cfg.batch_size)]
+    # the reference: the starting weights (LoRA's start as zero), scored once
+    with torch.no_grad(), autocast(trainer.precision, trainer.device.type):
+        ref = [pair_logps(trainer.model, views[i : i + cfg.batch_size], pad, trainer.device)
+               for i in range(0, len(views), cfg.batch_size)]
     ref_c, ref_r = torch.cat([c for c, _ in ref]), torch.cat([r for _, r in ref])
     split = [split_batch(b, trainer.acc.num_processes, lambda _: 1) for b in batches]  # pairs weigh the same
 
     def loss_fn(idx):
         pol_c, pol_r = pair_logps(trainer.model, [views[i] for i in idx], pad, trainer.device)
-        loss, rew_c, rew_r = dpo_loss(pol_c, pol_r, ref_c[idx].to(trainer.device), ref_r[idx].to(trainer.device), cfg.beta, cfg.loss)
+        loss, rew_c, rew_r = dpo_loss(pol_c, pol_r, ref_c[idx].to(trainer.device), ref_r[idx].to(trainer.device),
+                                      cfg.beta, cfg.loss)
         return loss.mean(), {"reward_chosen": rew_c.mean().item(), "reward_rejected": rew_r.mean().item(),
-                             "reward_margin": (rew_c - rew_r).mean().item(), "accuracy": (rew_c > rew_r).float().mean().item()}
+                             "reward_margin": (rew_c - rew_r).mean().item(),
+                             "accuracy": (rew_c > rew_r).float().mean().item()}
 
-    records = fit(trainer, [m for m, _ in split], loss_fn, math.ceil(len(views) / cfg.batch_size), weights=[w for _, w in split],
-                  checkpoint_dir=checkpoint_dir)
+    records = fit(trainer, [m for m, _ in split], loss_fn, math.ceil(len(views) / cfg.batch_size),
+                  weights=[w for _, w in split], checkpoint_dir=checkpoint_dir)
     with trainer.whole_model() as trained:
         if trainer.is_main:
             save_model(trained, tok, out_dir, cfg.lora,
-                       {"dpo.json": {**cfg.model_dump(), "enabled": True, "start": str(model_dir), "pairs": len(views), "steps": len(records)}})
+                       {"dpo.json": {**cfg.model_dump(), "enabled": True, "start": str(model_dir), "pairs": len(views),
+                                     "steps": len(records)}})
     return records

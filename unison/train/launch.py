@@ -1,10 +1,12 @@
-"""Training on several processes: sft, dpo, prm and rl re-launch themselves through `accelerate launch` (params.yaml train).
+"""Training on several processes: sft, dpo, prm and rl re-launch themselves through `accelerate launch` (params.yaml
+train).
 
 With train.num_processes > 1 or a train.hostfile, the stage's first process runs
 
-    accelerate launch --multi_gpu --num_processes N ... -m stages.<stage>                  (plain DDP: gloo on CPU, nccl on GPUs)
-    accelerate launch --use_deepspeed --deepspeed_config_file <stage>.deepspeed_config ...  (ZeRO-2/3; several machines
-                                                                                          through the hostfile, over ssh)
+    accelerate launch --multi_gpu --num_processes N ... -m stages.<stage>
+        (plain DDP: gloo on CPU, nccl on GPUs)
+    accelerate launch --use_deepspeed --deepspeed_config_file <stage>.deepspeed_config ...
+        (ZeRO-2/3; several machines through the hostfile, over ssh)
 
 and waits for it; each launched process runs the stage again, trains its share of every optimiser step (loop.py) and
 only rank 0 logs, prints and writes outputs. With one process and no hostfile nothing changes.
@@ -66,8 +68,9 @@ def launch_command(stage: str, train: TrainConfig, deepspeed_config: str = "") -
         hosts = read_hostfile(train.hostfile)
         processes, machines = sum(hosts.values()), len(hosts)
         if train.num_processes not in (1, processes):
-            raise ValueError(f"params.yaml train.num_processes: {train.num_processes}, but train.hostfile {train.hostfile} "
-                             f"gives {processes} slots; set it to {processes} or 1 (the hostfile decides)")
+            raise ValueError(f"params.yaml train.num_processes: {train.num_processes}, but train.hostfile "
+                             f"{train.hostfile} gives {processes} slots; set it to {processes} or 1 (the "
+                             "hostfile decides)")
         where = ["--deepspeed_hostfile", train.hostfile, "--machine_rank", "0",
                  "--main_process_ip", train.main_process_ip or next(iter(hosts))]
     engine = ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config] if deepspeed_config else ["--multi_gpu"]

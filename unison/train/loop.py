@@ -51,7 +51,8 @@ def bf16_supported() -> bool:
 
 
 def resolve_precision(precision: str, param: str) -> str:
-    """"bf16" or "fp32" for a setting of auto | bf16 | fp32 (the config's Literal); `param` names the setting in errors."""
+    """"bf16" or "fp32" for a setting of auto | bf16 | fp32 (the config's Literal); `param` names the setting in
+    errors."""
     if precision == "fp32":
         return "fp32"
     if bf16_supported():
@@ -75,14 +76,16 @@ def make_accelerator(deepspeed_config: str = "", grad_accum: int = 1, param: str
         # buffers (rotary frequencies) are constants, and processes run different numbers of forwards in a step: no
         # broadcast of them at every forward, which would pair one process's forward with another's
         ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
-        return Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[ddp], step_scheduler_with_optimizer=False)
+        return Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[ddp],
+                           step_scheduler_with_optimizer=False)
     ds, launched = read_deepspeed_config(deepspeed_config, param), int(os.environ.get("WORLD_SIZE", "1"))
     ds["gradient_accumulation_steps"] = math.ceil(grad_accum / launched)
-    acc = Accelerator(gradient_accumulation_steps=ds["gradient_accumulation_steps"], deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds),
-                      step_scheduler_with_optimizer=False)
+    acc = Accelerator(gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+                      deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds), step_scheduler_with_optimizer=False)
     if acc.num_processes != launched:  # seen on CPU: each launched process a DeepSpeed world of its own
-        raise RuntimeError(f"params.yaml {param}: DeepSpeed formed a group of {acc.num_processes} of the {launched} launched "
-                           "processes (without GPUs accelerate does not join them); leave it empty to train on several CPU processes")
+        raise RuntimeError(f"params.yaml {param}: DeepSpeed formed a group of {acc.num_processes} of the "
+                           f"{launched} launched processes (without GPUs accelerate does not join them); leave it "
+                           "empty to train on several CPU processes")
     return acc
 
 
@@ -108,7 +111,8 @@ def split_batch(items: list, parts: int, units: Callable[[object], float]) -> tu
 
 
 def lr_schedule(schedule: str, total: int, warmup: int) -> Callable[[int], float]:
-    """lr factor at step s: linear warm-up over `warmup` steps (none at 0), then linear decay to 0 at `total` or constant."""
+    """lr factor at step s: linear warm-up over `warmup` steps (none at 0), then linear decay to 0 at `total` or
+    constant."""
     if schedule == "constant":
         return lambda s: min(1.0, (s + 1) / max(1, warmup))
     return lambda s: min((s + 1) / warmup if warmup else math.inf, max(0.0, (total - s) / max(1, total - warmup)))
@@ -122,11 +126,13 @@ def autocast(precision: str, device_type: str):
 
 
 class Trainer:
-    """Optimiser steps of one model: `step(micro_batches, loss_fn)` accumulates, clips, steps and returns the metrics."""
+    """Optimiser steps of one model: `step(micro_batches, loss_fn)` accumulates, clips, steps and returns the
+    metrics."""
 
     def __init__(self, name: str, model, total_steps: int, settings: TrainingSettings, *, grad_accum: int = 1,
                  gradient_checkpointing: bool = False, on_step: Callable[[dict], None] | None = None):
-        """`settings`: the stage's section of params.yaml (its TrainingSettings fields); `name` the stage, for errors."""
+        """`settings`: the stage's section of params.yaml (its TrainingSettings fields); `name` the stage, for
+        errors."""
         self.name, self.total, self.max_grad_norm, self.on_step = name, total_steps, settings.max_grad_norm, on_step
         self.checkpoint_every = settings.checkpoint_every
         self.precision = resolve_precision(settings.precision, f"{name}.precision")
@@ -199,7 +205,8 @@ class Trainer:
 
     def log(self, record: dict) -> dict:
         """Stamp a step record (step, elapsed_s), keep it; rank 0 prints the progress line and passes it to on_step."""
-        record = {"step": self.steps_done, **record, "elapsed_s": time.perf_counter() - self.t0}  # rl counts its own steps
+        # rl counts its own steps
+        record = {"step": self.steps_done, **record, "elapsed_s": time.perf_counter() - self.t0}
         self.records.append(record)
         if not self.is_main:
             return record
@@ -220,7 +227,8 @@ class Trainer:
             tmp = Path(self.from_main(str(tmp)))
             self.acc.save_state(str(tmp))
             if self.is_main:
-                (tmp / "state.json").write_text(json.dumps({"step": self.steps_done, "records": self.records, "extra": extra or {}}))
+                (tmp / "state.json").write_text(json.dumps({"step": self.steps_done, "records": self.records,
+                                                            "extra": extra or {}}))
             self.acc.wait_for_everyone()
 
     def load_checkpoint(self, directory: str | Path) -> dict | None:
@@ -266,12 +274,13 @@ def epoch_batches(n: int, batch_size: int, epochs: int, seed: int) -> list[list[
     return out
 
 
-def fit(trainer: Trainer, steps: list[list], loss_fn: LossFn, steps_per_epoch: int, *, weights: list[list[float]] | None = None,
-        record: Callable[[list, dict], dict] | None = None, checkpoint_dir: str | Path | None = None) -> list[dict]:
+def fit(trainer: Trainer, steps: list[list], loss_fn: LossFn, steps_per_epoch: int, *,
+        weights: list[list[float]] | None = None, record: Callable[[list, dict], dict] | None = None,
+        checkpoint_dir: str | Path | None = None) -> list[dict]:
     """Run `steps` (each optimiser step's micro-batches, every epoch's in order; `weights[i]`: step i's micro-batch
     weights, else their mean) from wherever a checkpoint in `checkpoint_dir` left off, checkpointing every
-    `checkpoint_every` steps of the trainer's settings; `record(micro_batches, metrics)` adds a trainer's own fields to a
-    step record (its "real_tokens", the non-pad tokens of the step, give the progress line a rate). The checkpoint is
+    `checkpoint_every` steps of the trainer's settings; `record(micro_batches, metrics)` adds a trainer's own fields to
+    a step record (its "real_tokens", the non-pad tokens of the step, give the progress line a rate). The checkpoint is
     removed once the last step is done: only a killed run resumes."""
     if checkpoint_dir:
         trainer.load_checkpoint(checkpoint_dir)
@@ -304,8 +313,8 @@ def run_key(params: dict, files: Iterable[Path]) -> str:
 
 
 def checkpoint_path(stage: str, settings: dict, files: Iterable[Path]) -> str:
-    """Where a stage's run keeps the checkpoint a re-run after a kill resumes from: data/.cache/<stage>-checkpoint/<key>,
-    the key hashing `settings` and the bytes of the input `files` (run_key)."""
+    """Where a stage's run keeps the checkpoint a re-run after a kill resumes from:
+    data/.cache/<stage>-checkpoint/<key>, the key hashing `settings` and the bytes of the input `files` (run_key)."""
     return f"{layout.CACHE}/{stage}-checkpoint/{run_key(settings, files)}"
 
 

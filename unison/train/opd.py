@@ -21,7 +21,8 @@ from ..protocol import chat_prompt
 from ..token_alignment import score_across
 
 
-def attach_teacher_logps(samples: list[dict], teacher_logps: list[list[float]], span_ids: list[list[int]], straddling: int = 0) -> dict:
+def attach_teacher_logps(samples: list[dict], teacher_logps: list[list[float]], span_ids: list[list[int]],
+                         straddling: int = 0) -> dict:
     """Each sample's teacher log-probs as `teacher_logp` and spans as `teacher_span` (0 outside its loss_mask and where
     the teacher gave no score); the loss adds the teacher term there (teacher_term). Returns the number of sampled
     tokens with a teacher score and of teacher tokens straddling a student token boundary (a teacher of another
@@ -67,11 +68,12 @@ def span_kls(samples: list[dict]) -> tuple[list[float], int]:
 
 def probe_figures(samples: list[dict]) -> dict:
     """The KL probe's figures (rl.probe_prompts): the reverse KL to the teacher in nats per scored student token, the
-    10th, 50th and 90th percentiles of the per-span values (the histogram's shape), the share of spans over 1 nat, and the
-    tokens scored."""
+    10th, 50th and 90th percentiles of the per-span values (the histogram's shape), the share of spans over 1 nat, and
+    the tokens scored."""
     values, tokens = span_kls(samples)
     if not values:
-        return {"probe_kl": 0.0, "probe_kl_p10": 0.0, "probe_kl_p50": 0.0, "probe_kl_p90": 0.0, "probe_over_1nat": 0.0, "probe_tokens": 0}
+        return {"probe_kl": 0.0, "probe_kl_p10": 0.0, "probe_kl_p50": 0.0, "probe_kl_p90": 0.0, "probe_over_1nat": 0.0,
+                "probe_tokens": 0}
     ranked = sorted(values)
     at = lambda q: ranked[min(len(ranked) - 1, int(q * len(ranked)))]
     return {"probe_kl": sum(values) / tokens, "probe_kl_p10": at(0.1), "probe_kl_p50": at(0.5), "probe_kl_p90": at(0.9),
@@ -83,7 +85,8 @@ def own_spans(loss_mask: list[int]) -> list[int]:
     return [t + 1 if m else 0 for t, m in enumerate(loss_mask)]
 
 
-def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: str = "") -> tuple[list[list[float]], list[list[int]], int]:
+def teacher_logps(teacher, samples: list[dict], student_tok,
+                  worked_examples: str = "") -> tuple[list[list[float]], list[list[int]], int]:
     """The teacher's log-prob of each sample's every target token (position t scores token t+1, as loss_mask is
     aligned), each target's span (0: no teacher score), and how many teacher tokens straddled a student token boundary.
     A teacher of the student's vocabulary scores the very tokens: after the sequence's first token when it reads the
@@ -94,13 +97,16 @@ def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: st
     if same_vocab and not worked_examples:
         scores = teacher.score([s["ids"][:1] for s in samples], [s["ids"][1:] for s in samples])
         return [sc.logprobs for sc in scores], [own_spans(s["loss_mask"]) for s in samples], 0
-    firsts = [s["loss_mask"].index(1) if 1 in s["loss_mask"] else len(s["loss_mask"]) for s in samples]  # target t is ids[t + 1]
+    # target t is ids[t + 1]
+    firsts = [s["loss_mask"].index(1) if 1 in s["loss_mask"] else len(s["loss_mask"]) for s in samples]
     heads = [teacher_messages(s["messages"], worked_examples) for s in samples]
     completions = [s["ids"][first + 1 :] for s, first in zip(samples, firsts)]
     if same_vocab:
         scores = teacher.score([chat_prompt(teacher.tokenizer, h) for h in heads], completions)
-        return [[0.0] * first + sc.logprobs for first, sc in zip(firsts, scores)], [own_spans(s["loss_mask"]) for s in samples], 0
-    sampled = [s["loss_mask"][first:] for s, first in zip(samples, firsts)]  # which completion tokens the student sampled
+        return ([[0.0] * first + sc.logprobs for first, sc in zip(firsts, scores)],
+                [own_spans(s["loss_mask"]) for s in samples], 0)
+    # which completion tokens the student sampled
+    sampled = [s["loss_mask"][first:] for s, first in zip(samples, firsts)]
     aligned = score_across(teacher, student_tok, list(zip(heads, completions, sampled)))
     return ([[0.0] * first + a.logprobs for first, a in zip(firsts, aligned)],
             [[0] * first + a.span_ids for first, a in zip(firsts, aligned)], sum(a.straddling for a in aligned))
@@ -122,7 +128,7 @@ def length_collapse(history: list[dict]) -> str | None:
         return None
     before, now = history[-2], history[-1]
     if now["response_tokens"] < before["response_tokens"] and now["kl_teacher"] > before["kl_teacher"]:
-        return (f"opd: WARNING: episodes shortened ({before['response_tokens']:.1f} -> {now['response_tokens']:.1f} tokens) while "
-                f"the KL to the teacher rose ({before['kl_teacher']:.4f} -> {now['kl_teacher']:.4f}): teacher and student may "
-                "stop differently (check their end-of-turn tokens)")
+        return (f"opd: WARNING: episodes shortened ({before['response_tokens']:.1f} -> "
+                f"{now['response_tokens']:.1f} tokens) while the KL to the teacher rose ({before['kl_teacher']:.4f} -> "
+                f"{now['kl_teacher']:.4f}): teacher and student may stop differently (check their end-of-turn tokens)")
     return None

@@ -3,7 +3,8 @@
 A group is one question's K rollouts by the current student: their tool-call counts and correctness scores. Each group
 gets two objectives, both maximised: the population variance of its tool-call counts and of its correctness. Groups
 are ranked by NSGA-II non-dominated sorting and taken front by front until `counts` are chosen; the front that
-overflows is cut by crowding distance. The chosen groups with mixed outcomes become RL prompts, split into curriculum levels.
+overflows is cut by crowding distance. The chosen groups with mixed outcomes become RL prompts, split into curriculum
+levels.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def non_dominated_fronts(points: list[tuple[float, ...]]) -> list[list[int]]:
 
 
 def crowding_distance(points: list[tuple[float, ...]], front: list[int]) -> dict[int, float]:
-    """Per objective, sorted ascending: both ends +inf, interior += (next - prev) / range; zero-range objectives skipped."""
+    """Per objective, sorted ascending: both ends +inf, interior += (next - prev) / range; zero-range objectives
+    skipped."""
     dist = {i: 0.0 for i in front}
     order = list(front)
     for k in range(len(points[front[0]]) if front else 0):
@@ -123,7 +125,8 @@ def split_levels(groups: list[dict], n_levels: int) -> list[int]:
     decides; the first len % n chunks get one group more; never more levels than groups.
     """
     n = max(1, min(n_levels, len(groups)))
-    order = sorted(range(len(groups)), key=lambda i: -sum(groups[i]["correctness"]) / max(1, len(groups[i]["correctness"])))
+    order = sorted(range(len(groups)),
+                   key=lambda i: -sum(groups[i]["correctness"]) / max(1, len(groups[i]["correctness"])))
     size, extra = divmod(len(groups), n)
     level, start = [0] * len(groups), 0
     for s in range(n):
@@ -134,8 +137,10 @@ def split_levels(groups: list[dict], n_levels: int) -> list[int]:
     return level
 
 
-def rl_rows(groups: list[dict], levels: list[int], questions: dict[str, dict], system: str | None = SYSTEM_PROMPT) -> list[dict]:
-    """verl-compatible RL rows (data_source, prompt, ability, reward_model{ground_truth, style}, extra_info) + the curriculum level."""
+def rl_rows(groups: list[dict], levels: list[int], questions: dict[str, dict],
+            system: str | None = SYSTEM_PROMPT) -> list[dict]:
+    """verl-compatible RL rows (data_source, prompt, ability, reward_model{ground_truth, style}, extra_info) + the
+    curriculum level."""
     rows = []
     for index, (g, level) in enumerate(zip(groups, levels)):
         q = questions[g["question_id"]]
@@ -154,7 +159,8 @@ def rl_rows(groups: list[dict], levels: list[int], questions: dict[str, dict], s
 
 
 def write_rl_data(rows: list[dict], out_dir: str | Path) -> list[Path]:
-    """Write rows as `level{k}.parquet` under `out_dir`, one file per curriculum level present (atomic, schema RL_ROW)."""
+    """Write rows as `level{k}.parquet` under `out_dir`, one file per curriculum level present (atomic, schema
+    RL_ROW)."""
     paths = []
     for level in sorted({r["level"] for r in rows}):
         path = Path(out_dir) / f"level{level}.parquet"

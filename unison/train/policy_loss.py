@@ -31,8 +31,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return _masked(x, mask).sum() / mask.sum().clamp(min=1)
 
 
-def aggregate(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token_mean", max_len: int | None = None) -> torch.Tensor:
-    """token_mean: sum_it l / sum_it m; seq_mean_token_mean: mean_i (sum_t l / n_i); seq_mean_token_sum_norm: mean_i (sum_t l / L).
+def aggregate(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token_mean",
+              max_len: int | None = None) -> torch.Tensor:
+    """token_mean: sum_it l / sum_it m; seq_mean_token_mean: mean_i (sum_t l / n_i); seq_mean_token_sum_norm: mean_i
+    (sum_t l / L).
 
     Sequence means run over rows with at least one loss token (a row without any contributes nothing);
     L is the constant `max_len` of Dr.GRPO (default: the width of the batch).
@@ -71,7 +73,8 @@ def policy_loss(
     max_len: int | None = None,
     logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """L = agg(max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high))) [dual clip: min(., -A*c) where A < 0] + kl_coef*agg(k3).
+    """L = agg(max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high))) [dual clip: min(., -A*c) where A < 0] +
+    kl_coef*agg(k3).
 
     rho = exp(logp - old_logp) (log-ratio clamped to [-20, 20]); `advantages` is (batch,) or (batch, tokens).
     Metrics: clip_frac (tokens whose clipped term is active), dual_clip_frac, approx_kl (mean old_logp - logp),

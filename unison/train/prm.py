@@ -89,8 +89,10 @@ class PRM(nn.Module):
         with atomic_dir(out_dir) as tmp:
             self.backbone.save_pretrained(tmp)
             self.tok.save_pretrained(tmp)
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}, str(tmp / HEAD_FILE))
-            (tmp / CONFIG_FILE).write_text(json.dumps({"separator": self.separator, "num_labels": 2, **(extra or {})}, indent=2))
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()},
+                      str(tmp / HEAD_FILE))
+            (tmp / CONFIG_FILE).write_text(json.dumps({"separator": self.separator, "num_labels": 2, **(extra or {})},
+                                                      indent=2))
 
 
 def build_prm(model_dir: str | Path, separator: str, seed: int = 0) -> PRM:
@@ -98,7 +100,8 @@ def build_prm(model_dir: str | Path, separator: str, seed: int = 0) -> PRM:
     from transformers import AutoModel, AutoTokenizer
 
     torch.manual_seed(seed)
-    return PRM(AutoModel.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir), separator)
+    return PRM(AutoModel.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir),
+               separator)
 
 
 def load_prm(path: str | Path, precision: str = "fp32") -> PRM:
@@ -108,7 +111,8 @@ def load_prm(path: str | Path, precision: str = "fp32") -> PRM:
 
     path = Path(path)
     cfg = json.loads((path / CONFIG_FILE).read_text())
-    prm = PRM(AutoModel.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path), cfg["separator"])
+    prm = PRM(AutoModel.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path),
+              cfg["separator"])
     prm.head.load_state_dict(load_file(str(path / HEAD_FILE)))
     prm.precision = resolve_precision(precision, "prm.precision")
     return prm.eval()
@@ -121,7 +125,8 @@ def soft_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def prm_loss(prm, batch: list[tuple[list[int], list[int], list[float]]]) -> torch.Tensor:
-    """Soft cross-entropy over every labeled step of the batch (each step weighs the same); `prm` a PRM or its wrapper."""
+    """Soft cross-entropy over every labeled step of the batch (each step weighs the same); `prm` a PRM or its
+    wrapper."""
     logits = torch.cat(prm([(ids, pos) for ids, pos, _ in batch]))
     labels = torch.tensor([y for _, _, ys in batch for y in ys], dtype=torch.float32, device=logits.device)
     return soft_ce(logits, labels)
@@ -140,14 +145,17 @@ def check_train(rows: list[dict], path: str) -> None:
     """Training needs labeled steps of both classes (label >= 0.5 and < 0.5); DataError naming `path` otherwise."""
     labels = [y for r in rows for y in r["step_labels"]]
     if not labels:
-        raise DataError(path, "no step labels in the training questions (every trajectory has no steps)", field="step_labels")
+        raise DataError(path, "no step labels in the training questions (every trajectory has no steps)",
+                        field="step_labels")
     good = sum(y >= 0.5 for y in labels)
     if good in (0, len(labels)):
-        raise DataError(path, f"all {len(labels)} training step labels are {'good (>= 0.5)' if good else 'bad (< 0.5)'}: a PRM needs "
-                              "both classes (more samples, label.step_labels: montecarlo, or a stronger teacher)", field="step_labels")
+        raise DataError(path, f"all {len(labels)} training step labels are "
+                              f"{'good (>= 0.5)' if good else 'bad (< 0.5)'}: a PRM needs both classes (more samples, "
+                              "label.step_labels: montecarlo, or a stronger teacher)", field="step_labels")
 
 
-def build_examples(prm: PRM, rows: list[dict], max_length: int) -> tuple[list[tuple[list[int], list[int], list[float]]], int]:
+def build_examples(prm: PRM, rows: list[dict],
+                   max_length: int) -> tuple[list[tuple[list[int], list[int], list[float]]], int]:
     """(ids, positions, labels) per row with steps, cut at max_length (steps past it dropped); and how many were cut."""
     examples, cut = [], 0
     for r in rows:
@@ -170,13 +178,14 @@ def train_prm(model_dir: str, rows: list[dict], cfg: PRMConfig, out_dir: str | N
     if cfg.freeze_backbone:
         prm.backbone.requires_grad_(False)
     examples, _ = build_examples(prm, rows, cfg.max_length)
-    batches = [[examples[k] for k in b] for epoch in epoch_batches(len(examples), cfg.batch_size, cfg.epochs, cfg.seed) for b in epoch]
+    batches = [[examples[k] for k in b] for epoch in epoch_batches(len(examples), cfg.batch_size, cfg.epochs, cfg.seed)
+               for b in epoch]
     total = max(1, len(batches))
     trainer = Trainer("prm", prm, total, cfg, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
     prm.precision = trainer.precision
     split = [split_batch(b, trainer.acc.num_processes, lambda ex: len(ex[2])) for b in batches]
-    records = fit(trainer, [m for m, _ in split], lambda batch: (prm_loss(trainer.model, batch), {}), max(1, total // cfg.epochs),
-                  weights=[w for _, w in split], checkpoint_dir=checkpoint_dir)
+    records = fit(trainer, [m for m, _ in split], lambda batch: (prm_loss(trainer.model, batch), {}),
+                  max(1, total // cfg.epochs), weights=[w for _, w in split], checkpoint_dir=checkpoint_dir)
     with trainer.whole_model():
         if out_dir and trainer.is_main:
             prm.save(out_dir, {**cfg.model_dump(), "base": str(model_dir)})
@@ -190,14 +199,16 @@ def step_metrics(scores: list[list[float]], labels: list[list[float]]) -> dict:
     """Step accuracy (score >= 0.5 vs label >= 0.5) and AUC over all steps (None with a reason when one class)."""
     s = [x for row in scores for x in row]
     y = [v >= 0.5 for row in labels for v in row]
-    out = {"eval_steps": len(s), "step_accuracy": sum((a >= 0.5) == b for a, b in zip(s, y)) / max(1, len(s)), "auc": auc(s, y)}
+    out = {"eval_steps": len(s), "step_accuracy": sum((a >= 0.5) == b for a, b in zip(s, y)) / max(1, len(s)),
+           "auc": auc(s, y)}
     if out["auc"] is None:
         out["auc_reason"] = f"held-out step labels are all {'good' if all(y) else 'bad'}" if y else "no held-out steps"
     return out
 
 
 def rerank_metrics(rows: list[dict], scores: list[list[float]]) -> dict:
-    """Best-of-N per held-out question with >= 2 trajectories: PRM pick (min / last step score) vs majority vote vs random."""
+    """Best-of-N per held-out question with >= 2 trajectories: PRM pick (min / last step score) vs majority vote vs
+    random."""
     groups = defaultdict(list)
     for r, s in zip(rows, scores):
         groups[r["question_id"]].append((r, s))
@@ -213,7 +224,8 @@ def rerank_metrics(rows: list[dict], scores: list[list[float]]) -> dict:
             picks[key].append(correct[value.index(max(value))])
         votes = Counter(normalize_answer(r["final_answer"]) for r, _ in g if r["final_answer"].strip())
         top = max(votes.values()) if votes else 0
-        pick = next((k for k, (r, _) in enumerate(g) if votes and votes.get(normalize_answer(r["final_answer"])) == top), 0)
+        pick = next((k for k, (r, _) in enumerate(g)
+                     if votes and votes.get(normalize_answer(r["final_answer"])) == top), 0)
         picks["bon_majority"].append(correct[pick])
         picks["bon_random"].append(sum(correct) / len(correct))
         picks["bon_oracle"].append(max(correct))

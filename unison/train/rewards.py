@@ -1,4 +1,5 @@
-"""RL rewards: verifiable, format, ET-Agent efficiency, AgentArk PRMVR (DESIGN §7; docs/seeds.md#et-agents-efficiency-reward, #agentarks-rl-reward-prmvr).
+"""RL rewards: verifiable, format, ET-Agent efficiency, AgentArk PRMVR (DESIGN §7;
+docs/seeds.md#et-agents-efficiency-reward, #agentarks-rl-reward-prmvr).
 
 Scalar rewards are per sample with `group_ids` naming the sample's prompt (as in advantages.py). Token rewards are
 (batch, tokens) over response positions, with loss_mask = 1 on generated tokens and 0 on tool observations and padding.
@@ -23,7 +24,8 @@ _TAG = re.compile(r"<(/?)([A-Za-z_][A-Za-z0-9_]*)>")
 
 
 def check_format(text: str, tools: tuple[str, ...] | None = None) -> tuple[bool, str]:
-    """(ok, reason): each <result> answers a tool call, tags balanced (no self-nesting), calls parse, one final <answer>.
+    """(ok, reason): each <result> answers a tool call, tags balanced (no self-nesting), calls parse, one final
+    <answer>.
 
     Observations are cut out first; the content of a tool call or an answer is opaque (code may contain "<b>").
     """
@@ -75,7 +77,8 @@ def count_tool_calls(text: str, tools: tuple[str, ...] | None = None) -> int:
 
 
 def judge_response(task: str, text: str, ground_truth: list[str], label: LabelConfig, tools: tuple[str, ...]) -> dict:
-    """One response's per-sample reward parts: correct and s (the label judge on its final <answer>), f_fmt, tool calls."""
+    """One response's per-sample reward parts: correct and s (the label judge on its final <answer>), f_fmt, tool
+    calls."""
     correct, s, _ = score(task, final_answer(text), list(ground_truth), label)
     return {"correct": float(correct), "verifiable": float(s), "format": format_reward(text, tools),
             "tool_calls": count_tool_calls(text, tools)}
@@ -90,7 +93,8 @@ def sigma_factor(step: int, total_steps: int) -> float:
 
 def efficiency_rewards(scores: list[float], tool_calls: list[int], lengths: list[int], format_rewards: list[float],
                        group_ids: list, sigma_tool: float = 0.2, sigma_len: float = 0.5) -> dict[str, list[float]]:
-    """r_i = s_i * f_tool * f_len + f_fmt, f_tool = 2/(1+exp(sigma_tool*(t_i - mean t))), f_len = 2/(1+exp(sigma_len*(z_i - mean z))).
+    """r_i = s_i * f_tool * f_len + f_fmt, f_tool = 2/(1+exp(sigma_tool*(t_i - mean t))), f_len =
+    2/(1+exp(sigma_len*(z_i - mean z))).
 
     Means and the z-score of response lengths (population std; all equal => z = 0) run over the sample's group.
     Pass sigmas already multiplied by sigma_factor(step, T); sigma 0 gives f = 1, i.e. r = s + f_fmt.
@@ -120,7 +124,8 @@ def prm_step_rewards(p_good: list[list[float]]) -> list[list[float]]:
     return [[2 * p - 1 for p in steps] for steps in p_good]
 
 
-def soft_min(step_rewards: torch.Tensor, step_valid: torch.Tensor, temperature: float = 0.1, weighted: bool = True) -> torch.Tensor:
+def soft_min(step_rewards: torch.Tensor, step_valid: torch.Tensor, temperature: float = 0.1,
+             weighted: bool = True) -> torch.Tensor:
     """w_k * r_k with w = softmax(-r / T) over a row's valid steps (sum ~ min_k r_k); w = 1 when not weighted."""
     valid = step_valid.bool()
     r = torch.where(valid, step_rewards.float(), torch.zeros_like(step_rewards, dtype=torch.float32))
@@ -137,7 +142,8 @@ def last_generated(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def step_ends(separator_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Step-end tokens: generated separator tokens (decoding ends with a blank line) and each row's last generated token."""
+    """Step-end tokens: generated separator tokens (decoding ends with a blank line) and each row's last generated
+    token."""
     ends = separator_mask.bool() & loss_mask.bool()
     last = last_generated(loss_mask)
     rows = (last >= 0).nonzero().squeeze(-1)
@@ -161,7 +167,8 @@ def step_token_counts(ends: torch.Tensor, loss_mask: torch.Tensor, width: int) -
 def prmvr_token_rewards(step_rewards: torch.Tensor, ends: torch.Tensor, loss_mask: torch.Tensor, solved: list[float],
                         group_ids: list, mode: str = "PRMVR", baseline: str = "token", vr_coef: float = 1.0,
                         temperature: float = 0.1, weighted: bool = True) -> torch.Tensor:
-    """Token rewards: (w_k r_k - b_k) at the k-th step end, + vr_coef * (VR_i - mean_{j!=i} VR_j) at the last generated token.
+    """Token rewards: (w_k r_k - b_k) at the k-th step end, + vr_coef * (VR_i - mean_{j!=i} VR_j) at the last generated
+    token.
 
     step_rewards (batch, >= steps) holds r_k of a row's steps in order; `ends` = step_ends(...); VR = solved - 1.
     baseline "step": b_k = mean_{j!=i} P_j / S_j; "token": b_k = n_k * mean_{j!=i} P_j / mean_{j!=i} L_j, where
@@ -198,7 +205,8 @@ def prmvr_token_rewards(step_rewards: torch.Tensor, ends: torch.Tensor, loss_mas
 
 def returns_to_go(token_rewards: torch.Tensor, loss_mask: torch.Tensor, ends: torch.Tensor | None = None,
                   token_kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(returns, advantages): G_t = sum_{t' >= t} (r_t' - kl_coef * kl_t'); A = G on generated tokens, 0 at step ends if given.
+    """(returns, advantages): G_t = sum_{t' >= t} (r_t' - kl_coef * kl_t'); A = G on generated tokens, 0 at step ends if
+    given.
 
     The sum runs through tool observations (which carry no reward), so tokens before a tool call see later rewards.
     """

@@ -1,4 +1,5 @@
-"""RL: the GRPO family on multi-turn tool rollouts with the live policy (DESIGN §7; docs/seeds.md: GAP, ET-Agent, AgentArk, Flow-GRPO).
+"""RL: the GRPO family on multi-turn tool rollouts with the live policy (DESIGN §7; docs/seeds.md: GAP, ET-Agent,
+AgentArk, Flow-GRPO).
 
 One step: take the next prompts of the curriculum (level 1 rows first), roll out `group_size` episodes per prompt with
 the current policy and real tools, score every reward component, drop groups whose rewards are all equal and roll out
@@ -32,8 +33,24 @@ from .loop import Trainer, autocast
 from .opd import attach_teacher_logps, length_collapse, probe_figures, teacher_logps, teacher_term
 from .policy_loss import policy_loss, token_logprobs
 from .prm import PRM
-from .rewards import efficiency_rewards, judge_response, prm_step_rewards, prmvr_token_rewards, returns_to_go, sigma_factor
-from .rollout import View, check_colocated_memory, engine_sleeps, episode_view, make_rollout_backend, planner_rollout, rollout, turn_views
+from .rewards import (
+    efficiency_rewards,
+    judge_response,
+    prm_step_rewards,
+    prmvr_token_rewards,
+    returns_to_go,
+    sigma_factor,
+)
+from .rollout import (
+    View,
+    check_colocated_memory,
+    engine_sleeps,
+    episode_view,
+    make_rollout_backend,
+    planner_rollout,
+    rollout,
+    turn_views,
+)
 from .sft import save_model
 
 # ------------------------------------------------------------------------------------------------------- the setup
@@ -61,7 +78,8 @@ class RLSetup:
 
     @property
     def episode(self) -> EpisodeSettings:
-        """How a rollout samples and how long it may run: rl's temperature, top_p and budgets within llm.max_model_len."""
+        """How a rollout samples and how long it may run: rl's temperature, top_p and budgets within
+        llm.max_model_len."""
         rl = self.rl
         return EpisodeSettings(temperature=rl.temperature, top_p=rl.top_p, max_turns=rl.max_turns,
                                max_tokens_per_turn=rl.max_tokens_per_turn, max_tool_calls=rl.max_tool_calls,
@@ -70,8 +88,9 @@ class RLSetup:
 
 @dataclass
 class Collected:
-    """A step's rollouts (collect_step): the samples to train on; the rows, episodes and rewards of every batch rolled out
-    (groups numbered across batches); the share of groups with a reward spread; the batches (`rounds`) and timings."""
+    """A step's rollouts (collect_step): the samples to train on; the rows, episodes and rewards of every batch rolled
+    out (groups numbered across batches); the share of groups with a reward spread; the batches (`rounds`) and
+    timings."""
     samples: list[dict]
     rows: list[dict]
     episodes: list[Episode]
@@ -84,7 +103,8 @@ class Collected:
 # ------------------------------------------------------------------------------------------------------------ data
 
 def load_rl_data(paths: list[str | Path]) -> list[dict]:
-    """RL rows of every level file (schema RL_ROW), checked beyond types, in curriculum order (level, then file order)."""
+    """RL rows of every level file (schema RL_ROW), checked beyond types, in curriculum order (level, then file
+    order)."""
     if not paths:
         raise DataError(layout.RL_DATA, "no level*.parquet files")
     rows = []
@@ -95,7 +115,8 @@ def load_rl_data(paths: list[str | Path]) -> list[dict]:
             if not r["reward_model"]["ground_truth"]:
                 raise DataError(path, "no ground-truth answers", i, "reward_model")
             if r["ability"] not in SCORERS:
-                raise DataError(path, f"ability must be one of {sorted(SCORERS)} (a judged task), got {r['ability']!r}", i, "ability")
+                raise DataError(path, f"ability must be one of {sorted(SCORERS)} (a judged task), got {r['ability']!r}",
+                                i, "ability")
             if r["level"] < 1:
                 raise DataError(path, f"level must be >= 1, got {r['level']}", i, "level")
             rows.append(r)
@@ -103,7 +124,8 @@ def load_rl_data(paths: list[str | Path]) -> list[dict]:
 
 
 def step_prompts(rows: list[dict], start: int, n: int, seed: int) -> list[dict]:
-    """Prompts `start`..`start+n-1` of the curriculum: a pass is level 1 rows (shuffled), then level 2, ...; passes repeat."""
+    """Prompts `start`..`start+n-1` of the curriculum: a pass is level 1 rows (shuffled), then level 2, ...; passes
+    repeat."""
     out = []
     for pos in range(start, start + n):
         epoch, i = divmod(pos, len(rows))
@@ -129,7 +151,8 @@ PROBE_ROUND = -1  # the probe's episodes' seeds (rollout's step): the same at ev
 # --------------------------------------------------------------------------------------------------------- rewards
 
 def episode_steps(e) -> list[str]:
-    """PRM steps as `label` and `prm` cut them (unison.judge.steps.student_steps): each turn with its tool observations."""
+    """PRM steps as `label` and `prm` cut them (unison.judge.steps.student_steps): each turn with its tool
+    observations."""
     steps: list[str] = []
     for seg in e.segments:
         if seg.kind == "gen":
@@ -147,16 +170,19 @@ def score_episodes(episodes, rows: list[dict], views: list[View], setup: RLSetup
     """
     rl = setup.rl
     groups = [i // rl.group_size for i in range(len(episodes))]
-    judged = [judge_response(rows[g]["ability"], e.text, rows[g]["reward_model"]["ground_truth"], setup.label, setup.tools)
+    judged = [judge_response(rows[g]["ability"], e.text, rows[g]["reward_model"]["ground_truth"], setup.label,
+                             setup.tools)
               for e, g in zip(episodes, groups)]
     s, fmt, calls = ([j[k] for j in judged] for k in ("verifiable", "format", "tool_calls"))
     lengths = [v.sampled for v in views]
     factor = sigma_factor(step, rl.steps) if rl.sigma_decay else 1.0
     eff = efficiency_rewards(s, calls, lengths, fmt, groups, rl.sigma_tool * factor, rl.sigma_len * factor)
     efficiency = [si * (ft * fl - 1) for si, ft, fl in zip(s, eff["f_tool"], eff["f_len"])]
-    total = [rl.verifiable_weight * si + rl.format_weight * fi + rl.efficiency_weight * ei for si, fi, ei in zip(s, fmt, efficiency)]
-    out = {"groups": groups, "correct": [j["correct"] for j in judged], "verifiable": s, "format": fmt, "efficiency": efficiency,
-           "total": total, "tool_calls": calls, "lengths": lengths, "f_tool": eff["f_tool"], "f_len": eff["f_len"]}
+    total = [rl.verifiable_weight * si + rl.format_weight * fi + rl.efficiency_weight * ei
+             for si, fi, ei in zip(s, fmt, efficiency)]
+    out = {"groups": groups, "correct": [j["correct"] for j in judged], "verifiable": s, "format": fmt,
+           "efficiency": efficiency, "total": total, "tool_calls": calls, "lengths": lengths, "f_tool": eff["f_tool"],
+           "f_len": eff["f_len"]}
     if setup.prm is not None:
         out["prm_steps"] = prm_step_rewards(setup.prm.step_scores([rows[g]["extra_info"]["question"] for g in groups],
                                                                   [episode_steps(e) for e in episodes]))
@@ -170,9 +196,10 @@ def padded(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def build_samples(views: list[View], rewards: dict, rl: RLConfig, max_groups: int | None = None) -> tuple[list[dict], float]:
-    """Training samples with token advantages (target-aligned: position t scores token t+1) and the share of groups with a
-    reward spread; samples come from the first `max_groups` such groups only (DAPO fills the batch, then trims it).
+def build_samples(views: list[View], rewards: dict, rl: RLConfig,
+                  max_groups: int | None = None) -> tuple[list[dict], float]:
+    """Training samples with token advantages (target-aligned: position t scores token t+1) and the share of groups with
+    a reward spread; samples come from the first `max_groups` such groups only (DAPO fills the batch, then trims it).
 
     Sequence estimators: A_i from the group, placed on the last sampled token with the PRM token rewards (if any), then
     summed backwards (returns_to_go) so every sampled token, before or after a tool observation, carries it.
@@ -208,8 +235,9 @@ def build_samples(views: list[View], rewards: dict, rl: RLConfig, max_groups: in
                 ends[row, end - 1] = True
         steps = [rewards["prm_steps"][i] for i in kept]
         step_r = padded(steps, max(1, max(map(len, steps))))
-        token_r += rl.prm_weight * prmvr_token_rewards(step_r, ends, mask, [0.0] * len(kept), [groups[i] for i in kept], mode="PRM",
-                                                       baseline=rl.prm_baseline, temperature=rl.prm_temperature)
+        token_r += rl.prm_weight * prmvr_token_rewards(step_r, ends, mask, [0.0] * len(kept), [groups[i] for i in kept],
+                                                       mode="PRM", baseline=rl.prm_baseline,
+                                                       temperature=rl.prm_temperature)
     outcome = rl.outcome_weight if rl.objective == "opd" else 1.0  # opd: the loss adds the teacher's token term
     for row, k in enumerate(last):
         if k >= 0:
@@ -244,17 +272,20 @@ def collate(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs of each next token, temperature-scaled logits) under `model` (the sampling distribution)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float() / temperature
+    logits = model(input_ids=batch["input_ids"],
+                   attention_mask=batch["attention_mask"]).logits[:, :-1].float() / temperature
     return token_logprobs(logits, batch["input_ids"][:, 1:]), logits
 
 
-def batch_loss(logits: torch.Tensor, batch: dict, rl: RLConfig, max_len: int | None = None) -> tuple[torch.Tensor, dict]:
+def batch_loss(logits: torch.Tensor, batch: dict, rl: RLConfig,
+               max_len: int | None = None) -> tuple[torch.Tensor, dict]:
     """policy_loss of a collated batch from its (scaled) logits: clipped PG on loss_mask tokens, + k3 KL if configured;
     with the teacher's log-probs in the batch (rl.objective opd) the advantages gain the teacher term (teacher_term, on
     the sampling policy's log-probs at temperature 1), and the metrics the batch's reverse KL to the teacher
     (`kl_teacher`)."""
     logp = token_logprobs(logits, batch["input_ids"][:, 1:])
-    old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()  # one update: the sampling policy is this one
+    # one update: the sampling policy is this one
+    old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
     advantages, extra = batch["advantages"], {}
     if "teacher_logp" in batch:
         student = unscaled_logp(logits, logp, batch, rl.temperature)
@@ -284,8 +315,8 @@ def needs_old_logp(rl: RLConfig) -> bool:
 @torch.no_grad()
 def attach_logprobs(model, samples: list[dict], key: str, rl: RLConfig, pad_id: int, device, precision: str,
                     unscaled_key: str | None = None) -> None:
-    """Each sample's per-token log-probs under `model` (in the training precision, at rl.temperature) as samples[i][key],
-    and at temperature 1 as samples[i][unscaled_key] when given."""
+    """Each sample's per-token log-probs under `model` (in the training precision, at rl.temperature) as
+    samples[i][key], and at temperature 1 as samples[i][unscaled_key] when given."""
     for i in range(0, len(samples), rl.micro_batch_size):
         chunk = samples[i : i + rl.micro_batch_size]
         batch = {n: t.to(device) for n, t in collate(chunk, pad_id).items()}
@@ -307,7 +338,8 @@ def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, r
         rng.shuffle(order)
         size = math.ceil(len(order) / rl.mini_batches)
         for mb in (order[i : i + size] for i in range(0, len(order), size)):
-            units = {i: sum(samples[i]["loss_mask"]) if rl.loss_agg == "token_mean" else float(any(samples[i]["loss_mask"])) for i in mb}
+            units = {i: sum(samples[i]["loss_mask"]) if rl.loss_agg == "token_mean" else
+                     float(any(samples[i]["loss_mask"])) for i in mb}
             max_len = max(len(samples[i]["ids"]) for i in mb) - 1
             micros = [mb[i : i + rl.micro_batch_size] for i in range(0, len(mb), rl.micro_batch_size)]
             weights = [sum(units[i] for i in micro) / max(1e-9, sum(units.values())) for micro in micros]
@@ -324,12 +356,14 @@ def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, r
 
 
 @torch.no_grad()
-def probe_samples(probe_rows: list[dict], backend, model, tok, setup: RLSetup, pad_id: int, device, precision: str) -> list[dict]:
+def probe_samples(probe_rows: list[dict], backend, model, tok, setup: RLSetup, pad_id: int, device,
+                  precision: str) -> list[dict]:
     """The probe's samples (rl.probe_prompts): group_size episodes of each held-out prompt, sampled as in training with
     the same seeds at every probe, each with the student's log-probs at temperature 1 (`logp_t1`) and the teacher's
     (`teacher_logp`, `teacher_span`) on its sampled tokens."""
     rl = setup.rl
-    episodes = rollout(probe_rows, rl.group_size, backend, setup.toolbox, setup.episode, setup.tools, rl.seed, PROBE_ROUND, setup.native)
+    episodes = rollout(probe_rows, rl.group_size, backend, setup.toolbox, setup.episode, setup.tools, rl.seed,
+                       PROBE_ROUND, setup.native)
     views = [episode_view(e, probe_rows[i // rl.group_size]["prompt"]) for i, e in enumerate(episodes)]
     samples = [_sample(v.ids, v.loss_mask, [0.0] * len(v.ids), v.messages) for v in views if any(v.loss_mask)]
     if samples:
@@ -345,7 +379,8 @@ def kl_probe(probe_rows: list[dict], backend, model, tok, setup: RLSetup, pad_id
 
 # ------------------------------------------------------------------------------------------------------------ loop
 
-def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, checkpoint_dir: str, on_step=None) -> list[dict]:
+def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, checkpoint_dir: str,
+             on_step=None) -> list[dict]:
     """Train from `model_dir` on the curriculum `rows` as `setup` says, resuming from `checkpoint_dir` if a killed run
     left one there; save to `out_dir` atomically. `on_step`: called with each step's record.
 
@@ -362,8 +397,8 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
     ref = copy.deepcopy(model).eval().requires_grad_(False) if rl.kl_coef > 0 else None
     trainer = Trainer("rl", model, rl.steps, rl, gradient_checkpointing=setup.gradient_checkpointing, on_step=on_step)
     if trainer.zero_stage == 3 and trainer.acc.num_processes > 1:
-        raise ValueError("params.yaml rl.deepspeed_config: ZeRO-3 shards the policy, but rank 0 rolls out with the whole "
-                         "policy; use configs/deepspeed/zero2.json")
+        raise ValueError("params.yaml rl.deepspeed_config: ZeRO-3 shards the policy, but rank 0 rolls "
+                         "out with the whole policy; use configs/deepspeed/zero2.json")
     if ref is not None:
         ref.to(trainer.device)
     saved = trainer.load_checkpoint(checkpoint_dir)
@@ -373,8 +408,8 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
     if sleeps and not rl.deepspeed_config:
         check_colocated_memory(sum(p.numel() for p in policy.parameters()), setup.llm.gpu_memory_utilization,
                                torch.cuda.get_device_properties(trainer.device).total_memory, reference=ref is not None)
-    backend = make_rollout_backend(rl.rollout_backend, policy, tok, model_dir, setup.llm, rl.seed, rl.rollout_batch_size,
-                                   sleep_mode=sleeps) if trainer.is_main else None
+    backend = make_rollout_backend(rl.rollout_backend, policy, tok, model_dir, setup.llm, rl.seed,
+                                   rl.rollout_batch_size, sleep_mode=sleeps) if trainer.is_main else None
     if start and rl.rollout_backend == "vllm" and trainer.is_main:
         backend.sync(policy)
     rows, probe_rows = split_probe(rows, rl.probe_prompts, rl.seed)
@@ -413,7 +448,8 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
             metrics |= probe() | probed_start
             probed_start, times["probe_s"] = {}, time.perf_counter() - t_probe
         trainer.log(step_record(step + 1, collected, metrics, trainer.sched.get_last_lr()[0]))
-        if rl.objective == "opd" and trainer.is_main and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r])):
+        if (rl.objective == "opd" and trainer.is_main
+                and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r]))):
             print(warning, flush=True)
         if trainer.checkpoint_due(step + 1):
             trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": rl.model_dump()})
@@ -425,9 +461,9 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
 
 
 def collect_step(step: int, pos: int, rows: list[dict], backend, setup: RLSetup) -> Collected:
-    """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills` more
-    while fewer than prompts_per_step groups keep a reward spread. The samples are those of the first prompts_per_step
-    kept groups."""
+    """Rollout batches of the step from curriculum position `pos`: one, then (DAPO dynamic sampling) up to `max_refills`
+    more while fewer than prompts_per_step groups keep a reward spread. The samples are those of the first
+    prompts_per_step kept groups."""
     rl, episode = setup.rl, setup.episode
     per_step, samples, rows_seen, episodes, merged, kept_groups = rl.prompts_per_step, [], [], [], {}, 0
     times = {"rollout_s": 0.0, "reward_s": 0.0}
@@ -436,11 +472,11 @@ def collect_step(step: int, pos: int, rows: list[dict], backend, setup: RLSetup)
         t0 = time.perf_counter()
         batch_rows = step_prompts(rows, pos + rounds * per_step, per_step, rl.seed)
         if setup.agentflow is not None:
-            eps, views = planner_rollout(batch_rows, rl.group_size, backend, setup.roles, setup.toolbox, episode, setup.tools, rl.seed,
-                                         pos // per_step + rounds, setup.agentflow)
+            eps, views = planner_rollout(batch_rows, rl.group_size, backend, setup.roles, setup.toolbox, episode,
+                                         setup.tools, rl.seed, pos // per_step + rounds, setup.agentflow)
         else:
-            eps = rollout(batch_rows, rl.group_size, backend, setup.toolbox, episode, setup.tools, rl.seed, pos // per_step + rounds,
-                          setup.native)
+            eps = rollout(batch_rows, rl.group_size, backend, setup.toolbox, episode, setup.tools, rl.seed,
+                          pos // per_step + rounds, setup.native)
             views = [episode_view(e, batch_rows[i // rl.group_size]["prompt"]) for i, e in enumerate(eps)]
         t1 = time.perf_counter()
         rewards = score_episodes(eps, batch_rows, views, setup, step + 1)
@@ -472,6 +508,8 @@ def step_record(step: int, collected: Collected, metrics: dict, lr: float) -> di
            "response_tokens": mean(rewards["lengths"]), "kept_groups": collected.kept_share, "lr": lr}
     for key in ("pg_loss", "loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm"):
         rec[key] = metrics.get(key, 0.0)
-    rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens", "teacher_straddling", "teacher_s") if key in metrics}  # rl.objective opd
+    # rl.objective opd
+    rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens", "teacher_straddling", "teacher_s")
+            if key in metrics}
     rec |= {key: v for key, v in metrics.items() if key.startswith("probe_")}  # rl.probe_prompts
     return {**rec, **times, "step_s": sum(times.values()), "rollout_rounds": collected.rounds}

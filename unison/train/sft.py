@@ -31,18 +31,21 @@ def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -
     return kept
 
 
-def build_examples(tok, rows: list[dict], max_length: int, topk: list | None = None, native=None) -> tuple[list[tuple], dict]:
+def build_examples(tok, rows: list[dict], max_length: int, topk: list | None = None,
+                   native=None) -> tuple[list[tuple], dict]:
     """Token views (ids, mask) of the selected rows (too long ones truncated) and drift statistics; with `topk` (the
     teacher's top-k ids and log-probs of each row's assistant tokens, `teacher_topk.topk_for`) each example carries
     them as a third item, one row per mask-1 token; a `native` student's in its chat template (token_view.row_view)."""
     if native is not None and topk is not None:
         raise ValueError("sft.kd_weight > 0 with student.tool_format native: the teacher's top-k are kept on the tag "
-                         "protocol's tokens, not the native template's; set sft.kd_weight: 0 or student.tool_format: tags")
+                         "protocol's tokens, not the native template's; set sft.kd_weight: 0 or "
+                         "student.tool_format: tags")
     examples, drifted, drift_tokens, truncated, n_tokens = [], 0, 0, 0, 0
     for k, r in enumerate(rows):
         ids, mask = row_view(tok, r, native)
         if topk is not None and len(topk[k][0]) != sum(mask):
-            raise ValueError(f"trajectory {r['id']}: {len(topk[k][0])} tokens have the teacher's top-k, {sum(mask)} are assistant tokens")
+            raise ValueError(f"trajectory {r['id']}: {len(topk[k][0])} tokens have the teacher's top-k, {sum(mask)} "
+                             "are assistant tokens")
         d = retokenization_drift(tok, ids)
         drifted += d > 0
         drift_tokens += d
@@ -73,7 +76,8 @@ def collate(batch: list[tuple], pad_id: int) -> dict[str, torch.Tensor]:
         ids[r, : len(i)] = torch.tensor(i)
         mask[r, : len(m)] = torch.tensor(m)
         attn[r, : len(i)] = 1
-    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn, **teacher_targets(batch, [[0]] * len(batch), width)}
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn,
+            **teacher_targets(batch, [[0]] * len(batch), width)}
 
 
 def teacher_targets(batch: list[tuple], starts: list[list[int]], width: int) -> dict[str, torch.Tensor]:
@@ -161,7 +165,8 @@ def target_nll(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) 
     return (nll * mask).sum() / mask.sum().clamp(min=1)
 
 
-def distill_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logps: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+def distill_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logps: torch.Tensor, mask: torch.Tensor,
+                 kind: str) -> torch.Tensor:
     """Mean over mask-1 positions of the divergence between the teacher's top-k distribution and the student's on the
     same k tokens, both renormalised over them: forward KL(teacher || student), or the Jensen-Shannon divergence. Slots
     of log-prob -inf hold no token (a chat teacher's, teacher_topk.MISSING): they weigh nothing on either side, and a
@@ -169,7 +174,8 @@ def distill_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logps: torch.T
     slots = torch.isfinite(top_logps)
     mask = mask.float() * slots[..., 0]
     empty = torch.finfo(torch.float32).min / 4  # exp() = 0, and differences of two stay finite
-    student = torch.log_softmax(torch.log_softmax(logits.float(), -1).gather(-1, top_ids).masked_fill(~slots, empty), -1)
+    student = torch.log_softmax(torch.log_softmax(logits.float(), -1).gather(-1, top_ids).masked_fill(~slots, empty),
+                                -1)
     teacher = torch.log_softmax(top_logps.float().masked_fill(~slots, empty), -1)
     p = teacher.exp()
     if kind == "forward_kl":
@@ -195,8 +201,8 @@ def sft_steps(examples: list, cfg: SFTConfig, pad_id: int) -> list[list[tuple[di
     return steps
 
 
-def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_step=None, checkpoint_dir: str | None = None,
-              gradient_checkpointing: bool = False) -> list[dict]:
+def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_step=None,
+              checkpoint_dir: str | None = None, gradient_checkpointing: bool = False) -> list[dict]:
     """Train and save to `out_dir` atomically (rank 0); `on_step(record)` sees every optimiser step; returns the step
     records. A killed run resumes from `checkpoint_dir` (written every cfg.checkpoint_every steps) when one is given."""
     from transformers import AutoTokenizer
@@ -206,7 +212,8 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
     model = load_student(model_dir, cfg.lora, cfg.lora_r, cfg.lora_alpha, cfg.precision, "sft")
     steps = sft_steps(examples, cfg, tok.pad_token_id or 0)
     total = max(1, len(steps))
-    trainer = Trainer("sft", model, total, cfg, grad_accum=cfg.grad_accum, gradient_checkpointing=gradient_checkpointing, on_step=on_step)
+    trainer = Trainer("sft", model, total, cfg, grad_accum=cfg.grad_accum,
+                      gradient_checkpointing=gradient_checkpointing, on_step=on_step)
 
     def loss_fn(micro):
         batch = {n: t.to(trainer.device) for n, t in micro[0].items()}
@@ -219,8 +226,8 @@ def train_sft(model_dir: str, examples: list, cfg: SFTConfig, out_dir: str, on_s
         return nll + cfg.kd_weight * kd, {"nll": nll.item(), "kd": kd.item()}
 
     def record(micros, _):
-        return {"tokens": sum(int(b["loss_mask"].sum()) for b, _ in micros), "row_tokens": sum(b["input_ids"].numel() for b, _ in micros),
-                "real_tokens": sum(n for _, n in micros)}
+        return {"tokens": sum(int(b["loss_mask"].sum()) for b, _ in micros),
+                "row_tokens": sum(b["input_ids"].numel() for b, _ in micros), "real_tokens": sum(n for _, n in micros)}
 
     records = fit(trainer, steps, loss_fn, max(1, total // cfg.epochs), record=record, checkpoint_dir=checkpoint_dir)
     with trainer.whole_model() as trained:
@@ -243,7 +250,8 @@ def with_lora(model, r: int, alpha: int):
     """`model` with LoRA adapters on the attention projections; only the adapters train."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, task_type="CAUSAL_LM",
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 
 def save_model(model, tok, out_dir: str, lora: bool, extra: dict | None = None) -> None:

@@ -1,4 +1,5 @@
-"""unison's agent loop for verl: the student's tag protocol, run the way the in-house runtime runs it (agents/runtime.py).
+"""unison's agent loop for verl: the student's tag protocol, run the way the in-house runtime runs it
+(agents/runtime.py).
 
 verl's tool_agent loop parses tool calls in the chat template's format and answers them in tool-role turns. unison's
 student writes <search>q</search> / <python>code</python> and reads the observation inline. This loop generates each
@@ -21,8 +22,9 @@ NAME = VERL_AGENT_LOOP  # the agent loop's name in verl's registry
 UNPARSABLE = "error: could not parse the tool call"  # the runtime's observation for a call it cannot parse
 
 
-async def tag_protocol_episode(generate, call_tool, tokenizer, prompt_ids: list[int], tools: tuple[str, ...], max_turns: int,
-                               max_tool_calls: int, max_tokens_per_turn: int, response_length: int) -> dict:
+async def tag_protocol_episode(generate, call_tool, tokenizer, prompt_ids: list[int], tools: tuple[str, ...],
+                               max_turns: int, max_tool_calls: int, max_tokens_per_turn: int,
+                               response_length: int) -> dict:
     """One episode: `generate(ids, sampling) -> (token ids, log-probs or None)` per turn, `call_tool(tool, argument)
     -> observation block` per call. Returns response_ids, response_mask, response_logprobs and num_turns."""
     ids, mask, logprobs = [], [], []
@@ -93,6 +95,7 @@ if AgentLoopBase is not None:
                                                  self.response_length)
             return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=episode["response_ids"],
                                    response_mask=episode["response_mask"],
-                                   response_logprobs=episode["response_logprobs"] if sampling_params.get("logprobs") else None,
+                                   response_logprobs=(episode["response_logprobs"]
+                                                      if sampling_params.get("logprobs") else None),
                                    num_turns=episode["num_turns"], metrics={},
                                    extra_fields={"turn_scores": [], "tool_rewards": []})

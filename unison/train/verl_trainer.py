@@ -1,9 +1,10 @@
 """rl.trainer verl: the RL stage as verl's PPO trainer (python -m verl.trainer.main_ppo) on its Ray cluster.
 
 unison supplies the data (the export's data/export/verl parquet), the reward (unison.train.verl_reward), the tools
-(unison.train.verl_tools) and the agent loop that rolls out its tag protocol (unison.train.verl_agent); verl_overrides turns params.yaml into main_ppo's Hydra overrides, every key one of verl
-0.9.1's (verl/trainer/config/_generated_ppo_trainer.yaml) or, with a leading +, a key verl reads that its schema leaves
-open (reward_kwargs). The final step's HF weights (actor/huggingface, with the tokenizer) become models/rl.
+(unison.train.verl_tools) and the agent loop that rolls out its tag protocol (unison.train.verl_agent); verl_overrides
+turns params.yaml into main_ppo's Hydra overrides, every key one of verl 0.9.1's
+(verl/trainer/config/_generated_ppo_trainer.yaml) or, with a leading +, a key verl reads that its schema leaves open
+(reward_kwargs). The final step's HF weights (actor/huggingface, with the tokenizer) become models/rl.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from .verl_agent import NAME as AGENT_LOOP
 from .verl_tools import tool_config
 
 INSTALL = "pip install verl==0.9.1 (beside the GPU stack: requirements/gpu.txt; docs/scale.md, RL through verl)"
-# unison's names -> verl's (actor.loss_agg_mode; algorithm.adv_estimator + norm_adv_by_std_in_grpo: Dr. GRPO drops the std)
-LOSS_AGG = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean", "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
+# unison's names -> verl's (actor.loss_agg_mode; algorithm.adv_estimator + norm_adv_by_std_in_grpo: Dr. GRPO drops the
+# std)
+LOSS_AGG = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean",
+            "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
 ESTIMATORS = {"grpo": ("grpo", True), "dr_grpo": ("grpo", False), "rloo": ("rloo", True)}
 
 
@@ -49,9 +52,11 @@ def hydra_value(value) -> str:
     return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
 
 
-def verl_overrides(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, verl_agent: str, train_files: list[str], model_dir: str,
-                   tool_config_path: str, agent_loop_path: str, checkpoint_dir: str, tools: tuple[str, ...]) -> list[str]:
-    """main_ppo's overrides for params.yaml's rl section (and llm's engine memory, label's judge settings, export's agent loop)."""
+def verl_overrides(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, verl_agent: str, train_files: list[str],
+                   model_dir: str, tool_config_path: str, agent_loop_path: str, checkpoint_dir: str,
+                   tools: tuple[str, ...]) -> list[str]:
+    """main_ppo's overrides for params.yaml's rl section (and llm's engine memory, label's judge settings, export's
+    agent loop)."""
     estimator, norm_by_std = ESTIMATORS[cfg.estimator]
     settings = {
         "data.train_files": list(train_files), "data.val_files": list(train_files), "data.prompt_key": "prompt",
@@ -59,12 +64,13 @@ def verl_overrides(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, verl_agent
         "data.max_response_length": cfg.verl_max_response_length, "data.seed": cfg.seed, "data.return_raw_chat": True,
         "actor_rollout_ref.model.path": model_dir,
         "actor_rollout_ref.actor.optim.lr": cfg.lr, "actor_rollout_ref.actor.optim.weight_decay": cfg.weight_decay,
-        "actor_rollout_ref.actor.optim.lr_warmup_steps": cfg.warmup_steps(cfg.steps), "actor_rollout_ref.actor.optim.clip_grad": cfg.max_grad_norm,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": cfg.warmup_steps(cfg.steps),
+        "actor_rollout_ref.actor.optim.clip_grad": cfg.max_grad_norm,
         "actor_rollout_ref.actor.ppo_mini_batch_size": cfg.prompts_per_step // cfg.mini_batches,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "actor_rollout_ref.actor.ppo_epochs": cfg.ppo_epochs,
-        "actor_rollout_ref.actor.clip_ratio_low": cfg.clip_low, "actor_rollout_ref.actor.clip_ratio_high": cfg.clip_high,
-        "actor_rollout_ref.actor.clip_ratio_c": cfg.dual_clip, "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG[cfg.loss_agg],
+        "actor_rollout_ref.actor.ppo_epochs": cfg.ppo_epochs, "actor_rollout_ref.actor.clip_ratio_low": cfg.clip_low,
+        "actor_rollout_ref.actor.clip_ratio_high": cfg.clip_high, "actor_rollout_ref.actor.clip_ratio_c": cfg.dual_clip,
+        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG[cfg.loss_agg],
         "actor_rollout_ref.actor.use_kl_loss": cfg.kl_coef > 0, "actor_rollout_ref.actor.kl_loss_coef": cfg.kl_coef,
         "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",  # k3, the in-house loop's KL
         "actor_rollout_ref.actor.checkpoint.save_contents": ["model", "optimizer", "extra", "hf_model"],
@@ -98,17 +104,19 @@ def verl_overrides(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, verl_agent
             + [f"+reward.custom_reward_function.reward_kwargs={hydra_value(reward_kwargs)}"])
 
 
-def write_verl_config(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, t: ToolsConfig, verl_agent: str, train_files: list[str],
-                      model_dir: str, out_dir: str | Path, tools: tuple[str, ...]) -> list[str]:
-    """Write out_dir/tool_config.yaml, agent_loops.yaml (unison_agent) and overrides.txt (one override a line); the overrides."""
+def write_verl_config(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, t: ToolsConfig, verl_agent: str,
+                      train_files: list[str], model_dir: str, out_dir: str | Path, tools: tuple[str, ...]) -> list[str]:
+    """Write out_dir/tool_config.yaml, agent_loops.yaml (unison_agent) and overrides.txt (one override a line); the
+    overrides."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tool_config.yaml").write_text(yaml.safe_dump(tool_config(tools, t), sort_keys=False))
     loop = {"name": AGENT_LOOP, "_target_": "unison.train.verl_agent.UnisonAgentLoop",
             "max_tokens_per_turn": cfg.max_tokens_per_turn}
     (out / "agent_loops.yaml").write_text(yaml.safe_dump([loop], sort_keys=False))
-    overrides = verl_overrides(cfg, llm, label, verl_agent, train_files, model_dir, str((out / "tool_config.yaml").resolve()),
-                               str((out / "agent_loops.yaml").resolve()), str((out / "checkpoints").resolve()), tools)
+    overrides = verl_overrides(cfg, llm, label, verl_agent, train_files, model_dir,
+                               str((out / "tool_config.yaml").resolve()), str((out / "agent_loops.yaml").resolve()),
+                               str((out / "checkpoints").resolve()), tools)
     (out / "overrides.txt").write_text("\n".join(overrides) + "\n")
     return overrides
 
@@ -116,7 +124,8 @@ def write_verl_config(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, t: Tool
 def final_hf_weights(checkpoint_dir: str | Path, steps: int) -> Path:
     path = Path(checkpoint_dir) / f"global_step_{steps}" / "actor" / "huggingface"
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"verl left no HF weights at {path} (actor.checkpoint.save_contents has hf_model; did it finish?)")
+        raise FileNotFoundError(f"verl left no HF weights at {path} (actor.checkpoint.save_contents has "
+                                "hf_model; did it finish?)")
     return path
 
 

@@ -25,17 +25,21 @@ class MethodContext:
     teacher: str  # model id recorded in each trajectory
     scaffold: dict[str, list[str]] = field(default_factory=dict)  # task -> forced tag per turn; {} = unscaffolded
     params: BaseModel | None = None  # the method's own settings (e.g. generate.debate); None = its defaults
-    role_backends: dict = field(default_factory=dict)  # role -> backend, for roles with their own model (generate.roles)
-    tools: tuple[str, ...] = DEFAULT_TOOLS  # tools acting agents may call (the stages pass context.enabled_tools(params))
+    # role -> backend, for roles with their own model (generate.roles)
+    role_backends: dict = field(default_factory=dict)
+    # tools acting agents may call (the stages pass context.enabled_tools(params))
+    tools: tuple[str, ...] = DEFAULT_TOOLS
     taught_by: str = ""  # the teacher method whose students this context prompts (generate.method): their role tags
-    demonstrations: str = ""  # worked examples the acting agents see after the system prompt; never in the student rendering
+    # worked examples the acting agents see after the system prompt; never in the student rendering
+    demonstrations: str = ""
     native: NativeFormat | None = None  # acting agents write the student's chat template's tool calls (tool_format.py)
 
     def __post_init__(self):
         for task, tags in self.scaffold.items():
             unknown = [t for t in tags if t not in SCAFFOLD]
             if unknown:
-                raise ValueError(f"params.yaml generate.scaffold.{task}: unknown tag(s) {unknown} (one of {sorted(SCAFFOLD)})")
+                raise ValueError(f"params.yaml generate.scaffold.{task}: unknown tag(s) {unknown} (one of "
+                                 f"{sorted(SCAFFOLD)})")
 
     def scaffold_for(self, task: str) -> list[str]:
         return self.scaffold.get(task, [])
@@ -46,8 +50,8 @@ class MethodContext:
         return system_prompt(self.tools, self.taught_by)
 
     def with_demonstrations(self, system: str) -> str:
-        """An acting agent's system prompt followed by the teacher's demonstrations (the student learns to act without them:
-        context distillation)."""
+        """An acting agent's system prompt followed by the teacher's demonstrations (the student learns to act without
+        them: context distillation)."""
         return f"{system}\n\n{self.demonstrations}" if self.demonstrations else system
 
     def solver_episode(self, key: str, question: str, seed: int, task: str) -> Episode:

@@ -16,17 +16,17 @@ from ..episodes import agent_messages, stable_seed, start_episode, student_messa
 from ..runtime import Episode, Segment, run_episodes
 
 RESULT_CHARS = 400  # of a tool result kept in the memory (AgentFlow truncates results too)
-ANALYSIS = ("Task: Analyze the given query to determine necessary skills and tools.\n\nQuery: {question}\nAvailable tools: {tools}\n\n"
-            "Identify the main objectives, the skills and tools needed and how each helps, and any additional considerations. "
-            "Be brief and precise.")
+ANALYSIS = ("Task: Analyze the given query to determine necessary skills and tools.\n\nQuery: {question}\nAvailable "
+            "tools: {tools}\n\nIdentify the main objectives, the skills and tools needed and how each helps, and any "
+            "additional considerations. Be brief and precise.")
 NEXT_STEP = ("Task: Determine the optimal next step to address the query using available tools and previous steps.\n\n"
              "Query: {question}\nQuery Analysis: {analysis}\nAvailable Tools: {tools}\nPrevious Steps: {memory}\n\n"
              "Select the single best tool and a specific, achievable sub-goal for it. End with:\nSub-Goal: <sub_goal>\n"
              "Tool Name: <tool_name>")
 EXECUTOR = " This step serves the query: {question}"  # its user turn is the sub-goal alone (a small
 # teacher writes a usable call only then; AgentFlow's executor sees the query, the sub-goal and the planner's context)
-VERIFY = ("Task: Evaluate if the current memory is complete and accurate enough to answer the query, or if more tools are "
-          "needed.\n\nQuery: {question}\nAvailable Tools: {tools}\nInitial Analysis: {analysis}\n"
+VERIFY = ("Task: Evaluate if the current memory is complete and accurate enough to answer the query, or "
+          "if more tools are needed.\n\nQuery: {question}\nAvailable Tools: {tools}\nInitial Analysis: {analysis}\n"
           "Memory (Tools Used & Results): {memory}\n\nExplain briefly, then end with either \"Conclusion: STOP\" or "
           "\"Conclusion: CONTINUE\".")
 ANSWER = "Actions Taken: {memory}\n\nAnswer concisely from the results, as <answer>...</answer>: {question}"
@@ -49,7 +49,8 @@ class Flow:
         return [e for e, r in zip(self.episodes, self.roles) if r == role]
 
     def prompt(self, template: str, **kw) -> str:
-        return template.format(question=self.q["question"], analysis=self.analysis, memory=memory_text(self.memory), **kw)
+        return template.format(question=self.q["question"], analysis=self.analysis,
+                               memory=memory_text(self.memory), **kw)
 
 
 def memory_text(memory: list[dict]) -> str:
@@ -62,7 +63,8 @@ def parse_next_step(text: str, tools: tuple[str, ...], default_tool: str, questi
     case/space/underscore-insensitively (else the first available tool named in the text, else `default_tool`)."""
     text = text.replace("**", "")
     goals = re.findall(r"sub[- _]?goal\s*:\s*(.*\S)", text, re.I)
-    names = [re.sub(r"[ _]+", "_", n.strip(" .`'\"").lower()) for n in re.findall(r"tool[- _]?name\s*:\s*(.*\S)", text, re.I)]
+    names = [re.sub(r"[ _]+", "_", n.strip(" .`'\"").lower())
+             for n in re.findall(r"tool[- _]?name\s*:\s*(.*\S)", text, re.I)]
     hits = sorted((m.start(), t) for t in tools for m in [re.search(rf"(?<!\w){t}(?!\w)", text, re.I)] if m)
     tool = names[-1] if names and names[-1] in tools else hits[0][1] if hits else default_tool
     return (goals[-1] if goals else question), tool
@@ -88,7 +90,8 @@ def executed(e: Episode, tool: str) -> tuple[str, str]:
 
 def phase(flows: list[Flow], role: str, prompts: list[str], step: str, ctx, system: str | list[str] | None = None,
           scaffolds: list[list[str]] | None = None, tools: list[tuple[str, ...]] | None = None) -> list[Episode]:
-    """One turn of `role` for every flow (one run_episodes call; `system`: one, or one per flow); returns the episodes."""
+    """One turn of `role` for every flow (one run_episodes call; `system`: one, or one per flow); returns the
+    episodes."""
     tok = ctx.backend_for(role).tokenizer
     systems = system if isinstance(system, list) else [system] * len(flows)
     eps = [start_episode(tok, f"{f.q['id']}/{f.sample}/{step}", p, stable_seed(f.q["id"], f.sample, step),
@@ -111,8 +114,9 @@ def own_ids(segments: list[Segment], ctx, role: str) -> list[Segment]:
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     rows = []
     for f in run_flows(questions, samples, ctx):
-        rows.append(trajectory_row(f.q, f.sample, "agentflow", ctx.teacher, f.messages, student_messages(f.q["question"], f.segments, ctx.system),
-                                   f.answer.answer, f.episodes, "answer" if f.answer.answer else "no_answer"))
+        rows.append(trajectory_row(f.q, f.sample, "agentflow", ctx.teacher, f.messages,
+                                   student_messages(f.q["question"], f.segments, ctx.system), f.answer.answer,
+                                   f.episodes, "answer" if f.answer.answer else "no_answer"))
     return rows
 
 
@@ -120,7 +124,8 @@ def run_flows(questions: list[dict], samples: int, ctx) -> list[Flow]:
     """Every (question, sample)'s flow, run to its answer: its segments end with the generator's."""
     max_steps = (ctx.params or AgentFlowConfig()).max_steps
     tools, system = ctx.tools, ctx.system
-    flows = [Flow(q, s, messages=[{"role": "user", "name": None, "content": q["question"]}]) for q in questions for s in range(samples)]
+    flows = [Flow(q, s, messages=[{"role": "user", "name": None, "content": q["question"]}]) for q in questions
+             for s in range(samples)]
     for f, e in zip(flows, phase(flows, "planner", [f.prompt(ANALYSIS, tools=tools) for f in flows], "analysis", ctx)):
         f.analysis = e.text.strip()
     live = flows
@@ -130,7 +135,8 @@ def run_flows(questions: list[dict], samples: int, ctx) -> list[Flow]:
         nexts = phase(live, "planner", [f.prompt(NEXT_STEP, tools=tools) for f in live], f"step{k} plan", ctx)
         picks = [parse_next_step(e.text, tools, "python" if f.q["task"] == "math" else "search", f.q["question"])
                  for f, e in zip(live, nexts)]
-        runs = phase(live, "executor", [g for g, _ in picks], f"step{k} execute", ctx, [system + EXECUTOR.format(question=f.q["question"]) for f in live],
+        runs = phase(live, "executor", [g for g, _ in picks], f"step{k} execute", ctx,
+                     [system + EXECUTOR.format(question=f.q["question"]) for f in live],
                      [[t] if ctx.scaffold and t in SCAFFOLD else [] for _, t in picks], [(t,) for _, t in picks])
         for f, (goal, tool), e in zip(live, picks, runs):
             command, result = executed(e, tool)

@@ -23,8 +23,8 @@ EVALUATOR_SYSTEM = "You are an evaluator who judges whether a solution to a prob
 
 
 def critic_prompt(question: str, solution: Episode) -> str:
-    return (f"Problem: {question}\n\nProposed solution: {response(solution)}\n\nReview the solution. If it is correct, end your "
-            f"reply with [Agree]. Otherwise say briefly what is wrong and how to fix it.")
+    return (f"Problem: {question}\n\nProposed solution: {response(solution)}\n\nReview the solution. If it is "
+            f"correct, end your reply with [Agree]. Otherwise say briefly what is wrong and how to fix it.")
 
 
 def revise_prompt(question: str, critiques: list[str]) -> str:
@@ -57,7 +57,8 @@ def parse_evaluation(text: str) -> tuple[bool, str]:
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     tok, p = ctx.backend.tokenizer, ctx.params or AgentVerseConfig()
     n_critics, turns, critic_rounds = max(1, p.agents - 1), p.turns, p.critic_rounds
-    critic, evaluator, follow = ctx.backend_for("critic"), ctx.backend_for("evaluator"), ["answer"] if ctx.scaffold else []
+    critic, evaluator, follow = (ctx.backend_for("critic"), ctx.backend_for("evaluator"),
+                                 ["answer"] if ctx.scaffold else [])
     groups = [(q, s) for q in questions for s in range(samples)]
     texts = [q["question"] for q, _ in groups]
     messages = [[{"role": "user", "name": None, "content": text}] for text in texts]
@@ -71,7 +72,8 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         run_episodes([e for *_, e in items], backend, ctx.toolbox, ctx.settings, desc=desc)
         for g, name, prompt, e in items:
             if prompt:
-                messages[g].append({"role": "user", "name": "moderator" if name == "solver" else name, "content": prompt})
+                messages[g].append({"role": "user", "name": "moderator" if name == "solver" else name,
+                                    "content": prompt})
             messages[g].extend(agent_messages(e, name))
             episodes[g].append(e)
             if name == "solver":
@@ -79,22 +81,26 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
 
     def revise(g: int, key: str, prompt: str) -> tuple[int, str, str, Episode]:
         (q, s), last = groups[g], solutions[g][-1]
-        return g, "solver", prompt, continue_episode(tok, last, f"{q['id']}/{s}/{key}", prompt, stable_seed(q["id"], s, key), follow)
+        return (g, "solver", prompt,
+                continue_episode(tok, last, f"{q['id']}/{s}/{key}", prompt, stable_seed(q["id"], s, key), follow))
 
     def judge(g: int, name: str, key: str, prompt: str, system: str, backend) -> tuple[int, str, str, Episode]:
         (q, s) = groups[g]
-        return g, name, prompt, start_episode(backend.tokenizer, f"{q['id']}/{s}/{key}", prompt, stable_seed(q["id"], s, key), [],
-                                              system=system, tools=())
+        return g, name, prompt, start_episode(backend.tokenizer, f"{q['id']}/{s}/{key}", prompt,
+                                              stable_seed(q["id"], s, key), [], system=system, tools=())
 
-    phase([(g, "solver", None, ctx.solver_episode(f"{q['id']}/{s}/solve0", q["question"], stable_seed(q["id"], s, "solve0"), q["task"]))
+    phase([(g, "solver", None,
+            ctx.solver_episode(f"{q['id']}/{s}/solve0", q["question"], stable_seed(q["id"], s, "solve0"), q["task"]))
            for g, (q, s) in enumerate(groups)], ctx.backend, "agentverse solve t1")
     live, advice = list(range(len(groups))), {}
     for t in range(turns):
         if t:
-            phase([revise(g, f"solve{t}", advice_prompt(texts[g], advice[g])) for g in live], ctx.backend, f"agentverse solve t{t + 1}")
+            phase([revise(g, f"solve{t}", advice_prompt(texts[g], advice[g])) for g in live], ctx.backend,
+                  f"agentverse solve t{t + 1}")
         reviewing = list(live)
         for c in range(critic_rounds):
-            items = [judge(g, f"critic{k + 1}", f"t{t}/c{c}/critic{k}", critic_prompt(texts[g], solutions[g][-1]), CRITICS[k % len(CRITICS)], critic)
+            items = [judge(g, f"critic{k + 1}", f"t{t}/c{c}/critic{k}", critic_prompt(texts[g], solutions[g][-1]),
+                           CRITICS[k % len(CRITICS)], critic)
                      for g in reviewing for k in range(n_critics)]
             phase(items, critic, f"agentverse critique t{t + 1}/{c + 1}")
             critiques = {g: [] for g in reviewing}
@@ -102,10 +108,12 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
                 if not agrees(response(e)):
                     critiques[g].append(response(e))
             reviewing = [g for g in reviewing if critiques[g]]
-            phase([revise(g, f"t{t}/revise{c}", revise_prompt(texts[g], critiques[g])) for g in reviewing], ctx.backend, f"agentverse revise t{t + 1}/{c + 1}")
+            phase([revise(g, f"t{t}/revise{c}", revise_prompt(texts[g], critiques[g])) for g in reviewing], ctx.backend,
+                  f"agentverse revise t{t + 1}/{c + 1}")
         if t == turns - 1:
             break
-        items = [judge(g, "evaluator", f"t{t}/eval", evaluate_prompt(texts[g], solutions[g][-1]), EVALUATOR_SYSTEM, evaluator) for g in live]
+        items = [judge(g, "evaluator", f"t{t}/eval", evaluate_prompt(texts[g], solutions[g][-1]), EVALUATOR_SYSTEM,
+                       evaluator) for g in live]
         phase(items, evaluator, f"agentverse evaluate t{t + 1}")
         verdicts = {g: parse_evaluation(response(e)) for g, _, _, e in items}
         advice = {g: a for g, (_, a) in verdicts.items()}
@@ -113,8 +121,10 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
 
     rows = []
     for g, (q, s) in enumerate(groups):
-        final = next((e.answer for e in reversed(solutions[g]) if e.answer), None)  # the last solution that gave an answer
-        messages[g].append({"role": "assistant", "name": "aggregator(last)", "content": f"<answer>{final or ''}</answer>"})
+        # the last solution that gave an answer
+        final = next((e.answer for e in reversed(solutions[g]) if e.answer), None)
+        messages[g].append({"role": "assistant", "name": "aggregator(last)",
+                            "content": f"<answer>{final or ''}</answer>"})
         student = student_rendering(q["question"], solutions[g][:1], solutions[g][:1], final, ctx.system)
         rows.append(trajectory_row(q, s, "agentverse", ctx.teacher, messages[g], student, final, episodes[g],
                                    "answer" if final else "no_answer"))

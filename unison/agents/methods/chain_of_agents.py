@@ -49,7 +49,8 @@ def extend(chains: list[Chain], tags, ctx, role: str, step: str, tools: tuple[st
         if c.finish_reason is None and len(c.ids) + MARGIN >= cfg.max_model_len:
             c.finish_reason = "context"
         if c.finish_reason is None:
-            turns[c.key] = (c, Episode(f"{c.key}/{step}", c.ids, stable_seed(c.key, step), [tag] if tag else [], tuple(tools)))
+            turns[c.key] = (c, Episode(f"{c.key}/{step}", c.ids, stable_seed(c.key, step), [tag] if tag else [],
+                                       tuple(tools)))
     run_episodes([e for _, e in turns.values()], ctx.backend_for(role), ctx.toolbox, cfg, desc=step)
     for c, e in turns.values():
         absorb(c, e, role, ctx.backend.tokenizer.eos_token_id)
@@ -57,8 +58,10 @@ def extend(chains: list[Chain], tags, ctx, role: str, step: str, tools: tuple[st
 
 
 def absorb(c: Chain, e: Episode, role: str, eos: int | None, join: bool = True) -> None:
-    """Add a turn's counts and messages to its chain and, if `join` (the turn continued the trajectory), its segments."""
-    c.n_llm_calls, c.n_tool_calls, c.n_tokens = c.n_llm_calls + e.n_llm_calls, c.n_tool_calls + e.n_tool_calls, c.n_tokens + e.n_tokens
+    """Add a turn's counts and messages to its chain and, if `join` (the turn continued the trajectory), its
+    segments."""
+    c.n_llm_calls, c.n_tool_calls, c.n_tokens = (c.n_llm_calls + e.n_llm_calls, c.n_tool_calls + e.n_tool_calls,
+                                                 c.n_tokens + e.n_tokens)
     c.tool_stats, c.events = merge_tool_stats([c, e]), c.events + e.events
     c.messages += agent_messages(e, role)
     if not join:
@@ -83,8 +86,11 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     max_cycles, accept = p.max_cycles, p.accept_score
     room = 4 * ctx.settings.max_tokens_per_turn  # a chain with less context left answers instead of starting a cycle
     groups = [(q, s) for q in questions for s in range(samples)]
-    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], ctx.with_demonstrations(system_prompt(ctx.tools) + RULES.format(accept=accept))) for q, s in groups]
-    tool_tag = {c.key: next((t for t in ctx.scaffold_for(q["task"]) if t != "answer"), None) for c, (q, _) in zip(chains, groups)}
+    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"],
+                        ctx.with_demonstrations(system_prompt(ctx.tools) + RULES.format(accept=accept)))
+              for q, s in groups]
+    tool_tag = {c.key: next((t for t in ctx.scaffold_for(q["task"]) if t != "answer"), None)
+                for c, (q, _) in zip(chains, groups)}
     live, answering = chains, []
     for cycle in range(max_cycles):
         last = cycle == max_cycles - 1
@@ -101,6 +107,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         answering += [c for c in live if c.key in passed]
         live = [c for c in live if c.key not in passed]
     extend(answering, "answer" if ctx.scaffold else None, ctx, "answer", "coa answer")
-    return [trajectory_row(q, s, "chain_of_agents", ctx.teacher, c.messages, student_messages(q["question"], c.segments, system_prompt(ctx.tools, "chain_of_agents")), c.answer,
-                           [c], c.finish_reason or ("answer" if c.answer else "no_answer"))
+    return [trajectory_row(q, s, "chain_of_agents", ctx.teacher, c.messages,
+                           student_messages(q["question"], c.segments, system_prompt(ctx.tools, "chain_of_agents")),
+                           c.answer, [c], c.finish_reason or ("answer" if c.answer else "no_answer"))
             for c, (q, s) in zip(chains, groups)]

@@ -33,8 +33,9 @@ def aggregate_prompt(question: str, finals: list[Episode]) -> str:
 def aggregate(groups: list[tuple[dict, int]], prompts: list[str], ctx, desc: str) -> list[Episode]:
     """One LLM aggregator per (question, sample), a judging role: on the `aggregator` role's backend, without tools."""
     backend = ctx.backend_for("aggregator")
-    episodes = [start_episode(backend.tokenizer, f"{q['id']}/{s}/agg", prompt, stable_seed(q["id"], s, "agg"), ["answer"] if ctx.scaffold else [],
-                              system=AGGREGATOR_SYSTEM, tools=()) for (q, s), prompt in zip(groups, prompts)]
+    episodes = [start_episode(backend.tokenizer, f"{q['id']}/{s}/agg", prompt, stable_seed(q["id"], s, "agg"),
+                              ["answer"] if ctx.scaffold else [], system=AGGREGATOR_SYSTEM, tools=())
+                for (q, s), prompt in zip(groups, prompts)]
     return run_episodes(episodes, backend, ctx.toolbox, ctx.settings, desc=desc)
 
 
@@ -47,9 +48,11 @@ def majority(answers: list[str | None]) -> str | None:
     return next(a for a in answers if a and votes[normalize_answer(a)] == best)
 
 
-def student_rendering(question: str, first: list[Episode], last: list[Episode], final: str | None, system: str) -> list[dict]:
+def student_rendering(question: str, first: list[Episode], last: list[Episode], final: str | None,
+                      system: str) -> list[dict]:
     """The first-round tool turns of the agent that ended agreeing with `final`, closed by the final answer."""
-    pick = next((a for a, e in enumerate(last) if final and e.answer and normalize_answer(e.answer) == normalize_answer(final)), 0)
+    pick = next((a for a, e in enumerate(last)
+                 if final and e.answer and normalize_answer(e.answer) == normalize_answer(final)), 0)
     segments = list(first[pick].segments)
     while segments and segments[-1].kind == "gen" and "<answer>" in segments[-1].text:
         segments.pop()

@@ -24,14 +24,17 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     rounds.append(first)
     follow_scaffold = ["answer"] if ctx.scaffold else []
     for r in range(1, n_rounds):
-        nxt = [[continue_episode(tok, prev[a], f"{q['id']}/{s}/a{a}/r{r}", update_prompt(q["question"], prev[:a] + prev[a + 1:]),
-                                 stable_seed(q["id"], s, a, r), follow_scaffold)
+        nxt = [[continue_episode(tok, prev[a], f"{q['id']}/{s}/a{a}/r{r}",
+                                 update_prompt(q["question"], prev[:a] + prev[a + 1:]), stable_seed(q["id"], s, a, r),
+                                 follow_scaffold)
                 for a in range(n_agents)] for (q, s), prev in zip(groups, rounds[-1])]
         run_episodes([e for g in nxt for e in g], ctx.backend, ctx.toolbox, ctx.settings, desc=f"debate r{r + 1}")
         rounds.append(nxt)
     aggregators = [None] * len(groups)
     if aggregator == "llm":
-        aggregators = aggregate(groups, [aggregate_prompt(q["question"], last) for (q, _), last in zip(groups, rounds[-1])], ctx, "debate aggregate")
+        aggregators = aggregate(groups,
+                                [aggregate_prompt(q["question"], last) for (q, _), last in zip(groups, rounds[-1])],
+                                ctx, "debate aggregate")
 
     rows = []
     for g, (q, s) in enumerate(groups):
@@ -43,12 +46,16 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
             for a, e in enumerate(rnd[g]):
                 if r:
                     prev = rounds[r - 1][g]
-                    messages.append({"role": "user", "name": "moderator", "content": update_prompt(q["question"], prev[:a] + prev[a + 1:])})
+                    messages.append({"role": "user", "name": "moderator",
+                                     "content": update_prompt(q["question"], prev[:a] + prev[a + 1:])})
                 messages += agent_messages(e, f"agent{a}")
         if agg is not None:
-            messages += [{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], last)}] + agent_messages(agg, "aggregator")
-        messages.append({"role": "assistant", "name": f"aggregator({aggregator})", "content": f"<answer>{final or ''}</answer>"})
+            messages += ([{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], last)}]
+                         + agent_messages(agg, "aggregator"))
+        messages.append({"role": "assistant", "name": f"aggregator({aggregator})",
+                         "content": f"<answer>{final or ''}</answer>"})
         episodes = [e for rnd in rounds for e in rnd[g]] + ([agg] if agg is not None else [])
-        rows.append(trajectory_row(q, s, "debate", ctx.teacher, messages, student_rendering(q["question"], rounds[0][g], last, final, ctx.system),
-                                   final, episodes, "answer" if final else "no_answer"))
+        rows.append(trajectory_row(q, s, "debate", ctx.teacher, messages,
+                                   student_rendering(q["question"], rounds[0][g], last, final, ctx.system), final,
+                                   episodes, "answer" if final else "no_answer"))
     return rows

@@ -61,15 +61,18 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         if r >= 2 and live:
             for g in live:
                 (q, s), prev = groups[g], list(layers[g][-1].values())
-                rankers[g, r] = start_episode(ranker.tokenizer, f"{q['id']}/{s}/rank/r{r}", rank_prompt(q["question"], prev, top_k),
+                rankers[g, r] = start_episode(ranker.tokenizer, f"{q['id']}/{s}/rank/r{r}",
+                                              rank_prompt(q["question"], prev, top_k),
                                               stable_seed(q["id"], s, "rank", r), [], system=RANKER_SYSTEM, tools=())
             run_episodes([rankers[g, r] for g in live], ranker, ctx.toolbox, ctx.settings, desc=f"dylan rank r{r + 1}")
             keep = {g: [keep[g][i] for i in parse_ranks(rankers[g, r].text, len(keep[g]), top_k)] for g in live}
         for g in live:
             (q, s), prev = groups[g], layers[g][-1]
-            layers[g].append({a: continue_episode(tok, prev[a], f"{q['id']}/{s}/a{a}/r{r}", update_prompt(q["question"], [prev[b] for b in keep[g] if b != a]),
+            layers[g].append({a: continue_episode(tok, prev[a], f"{q['id']}/{s}/a{a}/r{r}",
+                                                  update_prompt(q["question"], [prev[b] for b in keep[g] if b != a]),
                                                   stable_seed(q["id"], s, a, r), follow) for a in keep[g]})
-        run_episodes([e for g in live for e in layers[g][-1].values()], ctx.backend, ctx.toolbox, ctx.settings, desc=f"dylan r{r + 1}")
+        run_episodes([e for g in live for e in layers[g][-1].values()], ctx.backend, ctx.toolbox, ctx.settings,
+                     desc=f"dylan r{r + 1}")
         live = [g for g in live if not consensus([e.answer for e in layers[g][-1].values()], threshold)]
 
     rows = []
@@ -81,14 +84,18 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
             prev = layers[g][r - 1] if r else {}
             if (g, r) in rankers:
                 prompt = rank_prompt(q["question"], list(prev.values()), top_k)
-                messages += [{"role": "user", "name": "ranker", "content": prompt}] + agent_messages(rankers[g, r], "ranker")
+                messages += ([{"role": "user", "name": "ranker", "content": prompt}]
+                             + agent_messages(rankers[g, r], "ranker"))
                 episodes.append(rankers[g, r])
             for a, e in layer.items():
                 if r:
-                    messages.append({"role": "user", "name": "moderator", "content": update_prompt(q["question"], [prev[b] for b in layer if b != a])})
+                    messages.append({"role": "user", "name": "moderator",
+                                     "content": update_prompt(q["question"], [prev[b] for b in layer if b != a])})
                 messages += agent_messages(e, f"agent{a}")
                 episodes.append(e)
         messages.append({"role": "assistant", "name": "aggregator(vote)", "content": f"<answer>{final or ''}</answer>"})
-        student = student_rendering(q["question"], [layers[g][0][a] for a in last], list(last.values()), final, ctx.system)
-        rows.append(trajectory_row(q, s, "dylan", ctx.teacher, messages, student, final, episodes, "answer" if final else "no_answer"))
+        student = student_rendering(q["question"], [layers[g][0][a] for a in last], list(last.values()), final,
+                                    ctx.system)
+        rows.append(trajectory_row(q, s, "dylan", ctx.teacher, messages, student, final, episodes,
+                                   "answer" if final else "no_answer"))
     return rows

@@ -3,8 +3,8 @@ none" or "- Dependencies: T1"), then runs the plan level by level: each topologi
 its queries (one per task, written by the model after the earlier levels' results) joined by " | "; then the answer.
 
 Unlike GAP, which leaves the plan to the model and only runs one turn's `|`-joined queries in parallel, we parse the
-plan into a DAG and schedule its levels (a cyclic plan is one level of all its sub-tasks; a plan without sub-tasks is one
-task, the question). A level keeps its first `max_parallel` sub-tasks; at most `max_levels` levels run.
+plan into a DAG and schedule its levels (a cyclic plan is one level of all its sub-tasks; a plan without sub-tasks is
+one task, the question). A level keeps its first `max_parallel` sub-tasks; at most `max_levels` levels run.
 
 Student rendering: the plan, each level's parallel search turn as issued (parallel stays parallel), the answer.
 """
@@ -47,8 +47,8 @@ def parse_plan(plan: str) -> dict[str, tuple[str, list[str]]]:
 
 
 def topological_levels(subtasks: dict[str, tuple[str, list[str]]]) -> list[list[str]] | None:
-    """Level 0: sub-tasks without dependencies; level i: sub-tasks whose dependencies are all in earlier levels. Unknown and
-    self dependencies are dropped; None if the plan has a cycle."""
+    """Level 0: sub-tasks without dependencies; level i: sub-tasks whose dependencies are all in earlier levels. Unknown
+    and self dependencies are dropped; None if the plan has a cycle."""
     deps = {t: {f"T{int(d[1:])}" for d in ds} & set(subtasks) - {t} for t, (_, ds) in subtasks.items()}
     levels, done = [], set()
     while len(done) < len(deps):
@@ -61,15 +61,18 @@ def topological_levels(subtasks: dict[str, tuple[str, list[str]]]) -> list[list[
 
 
 def plan_levels(plan: str, question: str) -> list[list[tuple[str, str]]]:
-    """The plan's levels of (task, description); a cyclic plan is one level, a plan without sub-tasks the question alone."""
+    """The plan's levels of (task, description); a cyclic plan is one level, a plan without sub-tasks the question
+    alone."""
     subtasks = parse_plan(plan)
     if not subtasks:
         return [[("T1", question)]]
-    return [[(t, subtasks[t][0] or question) for t in level] for level in topological_levels(subtasks) or [list(subtasks)]]
+    return [[(t, subtasks[t][0] or question) for t in level]
+            for level in topological_levels(subtasks) or [list(subtasks)]]
 
 
 def query_of(text: str, fallback: str) -> str:
-    """The search query a writer turn gave: the first line inside <search> (or of the text), without a task id or `|`."""
+    """The search query a writer turn gave: the first line inside <search> (or of the text), without a task id or
+    `|`."""
     m = re.search(r"<search>(.*?)(?:</search>|$)", text, re.DOTALL)
     line = next((x.strip() for x in (m.group(1) if m else text).splitlines() if x.strip()), "")
     line = _TASK.sub(r"\2", line)
@@ -96,8 +99,10 @@ def search_turn(chains, queries: dict[str, list[str]], ctx) -> None:
                        Segment("obs", obs, tok(obs, add_special_tokens=False)["input_ids"])]
         c.n_tool_calls += 1
         c.count_tool("search", err)
-        c.events.append({"type": "tool", "tool": "search", "input": arg, "output": text, "error": err, "latency_s": secs})
-        c.messages += [{"role": "assistant", "name": "search", "content": call}, {"role": "tool", "name": "search", "content": obs}]
+        c.events.append({"type": "tool", "tool": "search", "input": arg, "output": text, "error": err,
+                         "latency_s": secs})
+        c.messages += [{"role": "assistant", "name": "search", "content": call},
+                       {"role": "tool", "name": "search", "content": obs}]
 
 
 def run(questions: list[dict], samples: int, ctx) -> list[dict]:
@@ -106,17 +111,20 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     max_levels, max_parallel = p.max_levels, p.max_parallel
     room = 4 * ctx.settings.max_tokens_per_turn  # a chain with less context left answers instead of searching again
     groups = [(q, s) for q in questions for s in range(samples)]
-    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], ctx.with_demonstrations(system_prompt(ctx.tools) + RULES)) for q, s in groups]
+    chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], ctx.with_demonstrations(system_prompt(ctx.tools) + RULES))
+              for q, s in groups]
     plans = extend(chains, "plan", ctx, "plan", "gap plan")
     levels = {c.key: plan_levels(p, q["question"]) for c, p, (q, _) in zip(chains, plans, groups)}
     for k in range(max_levels):
-        live = [c for c in chains if c.finish_reason is None and k < len(levels[c.key]) and ctx.settings.max_model_len - len(c.ids) >= room]
+        live = [c for c in chains if c.finish_reason is None and k < len(levels[c.key])
+                and ctx.settings.max_model_len - len(c.ids) >= room]
         if not live:
             break
         subtasks = [(c, t, desc) for c in live for t, desc in levels[c.key][k][:max_parallel]]
         writers = [continue_episode(tok, c, f"{c.key}/L{k}/{t}", writer_prompt(t, desc), stable_seed(c.key, k, t),
                                     ["search"] if ctx.scaffold else [], tools=()) for c, t, desc in subtasks]
-        run_episodes(writers, ctx.backend_for("query_writer"), ctx.toolbox, ctx.settings, desc=f"gap level {k + 1} queries")
+        run_episodes(writers, ctx.backend_for("query_writer"), ctx.toolbox, ctx.settings,
+                     desc=f"gap level {k + 1} queries")
         queries: dict[str, list[str]] = {}
         for (c, t, desc), w in zip(subtasks, writers):
             queries.setdefault(c.key, []).append(query_of(w.text, desc))
@@ -124,6 +132,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
             absorb(c, w, "query_writer", None, join=False)
         search_turn(live, queries, ctx)
     extend(chains, "answer" if ctx.scaffold else None, ctx, "answer", "gap answer")
-    return [trajectory_row(q, s, "gap", ctx.teacher, c.messages, student_messages(q["question"], c.segments, system_prompt(ctx.tools, "gap")), c.answer, [c],
+    return [trajectory_row(q, s, "gap", ctx.teacher, c.messages,
+                           student_messages(q["question"], c.segments, system_prompt(ctx.tools, "gap")), c.answer, [c],
                            c.finish_reason or ("answer" if c.answer else "no_answer"))
             for c, (q, s) in zip(chains, groups)]

@@ -35,11 +35,13 @@ def aspects_for(question_id: str, k: int) -> list[str]:
 
 
 def verify_prompt(question: str, solution: Episode) -> str:
-    return f"Question: {question}\n\nProposed solution: {response(solution)}\n\nWrite a short analysis of the proposed solution."
+    return (f"Question: {question}\n\nProposed solution: {response(solution)}\n\nWrite a short analysis of the "
+            "proposed solution.")
 
 
 def parse_verdict(text: str) -> bool:
-    """True only for an approval: the last "FINAL VERIFICATION ANSWER: True/False", else a reply that starts with True."""
+    """True only for an approval: the last "FINAL VERIFICATION ANSWER: True/False", else a reply that starts with
+    True."""
     found = re.findall(r"FINAL VERIFICATION ANSWER\W*(true|false)\b", text, re.IGNORECASE)
     return found[-1].lower() == "true" if found else bool(re.match(r"\W*true\b", text, re.IGNORECASE))
 
@@ -54,14 +56,18 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     n_solutions, n_verifiers = p.solutions, p.verifiers
     verifier, vcfg = ctx.backend_for("verifier"), replace(ctx.settings, temperature=p.verifier_temperature)
     groups = [(q, s) for q in questions for s in range(samples)]
-    sols = [[ctx.solver_episode(f"{q['id']}/{s}/sol{k}", f"{q['question']}\n\n{GENERATE}", stable_seed(q["id"], s, "sol", k), q["task"])
+    sols = [[ctx.solver_episode(f"{q['id']}/{s}/sol{k}", f"{q['question']}\n\n{GENERATE}",
+                                stable_seed(q["id"], s, "sol", k), q["task"])
              for k in range(n_solutions)] for q, s in groups]
     run_episodes([e for g in sols for e in g], ctx.backend, ctx.toolbox, ctx.settings, desc="mav generate")
-    checks = [[(k, aspect, start_episode(verifier.tokenizer, f"{q['id']}/{s}/sol{k}/{aspect}", verify_prompt(q["question"], e),
-                                         stable_seed(q["id"], s, k, aspect), [], system=VERIFIER_SYSTEM.format(ASPECTS[aspect]), tools=()))
-               for k, e in enumerate(g) for aspect in aspects_for(q["id"], n_verifiers)] for (q, s), g in zip(groups, sols)]
+    checks = [[(k, aspect, start_episode(verifier.tokenizer, f"{q['id']}/{s}/sol{k}/{aspect}",
+                                         verify_prompt(q["question"], e), stable_seed(q["id"], s, k, aspect), [],
+                                         system=VERIFIER_SYSTEM.format(ASPECTS[aspect]), tools=()))
+               for k, e in enumerate(g) for aspect in aspects_for(q["id"], n_verifiers)]
+              for (q, s), g in zip(groups, sols)]
     run_episodes([e for g in checks for *_, e in g], verifier, ctx.toolbox, vcfg, desc="mav verify")
-    verdicts = [[continue_episode(verifier.tokenizer, e, f"{e.key}/verdict", VERDICT, stable_seed(e.key, "verdict"), []) for *_, e in g] for g in checks]
+    verdicts = [[continue_episode(verifier.tokenizer, e, f"{e.key}/verdict", VERDICT, stable_seed(e.key, "verdict"), [])
+                 for *_, e in g] for g in checks]
     run_episodes([e for g in verdicts for e in g], verifier, ctx.toolbox, vcfg, desc="mav verdict")
 
     rows = []
@@ -71,12 +77,17 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         final = g[pick].answer
         messages = [{"role": "user", "name": None, "content": q["question"]}]
         for k, e in enumerate(g):
-            messages += [{"role": "user", "name": "moderator", "content": f"{q['question']}\n\n{GENERATE}"}] + agent_messages(e, f"generator{k}")
+            messages += ([{"role": "user", "name": "moderator", "content": f"{q['question']}\n\n{GENERATE}"}]
+                         + agent_messages(e, f"generator{k}"))
         for (k, aspect, e), v in zip(chk, ver):
             name = f"verifier({aspect})@{k}"
-            messages += [{"role": "user", "name": name, "content": verify_prompt(q["question"], g[k])}] + agent_messages(e, name)
+            messages += ([{"role": "user", "name": name, "content": verify_prompt(q["question"], g[k])}]
+                         + agent_messages(e, name))
             messages += [{"role": "user", "name": name, "content": VERDICT}] + agent_messages(v, name)
-        messages.append({"role": "assistant", "name": "aggregator(verified)", "content": f"<answer>{final or ''}</answer>"})
-        rows.append(trajectory_row(q, s, "mav", ctx.teacher, messages, student_rendering(q["question"], g[pick:pick + 1], g[pick:pick + 1], final, ctx.system),
-                                   final, g + [e for *_, e in chk] + ver, "answer" if final else "no_answer"))
+        messages.append({"role": "assistant", "name": "aggregator(verified)",
+                         "content": f"<answer>{final or ''}</answer>"})
+        rows.append(trajectory_row(q, s, "mav", ctx.teacher, messages,
+                                   student_rendering(q["question"], g[pick:pick + 1], g[pick:pick + 1], final,
+                                                     ctx.system), final, g + [e for *_, e in chk] + ver,
+                                   "answer" if final else "no_answer"))
     return rows

@@ -27,7 +27,8 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     run_episodes([e for g in paths for e in g], ctx.backend, ctx.toolbox, ctx.settings, desc="self_consistency")
     aggs: list[Episode | None] = [None] * len(groups)
     if aggregator == "llm":
-        aggs = aggregate(groups, [aggregate_prompt(q["question"], g) for (q, _), g in zip(groups, paths)], ctx, "self_consistency aggregate")
+        aggs = aggregate(groups, [aggregate_prompt(q["question"], g) for (q, _), g in zip(groups, paths)], ctx,
+                         "self_consistency aggregate")
 
     rows = []
     for (q, s), g, agg in zip(groups, paths, aggs):
@@ -36,8 +37,11 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
         for k, e in enumerate(g):
             messages += agent_messages(e, f"agent{k}")
         if agg is not None:
-            messages += [{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], g)}] + agent_messages(agg, "aggregator")
-        messages.append({"role": "assistant", "name": f"aggregator({aggregator})", "content": f"<answer>{final or ''}</answer>"})
-        rows.append(trajectory_row(q, s, "self_consistency", ctx.teacher, messages, student_rendering(q["question"], g, g, final, ctx.system), final,
+            messages += ([{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], g)}]
+                         + agent_messages(agg, "aggregator"))
+        messages.append({"role": "assistant", "name": f"aggregator({aggregator})",
+                         "content": f"<answer>{final or ''}</answer>"})
+        rows.append(trajectory_row(q, s, "self_consistency", ctx.teacher, messages,
+                                   student_rendering(q["question"], g, g, final, ctx.system), final,
                                    g + ([agg] if agg is not None else []), "answer" if final else "no_answer"))
     return rows

@@ -13,6 +13,7 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     for i, e in enumerate(episodes):
         q, s = questions[i // samples], i % samples
         messages = [{"role": "user", "name": None, "content": q["question"]}] + agent_messages(e, "agent")
-        rows.append(trajectory_row(q, s, "single", ctx.teacher, messages, student_messages(q["question"], e.segments, ctx.system),
-                                   e.answer, [e], e.finish_reason))
+        rows.append(trajectory_row(q, s, "single", ctx.teacher, messages,
+                                   student_messages(q["question"], e.segments, ctx.system), e.answer, [e],
+                                   e.finish_reason))
     return rows
