@@ -16,7 +16,8 @@ own row (`teacher`) on the demo's test questions. Default: the demo's RL student
 
 `--prompts all` trains on every train question (data/rl rewritten as one level) instead of the demo's Pareto
 curriculum. `--set rl.probe_prompts=K` holds K of them out and measures the reverse KL to the teacher there before
-the first step and after each (the curve that shows whether OPD reduces its own objective). Each row: EM with its
+the first step and after every `rl.probe_every`-th (the curve that shows whether OPD reduces its own objective; a
+probe costs group_size episodes a held-out prompt, so a long run probes every few steps). Each row: EM with its
 Wilson 95% interval, training seconds (the rl stage's rollout, reward and update time, without the probe), student
 tokens sampled, teacher tokens scored, the reverse KL of the training batches and of the probe per step. Plots:
 reports/token_distillation.png (the probe's KL per step) and reports/token_distillation_em.png (EM against training
@@ -138,11 +139,13 @@ def write_all_train_prompts() -> None:
 
 def rl_figures(project: Path) -> dict:
     """From an rl run's reports: training seconds (rollouts, rewards and updates; not the probe), student tokens sampled,
-    teacher tokens scored, the reverse KL of each step's batch and of the probe (before the first step, then after each)."""
+    teacher tokens scored, the reverse KL of each step's batch, and the probe's as [step, KL] pairs (step 0: before the
+    first step; then after every rl.probe_every-th step and the last)."""
     with open(project / "reports/rl_curve.csv") as f:
         curve = list(csv.DictReader(f))
     report = json.loads((project / "reports/rl.json").read_text())
-    probe = [float(curve[0]["probe_kl_start"])] + [float(r["probe_kl"]) for r in curve] if curve[0].get("probe_kl_start") else []
+    probe = ([[0, float(curve[0]["probe_kl_start"])]] + [[int(r["step"]), float(r["probe_kl"])] for r in curve if r.get("probe_kl")]
+             if curve[0].get("probe_kl_start") else [])
     return {"train_s": report["rollout_s_total"] + report["reward_s_total"] + report["train_s_total"],
             "student_tokens": round(sum(float(r["response_tokens"]) * float(r["episodes"]) for r in curve)),
             "teacher_tokens": int(report.get("teacher_tokens_total", 0)),
@@ -151,11 +154,14 @@ def rl_figures(project: Path) -> dict:
 
 
 def joined(phases: list[dict]) -> dict:
-    """The figures of phases trained one after the other as one run (a later phase's start probe repeats the end of the
-    one before)."""
+    """The figures of phases trained one after the other as one run: a later phase's steps count on from the earlier
+    phases', and its start probe, which repeats the end of the one before, is dropped."""
     out = {k: sum(p[k] for p in phases) for k in ("train_s", "student_tokens", "teacher_tokens", "rl_steps")}
     out["kl_curve"] = [v for p in phases for v in p["kl_curve"]]
-    out["probe_curve"] = phases[0]["probe_curve"] + [v for p in phases[1:] for v in p["probe_curve"][1:]]
+    out["probe_curve"], before = list(phases[0]["probe_curve"]), phases[0]["rl_steps"]
+    for p in phases[1:]:
+        out["probe_curve"] += [[before + step, kl] for step, kl in p["probe_curve"][1:]]
+        before += p["rl_steps"]
     return out
 
 
@@ -236,9 +242,10 @@ def plot(rows: dict, probe_path: Path, em_path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for key, r in rows.items():
-        curve = r.get("probe_curve") or r.get("kl_curve")
-        if curve:
-            ax.plot(range(len(curve)) if r.get("probe_curve") else range(1, len(curve) + 1), curve, label=key)
+        if r.get("probe_curve"):
+            ax.plot(*zip(*r["probe_curve"]), marker=".", label=key)
+        elif r.get("kl_curve"):
+            ax.plot(range(1, len(r["kl_curve"]) + 1), r["kl_curve"], label=key)
     ax.set_xlabel("step")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("reverse KL to the teacher (nats/token)")
@@ -303,7 +310,7 @@ def main() -> None:
             print(f"token_distillation: {key}: {json.dumps(results[key])} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"\n{'row':<16} {'EM':>6} {'95% CI':>15} {'train s':>8} {'student tok':>11} {'teacher tok':>11}  probe KL (else batch KL)")
     for key, r in results.items():
-        curve = r.get("probe_curve") or r.get("kl_curve") or []
+        curve = [kl for _, kl in r["probe_curve"]] if r.get("probe_curve") else r.get("kl_curve", [])
         print(f"{key:<16} {r['em']:6.3f} [{r['em_lo']:.3f}, {r['em_hi']:.3f}] {r.get('train_s', 0):8.0f} "
               f"{r.get('student_tokens', 0):11d} {r.get('teacher_tokens', 0):11d}  {' '.join(f'{v:.3f}' for v in curve)}")
     from bench.bench_rollout import REPORT

@@ -1,9 +1,11 @@
-"""examples/custom_tools as a user runs it: copied into imports/, its data written, its recipe applied (tiny), then
-`dvc repro` on the real SmolLM2, vLLM, DVC and MLflow. `make test` repros up to sft: the teacher calls both of the user's
-tools (a Python function and an MCP stdio server), the student is trained on them, and the trained student, served by
-vLLM with the hermes parser, calls them through the openai client (`unison evaluate --served`). `make test-nightly`
-then repros the rest (pareto, rl, export, evaluate): the exports carry the schemas, and sft and rl are evaluated in
-process calling both tools."""
+"""examples/custom_tools as a user runs it (`make test-nightly`): copied into imports/, its data written, its recipe
+applied (tiny), then `dvc repro` on the real SmolLM2, vLLM, DVC and MLflow. The teacher calls both of the user's tools (a
+Python function and an MCP stdio server), the student is trained on them, and the trained student, served by vLLM with
+the hermes parser, calls them through the openai client (`unison evaluate --served`); the rest of the pipeline (pareto,
+rl, export, evaluate) then runs: the exports carry the schemas, and sft and rl are evaluated in process calling both
+tools. In `make test` the same parts are checked one by one: the schemas, forced calls, containment and a chat
+teacher's calls in test_custom_tools.py, a generate stage with an MCP server that dies in test_faults.py, and a student
+served by vLLM with the hermes parser through the openai client in test_e2e.py."""
 from __future__ import annotations
 
 import json
@@ -24,7 +26,7 @@ from unison.recipes import recipe_params
 from .local_http import vllm_openai_server
 from .projects import copy_project, run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.nightly]  # ~14 min on 2 cores
 TOOLS = {"badge_number", "room_of"}
 KINDS = ("badge", "room")
 
@@ -90,7 +92,6 @@ def test_the_served_student_calls_the_users_tools_through_the_openai_client(exam
           f"on {served['questions']} questions only the tools answer ({em_by_kind(rows)}), tools called {sorted(names)}")
 
 
-@pytest.mark.nightly  # the rest of the pipeline, ~7 more minutes on 2 cores
 @pytest.mark.timeout(2400)
 def test_the_rest_of_the_pipeline_exports_the_schemas_and_evaluates_students_calling_both_tools(example):
     p = run(example, "dvc", "repro", timeout=2400)

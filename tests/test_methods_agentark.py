@@ -1,5 +1,7 @@
 """AgentArk teacher methods (self_consistency, dylan, agentverse, mav): their parsers against hand-computed values, and
-their protocols on the real SmolLM2 (HF backend), with a scripted judge where a test needs a fixed verdict."""
+their protocols on a tiny random Llama with SmolLM2's tokenizer (HF backend), with a scripted judge where a test needs a
+fixed verdict. Its replies are noise, so every protocol must survive an agent that writes nothing useful; each method on
+the real SmolLM2 (vLLM) is test_methods_e2e's."""
 from __future__ import annotations
 
 import re
@@ -24,8 +26,8 @@ Q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": [
 
 
 @pytest.fixture(scope="module")
-def smol(base_model_dir):
-    return HFBackend(str(base_model_dir), dtype="float32")
+def tiny(tiny_model_dir):
+    return HFBackend(str(tiny_model_dir), dtype="float32")
 
 
 class Scripted:
@@ -41,8 +43,8 @@ class Scripted:
         return [Completion(self.text, list(ids), None, "stop", None) for _ in prompts]
 
 
-def run_method(smol, method: str, params: dict, roles: dict | None = None, samples: int = 1, temperature: float = 0.7) -> list[dict]:
-    ctx = MethodContext(smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=temperature, top_p=0.95, max_tokens_per_turn=16), "smol",
+def run_method(tiny, method: str, params: dict, roles: dict | None = None, samples: int = 1, temperature: float = 0.7) -> list[dict]:
+    ctx = MethodContext(tiny, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=temperature, top_p=0.95, max_tokens_per_turn=16), "tiny",
                         scaffold={"qa": ["search", "answer"]}, params=type(getattr(GenerateConfig(), method))(**params),
                         role_backends=roles or {})
     rows = get_method(method)([Q], samples, ctx)
@@ -54,8 +56,8 @@ def run_method(smol, method: str, params: dict, roles: dict | None = None, sampl
         student = row["student"]
         assert [m["role"] for m in student[:2]] == ["system", "user"] and student[1]["content"] == Q["question"]
         assert student[-1]["role"] == "assistant" and student[-1]["content"] == f"<answer>{row['final_answer']}</answer>"
-        ids, mask = token_view(smol.tokenizer, student)
-        assert ids[-1] == smol.tokenizer.eos_token_id and mask[-1] == 1
+        ids, mask = token_view(tiny.tokenizer, student)
+        assert ids[-1] == tiny.tokenizer.eos_token_id and mask[-1] == 1
     return rows
 
 
@@ -121,11 +123,10 @@ def test_mav_verdicts_aspects_and_best_solution():
     assert len({tuple(aspects_for(f"q{i}", 2)) for i in range(20)}) > 1  # drawn per question
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("aggregator", ["vote", "llm"])
-def test_self_consistency(smol, aggregator):
+def test_self_consistency(tiny, aggregator):
     samples = 2 if aggregator == "vote" else 1
-    rows = run_method(smol, "self_consistency", {"samples": 3, "aggregator": aggregator}, samples=samples)
+    rows = run_method(tiny, "self_consistency", {"samples": 3, "aggregator": aggregator}, samples=samples)
     assert [r["id"] for r in rows] == [f"q1/self_consistency/{s}" for s in range(samples)]
     for row in rows:
         agents = ["agent0", "agent1", "agent2"]
@@ -139,11 +140,10 @@ def test_self_consistency(smol, aggregator):
             assert "Given the task and all the above solutions" in prompt and "Solution 3:" in prompt
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method, params", [("debate", {"agents": 2, "rounds": 2}), ("self_consistency", {"samples": 2})])
-def test_llm_aggregator_runs_on_its_role_backend_without_tools(smol, method, params):
-    aggregator = Scripted(smol.tokenizer, "Tarsk")
-    (row,) = run_method(smol, method, {**params, "aggregator": "llm"}, roles={"aggregator": aggregator})
+def test_llm_aggregator_runs_on_its_role_backend_without_tools(tiny, method, params):
+    aggregator = Scripted(tiny.tokenizer, "Tarsk")
+    (row,) = run_method(tiny, method, {**params, "aggregator": "llm"}, roles={"aggregator": aggregator})
     assert len(aggregator.prompts) == 1 and "all the above solutions" in aggregator.prompts[0]
     assert AGGREGATOR_SYSTEM in aggregator.prompts[0] and SYSTEM_PROMPT not in aggregator.prompts[0]  # no tool instructions
     assert not any(t in stop for s in aggregator.samplings for stop in s.stop for t in ("</search>", "</python>"))
@@ -152,10 +152,9 @@ def test_llm_aggregator_runs_on_its_role_backend_without_tools(smol, method, par
     assert row["final_answer"] == "Tarsk"  # the aggregator's answer, not the vote
 
 
-@pytest.mark.slow
-def test_dylan_ranker_picks_the_agents_of_round_3(smol):
-    ranker = Scripted(smol.tokenizer, "Solutions 3 and 1 are best: [3, 1]")
-    (row,) = run_method(smol, "dylan", {"agents": 3, "rounds": 3, "top_k": 2, "consensus": 1.0}, roles={"ranker": ranker})
+def test_dylan_ranker_picks_the_agents_of_round_3(tiny):
+    ranker = Scripted(tiny.tokenizer, "Solutions 3 and 1 are best: [3, 1]")
+    (row,) = run_method(tiny, "dylan", {"agents": 3, "rounds": 3, "top_k": 2, "consensus": 1.0}, roles={"ranker": ranker})
     assert row["n_llm_calls"] == 3 * 2 + 3 + 1 + 2  # r1 search+answer, r2 update, ranker, r3 the top 2 only
     assert len(ranker.prompts) == 1 and "choose the best 2" in ranker.prompts[0] and "[3]" in ranker.prompts[0]
     names = speakers(row)
@@ -164,29 +163,26 @@ def test_dylan_ranker_picks_the_agents_of_round_3(smol):
     assert row["final_answer"] == (majority(answers_of(row, ["agent0", "agent2"])) or "")
 
 
-@pytest.mark.nightly  # dylan's ranker on the real model stays in make test (test_dylan_ranker_picks_the_agents_of_round_3)
-def test_dylan_consensus_exits_early_and_a_real_ranker_never_crashes(smol):
+def test_dylan_consensus_exits_early_and_an_unscripted_ranker_never_crashes(tiny):
     params = {"agents": 2, "rounds": 3, "top_k": 1}
-    (full,) = run_method(smol, "dylan", {**params, "consensus": 1.0})  # never agrees: every round runs
+    (full,) = run_method(tiny, "dylan", {**params, "consensus": 1.0})  # never agrees: every round runs
     assert full["n_llm_calls"] == 2 * 2 + 2 + 1 + 1 and speakers(full)[-2:] in (["ranker", "agent0"], ["ranker", "agent1"])
-    (early,) = run_method(smol, "dylan", {**params, "consensus": 0.0})  # any answer is a consensus: stop after round 1
+    (early,) = run_method(tiny, "dylan", {**params, "consensus": 0.0})  # any answer is a consensus: stop after round 1
     assert early["final_answer"] and early["n_llm_calls"] == 2 * 2 < full["n_llm_calls"]
     assert not any(m["name"] in ("moderator", "ranker") for m in early["messages"])
 
 
-@pytest.mark.slow
-def test_agentverse_stops_when_critics_agree_and_the_evaluator_approves(smol):
-    critic, evaluator = Scripted(smol.tokenizer, "All correct. [Agree]"), Scripted(smol.tokenizer, "Correctness: 1\nResponse: none")
-    (row,) = run_method(smol, "agentverse", {"agents": 2, "turns": 3, "critic_rounds": 3}, roles={"critic": critic, "evaluator": evaluator})
+def test_agentverse_stops_when_critics_agree_and_the_evaluator_approves(tiny):
+    critic, evaluator = Scripted(tiny.tokenizer, "All correct. [Agree]"), Scripted(tiny.tokenizer, "Correctness: 1\nResponse: none")
+    (row,) = run_method(tiny, "agentverse", {"agents": 2, "turns": 3, "critic_rounds": 3}, roles={"critic": critic, "evaluator": evaluator})
     assert speakers(row) == ["solver", "solver", "critic1", "evaluator"] and row["n_llm_calls"] == 4
     assert row["final_answer"] == (answers_of(row, ["solver"])[0] or "")
 
 
-@pytest.mark.slow
-def test_agentverse_revises_with_critiques_and_advice(smol):
-    critic = Scripted(smol.tokenizer, "The city is wrong.")
-    evaluator = Scripted(smol.tokenizer, "Correctness: 0\nResponse: search the birthplace")
-    (row,) = run_method(smol, "agentverse", {"agents": 2, "turns": 2, "critic_rounds": 2}, roles={"critic": critic, "evaluator": evaluator})
+def test_agentverse_revises_with_critiques_and_advice(tiny):
+    critic = Scripted(tiny.tokenizer, "The city is wrong.")
+    evaluator = Scripted(tiny.tokenizer, "Correctness: 0\nResponse: search the birthplace")
+    (row,) = run_method(tiny, "agentverse", {"agents": 2, "turns": 2, "critic_rounds": 2}, roles={"critic": critic, "evaluator": evaluator})
     # turn 1: solve (2 calls), 2 x (critique + revise), evaluate; turn 2: solve again, 2 x (critique + revise); no last evaluation
     assert row["n_llm_calls"] == 2 + 2 * 2 + 1 + 1 + 2 * 2 and len(critic.prompts) == 4 and len(evaluator.prompts) == 1
     to_solver = [m["content"] for m in row["messages"] if m["name"] == "moderator"]
@@ -194,26 +190,23 @@ def test_agentverse_revises_with_critiques_and_advice(smol):
     assert row["final_answer"] == (answers_of(row, ["solver"])[0] or "")
 
 
-@pytest.mark.slow
-def test_agentverse_with_two_real_critics(smol):
-    (row,) = run_method(smol, "agentverse", {"agents": 3, "turns": 2, "critic_rounds": 1})
+def test_agentverse_with_two_unscripted_critics(tiny):
+    (row,) = run_method(tiny, "agentverse", {"agents": 3, "turns": 2, "critic_rounds": 1})
     names = speakers(row)
     assert names[:4] == ["solver", "solver", "critic1", "critic2"] and row["n_llm_calls"] <= 2 + 3 + 1 + 1 + 3
 
 
-@pytest.mark.slow
-def test_mav_verifies_each_solution_on_its_aspects(smol):
-    (row,) = run_method(smol, "mav", {"solutions": 2, "verifiers": 2, "verifier_temperature": 0.0})
+def test_mav_verifies_each_solution_on_its_aspects(tiny):
+    (row,) = run_method(tiny, "mav", {"solutions": 2, "verifiers": 2, "verifier_temperature": 0.0})
     assert row["n_llm_calls"] == 2 * 2 + 2 * 2 * 2  # 2 tool-using solutions; per (solution, aspect) an analysis and a verdict
     expected = {"generator0", "generator1"} | {f"verifier({a})@{k}" for a in aspects_for("q1", 2) for k in range(2)}
     assert set(speakers(row)) == expected
     assert row["final_answer"] in [a or "" for a in answers_of(row, ["generator0", "generator1"])]
 
 
-@pytest.mark.slow
-def test_mav_rejected_solutions_fall_back_to_the_first_and_verifiers_run_greedy(smol):
-    verifier = Scripted(smol.tokenizer, "Wrong. FINAL VERIFICATION ANSWER: False")
-    (row,) = run_method(smol, "mav", {"solutions": 2, "verifiers": 3, "verifier_temperature": 0.0}, roles={"verifier": verifier})
+def test_mav_rejected_solutions_fall_back_to_the_first_and_verifiers_run_greedy(tiny):
+    verifier = Scripted(tiny.tokenizer, "Wrong. FINAL VERIFICATION ANSWER: False")
+    (row,) = run_method(tiny, "mav", {"solutions": 2, "verifiers": 3, "verifier_temperature": 0.0}, roles={"verifier": verifier})
     assert len(verifier.prompts) == 2 * 3 * 2 and {s.temperature for s in verifier.samplings} == {0.0}
     first, second = answers_of(row, ["generator0", "generator1"])
     assert row["final_answer"] == (first or second or "")

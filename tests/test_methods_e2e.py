@@ -63,7 +63,8 @@ def tracking(tmp_path_factory):
     mp.undo()
 
 
-# the methods whose behaviour test_methods_agentark / test_methods_planning check on the real model run here nightly
+# nightly here: the methods whose behaviour test_methods_planning checks on the real model, and AgentArk's long
+# protocols, which test_methods_agentark checks on the tiny random model (on the real model here they take ~3.5 min)
 NIGHTLY_METHODS = {"chain_of_agents", "agentflow", "agentverse", "dylan", "mav"}
 
 

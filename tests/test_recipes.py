@@ -196,7 +196,7 @@ def test_make_recipe_target_calls_the_module():
 @pytest.mark.parametrize("recipes", [
     pytest.param(("et_agent",), marks=pytest.mark.nightly),  # ~11 min on 2 quiet AVX2 cores
     pytest.param(("agentark", "gap", "afm", "agentflow"), marks=pytest.mark.nightly),  # their methods run on the real model
-])  # in make test (the tiny pipeline's debate, test_methods_agentark and _planning); every tiny overlay validates there
+])  # in make test (the tiny pipeline's debate, test_methods_e2e, _agentark and _planning); every tiny overlay validates
 def test_every_tiny_recipe_runs_end_to_end_in_one_project(tmp_path, base_model_dir, default, recipes):
     """Each recipe's tiny variant through `dvc repro` (real SmolLM2, faiss, bubblewrap, DVC, MLflow); params.yaml is switched
     per recipe in one project, so DVC reuses download and index after the first."""

@@ -62,3 +62,24 @@ def test_prm_rerank_and_flywheel_tables():
     page = render_html(headline_rows(metrics), {"sft": {"loss": 0.5}}, ["plots/rl_curves.png"], story(metrics),
                        rerank_rows(metrics), rounds)
     assert "PRM best-of-N rerank" in page and "Flywheel rounds" in page and "class='wide'" in page and "<pre>" not in page
+
+
+
+def test_a_figure_replaces_its_file_whole_and_a_failed_write_leaves_the_old_one_and_no_temp(tmp_path, monkeypatch):
+    import pytest
+
+    from unison.data.schemas import write_figure
+    from unison.report.plots import plt
+
+    path = tmp_path / "curve.png"
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    write_figure(fig, path, dpi=50)
+    first = path.read_bytes()
+    assert first.startswith(b"\x89PNG") and [p.name for p in tmp_path.iterdir()] == ["curve.png"]
+    fig, _ = plt.subplots()
+    monkeypatch.setattr(fig, "savefig", lambda target, **_: (open(target, "wb").write(b"half"), 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        write_figure(fig, path, dpi=50)
+    assert path.read_bytes() == first and [p.name for p in tmp_path.iterdir()] == ["curve.png"]
+    assert not plt.get_fignums()  # closed either way

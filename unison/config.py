@@ -639,6 +639,8 @@ class RLConfig(TrainingSettings):
     probe_prompts: int = Field(0, ge=0, description="> 0: curriculum prompts (seeded) held out of training; the "
                                "reverse KL to the teacher on group_size fixed-seed episodes each, before step 1 and "
                                "after each step; 0 = off")
+    probe_every: int = Field(1, ge=1, description="the probe runs after every Nth step and after the last one (it "
+                             "costs group_size episodes a held-out prompt)")
     estimator: Literal[RL_ESTIMATORS] = Field('grpo', description=f"{' | '.join(RL_ESTIMATORS)} (flow_grpo, "
                                               "AgentFlow's: every assistant turn a sample with the final reward)")
     student_role: Literal['agent', 'agentflow_planner'] = Field('agent', description="agent = the student acts alone | "

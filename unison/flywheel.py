@@ -33,7 +33,7 @@ from . import layout
 from .agents.cluster import Workbench, run_system
 from .agents.wiring import demonstrations, make_toolbox
 from .config import EvaluateConfig, FlywheelConfig, LabelConfig, SFTConfig, SystemSettings
-from .data.schemas import LABELED, QUESTION, DataError, atomic_dir, atomic_path, read_table, write_json, write_table
+from .data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_figure, write_json, write_table
 from .labeling.judging import label_rows, make_judge
 from .labeling.metrics import scoring_label, system_metrics
 from .llm import student_backend, teacher_id
@@ -149,11 +149,7 @@ def plot(rounds: list[dict], base: dict, path: Path) -> None:
     ax.set_ylabel("test EM (95% Wilson CI)")
     ax.set_title("teacher and student per flywheel round")
     ax.legend()
-    fig.tight_layout()
-    tmp = atomic_path(path)
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    write_figure(fig, path, dpi=110)
 
 
 def run_rounds(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig,

@@ -257,6 +257,21 @@ def write_json(obj: Any, path: str | os.PathLike) -> None:
             tmp.unlink()
 
 
+def write_figure(fig, path: str | os.PathLike, dpi: int) -> None:
+    """Write a matplotlib figure as a PNG atomically, then close it."""
+    import matplotlib.pyplot as plt
+
+    tmp = atomic_path(path)
+    try:
+        fig.tight_layout()
+        fig.savefig(tmp, format="png", dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()
+
+
 def write_jsonl(rows: Iterable[dict], path: str | os.PathLike) -> None:
     tmp = atomic_path(path)
     try:

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from .. import layout
-from ..data.schemas import atomic_dir
+from ..data.schemas import atomic_dir, write_figure
 from .tables import LABELS, teacher_first
 
 PLOTS = Path(layout.PLOTS)
@@ -26,9 +26,7 @@ RL_SYMLOG_PANELS = ("policy",)  # terms from ~1e-3 (KL) to ~10 (kept groups) sha
 
 
 def save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    write_figure(fig, path, DPI)
 
 
 def plot_accuracy_vs_tokens(metrics: dict, path: Path) -> None:

@@ -18,7 +18,7 @@ import time
 from .. import layout
 from ..agents.cluster import Replicas, Workbench, rollouts, workbench_or_replicas
 from ..config import ClusterConfig, LabelConfig, ParetoConfig, SystemSettings
-from ..data.schemas import LABELED, DataError, atomic_path, write_table
+from ..data.schemas import LABELED, DataError, write_figure, write_table
 from ..labeling.judging import label_rows
 from ..tools.registry import enabled_tools, system_prompt
 from .pareto import mixed_outcome, objectives, pareto_sample, rl_rows, rollout_groups, select_fronts, split_levels
@@ -90,11 +90,7 @@ def plot_front(groups: list[dict], path: str = PLOT) -> None:
     ax.set(xlabel="score_tool = Var[tool calls]", ylabel="score_corr = Var[correctness]",
            title="Pareto sampling of RL questions")
     ax.legend()
-    fig.tight_layout()
-    tmp = atomic_path(path)
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
+    write_figure(fig, path, dpi=100)
 
 
 def rl_curriculum(p: ParetoConfig, s: SystemSettings, label: LabelConfig, cluster: ClusterConfig,

@@ -33,7 +33,8 @@ from .. import layout
 from ..config import TrainingSettings
 from ..data.schemas import atomic_dir, atomic_path
 
-SHOWN = ("loss", "reward_total", "accuracy", "tool_calls_per_episode", "kept_groups", "lr")  # on the progress line
+SHOWN = ("loss", "reward_total", "accuracy", "kl_teacher", "probe_kl", "tool_calls_per_episode", "kept_groups",
+         "lr")  # on the progress line
 
 LossFn = Callable[[object], "tuple[torch.Tensor, dict]"]  # micro-batch -> (loss, metrics of that micro-batch)
 

@@ -443,10 +443,11 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
         elif samples and rl.rollout_backend == "vllm" and trainer.is_main:
             backend.sync(policy)
         times["train_s"] = time.perf_counter() - t2
-        if probe:
+        if probe and ((step + 1) % rl.probe_every == 0 or step + 1 == rl.steps):
             t_probe = time.perf_counter()
-            metrics |= probe() | probed_start
-            probed_start, times["probe_s"] = {}, time.perf_counter() - t_probe
+            metrics |= probe()
+            times["probe_s"] = time.perf_counter() - t_probe
+        metrics, probed_start = metrics | probed_start, {}
         trainer.log(step_record(step + 1, collected, metrics, trainer.sched.get_last_lr()[0]))
         if (rl.objective == "opd" and trainer.is_main
                 and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r]))):
