@@ -27,8 +27,9 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	test -d $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps -r requirements/cpu.lock
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q uv==0.13.9  # the lock in parallel, minutes sooner than pip; a mirror: UV_DEFAULT_INDEX
+	$(VENV)/bin/uv pip install -q -p $(PY) --no-deps -r requirements/cpu.lock
+	$(VENV)/bin/uv pip install -q -p $(PY) --no-deps --no-build-isolation -e .
 	command -v bwrap >/dev/null || (apt-get install -y -q bubblewrap >/dev/null || sudo apt-get install -y -q bubblewrap >/dev/null)
 	touch $(STAMP)
 

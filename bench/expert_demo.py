@@ -44,16 +44,19 @@ def set_dotted(params: dict, changes: dict) -> dict:
     return params
 
 
-def expert_pipeline(work: Path, overrides: dict, until: str = "evaluate") -> Path:
+def expert_pipeline(work: Path, overrides: dict, until: str = "evaluate", keep: bool = False) -> Path:
     """A clone of this checkout's commit in `work`, its params.yaml with `overrides` and the expert as teacher, and
-    `dvc repro until` run there with the expert serving; the project's folder."""
+    `dvc repro until` run there with the expert serving; the project's folder. With `keep`, a clone already in `work`
+    goes on where an earlier run stopped: generate re-asks the expert (on a new port) and writes the same bytes, so the
+    stages after it are skipped when done, and a killed sft resumes from its checkpoint."""
     from unison.config import BuiltinWorldConfig
     from unison.data.builtin import generate_world
 
-    if work.exists():
+    if work.exists() and not keep:
         shutil.rmtree(work)
-    subprocess.run(["git", "clone", "-q", "--shared", str(ROOT), str(work)], check=True)
-    (work / ".dvc/config.local").write_text("[cache]\n    type = hardlink,copy\n")
+    if not work.exists():
+        subprocess.run(["git", "clone", "-q", "--shared", str(ROOT), str(work)], check=True)
+        (work / ".dvc/config.local").write_text("[cache]\n    type = hardlink,copy\n")
     params = set_dotted(yaml.safe_load((ROOT / "params.yaml").read_text()), {**EXPERT_TEACHING, **overrides})
     if params["download"]["dataset"] != "builtin":
         raise SystemExit("bench.expert_demo: the scripted expert knows the builtin world only (download.dataset builtin)")

@@ -10,9 +10,10 @@ Rows (each trained in its own copy of the demo project: data and models hard-lin
   sft_opd_rl   SFT -> OPD for half the budget, then RL for the other half (OPD annealed into RL, in two phases)
   base_opd_rl  the same from the base student
 The token-level teacher is `--teacher` (a model folder), or `--make-teacher N`: a SmolLM2 student that the pipeline
-trains (dvc repro sft, bench/expert_demo.py) on the scripted expert's trajectories of N train questions of another
-world of the generated benchmark (seed 1: no entity, passage or question of the demo's world), reported first as its
-own row (`teacher`) on the demo's test questions. Default: the demo's RL student.
+trains (dvc repro sft, one epoch, bench/expert_demo.py) on the scripted expert's trajectories of N train questions of
+another world of the generated benchmark (seed 1: no entity, passage or question of the demo's world), reported first as
+its own row (`teacher`) on the demo's test questions; a build stopped part-way goes on from where it stopped (its SFT
+from its checkpoint) when the command is run again. Default: the demo's RL student.
 
 `--prompts all` trains on every train question (data/rl rewritten as one level) instead of the demo's Pareto
 curriculum. `--set rl.probe_prompts=K` holds K of them out and measures the reverse KL to the teacher there before
@@ -216,11 +217,13 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
 
 
 def make_teacher(work: Path, train_questions: int) -> Path:
-    """A SmolLM2 student trained by the pipeline (through sft) on the scripted expert's trajectories of `train_questions`
-    questions of another generated world (seed 1); its model folder."""
+    """A SmolLM2 student trained by the pipeline (through sft, one epoch) on the scripted expert's trajectories of
+    `train_questions` questions of another generated world (seed 1); its model folder. A run stopped part-way goes on
+    from where it stopped."""
     from bench.expert_demo import expert_pipeline
 
-    project = expert_pipeline(work / "made_teacher", {"seed": 1, "download.builtin.train_size": train_questions}, until="sft")
+    overrides = {"seed": 1, "download.builtin.train_size": train_questions, "sft.epochs": 1}
+    project = expert_pipeline(work / "made_teacher", overrides, until="sft", keep=True)
     return project / "models/sft"
 
 
@@ -276,7 +279,7 @@ def main() -> None:
     ap.add_argument("--project", required=True, type=Path, help="a finished demo (make demo): data/, models/, reports/")
     ap.add_argument("--teacher", type=Path, help="the token-level teacher's model folder (default: the demo's models/rl)")
     ap.add_argument("--make-teacher", type=int, metavar="N", help="train the teacher on the scripted expert's trajectories of N "
-                    "train questions of another world (in --work/made_teacher; reused when it holds one)")
+                    "train questions of another world (in --work/made_teacher; reused when it holds one, resumed when it was stopped)")
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of {', '.join(ROWS)}")
     ap.add_argument("--budgets", default="", help="rl steps, comma-separated: each row trained once per budget (default: rl.steps)")
     ap.add_argument("--prompts", choices=("curriculum", "all"), default="curriculum", help="the demo's data/rl, or every train question")

@@ -8,9 +8,9 @@ Substituted here, and why:
   evaluates 4 test questions instead of 8; the DVC cache restored is the one the tiny pipeline's cold run left (the
   `tiny_pipeline` fixture, as `restore-keys: dvc-` restores an earlier run's), so the demo restores the stages the head
   did not change and runs evaluate, flywheel and report as the user, in the sandbox;
-- `make setup` would build a venv of ~300 packages (475 s here as the user, from local wheels on 2 loaded cores: too
-  slow for CI): the clone's .venv is a link to this checkout's prebuilt one, read-only to the user, whose stamp is
-  newer than the lock, so `make setup` has nothing to do (checked before the steps);
+- `make setup` would build a venv of ~300 packages (minutes, which CI's own `make setup` has just spent): the clone's
+  .venv is a link to this checkout's prebuilt one, read-only to the user, whose stamp is newer than the lock, so
+  `make setup` has nothing to do (checked before the steps);
 - `sudo make runner-setup` finds bwrap installed (no apt), AppArmor not restricting user namespaces (no profile to
   load) and no systemd as PID 1 here, so it skips the user manager and its cgroup delegation and says so: the user's
   cgroup is tests/nonroot.py's delegated subtree instead (where systemd is PID 1, it lingers and delegates to the test
