@@ -30,6 +30,10 @@ entry per row and budget, so runs of a few rows at a time add up.
 
 `--set` changes a param of every row, sft_rl's included, which is then trained in a copy like the others: the same
 budget for every row.
+
+On a CPU a row of tens of steps takes hours, so a run stopped part-way goes on when the same command is run again: a
+row (or the teacher's row) finished with the same setup is read back from its copy, and a one-phase row's copy stopped
+part-way is kept, its rl stage resuming from its checkpoint (the OPD -> RL rows start again).
 """
 from __future__ import annotations
 
@@ -184,7 +188,14 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
     if name == "sft_rl" and not overrides and steps is None and not all_prompts:  # the demo's own SFT -> RL
         m = json.loads((demo / "reports/metrics.json").read_text())["rl"]
         return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], **rl_figures(demo)}
-    project = copy_project(demo, work / (name if steps is None else f"{name}@{steps}"), teacher)
+    project = work / (name if steps is None else f"{name}@{steps}")
+    setup = {"demo": str(demo), "teacher": str(teacher), "overrides": overrides, "all_prompts": all_prompts, "kd_weight": kd_weight,
+             "topk": topk}
+    if (done := finished(project, setup)) is not None:
+        return done
+    if method == "opd_rl" or not same_setup(project, setup):
+        copy_project(demo, project, teacher)  # else a copy stopped part-way: the steps below repeat; its stages resume
+        (project / "bench_setup.json").write_text(json.dumps(setup))
     py = sys.executable
     if all_prompts:
         run(project, py, "-c", "from bench.token_distillation import write_all_train_prompts; write_all_train_prompts()")
@@ -213,7 +224,22 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
         phases.append(rl_figures(project))
     run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/rl')")
     figures = joined(phases)
-    return {**measured(project), **figures, "train_s": figures["train_s"] + pre_s, "budget": steps, **extra}
+    result = {**measured(project), **figures, "train_s": figures["train_s"] + pre_s, "budget": steps, **extra}
+    (project / "bench_row.json").write_text(json.dumps(result))
+    return result
+
+
+def same_setup(project: Path, setup: dict) -> bool:
+    path = project / "bench_setup.json"
+    return path.is_file() and json.loads(path.read_text()) == setup
+
+
+def finished(project: Path, setup: dict) -> dict | None:
+    """The figures of a row this setup already finished in `project`, else None."""
+    if same_setup(project, setup) and (project / "bench_row.json").is_file():
+        print(f"token_distillation: {project.name} already done with this setup, reusing", flush=True)
+        return json.loads((project / "bench_row.json").read_text())
+    return None
 
 
 def make_teacher(work: Path, train_questions: int) -> Path:
@@ -230,8 +256,13 @@ def make_teacher(work: Path, train_questions: int) -> Path:
 def teacher_row(demo: Path, work: Path, teacher: Path) -> dict:
     """The token-level teacher itself on the demo's test questions, acting as a student does (`single`, evaluate's
     temperature)."""
-    project = copy_project(demo, work / "teacher_eval", teacher)
+    project, setup = work / "teacher_eval", {"demo": str(demo), "teacher": str(teacher)}
+    if (done := finished(project, setup)) is not None:
+        return done
+    copy_project(demo, project, teacher)
+    (project / "bench_setup.json").write_text(json.dumps(setup))
     run(project, sys.executable, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/teacher')")
+    (project / "bench_row.json").write_text(json.dumps(measured(project)))
     return measured(project)
 
 

@@ -1,4 +1,5 @@
-"""bench/token_distillation's reading of an rl run's reports, and its joining of phases (OPD, then RL) into one row."""
+"""bench/token_distillation's reading of an rl run's reports, its joining of phases (OPD, then RL) into one row, and a stopped
+row going on where it stopped."""
 from __future__ import annotations
 
 import csv
@@ -38,3 +39,50 @@ def test_joined_phases_count_steps_on_and_drop_the_later_start_probe(tmp_path):
     both = joined([rl_figures(tmp_path / "opd"), rl_figures(tmp_path / "rl")])
     assert both["probe_curve"] == [[0, 1.0], [2, 1.0 / 3], [4, 0.2], [8, 0.04]]
     assert both["rl_steps"] == 8 and both["train_s"] == 32.0 and both["teacher_tokens"] == 200
+
+
+def fake_demo(root):
+    for folder in ("data/raw", "models/base", "models/sft", "models/rl", "models/teacher", "reports"):
+        (root / folder).mkdir(parents=True)
+    (root / "params.yaml").write_text("rl: {steps: 1}\n")
+    (root / "teacher").mkdir()
+    return root
+
+
+def test_a_row_stopped_part_way_goes_on_in_its_copy_and_a_finished_row_is_read_back_for_the_same_setup_only(tmp_path, monkeypatch):
+    """The stages are stood in for (bench.token_distillation.run): the first rl run dies part-way, as a killed stage
+    does; the same command again keeps the copy (what the stopped run left in it stays) and runs rl again there; a
+    third time nothing runs; another --set starts a new copy."""
+    import bench.token_distillation as td
+
+    demo, work = fake_demo(tmp_path / "demo"), tmp_path / "work"
+    calls = []
+
+    def stage(project, *cmd):
+        calls.append(cmd[-1])
+        if cmd[-1] == "stages.rl":
+            (project / "data/.cache").mkdir(exist_ok=True)
+            if calls.count("stages.rl") == 1:
+                (project / "data/.cache/left-by-the-stopped-run").touch()
+                raise RuntimeError("killed")
+            write_run(project / "run", steps=2, probe_every=1, start=1.0)
+            for name in ("rl_curve.csv", "rl.json"):
+                (project / "reports" / name).write_bytes((project / "run/reports" / name).read_bytes())
+        else:
+            (project / "reports/bench_eval.json").write_text(json.dumps({"em": 0.5, "em_lo": 0.4, "em_hi": 0.6, "questions": 8}))
+        return 1.0
+
+    monkeypatch.setattr(td, "run", stage)
+    args = (demo, work, demo / "teacher", 2, 0.5, 8)
+    try:
+        td.row("sft_opd", *args, {"rl.lr": 5e-5}, False)
+    except RuntimeError:
+        pass
+    assert (work / "sft_opd@2/data/.cache/left-by-the-stopped-run").exists()
+    first = td.row("sft_opd", *args, {"rl.lr": 5e-5}, False)
+    assert (work / "sft_opd@2/data/.cache/left-by-the-stopped-run").exists()  # the same copy went on
+    assert first["em"] == 0.5 and first["probe_curve"] == [[0, 1.0], [1, 0.5], [2, 1.0 / 3]]
+    assert calls.count("stages.rl") == 2
+    assert td.row("sft_opd", *args, {"rl.lr": 5e-5}, False) == first and calls.count("stages.rl") == 2
+    td.row("sft_opd", *args, {"rl.lr": 1e-5}, False)  # another setup: a fresh copy, trained again
+    assert calls.count("stages.rl") == 3 and not (work / "sft_opd@2/data/.cache/left-by-the-stopped-run").exists()
