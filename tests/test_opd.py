@@ -247,6 +247,24 @@ def test_with_worked_examples_the_teacher_scores_the_students_tokens_after_its_o
     assert max(abs(a - b) for a, b in zip(context[0][len(prompt) - 1 :], plain[0][len(prompt) - 1 :])) > 1e-3
 
 
+def test_the_curve_csv_keeps_the_probe_of_steps_after_the_first_when_it_probes_every_few_steps(tmp_path):
+    """rl.probe_every 2: step 1's record has the probe's start only, steps 2 and 3 their probe; the CSV's header is every
+    key of the records, so the later probes stay (a header from step 1's keys alone dropped them)."""
+    import csv
+
+    from unison.train.loop import write_records_csv
+
+    records = [{"step": 1, "kl_teacher": 0.3, "probe_kl_start": 0.9},
+               {"step": 2, "kl_teacher": 0.2, "probe_kl": 0.5, "probe_kl_p90": 1.5},
+               {"step": 3, "kl_teacher": 0.1, "probe_kl": 0.4, "probe_kl_p90": 1.2}]
+    write_records_csv(records, tmp_path / "rl_curve.csv")
+    with open(tmp_path / "rl_curve.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["step", "kl_teacher", "probe_kl_start", "probe_kl", "probe_kl_p90"]
+    assert [r["probe_kl"] for r in rows] == ["", "0.5", "0.4"] and rows[2]["probe_kl_p90"] == "1.2"
+    assert rows[0]["probe_kl_start"] == "0.9" and rows[1]["probe_kl_start"] == ""
+
+
 def test_split_probe_holds_out_seeded_prompts_and_refuses_to_hold_out_the_whole_curriculum():
     rows = make_rows(6)
     train, probe = split_probe(rows, 2, seed=0)

@@ -320,11 +320,13 @@ def checkpoint_path(stage: str, settings: dict, files: Iterable[Path]) -> str:
 
 
 def write_records_csv(records: list[dict], path: str | Path, fields: list[str] | None = None) -> None:
-    """Step records as a CSV (atomically): `fields`, else the first record's keys."""
+    """Step records as a CSV (atomically): `fields`, else every key of the records in the order first seen (a key only
+    some steps have, such as rl.probe_every's probe, leaves the other rows' cells empty)."""
     path = Path(path)
     tmp = atomic_path(path)
     with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields or (list(records[0]) if records else ["step"]), extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields or list(dict.fromkeys(k for r in records for k in r)) or ["step"],
+                           extrasaction="ignore")
         w.writeheader()
         w.writerows(records)
     tmp.replace(path)
