@@ -49,6 +49,7 @@ from pathlib import Path
 
 from bench.bench_rollout import git_commit, save_report
 from bench.expert_demo import set_dotted
+from unison.data.schemas import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("unison", "stages", "configs", "bench")  # this checkout's, linked into each copy
@@ -194,8 +195,7 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
     if (done := finished(project, setup)) is not None:
         return done
     if method == "opd_rl" or not same_setup(project, setup):
-        copy_project(demo, project, teacher)  # else a copy stopped part-way: the steps below repeat; its stages resume
-        (project / "bench_setup.json").write_text(json.dumps(setup))
+        fresh_copy(demo, project, teacher, setup)  # else a copy stopped part-way: the steps below repeat; its stages resume
     py = sys.executable
     if all_prompts:
         run(project, py, "-c", "from bench.token_distillation import write_all_train_prompts; write_all_train_prompts()")
@@ -225,8 +225,14 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
     run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/rl')")
     figures = joined(phases)
     result = {**measured(project), **figures, "train_s": figures["train_s"] + pre_s, "budget": steps, **extra}
-    (project / "bench_row.json").write_text(json.dumps(result))
+    write_json(result, project / "bench_row.json")
     return result
+
+
+def fresh_copy(demo: Path, project: Path, teacher: Path, setup: dict) -> None:
+    """copy_project, and the setup the copy is made for (what a later run of the same command compares)."""
+    copy_project(demo, project, teacher)
+    write_json(setup, project / "bench_setup.json")
 
 
 def same_setup(project: Path, setup: dict) -> bool:
@@ -259,11 +265,11 @@ def teacher_row(demo: Path, work: Path, teacher: Path) -> dict:
     project, setup = work / "teacher_eval", {"demo": str(demo), "teacher": str(teacher)}
     if (done := finished(project, setup)) is not None:
         return done
-    copy_project(demo, project, teacher)
-    (project / "bench_setup.json").write_text(json.dumps(setup))
+    fresh_copy(demo, project, teacher, setup)
     run(project, sys.executable, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/teacher')")
-    (project / "bench_row.json").write_text(json.dumps(measured(project)))
-    return measured(project)
+    result = measured(project)
+    write_json(result, project / "bench_row.json")
+    return result
 
 
 def plot(rows: dict, probe_path: Path, em_path: Path) -> None:

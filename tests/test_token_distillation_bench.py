@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
+
 from bench.token_distillation import joined, rl_figures
 
 
@@ -74,10 +76,8 @@ def test_a_row_stopped_part_way_goes_on_in_its_copy_and_a_finished_row_is_read_b
 
     monkeypatch.setattr(td, "run", stage)
     args = (demo, work, demo / "teacher", 2, 0.5, 8)
-    try:
+    with pytest.raises(RuntimeError, match="killed"):
         td.row("sft_opd", *args, {"rl.lr": 5e-5}, False)
-    except RuntimeError:
-        pass
     assert (work / "sft_opd@2/data/.cache/left-by-the-stopped-run").exists()
     first = td.row("sft_opd", *args, {"rl.lr": 5e-5}, False)
     assert (work / "sft_opd@2/data/.cache/left-by-the-stopped-run").exists()  # the same copy went on
