@@ -4,7 +4,7 @@ the same prompts, on the demo's 200 test questions, at one or more step budgets.
 Rows (each trained in its own copy of the demo project: data and models hard-linked, this checkout's code):
   sft_rl       SFT -> RL: the demo's own run (its reports; nothing re-run), or, with `--set`/`--budgets`, RL re-run there
   base_rl      RL from the base student
-  sft_opd      SFT -> OPD (rl.objective opd, outcome_weight 0, the demo's rl settings otherwise)
+  sft_opd      SFT -> OPD (rl.objective opd, outcome_weight 0 unless `--set` gives one, the demo's rl settings otherwise)
   base_opd     OPD from the base student
   sft_kd_opd   SFT with logit KD (the teacher's top-k on the demo's trajectories, sft.kd_weight) -> OPD
   sft_opd_rl   SFT -> OPD for half the budget, then RL for the other half (OPD annealed into RL, in two phases)
@@ -29,7 +29,8 @@ entry per row and budget, so runs of a few rows at a time add up.
         [--budgets 8,32,64] [--prompts all] [--work DIR] [--set rl.probe_prompts=16 ...]
 
 `--set` changes a param of every row, sft_rl's included, which is then trained in a copy like the others: the same
-budget for every row.
+budget for every row. It wins over a row's own settings: `--set rl.outcome_weight=1` gives the OPD rows an outcome term
+beside the teacher's.
 
 On a CPU a row of tens of steps takes hours, so a run stopped part-way goes on when the same command is run again: a
 row (or the teacher's row) finished with the same setup is read back from its copy, and a one-phase row's copy stopped
@@ -219,7 +220,7 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
         if i:  # the phase before's student starts this one
             shutil.rmtree(project / "models/sft")
             os.replace(project / "models/rl", project / "models/sft")
-        set_params(project, {**changes, "rl.steps": n})
+        set_params(project, {**changes, **overrides, "rl.steps": n})
         run(project, py, "-m", "stages.rl")
         phases.append(rl_figures(project))
     run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/rl')")

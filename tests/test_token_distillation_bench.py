@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import pytest
 
@@ -86,3 +87,33 @@ def test_a_row_stopped_part_way_goes_on_in_its_copy_and_a_finished_row_is_read_b
     assert td.row("sft_opd", *args, {"rl.lr": 5e-5}, False) == first and calls.count("stages.rl") == 2
     td.row("sft_opd", *args, {"rl.lr": 1e-5}, False)  # another setup: a fresh copy, trained again
     assert calls.count("stages.rl") == 3 and not (work / "sft_opd@2/data/.cache/left-by-the-stopped-run").exists()
+
+
+def test_an_opd_row_has_no_outcome_term_unless_set_and_the_opd_rl_row_runs_opd_then_rl(tmp_path, monkeypatch):
+    """What each rl phase of a row runs with, read from the copy's params.yaml when its rl stage starts (the stages are
+    stood in for): `--set` wins over the row's own settings."""
+    import yaml
+
+    import bench.token_distillation as td
+
+    demo, seen = fake_demo(tmp_path / "demo"), []
+
+    def stage(project, *cmd):
+        if cmd[-1] == "stages.rl":
+            rl = yaml.safe_load((project / "params.yaml").read_text())["rl"]
+            seen.append((rl["objective"], rl.get("outcome_weight"), rl["steps"]))
+            (project / "models/rl").mkdir(exist_ok=True)
+            write_run(project / "run", steps=rl["steps"], probe_every=1, start=1.0)
+            for name in ("rl_curve.csv", "rl.json"):
+                (project / "reports" / name).write_bytes((project / "run/reports" / name).read_bytes())
+            shutil.rmtree(project / "run")
+        else:
+            (project / "reports/bench_eval.json").write_text(json.dumps({"em": 0.5, "em_lo": 0.4, "em_hi": 0.6, "questions": 8}))
+        return 1.0
+
+    monkeypatch.setattr(td, "run", stage)
+    args = (demo, tmp_path / "work", demo / "teacher", 4, 0.5, 8)
+    td.row("sft_opd", *args, {}, False)
+    td.row("base_opd", *args, {"rl.outcome_weight": 1.0}, False)
+    td.row("sft_opd_rl", *args, {"rl.outcome_weight": 0.5}, False)
+    assert seen == [("opd", 0.0, 4), ("opd", 1.0, 4), ("opd", 0.5, 2), ("reward", 0.5, 2)]
