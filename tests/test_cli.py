@@ -36,13 +36,14 @@ def test_unknown_command_and_extra_arguments_are_refused(capsys):
 
 @pytest.mark.slow
 def test_stage_module_help_prints_and_runs_nothing(tmp_path):
-    """In an empty directory (no params.yaml, no data) --help still answers, and nothing is written."""
+    """In an empty directory (no params.yaml, no data) --help still answers, and nothing is written; an argument is
+    refused (stages.label for that: the same stage_main, a tenth of sft's imports)."""
     p = subprocess.run([sys.executable, "-m", "stages.sft", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 0, p.stderr
     assert "settings (params.yaml; defaults shown)" in p.stdout and "max_per_question: 2" in p.stdout
     assert list(tmp_path.iterdir()) == []
-    bad = subprocess.run([sys.executable, "-m", "stages.sft", "--epochs", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    bad = subprocess.run([sys.executable, "-m", "stages.label", "--epochs", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     assert bad.returncode == 1 and "takes no arguments" in bad.stderr and list(tmp_path.iterdir()) == []
 
