@@ -14,7 +14,16 @@ import torch
 
 from unison.llm.hf_backend import HFBackend
 from unison.train.opd import attach_teacher_logps, length_collapse, own_spans, teacher_logps, teacher_term
-from unison.train.rl import RLConfig, attach_logprobs, batch_loss, collate, logprobs_of, needs_old_logp, split_probe
+from unison.train.rl import (
+    RLConfig,
+    attach_logprobs,
+    batch_loss,
+    collate,
+    logprobs_of,
+    needs_old_logp,
+    split_probe,
+    train_on,
+)
 
 from .test_rl import LABEL, make_rows, rl_config, run, state, teach_answers
 
@@ -63,6 +72,81 @@ def test_observation_tokens_get_exactly_zero_gradient():
     grad = logits.grad[0, :-1].abs().sum(-1)
     assert grad[[0, 3, 4]].tolist() == [0.0, 0.0, 0.0] and bool((grad[[1, 2, 5]] > 0).all())
     assert metrics["kl_teacher"] == pytest.approx(-1.0) and loss.item() == pytest.approx(-1.0)  # A = +1 on each sampled token
+
+
+def test_the_kd_term_is_the_teachers_top_k_against_the_students_on_scored_tokens_only_by_hand():
+    """rl.kd_weight: the forward KL from the teacher's top-k (renormalised) to the student's distribution over the same
+    tokens, at the scored sampled positions only (not the prompt's or the observation's), weighted into the loss; a
+    slot the teacher left empty weighs nothing."""
+    logits = torch.randn(1, 7, 11)
+    ids = torch.tensor([[2, 3, 1, 4, 1, 5, 9]])
+    mask = [0, 1, 1, 0, 0, 1]
+    student_logp = torch.log_softmax(logits[0, :-1], -1)
+    tops = [([7, 8], [-0.1, -2.5]), ([1, 3], [-0.5, -1.0]), ([4, 6], [-0.2, -1.9]), ([2, 2], [-0.3, -0.3]),
+            ([5, 9], [-1.0, -1.1]), ([10, 0], [-0.05, float("-inf")])]
+    sample = {"ids": ids[0].tolist(), "loss_mask": mask, "advantages": [0.0] * 6}
+    attach_teacher_logps([sample], [student_logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()], [own_spans(mask)],
+                         tops=[tops])
+    assert sample["teacher_top"][0] == ([], []) and sample["teacher_top"][1] == tops[1]  # kept on sampled tokens only
+    expected = []
+    for t in (1, 2, 5):
+        top_ids, top_logps = tops[t]
+        keep = [k for k, v in enumerate(top_logps) if v != float("-inf")]
+        teacher = torch.log_softmax(torch.tensor([top_logps[k] for k in keep]), -1)
+        student = torch.log_softmax(student_logp[t, [top_ids[k] for k in keep]], -1)
+        expected.append((teacher.exp() * (teacher - student)).sum().item())
+    kd = sum(expected) / 3
+    plain, _ = batch_loss(logits[:, :-1], collate([{k: v for k, v in sample.items() if k != "teacher_top"}], 0),
+                          RLConfig(objective="opd"))
+    loss, metrics = batch_loss(logits[:, :-1], collate([sample], 0), RLConfig(objective="opd", kd_weight=0.5))
+    assert metrics["kd_teacher"] == pytest.approx(kd, abs=1e-5) and metrics["kl_teacher"] == pytest.approx(0.0, abs=1e-6)
+    assert loss.item() == pytest.approx(plain.item() + 0.5 * kd, abs=1e-5)
+
+
+def test_the_kd_term_raises_a_token_the_teacher_likes_that_the_student_never_sampled(tiny_model_dir):
+    """The teacher term scores only what the student sampled; with rl.kd_weight one update also raises the teacher's
+    top token at a position where the student sampled another, and the teacher term alone (kd_weight 0) does not move
+    it as far."""
+    from unison.train.loop import Trainer
+
+    teacher = HFBackend(str(tiny_model_dir), dtype="float32")
+    ids = [5, 17, 99, 4, 250, 31, 7]
+    with torch.no_grad():
+        start = torch.log_softmax(teacher.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    liked = int(start[3].argsort()[len(start[3]) // 2])  # a middling token at target 3, not the one sampled there
+    assert liked != ids[4]
+
+    def raised(kd_weight: float) -> float:
+        cfg = RLConfig(objective="opd", kd_weight=kd_weight, lr=1e-3, precision="fp32", checkpoint_every=0)
+        trainer = Trainer("rl", HFBackend(str(tiny_model_dir), dtype="float32").model, 1, cfg)
+        sample = {"ids": ids, "loss_mask": [0, 0, 1, 1, 0, 1], "advantages": [0.0] * 6}
+        tops = [([liked, ids[t + 1]], [-0.01, -5.0]) for t in range(6)]  # sure of `liked`, not of what was sampled
+        attach_teacher_logps([sample], [start.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()],
+                             [own_spans(sample["loss_mask"])], tops=[tops])
+        train_on(trainer, [sample], cfg, 0, random.Random(0))
+        with torch.no_grad():
+            after = torch.log_softmax(trainer.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        return (after[3, liked] - start[3, liked]).item()
+
+    with_kd, without = raised(1.0), raised(0.0)
+    print(f"log-prob of the teacher's token at a position it was not sampled: {with_kd:+.3f} with kd, {without:+.3f} without")
+    assert with_kd > 0.05 and with_kd > without + 0.05
+
+
+def test_kd_weight_needs_opd_and_a_teacher_of_the_students_vocabulary(tiny_model_dir):
+    with pytest.raises(ValueError, match="rl.kd_weight > 0 distils the teacher's top-k .* set rl.objective: opd"):
+        RLConfig(kd_weight=1.0)
+
+    class OtherVocabulary:
+        tokenizer = type("Tok", (), {"get_vocab": lambda self: {"a": 0}})()
+
+    teacher = HFBackend(str(tiny_model_dir), dtype="float32")
+    sample = {"ids": [5, 17, 99], "loss_mask": [0, 1], "advantages": [0.0, 0.0], "messages": []}
+    with pytest.raises(ValueError, match="the teacher's vocabulary is not the student's: set rl.kd_weight: 0"):
+        teacher_logps(OtherVocabulary(), [sample], teacher.tokenizer, top_k=8)
+    logps, spans, _, tops = teacher_logps(teacher, [sample], teacher.tokenizer, top_k=3)
+    assert len(tops[0]) == 2 and all(len(ids) == len(lps) == 3 for ids, lps in tops[0])
+    assert tops[0][1][1][0] >= logps[0][1] - 1e-5  # the best of the top-k is at least the sampled token's log-prob
 
 
 @pytest.mark.parametrize("ppo_epochs", [1, 2], ids=["one-update", "old-logp-pass"])
@@ -238,8 +322,8 @@ def test_with_worked_examples_the_teacher_scores_the_students_tokens_after_its_o
     ids = prompt + completion
     sample = {"ids": ids, "loss_mask": [0] * (len(prompt) - 1) + [1] * len(completion), "messages": messages}
     examples = "Question: Where is Praxil? <search>Praxil</search> <answer>Tarsk</answer>"
-    plain, _, _ = teacher_logps(teacher, [sample], tok)
-    context, spans, straddling = teacher_logps(teacher, [sample], tok, worked_examples=examples)
+    plain, _, _, _ = teacher_logps(teacher, [sample], tok)
+    context, spans, straddling, _ = teacher_logps(teacher, [sample], tok, worked_examples=examples)
     (direct,) = teacher.score([chat_prompt(tok, [{"role": "system", "content": f"You answer.\n\n{examples}"}, messages[1]])], [completion])
     assert straddling == 0 and len(context[0]) == len(plain[0]) == len(ids) - 1 and spans[0] == own_spans(sample["loss_mask"])
     assert context[0][len(prompt) - 1 :] == pytest.approx(direct.logprobs, abs=1e-5)

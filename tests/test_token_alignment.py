@@ -220,7 +220,7 @@ def test_opd_across_tokenizers_scores_only_the_students_sampled_tokens(other_fam
     ids = prompt + gen + obs + end
     mask = [0] * len(prompt) + [1] * len(gen) + [0] * len(obs) + [1] * len(end)
     sample = {"ids": ids, "loss_mask": mask[1:], "advantages": [0.0] * (len(ids) - 1), "messages": MESSAGES}
-    logps, span_ids, straddling = teacher_logps(other_family, [sample], student_tok)
+    logps, span_ids, straddling, _ = teacher_logps(other_family, [sample], student_tok)
     assert len(logps[0]) == len(span_ids[0]) == len(sample["loss_mask"]) and all(v == 0.0 for v in logps[0][: len(prompt) - 1])
     assert straddling == 3  # "ke" in Kelt, "tar" and "sk" in Tarsk
     stats = attach_teacher_logps([sample], logps, span_ids, straddling)

@@ -631,6 +631,14 @@ class RLConfig(TrainingSettings):
                                                 "outcome_weight x advantage")
     outcome_weight: float = Field(0.0, ge=0.0, description='opd: weight of the verifiable-reward advantage beside the '
                                   'teacher term; 0 = pure distillation')
+    kd_weight: float = Field(0.0, ge=0.0, description="opd: > 0 adds kd_weight x the divergence from the teacher's "
+                             "top-k distribution to the student's at every sampled token (on-policy logit "
+                             "distillation): it raises the teacher's likely tokens the student does not sample, which "
+                             "the teacher term never sees; a teacher of the student's vocabulary")
+    kd_topk: int = Field(8, ge=1, description="kd_weight > 0: the teacher's likeliest tokens kept at each position")
+    kd_loss: Literal['forward_kl', 'jsd'] = Field('forward_kl', description="kd_weight > 0: forward_kl (teacher || "
+                                                  "student) | jsd, both over the teacher's top-k renormalised (as "
+                                                  "sft.kd_loss)")
     teacher_context: Literal['student', 'worked_examples'] = Field('student',
                                                                    description="opd: what the teacher reads before the "
                                                                    "student's completion: student = the student's own "
@@ -707,6 +715,9 @@ class RLConfig(TrainingSettings):
         if self.objective == "opd" and (self.estimator == "flow_grpo" or self.trainer == "verl"):
             raise ValueError("rl.objective opd runs on rl.trainer unison with a sequence estimator "
                              f"({' | '.join(SEQUENCE_ESTIMATORS)}) for its outcome term")
+        if self.kd_weight > 0 and self.objective != "opd":
+            raise ValueError("rl.kd_weight > 0 distils the teacher's top-k on the student's own episodes, a part of "
+                             "on-policy distillation: set rl.objective: opd, or rl.kd_weight: 0")
         if self.prm_weight > 0 and self.estimator == "flow_grpo":
             raise ValueError("rl.prm_weight > 0 needs a sequence estimator "
                              f"({' | '.join(SEQUENCE_ESTIMATORS)}), not flow_grpo")

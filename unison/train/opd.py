@@ -22,18 +22,20 @@ from ..token_alignment import score_across
 
 
 def attach_teacher_logps(samples: list[dict], teacher_logps: list[list[float]], span_ids: list[list[int]],
-                         straddling: int = 0) -> dict:
+                         straddling: int = 0, tops: list[list[tuple[list[int], list[float]]]] | None = None) -> dict:
     """Each sample's teacher log-probs as `teacher_logp` and spans as `teacher_span` (0 outside its loss_mask and where
-    the teacher gave no score); the loss adds the teacher term there (teacher_term). Returns the number of sampled
-    tokens with a teacher score and of teacher tokens straddling a student token boundary (a teacher of another
-    tokenizer)."""
+    the teacher gave no score); the loss adds the teacher term there (teacher_term). With `tops` (rl.kd_weight), each
+    target's top-k ids and log-probs as `teacher_top`, empty where the span is 0. Returns the number of sampled tokens
+    with a teacher score and of teacher tokens straddling a student token boundary (a teacher of another tokenizer)."""
     n = 0
-    for s, teacher, spans in zip(samples, teacher_logps, span_ids):
+    for i, (s, teacher, spans) in enumerate(zip(samples, teacher_logps, span_ids)):
         if len(teacher) != len(s["loss_mask"]) or len(spans) != len(s["loss_mask"]):
             raise ValueError(f"opd: the teacher scored {len(teacher)} tokens ({len(spans)} spans) of a sample with "
                              f"{len(s['loss_mask'])} targets")
         s["teacher_span"] = [k * m for k, m in zip(spans, s["loss_mask"])]
         s["teacher_logp"] = [t if k else 0.0 for t, k in zip(teacher, s["teacher_span"])]
+        if tops is not None:
+            s["teacher_top"] = [top if k else ([], []) for top, k in zip(tops[i], s["teacher_span"])]
         n += sum(k > 0 for k in s["teacher_span"])
     return {"teacher_tokens": n, "teacher_straddling": straddling}
 
@@ -85,31 +87,39 @@ def own_spans(loss_mask: list[int]) -> list[int]:
     return [t + 1 if m else 0 for t, m in enumerate(loss_mask)]
 
 
-def teacher_logps(teacher, samples: list[dict], student_tok,
-                  worked_examples: str = "") -> tuple[list[list[float]], list[list[int]], int]:
+def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: str = "",
+                  top_k: int = 0) -> tuple[list[list[float]], list[list[int]], int, list | None]:
     """The teacher's log-prob of each sample's every target token (position t scores token t+1, as loss_mask is
-    aligned), each target's span (0: no teacher score), and how many teacher tokens straddled a student token boundary.
+    aligned), each target's span (0: no teacher score), how many teacher tokens straddled a student token boundary,
+    and with `top_k` (rl.kd_weight) each target's k likeliest teacher tokens as (ids, log-probs), else None.
     A teacher of the student's vocabulary scores the very tokens: after the sequence's first token when it reads the
     student's own prompt, else after its own rendering of the prompt with `worked_examples` after the system prompt
     (rl.teacher_context); a teacher of another tokenizer scores the student's text after that rendering
-    (token_alignment.py)."""
+    (token_alignment.py), and has no top-k over the student's vocabulary."""
     same_vocab = teacher.tokenizer.get_vocab() == student_tok.get_vocab()
+    if top_k and not same_vocab:
+        raise ValueError("rl.kd_weight > 0 distils the teacher's top-k tokens into the student's distribution, but "
+                         "the teacher's vocabulary is not the student's: set rl.kd_weight: 0 (the teacher term "
+                         "scores across tokenizers)")
+    tops = lambda scores, first: ([[([], [])] * first + list(zip(sc.top_ids, sc.top_logprobs))
+                                   for first, sc in zip(first, scores)] if top_k else None)
     if same_vocab and not worked_examples:
-        scores = teacher.score([s["ids"][:1] for s in samples], [s["ids"][1:] for s in samples])
-        return [sc.logprobs for sc in scores], [own_spans(s["loss_mask"]) for s in samples], 0
+        scores = teacher.score([s["ids"][:1] for s in samples], [s["ids"][1:] for s in samples], top_k)
+        return ([sc.logprobs for sc in scores], [own_spans(s["loss_mask"]) for s in samples], 0,
+                tops(scores, [0] * len(samples)))
     # target t is ids[t + 1]
     firsts = [s["loss_mask"].index(1) if 1 in s["loss_mask"] else len(s["loss_mask"]) for s in samples]
     heads = [teacher_messages(s["messages"], worked_examples) for s in samples]
     completions = [s["ids"][first + 1 :] for s, first in zip(samples, firsts)]
     if same_vocab:
-        scores = teacher.score([chat_prompt(teacher.tokenizer, h) for h in heads], completions)
+        scores = teacher.score([chat_prompt(teacher.tokenizer, h) for h in heads], completions, top_k)
         return ([[0.0] * first + sc.logprobs for first, sc in zip(firsts, scores)],
-                [own_spans(s["loss_mask"]) for s in samples], 0)
+                [own_spans(s["loss_mask"]) for s in samples], 0, tops(scores, firsts))
     # which completion tokens the student sampled
     sampled = [s["loss_mask"][first:] for s, first in zip(samples, firsts)]
     aligned = score_across(teacher, student_tok, list(zip(heads, completions, sampled)))
     return ([[0.0] * first + a.logprobs for first, a in zip(firsts, aligned)],
-            [[0] * first + a.span_ids for first, a in zip(firsts, aligned)], sum(a.straddling for a in aligned))
+            [[0] * first + a.span_ids for first, a in zip(firsts, aligned)], sum(a.straddling for a in aligned), None)
 
 
 def teacher_messages(messages: list[dict], worked_examples: str) -> list[dict]:

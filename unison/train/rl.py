@@ -27,6 +27,7 @@ from ..agents.toolbox import Toolbox
 from ..config import AgentFlowConfig, LabelConfig, LLMConfig, RLConfig
 from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
+from ..teacher_topk import MISSING
 from ..tool_format import NativeFormat
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .loop import Trainer, autocast
@@ -51,7 +52,7 @@ from .rollout import (
     rollout,
     turn_views,
 )
-from .sft import save_model
+from .sft import distill_loss, save_model
 
 # ------------------------------------------------------------------------------------------------------- the setup
 
@@ -267,7 +268,23 @@ def collate(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     for key in ("loss_mask", "advantages", "old_logp", "old_logp_t1", "ref_logp", "teacher_logp", "teacher_span"):
         if key in samples[0]:
             batch[key] = padded([list(s[key]) for s in samples], width - 1)
+    if "teacher_top" in samples[0]:
+        tops = [s["teacher_top"] for s in samples]
+        batch["teacher_top_ids"], batch["teacher_top_logp"] = padded_tops(tops, width - 1)
     return batch
+
+
+def padded_tops(rows: list[list[tuple[list[int], list[float]]]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k per target, [batch, width, k]: ids (0 where none) and log-probs (MISSING where none, which
+    distill_loss leaves out)."""
+    k = max((len(ids) for row in rows for ids, _ in row), default=1)
+    ids_out = torch.zeros(len(rows), width, k, dtype=torch.long)
+    logp_out = torch.full((len(rows), width, k), MISSING)
+    for i, row in enumerate(rows):
+        for t, (ids, logps) in enumerate(row):
+            ids_out[i, t, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logp_out[i, t, : len(logps)] = torch.tensor(logps, dtype=torch.float32)
+    return ids_out, logp_out
 
 
 def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,6 +310,10 @@ def batch_loss(logits: torch.Tensor, batch: dict, rl: RLConfig,
         extra = {"kl_teacher": kl.item()}
     loss, metrics = policy_loss(logp, old_logp, advantages, batch["loss_mask"], rl.clip_low, rl.clip_high,
                                 rl.dual_clip, batch.get("ref_logp"), rl.kl_coef, rl.loss_agg, max_len, logits=logits)
+    if "teacher_top_ids" in batch:  # rl.kd_weight: the teacher's top-k against the student's at temperature 1
+        kd = distill_loss(logits * rl.temperature, batch["teacher_top_ids"], batch["teacher_top_logp"],
+                          batch["teacher_span"] > 0, rl.kd_loss)
+        loss, extra = loss + rl.kd_weight * kd, {**extra, "kd_teacher": kd.item()}
     return loss, {**metrics, **extra}
 
 
@@ -431,7 +452,9 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
                                 unscaled_key="old_logp_t1" if rl.objective == "opd" else None)
             if rl.objective == "opd":
                 t_teacher = time.perf_counter()
-                scored = teacher_logps(setup.teacher, samples, tok, setup.worked_examples) if trainer.is_main else None
+                top_k = rl.kd_topk if rl.kd_weight > 0 else 0
+                scored = (teacher_logps(setup.teacher, samples, tok, setup.worked_examples, top_k) if trainer.is_main
+                          else None)
                 metrics |= attach_teacher_logps(samples, *trainer.from_main(scored))
                 metrics["teacher_s"] = time.perf_counter() - t_teacher
             if ref is not None:
