@@ -632,9 +632,8 @@ class RLConfig(TrainingSettings):
     outcome_weight: float = Field(0.0, ge=0.0, description='opd: weight of the verifiable-reward advantage beside the '
                                   'teacher term; 0 = pure distillation')
     kd_weight: float = Field(0.0, ge=0.0, description="opd: > 0 adds kd_weight x the divergence from the teacher's "
-                             "top-k distribution to the student's at every sampled token (on-policy logit "
-                             "distillation): it raises the teacher's likely tokens the student does not sample, which "
-                             "the teacher term never sees; a teacher of the student's vocabulary")
+                             "top-k at each sampled token (on-policy logit distillation): it raises teacher tokens "
+                             "the student never samples; same vocabulary only")
     kd_topk: int = Field(8, ge=1, description="kd_weight > 0: the teacher's likeliest tokens kept at each position")
     kd_loss: Literal['forward_kl', 'jsd'] = Field('forward_kl', description="kd_weight > 0: forward_kl (teacher || "
                                                   "student) | jsd, both over the teacher's top-k renormalised (as "
