@@ -426,3 +426,14 @@ def test_the_probes_sampled_reverse_kl_estimates_trls_full_vocabulary_reverse_kl
     print(f"reverse KL per scored token: TRL (whole vocabulary) {trl:.4f}, the probe's estimate {ours:.4f} +- {spread:.4f} "
           f"over {tokens} tokens")
     assert trl > 0.05 and abs(ours - trl) < 3 * spread + 0.01
+
+
+def test_a_steps_record_keeps_the_teacher_terms_figures_the_kd_term_included():
+    from types import SimpleNamespace
+
+    from unison.train.rl import Collected, step_record
+
+    rewards = {k: [0.0] for k in ("total", "verifiable", "format", "efficiency", "correct", "tool_calls", "lengths")}
+    collected = Collected([], [{"level": 1}], [SimpleNamespace(turn=1)], rewards, 1.0, 1, {"rollout_s": 1.0})
+    record = step_record(1, collected, {"loss": 0.3, "kl_teacher": 0.2, "kd_teacher": 0.25, "teacher_tokens": 9}, 1e-5)
+    assert (record["kl_teacher"], record["kd_teacher"], record["teacher_tokens"]) == (0.2, 0.25, 9)

@@ -533,7 +533,7 @@ def step_record(step: int, collected: Collected, metrics: dict, lr: float) -> di
     for key in ("pg_loss", "loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm"):
         rec[key] = metrics.get(key, 0.0)
     # rl.objective opd
-    rec |= {key: metrics[key] for key in ("kl_teacher", "teacher_tokens", "teacher_straddling", "teacher_s")
-            if key in metrics}
+    rec |= {key: metrics[key] for key in ("kl_teacher", "kd_teacher", "teacher_tokens", "teacher_straddling",
+                                          "teacher_s") if key in metrics}
     rec |= {key: v for key, v in metrics.items() if key.startswith("probe_")}  # rl.probe_prompts
     return {**rec, **times, "step_s": sum(times.values()), "rollout_rounds": collected.rounds}
