@@ -85,7 +85,7 @@ def decisions(rows_path: str, models: dict[str, str], episodes: int, before_rows
             turns["own"] = head + [{"role": "assistant", "content": answered_before[r["question_id"]], "token_ids": []}]
         rendered = {kind: render(student) for kind, student in turns.items()}
         start = next(k for k, (a, b) in enumerate(zip(rendered["repeat"][0], rendered["answer"][0])) if a != b)
-        figures = {"question": r["question"], "answer": r["answers"][0], "own": turns.get("own", [{}])[-1].get("content")}
+        figures = {"question": r["question"], "answer": r["answers"][0], "own": answered_before.get(r["question_id"])}
         for name, model in loaded.items():
             for kind, (ids, mask) in rendered.items():
                 figures[f"{name}_{kind}"], figures[f"{name}_{kind}_first"] = turn_logps(model, ids, mask, start)
