@@ -123,7 +123,9 @@ def test_the_kd_term_raises_a_token_the_teacher_likes_that_the_student_never_sam
         tops = [([liked, ids[t + 1]], [-0.01, -5.0]) for t in range(6)]  # sure of `liked`, not of what was sampled
         attach_teacher_logps([sample], [start.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()],
                              [own_spans(sample["loss_mask"])], tops=[tops])
-        train_on(trainer, [sample], cfg, 0, random.Random(0))
+        record = train_on(trainer, [sample], cfg, 0, random.Random(0))
+        # the record's loss is the one backpropagated: the policy term plus the kd term
+        assert record["loss"] == pytest.approx(record["pg_loss"] + kd_weight * record.get("kd_teacher", 0.0), rel=1e-5)
         with torch.no_grad():
             after = torch.log_softmax(trainer.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
         return (after[3, liked] - start[3, liked]).item()

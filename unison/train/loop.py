@@ -162,7 +162,7 @@ class Trainer:
         mean of the micro-batches' losses) times P, since the gradient is averaged over the processes: the update is
         the one-process update for any P. A process left without a micro-batch runs the first with weight 0 (every
         process joins the gradient reduction). Then clip and step. Returns the weighted mean metrics of all the
-        micro-batches (summed over processes), the loss among them, plus grad_norm and lr."""
+        micro-batches (summed over processes), plus the loss backpropagated, grad_norm and lr."""
         n, procs = len(micro_batches), self.acc.num_processes
         weights = weights or [1.0 / n] * n
         mine = [(k, weights[k] * procs) for k in range(self.acc.process_index, n, procs)] or [(0, 0.0)]
@@ -175,7 +175,7 @@ class Trainer:
                     loss, metrics = loss_fn(micro_batches[k])
                 self.acc.backward(loss * scale, **({"scale_wrt_gas": False} if self.deepspeed else {}))
             w = scale / procs
-            for key, v in {"loss": loss.item(), **metrics}.items():
+            for key, v in {**metrics, "loss": loss.item()}.items():  # the loss backpropagated, whatever a metric says
                 sums[key] = sums.get(key, 0.0) + float(v) * w
             total_w += w
         keys = sorted(sums)

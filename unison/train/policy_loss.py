@@ -105,5 +105,4 @@ def policy_loss(
             total = total + kl_coef * aggregate(kl, mask, agg, max_len)
     if logits is not None:
         metrics["entropy"] = masked_mean(entropy_from_logits(logits.detach()), mask).item()
-    metrics["loss"] = total.item()
     return total, metrics
