@@ -28,7 +28,8 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q uv==0.13.9  # the lock in parallel, minutes sooner than pip; a mirror: UV_DEFAULT_INDEX
-	$(VENV)/bin/uv pip install -q -p $(PY) --no-deps -r requirements/cpu.lock
+	$(VENV)/bin/uv pip install -q -p $(PY) --no-deps --compile-bytecode -r requirements/cpu.lock  # bytecode now, not in every
+	# process: with PYTHONDONTWRITEBYTECODE set (as on many CI images) each import of vLLM, DVC or MLflow compiled them again
 	$(VENV)/bin/uv pip install -q -p $(PY) --no-deps --no-build-isolation -e .
 	command -v bwrap >/dev/null || (apt-get install -y -q bubblewrap >/dev/null || sudo apt-get install -y -q bubblewrap >/dev/null)
 	touch $(STAMP)
@@ -131,8 +132,14 @@ diff: setup
 pipeline: setup
 	$(PY) -m flows.pipeline
 
+# The slow tests (the real model, stages and servers in processes of their own: ~1.3 of 2 cores on average) in one pytest,
+# the rest beside them in a second on one thread, its output printed after the first's; fails if either fails.
 test: setup
-	$(PY) -m pytest -q --durations=25 -m "not nightly"
+	@fast_log=$$(mktemp); \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow and not e2e and not nightly" > $$fast_log 2>&1 & fast=$$!; \
+	$(PY) -m pytest -q --durations=25 -m "(slow or e2e) and not nightly"; slow_rc=$$?; \
+	wait $$fast; fast_rc=$$?; echo; echo "== the fast tests (make test-fast), run beside the slow ones =="; \
+	cat $$fast_log; rm -f $$fast_log; exit $$(( slow_rc || fast_rc ))
 
 security: setup  # ~68 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
 	$(PY) -m security
