@@ -97,13 +97,9 @@ def delegated_user(tmp_dir: Path) -> Iterator[NonRootUser]:
     version, bases = _delegation_bases()
     try:
         account = pwd.getpwnam(USER)
-    except KeyError:  # a test process beside this one (make test runs three) may make it first: then useradd fails
-        made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
-                              capture_output=True, text=True)
-        try:
-            account = pwd.getpwnam(USER)
-        except KeyError:
-            raise RuntimeError(f"useradd {USER} failed ({made.returncode}): {made.stderr}") from None
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER], check=True)
+        account = pwd.getpwnam(USER)
     home = Path(tmp_dir) / "home"
     home.mkdir(mode=0o700)
     os.chown(home, account.pw_uid, account.pw_gid)
