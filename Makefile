@@ -134,15 +134,12 @@ pipeline: setup
 	$(PY) -m flows.pipeline
 
 # Two pytest processes side by side: the slow tests (the real model, servers and stages in processes of their own leave
-# about a third of 2 cores idle: imports, servers starting, timeouts) and the fast ones on one thread at a lower priority
-# (nice), so that they take the idle share rather than half of the torch threads' cores (torch's OpenMP threads wait for
-# each other at every parallel region: beside a busy thread of equal priority a 2-thread training step took 2.6x as
-# long, beside a niced one 1.1x). Their output comes after the slow ones'; fails if either fails. A third process (the
-# tiny pipeline's tests apart) was slower on 2 cores.
+# about a third of 2 cores idle: imports, servers starting, timeouts) and the fast ones on one thread, whose output comes
+# after the slow ones'; fails if either fails. A third process (the tiny pipeline's tests apart) was slower on 2 cores.
 FAST_TESTS := not slow and not e2e and not nightly
 test: setup
 	@fast_log=$$(mktemp); \
-	OMP_NUM_THREADS=1 nice -n 10 $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" > $$fast_log 2>&1 & fast=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" > $$fast_log 2>&1 & fast=$$!; \
 	$(PY) -m pytest -q --durations=25 -m "(slow or e2e) and not nightly"; slow_rc=$$?; \
 	wait $$fast; fast_rc=$$?; echo; echo "== the fast tests (make test-fast), run beside the slow ones =="; \
 	cat $$fast_log; rm -f $$fast_log; exit $$(( slow_rc || fast_rc ))
