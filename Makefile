@@ -133,22 +133,23 @@ diff: setup
 pipeline: setup
 	$(PY) -m flows.pipeline
 
-# Two pytest processes side by side: the slow tests (the real model, servers and stages in processes of their own leave
-# about a third of 2 cores idle: imports, servers starting, timeouts) and the fast ones on one thread, whose output comes
-# after the slow ones'; fails if either fails. A third process (the tiny pipeline's tests apart) was slower on 2 cores.
+# Three pytest processes side by side, every one on one thread (torch, faiss and vLLM's CPU workers): the tiny
+# pipeline's tests (test_e2e.py and the workflow steps share its cold run), the other slow ones, and the fast ones. On 2
+# cores a process on two threads stalls whenever another takes one of its cores (OpenMP's threads wait for each other
+# at every parallel region); on one thread each, whatever is runnable keeps both cores busy. The other slow tests'
+# output comes first, then the two logs; fails if any fails.
 FAST_TESTS := not slow and not e2e and not nightly
+SLOW_TESTS := (slow or e2e) and not nightly
+PIPELINE_TESTS := tests/test_e2e.py tests/test_workflow_steps.py
 test: setup
-	@fast_log=$$(mktemp); \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" > $$fast_log 2>&1 & fast=$$!; \
-	$(PY) -m pytest -q --durations=25 -m "(slow or e2e) and not nightly"; slow_rc=$$?; \
-	wait $$fast; fast_rc=$$?; echo; echo "== the fast tests (make test-fast), run beside the slow ones =="; \
-	cat $$fast_log; rm -f $$fast_log; exit $$(( slow_rc || fast_rc ))
-
-security: setup  # ~68 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
-	$(PY) -m security
-
-test-recipes: setup  # the five seed systems' tiny recipes through dvc repro (~1 h on 2 cores; part of make test-nightly)
-	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 -m nightly tests/test_recipes.py -k end_to_end
+	@export OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind; logs=$$(mktemp -d); \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "$(SLOW_TESTS)" $(PIPELINE_TESTS) > $$logs/pipeline 2>&1 & pipeline=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" > $$logs/fast 2>&1 & fast=$$!; \
+	$(PY) -m pytest -q --durations=25 -m "$(SLOW_TESTS)" $(addprefix --ignore=,$(PIPELINE_TESTS)); other_rc=$$?; \
+	wait $$pipeline; pipeline_rc=$$?; wait $$fast; fast_rc=$$?; \
+	echo; echo "== the tiny pipeline's tests, run beside them =="; cat $$logs/pipeline; \
+	echo; echo "== the fast tests (make test-fast), run beside them =="; cat $$logs/fast; rm -rf $$logs; \
+	exit $$(( other_rc || pipeline_rc || fast_rc ))
 
 test-fast: setup
 	$(PY) -m pytest -q -m "$(FAST_TESTS)"
