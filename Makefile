@@ -133,23 +133,29 @@ diff: setup
 pipeline: setup
 	$(PY) -m flows.pipeline
 
-# Three pytest processes side by side, every one on one thread (torch, faiss and vLLM's CPU workers): the tiny
-# pipeline's tests (test_e2e.py and the workflow steps share its cold run), the other slow ones, and the fast ones. On 2
-# cores a process on two threads stalls whenever another takes one of its cores (OpenMP's threads wait for each other
-# at every parallel region); on one thread each, whatever is runnable keeps both cores busy. The other slow tests'
-# output comes first, then the two logs; fails if any fails.
+# Three pytest processes side by side, every one on one thread (torch, faiss and vLLM's CPU workers): the slow tests in
+# two halves of about equal CPU time (the tiny pipeline's tests, which share its cold run, with OPD's and the fake
+# servers' faults; the rest), and the fast ones. On 2 cores a process on two threads stalls whenever another takes one
+# of its cores (OpenMP's threads wait for each other at every parallel region); on one thread each, whatever is
+# runnable keeps both cores busy. The first half's output comes first, then the two logs; fails if any fails.
 FAST_TESTS := not slow and not e2e and not nightly
 SLOW_TESTS := (slow or e2e) and not nightly
-PIPELINE_TESTS := tests/test_e2e.py tests/test_workflow_steps.py
+SECOND_HALF := tests/test_e2e.py tests/test_workflow_steps.py tests/test_opd.py tests/test_faults.py
 test: setup
 	@export OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind; logs=$$(mktemp -d); \
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "$(SLOW_TESTS)" $(PIPELINE_TESTS) > $$logs/pipeline 2>&1 & pipeline=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "$(SLOW_TESTS)" $(SECOND_HALF) > $$logs/second 2>&1 & second=$$!; \
 	$(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" > $$logs/fast 2>&1 & fast=$$!; \
-	$(PY) -m pytest -q --durations=25 -m "$(SLOW_TESTS)" $(addprefix --ignore=,$(PIPELINE_TESTS)); other_rc=$$?; \
-	wait $$pipeline; pipeline_rc=$$?; wait $$fast; fast_rc=$$?; \
-	echo; echo "== the tiny pipeline's tests, run beside them =="; cat $$logs/pipeline; \
+	$(PY) -m pytest -q --durations=25 -m "$(SLOW_TESTS)" $(addprefix --ignore=,$(SECOND_HALF)); first_rc=$$?; \
+	wait $$second; second_rc=$$?; wait $$fast; fast_rc=$$?; \
+	echo; echo "== the slow tests' second half, run beside them =="; cat $$logs/second; \
 	echo; echo "== the fast tests (make test-fast), run beside them =="; cat $$logs/fast; rm -rf $$logs; \
-	exit $$(( other_rc || pipeline_rc || fast_rc ))
+	exit $$(( first_rc || second_rc || fast_rc ))
+
+security: setup  # ~68 attempts to get out of the sandbox, the web tools and the search server (~1 min); exits 1 if one does
+	$(PY) -m security
+
+test-recipes: setup  # the five seed systems' tiny recipes through dvc repro (~1 h on 2 cores; part of make test-nightly)
+	UNISON_RECIPES_E2E=1 $(PY) -m pytest -q --durations=10 -m nightly tests/test_recipes.py -k end_to_end
 
 test-fast: setup
 	$(PY) -m pytest -q -m "$(FAST_TESTS)"
