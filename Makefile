@@ -133,18 +133,18 @@ diff: setup
 pipeline: setup
 	$(PY) -m flows.pipeline
 
-# Three pytest processes side by side, every one on one thread (torch, faiss and vLLM's CPU workers): the slow tests in
-# two halves of about equal CPU time (the tiny pipeline's tests, which share its cold run, with OPD's and the fake
-# servers' faults; the rest), and the fast ones. On 2 cores a process on two threads stalls whenever another takes one
-# of its cores (OpenMP's threads wait for each other at every parallel region); on one thread each, whatever is
-# runnable keeps both cores busy. The first half's output comes first, then the two logs; fails if any fails.
+# Three pytest processes side by side: the slow tests in two halves of about equal CPU time (the tiny pipeline's tests,
+# which share its cold run, with OPD's and the fake servers' faults; the rest), each on (cores - 1) / 2 threads (torch,
+# faiss and vLLM's CPU workers; at least one), and the fast ones on one thread. No more threads than cores: a process
+# whose threads are pushed off their cores stalls (OpenMP's threads wait for each other at every parallel region). The
+# first half's output comes first, then the two logs; fails if any fails.
 FAST_TESTS := not slow and not e2e and not nightly
 SLOW_TESTS := (slow or e2e) and not nightly
 SECOND_HALF := tests/test_e2e.py tests/test_workflow_steps.py tests/test_opd.py tests/test_faults.py
 test: setup
-	@export OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind; logs=$$(mktemp -d); \
+	@export OMP_NUM_THREADS=$$(( $$(nproc) > 2 ? ($$(nproc) - 1) / 2 : 1 )) VLLM_CPU_OMP_THREADS_BIND=nobind; logs=$$(mktemp -d); \
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "$(SLOW_TESTS)" $(SECOND_HALF) > $$logs/second 2>&1 & second=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" > $$logs/fast 2>&1 & fast=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" > $$logs/fast 2>&1 & fast=$$!; \
 	$(PY) -m pytest -q --durations=25 -m "$(SLOW_TESTS)" $(addprefix --ignore=,$(SECOND_HALF)); first_rc=$$?; \
 	wait $$second; second_rc=$$?; wait $$fast; fast_rc=$$?; \
 	echo; echo "== the slow tests' second half, run beside them =="; cat $$logs/second; \
