@@ -343,3 +343,31 @@ def test_the_loss_rl_records_is_the_token_mean_of_the_policy_loss_and_kl_on_mask
     record = train_on(Trainer("rl", model, 1, cfg), samples, cfg, pad_id=0, rng=random.Random(0))
     assert len(terms) == 4 and record["loss"] == pytest.approx(sum(terms) / len(terms), rel=1e-5)
     assert record["loss"] != pytest.approx((sum(terms[:3]) / 3 + terms[3]) / 2, rel=1e-3)  # not a mean of micro-batch means
+
+
+@pytest.mark.slow
+def test_the_vllm_rollout_engine_generates_with_the_weights_synced_into_it_as_an_engine_started_from_them(base_model_dir, tmp_path):
+    """rl's vLLM rollouts start an engine from the step's model folder, then push the policy into it: after each update,
+    and before the first rollout of a resumed run (the checkpoint's weights, not the folder's). The synced engine must
+    generate what an engine started from those weights generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unison.llm.base import Sampling
+    from unison.llm.vllm_backend import VLLMBackend
+
+    tok = AutoTokenizer.from_pretrained(base_model_dir)
+    prompts = [chat_prompt(tok, question_messages(q, SYSTEM_PROMPT)) for q in ("Where was Zorvan Kelt born?", "What is 17 * 23?")]
+    sampling = [Sampling(max_tokens=24, logprobs=True)] * len(prompts)
+    policy = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
+    with torch.no_grad():  # another policy: the last layer's MLP halved
+        policy.model.layers[-1].mlp.down_proj.weight.mul_(0.5)
+    policy.save_pretrained(tmp_path / "policy")
+    tok.save_pretrained(tmp_path / "policy")
+    engine = VLLMBackend(str(base_model_dir), dtype="float32", max_model_len=512, kv_cache_gb=1)
+    before = engine.generate(prompts, sampling)
+    engine.sync(policy)
+    synced = engine.generate(prompts, sampling)
+    started = VLLMBackend(str(tmp_path / "policy"), dtype="float32", max_model_len=512, kv_cache_gb=1).generate(prompts, sampling)
+    assert [c.token_ids for c in before] != [c.token_ids for c in started]  # the two policies differ where it shows
+    for a, b in zip(synced, started):
+        assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
