@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pyarrow as pa
@@ -56,7 +57,15 @@ def answerer(tiny_model_dir, tmp_path_factory):
 
 def teach_answers(model_dir, path, answers=("Paris", "Rome")):
     """`model_dir` after a few seconds of SFT on "<answer>Paris</answer>" and "<answer>Rome</answer>" (or `answers`) to
-    QUESTION, saved to `path`."""
+    QUESTION, saved to `path`. Trained once per model and answers in a test process (the same weights every time)."""
+    model, tok = taught(str(model_dir), tuple(answers))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@functools.cache
+def taught(model_dir: str, answers: tuple[str, ...]):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -73,9 +82,7 @@ def teach_answers(model_dir, path, answers=("Paris", "Rome")):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return model, tok
 
 
 def rl_config(**kw) -> RLConfig:
