@@ -320,8 +320,10 @@ def test_endless_printing_stops_at_the_output_limit():
 
 
 def test_eight_concurrent_calls_from_threads():
+    """Eight runs at once, each with time to start on a busy 2-core machine (the default 5 s is not: 2 of 8 timed out
+    there beside the suite's other processes)."""
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda i: run_python(f"print({i} * {i})"), range(8)))
+        results = list(pool.map(lambda i: run_python(f"print({i} * {i})", timeout_s=60), range(8)))
     assert all(r.ok for r in results), results
     assert [r.output for r in results] == [f"{i * i}\n" for i in range(8)]
 
@@ -445,16 +447,18 @@ from unison.tools import cgroups, python_sandbox
 python_sandbox.start_sandbox("strict", memory_mb=256, total_memory_mb=512)
 code = "import time\\nheld = b'x' * (200 << 20)\\ntime.sleep(1)\\nprint('held')"
 with ThreadPoolExecutor(4) as pool:
-    results = list(pool.map(lambda _: python_sandbox.run_python(code, memory_mb=256), range(4)))
+    results = list(pool.map(lambda _: python_sandbox.run_python(code, memory_mb=256, timeout_s=50), range(4)))
 print(json.dumps({"runs": [[r.error, r.output, r.peak_memory_mb] for r in results],
                   "total_peak_mb": cgroups.peak_bytes(python_sandbox._runs_cgroup) / 2**20}))
 """
 
 
 def test_concurrent_runs_stay_under_the_total(cgroup):
-    """4 runs at once, each taking 200 of its 256 MiB, under a 512 MiB total (in a fresh process: a fresh total)."""
+    """4 runs at once, each taking 200 of its 256 MiB, under a 512 MiB total (in a fresh process: a fresh total). Each
+    has 50 s, so that on a busy machine the total's limit ends a run, not the time (with the default 5 s, all 4 timed
+    out beside the suite's other processes)."""
     proc = subprocess.run([sys.executable, "-c", CONCURRENT_SCRIPT], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.splitlines()[-1])
     assert 400 < report["total_peak_mb"] <= 512, report
