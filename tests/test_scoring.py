@@ -3,6 +3,8 @@ teacher), on transformers by hand, on vLLM in process against transformers, and 
 (tests/test_served_teacher.py) and fake ones that cannot score."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -53,7 +55,10 @@ def test_vllm_in_process_scores_equal_transformers_in_fp32(base_model_dir):
     prompts = [ids("The capital of France is"), ids("<|im_start|>user\nWhere was Zorvan Kelt born?<|im_end|>\n<|im_start|>assistant\n")]
     completions = [ids(" Paris, a city of lights."), ids("<search>Zorvan Kelt</search>")]
     hf = HFBackend(str(base_model_dir), dtype="float32").score(prompts, completions, top_k=3)
-    engine = VLLMBackend(str(base_model_dir), dtype="float32", max_model_len=512, kv_cache_gb=1)
+    engine = VLLMBackend(str(base_model_dir), dtype="float32", max_model_len=512, kv_cache_gb=0.25)
+    # the KV cache is the engine's own setting, a fraction of a GiB included, not a variable the next engine inherits
+    assert engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == 2**28
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     engine.generate([prompts[1]], [Sampling(max_tokens=4)])  # warm the prefix cache
     vl = engine.score(prompts, completions, top_k=3)  # prompt_logprobs read no prefix cache: every position computed
     for a, b in zip(hf, vl):

@@ -5,9 +5,12 @@ non-root user in a delegated cgroup (tests/nonroot.py), a `sudo` step as root wi
 Substituted here, and why:
 - the actions (`uses:`) do not run (ACTIONS says what stands in for each): the checkout is the fresh clone, its history
   a base commit on the tiny params (configs/tiny.yaml; origin/main, the pull request's base) and a head commit that
-  evaluates 4 test questions instead of 8; the DVC cache restored is the one the tiny pipeline's cold run left (the
-  `tiny_pipeline` fixture, as `restore-keys: dvc-` restores an earlier run's), so the demo restores the stages the head
-  did not change and runs evaluate, flywheel and report as the user, in the sandbox;
+  changes a flywheel setting (its rounds stay 0, so no metric moves); the DVC cache restored is the one the tiny
+  pipeline's cold run left (the `tiny_pipeline` fixture, as `restore-keys: dvc-` restores an earlier run's), so the demo
+  restores the stages the head did not change and runs flywheel as the user (its metrics come out the same bytes, so
+  report is not re-run). The sandbox's runs as that user are tested at the sandbox itself (test_sandbox_nonroot.py), a
+  changed metric in `make diff`'s table in test_data_change.py: a head that re-ran evaluate here cost ~3 minutes of
+  `make test` for neither;
 - `make setup` would build a venv of ~300 packages (minutes, which CI's own `make setup` has just spent): the clone's
   .venv is a link to this checkout's prebuilt one, read-only to the user, whose stamp is newer than the lock, so
   `make setup` has nothing to do (checked before the steps);
@@ -76,7 +79,7 @@ def commit_params(project: Path, params: dict, message: str) -> None:
 
 def fresh_clone(dst: Path, base_model_dir: Path) -> Path:
     """A clone of HEAD with the working tree's changes on top, committed as a base on the tiny params (origin/main) and a
-    head that evaluates 4 test questions instead of 8."""
+    head whose flywheel trains each round's student for 1 epoch instead of sft.epochs (no round runs)."""
     subprocess.run(["git", "clone", "-q", str(ROOT), str(dst)], check=True)
     # the working tree's files over the clone's, dvc.lock removed; the models it places go when DVC runs their stages
     copy_project(dst, base_model_dir)
@@ -85,8 +88,8 @@ def fresh_clone(dst: Path, base_model_dir: Path) -> Path:
     params = tiny_params()
     commit_params(dst, params, "base: the tiny params")
     git(dst, "update-ref", "refs/remotes/origin/main", "HEAD")
-    params["evaluate"]["max_questions"] = 4
-    commit_params(dst, params, "head: evaluate 4 test questions")
+    params["flywheel"]["sft_epochs"] = 1
+    commit_params(dst, params, "head: flywheel rounds train 1 epoch")
     return dst
 
 
@@ -118,7 +121,7 @@ def run_steps(steps: list[dict], clone: Path, env: dict, user) -> dict[str, str]
     return outputs
 
 
-@pytest.mark.timeout(2400)  # ~5 min on 2 quiet cores, ~10 more when it is the first to ask for tiny_pipeline
+@pytest.mark.timeout(2400)  # ~2 min on 2 quiet cores, ~15 more when it is the first to ask for tiny_pipeline
 def test_the_workflow_steps_run_in_order_as_a_non_root_user_in_a_fresh_clone(tmp_path, base_model_dir, tiny_pipeline):
     job = yaml.safe_load(WORKFLOW.read_text())["jobs"]["reproduce"]
     assert [step["uses"].split("@")[0] for step in job["steps"] if "uses" in step] == list(ACTIONS)
@@ -138,7 +141,7 @@ def test_the_workflow_steps_run_in_order_as_a_non_root_user_in_a_fresh_clone(tmp
 
         outputs = run_steps(job["steps"], clone, env, user)
         ran = re.findall(r"Running stage '(\w+)'", outputs["make demo"])
-        assert ran == ["evaluate", "flywheel", "report"], outputs["make demo"]  # the head's change; the rest restored
+        assert ran == ["flywheel"], outputs["make demo"]  # the head's change; the rest restored
         status = subprocess.run(user.command(["dvc", "status", "--json"], clone, {**env, "PATH": f"{clone}/.venv/bin:{SYSTEM_PATH}"}),
                                 capture_output=True, text=True)
         assert json.loads(status.stdout) == {}, status.stdout + status.stderr  # the demo left nothing to reproduce
@@ -146,12 +149,12 @@ def test_the_workflow_steps_run_in_order_as_a_non_root_user_in_a_fresh_clone(tmp
         assert "systemd is not PID 1 here" in outputs["sudo make runner-setup"] or Path("/run/systemd/system").is_dir()
         assert "no DVC remote configured; nothing pulled" in outputs["make pull"]
         metrics = json.loads((clone / "reports/metrics.json").read_text())
-        assert set(metrics) == {"base", "teacher", "sft", "prm_rerank", "rl"} and metrics["rl"]["questions"] == 4
+        assert set(metrics) == {"base", "teacher", "sft", "prm_rerank", "rl"} and metrics["rl"]["questions"] == 8
         for report in ("report.html", "summary.md", "flywheel.json", "plots/accuracy_vs_tokens.png"):
             assert (clone / "reports" / report).is_file(), report
         diff = next(output for script, output in outputs.items() if script.startswith("make diff"))
         assert re.findall(r"Running stage '(\w+)'", diff) == [], diff  # the base: all from the run cache
         table = summary.read_text()
         assert "## Params: origin/main -> workspace" in table and "## Metrics: origin/main -> workspace" in table, table
-        assert re.search(r"\| params.yaml\s+\| evaluate.max_questions\s+\| 8\s+\| 4\s+\|", table), table
-        assert re.search(r"\| reports/metrics.json\s+\| rl.questions\s+\| 8\s+\| 4\s+\| -4\s+\|", table), table
+        assert re.search(r"\| params.yaml\s+\| flywheel.sft_epochs\s+\| 0\s+\| 1\s+\|", table), table
+        assert "reports/" not in table.split("## Metrics: origin/main -> workspace")[1], table  # no metric moved

@@ -34,7 +34,6 @@ class VLLMBackend:
         if self.own_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"], os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "1", "spawn"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no spawn guard needed
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
         os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")  # a lone request's logits would depend on the thread count
         from vllm import LLM
 
@@ -56,8 +55,11 @@ class VLLMBackend:
             kwargs["block_size"] = block_size
         if max_num_seqs:
             kwargs["max_num_seqs"] = max_num_seqs
-        # on CPU the KV cache is kv_cache_gb and this is the share of RAM vLLM may reserve
+        # on CPU the KV cache is kv_cache_gb (VLLM_CPU_KVCACHE_SPACE wins if set) and this is the share of RAM vLLM may
+        # reserve
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization if on_gpu else 0.4
+        if not on_gpu:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         if sleep_mode:  # CUDA/ROCm only: vllm-cpu raises "Sleep mode is not supported on current platform"
             kwargs["enable_sleep_mode"] = True
         with without_launch_env() if self.own_process else contextlib.nullcontext():
