@@ -57,7 +57,6 @@ def test_a_stage_loads_transformers_generation_and_a_model_without_importing_sci
     stage's process it is told scikit-learn is not there, and generation still runs. Outside the stages, it is as it was."""
     code = f"""
 import sys
-{{}}
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained({str(tiny_model_dir)!r})
@@ -65,7 +64,7 @@ model = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r})
 out = model.generate(**tok("Paris", return_tensors="pt"), max_new_tokens=3, do_sample=False)
 print(out.shape[1] > 1, "sklearn" in sys.modules)
 """
-    runs = {name: subprocess.run([sys.executable, "-c", code.format(first)], cwd=ROOT, capture_output=True, text=True,
+    runs = {name: subprocess.run([sys.executable, "-c", first + code], cwd=ROOT, capture_output=True, text=True,
                                  timeout=300) for name, first in (("stage", "import stages"), ("plain", ""))}
     assert all(p.returncode == 0 for p in runs.values()), {name: p.stderr[-2000:] for name, p in runs.items()}
     assert runs["stage"].stdout.split() == ["True", "False"]

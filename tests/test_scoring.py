@@ -45,7 +45,8 @@ def test_a_batch_of_different_lengths_scores_as_each_pair_alone(tiny):
 
 
 @pytest.mark.slow
-def test_vllm_in_process_scores_equal_transformers_in_fp32(base_model_dir):
+def test_vllm_in_process_scores_equal_transformers_in_fp32(base_model_dir, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # set, it would win over the engine's own setting
     from transformers import AutoTokenizer
 
     from unison.llm.vllm_backend import VLLMBackend

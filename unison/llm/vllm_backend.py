@@ -55,11 +55,10 @@ class VLLMBackend:
             kwargs["block_size"] = block_size
         if max_num_seqs:
             kwargs["max_num_seqs"] = max_num_seqs
-        # on CPU the KV cache is kv_cache_gb (VLLM_CPU_KVCACHE_SPACE wins if set) and this is the share of RAM vLLM may
-        # reserve
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization if on_gpu else 0.4
-        if not on_gpu:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:  # KV cache: kv_cache_gb (VLLM_CPU_KVCACHE_SPACE wins if set); 0.4: the share of RAM vLLM may reserve
+            kwargs |= {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30), "gpu_memory_utilization": 0.4}
         if sleep_mode:  # CUDA/ROCm only: vllm-cpu raises "Sleep mode is not supported on current platform"
             kwargs["enable_sleep_mode"] = True
         with without_launch_env() if self.own_process else contextlib.nullcontext():
