@@ -471,3 +471,28 @@ def test_the_materialised_folder_does_not_record_hf_hub_offline(tiny_model_dir, 
         models.materialize_model(f"local:{tiny_model_dir}", tmp_path / str(offline), install_template)
     assert file_md5s(tmp_path / "True") == file_md5s(tmp_path / "False")
     assert not set(json.loads((tmp_path / "True" / "tokenizer_config.json").read_text())) & set(models.LOADING_OPTIONS)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct",
+                                  pytest.param("gemma3-270m", marks=pytest.mark.nightly)])  # ~3 min to convert on 2 cores
+def test_a_builtin_tokenizer_is_the_same_bytes_read_from_the_gguf_or_from_the_dequantised_cache(name, request, tmp_path,
+                                                                                                monkeypatch):
+    """A served teacher's folder holds only its tokenizer: read from the GGUF (~10 s) until the cache holds the
+    dequantised model (download converts the student's), then from there, and the files are the same either way."""
+    package = models.BUILTIN_GGUF[name][0]
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"builtin:{name} is not installed ({models.INSTALL[package]})")
+    converted = request.getfixturevalue("base_model_dir") if name == "smollm2-135m-instruct" else None
+    monkeypatch.setenv("UNISON_CACHE", str(tmp_path / "cache"))
+    pinned = {f: md5 for f, md5 in BUILTIN_MD5[name].items() if f.startswith(("tokenizer", "chat_template"))}
+    info = {"source": f"builtin:{name}"}
+    models.materialize_tokenizer(f"builtin:{name}", tmp_path / "from_gguf", info)
+    if converted:  # as a first conversion left it
+        shutil.copytree(converted, models.builtin_cache_dir(name), ignore=shutil.ignore_patterns(models.INFO_FILE))
+    else:
+        models.dequantised_builtin(name)
+    monkeypatch.setattr(models, "builtin_tokenizer", lambda *a: pytest.fail("the GGUF read although the cache holds it"))
+    models.materialize_tokenizer(f"builtin:{name}", tmp_path / "from_cache", info)
+    for folder in ("from_gguf", "from_cache"):
+        md5s = file_md5s(tmp_path / folder)
+        assert md5s.pop(models.INFO_FILE) and md5s == pinned, folder

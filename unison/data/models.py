@@ -172,11 +172,15 @@ def split_spec(spec: str) -> tuple[str, str]:
 
 
 def load_tokenizer(spec: str):
-    """The tokenizer of a model spec, without its weights."""
+    """The tokenizer of a model spec, without its weights; a builtin's from its dequantised folder when the cache holds
+    one (the same files, in a fraction of a second instead of ~10 s of reading the GGUF)."""
     from transformers import AutoTokenizer
 
     kind, name = split_spec(spec)
     if kind == "builtin":
+        cached = builtin_cache_dir(name)
+        if (cached / "config.json").is_file():
+            return AutoTokenizer.from_pretrained(cached)
         return builtin_tokenizer(name, *builtin_gguf(name))
     return AutoTokenizer.from_pretrained(name)
 
