@@ -30,6 +30,8 @@ from flows.pipeline import SERVED_PROJECT, DvcError, pipeline, rerun_on_data_cha
 from flows.serve import deployments  # noqa: E402
 from unison.config import ROOT  # noqa: E402
 
+from .local_http import free_port  # noqa: E402
+
 pytestmark = pytest.mark.filterwarnings("ignore:_NoneStep.value:DeprecationWarning")  # inside DVC's graph code
 
 STEP = """\
@@ -187,12 +189,6 @@ def test_served_deployments_take_no_directory(toy, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="retries must be 0 to 5"):
         served_pipeline.fn(retries=6)
     assert served_pipeline(stages=["b"]) == ["a", "b"] and [stage for stage, _ in executed(toy)] == ["a", "b"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

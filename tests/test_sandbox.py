@@ -385,10 +385,9 @@ def test_a_stage_starts_with_cgroups_and_says_so(cgroup):
 @pytest.mark.parametrize("code, memory_mb", [(MEMFD_BOMB, 256), (SYSV_SHM_BOMB, 256), (FORK_BOMB, 256), (TMPFS_FILL, 32)],
                          ids=["memfd", "sysv_shm", "forks", "tmpfs"])
 def test_a_run_is_bounded_as_a_whole(cgroup, code, memory_mb):
-    result = run_python(code, memory_mb=memory_mb)
+    result = run_python(code, memory_mb=memory_mb, timeout_s=60)  # the memory limit ends it, however loaded the machine
     assert result.error == "memory" and "escaped" not in result.output, result
     assert 0 < result.peak_memory_mb <= memory_mb, result
-    assert result.elapsed_s < 5
     assert run_children(cgroup) == []  # each run's cgroup is gone with it
 
 
