@@ -435,6 +435,10 @@ BUILTIN_MD5 = {
 }
 
 
+def test_every_builtin_model_has_its_files_pinned():
+    assert set(BUILTIN_MD5) == set(models.BUILTIN_GGUF)
+
+
 def file_md5s(folder: Path) -> dict[str, str]:
     md5s = {}
     for f in sorted(folder.iterdir()):
