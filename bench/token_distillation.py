@@ -33,8 +33,9 @@ budget for every row. It wins over a row's own settings: `--set rl.outcome_weigh
 beside the teacher's.
 
 On a CPU a row of tens of steps takes hours, so a run stopped part-way goes on when the same command is run again: a
-row (or the teacher's row) finished with the same setup is read back from its copy, and a one-phase row's copy stopped
-part-way is kept, its rl stage resuming from its checkpoint (the OPD -> RL rows start again).
+row (or the teacher's row) finished with the same setup is read back from its copy, and a row's copy stopped part-way is
+kept: a finished phase of an OPD -> RL row is not trained again, and the rl stage stopped part-way resumes from its
+checkpoint.
 """
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
              "topk": topk}
     if (done := finished(project, setup)) is not None:
         return done
-    if method == "opd_rl" or not same_setup(project, setup):
+    if not same_setup(project, setup):
         fresh_copy(demo, project, teacher, setup)  # else a copy stopped part-way: the steps below repeat; its stages resume
     py = sys.executable
     if all_prompts:
@@ -205,7 +206,9 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
 
     steps = steps or yaml.safe_load((project / "params.yaml").read_text())["rl"]["steps"]
     pre_s, extra = 0.0, {}
-    if start == "base":
+    phases_path = project / "bench_phases.json"  # the figures of each phase finished, its student kept in models/phase<i>
+    phases = json.loads(phases_path.read_text()) if phases_path.is_file() else []
+    if start == "base" and not phases:
         shutil.rmtree(project / "models/sft")
         shutil.copytree(project / "models/base", project / "models/sft", copy_function=os.link)
     if method == "kd_opd":
@@ -215,14 +218,20 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
         run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/sft')")
         sft = json.loads((project / "reports/bench_eval.json").read_text())
         extra = {"sft_kd_em": sft["em"], "sft_kd_em_lo": sft["em_lo"], "sft_kd_em_hi": sft["em_hi"], "sft_kd_s": pre_s}
-    phases = []
-    for i, (changes, n) in enumerate(phases_of(method, steps)):
+    plan = phases_of(method, steps)
+    for i, (changes, n) in enumerate(plan):
+        if i < len(phases):
+            continue
         if i:  # the phase before's student starts this one
             shutil.rmtree(project / "models/sft")
-            os.replace(project / "models/rl", project / "models/sft")
+            shutil.copytree(project / f"models/phase{i - 1}", project / "models/sft", copy_function=os.link)
         set_params(project, {**changes, **overrides, "rl.steps": n})
         run(project, py, "-m", "stages.rl")
         phases.append(rl_figures(project))
+        if i < len(plan) - 1:  # kept before it counts as finished, so a stop between the two re-runs this phase
+            shutil.rmtree(project / f"models/phase{i}", ignore_errors=True)
+            os.replace(project / "models/rl", project / f"models/phase{i}")
+            write_json(phases, phases_path)
     run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/rl')")
     figures = joined(phases)
     result = {**measured(project), **figures, "train_s": figures["train_s"] + pre_s, "budget": steps, **extra}

@@ -117,3 +117,40 @@ def test_an_opd_row_has_no_outcome_term_unless_set_and_the_opd_rl_row_runs_opd_t
     td.row("base_opd", *args, {"rl.outcome_weight": 1.0}, False)
     td.row("sft_opd_rl", *args, {"rl.outcome_weight": 0.5}, False)
     assert seen == [("opd", 0.0, 4), ("opd", 1.0, 4), ("opd", 0.5, 2), ("reward", 0.5, 2)]
+
+
+def test_an_opd_rl_row_stopped_in_its_rl_phase_keeps_its_opd_phase_and_starts_the_rl_phase_from_its_student(tmp_path, monkeypatch):
+    """The stages are stood in for: each rl run writes as its student the one it started from plus one line; the RL
+    phase dies once. The same command again does not train the OPD phase again and starts RL from the OPD student."""
+    import yaml
+
+    import bench.token_distillation as td
+
+    demo, work, calls = fake_demo(tmp_path / "demo"), tmp_path / "work", []
+    (demo / "models/sft/weights").write_text("sft\n")
+
+    def stage(project, *cmd):
+        if cmd[-1] == "stages.rl":
+            objective = yaml.safe_load((project / "params.yaml").read_text())["rl"]["objective"]
+            calls.append(objective)
+            if calls == ["opd", "reward"]:
+                raise RuntimeError("killed")
+            (project / "models/rl").mkdir(exist_ok=True)
+            (project / "models/rl/weights").write_text((project / "models/sft/weights").read_text() + f"{objective}\n")
+            write_run(project / "run", steps=2, probe_every=1, start=1.0)
+            for name in ("rl_curve.csv", "rl.json"):
+                (project / "reports" / name).write_bytes((project / "run/reports" / name).read_bytes())
+            shutil.rmtree(project / "run")
+        else:
+            (project / "reports/bench_eval.json").write_text(json.dumps({"em": 0.5, "em_lo": 0.4, "em_hi": 0.6, "questions": 8}))
+        return 1.0
+
+    monkeypatch.setattr(td, "run", stage)
+    args = (demo, work, demo / "teacher", 4, 0.5, 8, {}, False)
+    with pytest.raises(RuntimeError, match="killed"):
+        td.row("sft_opd_rl", *args)
+    result = td.row("sft_opd_rl", *args)
+    assert calls == ["opd", "reward", "reward"]
+    assert (work / "sft_opd_rl@4/models/rl/weights").read_text() == "sft\nopd\nreward\n"
+    assert (demo / "models/sft/weights").read_text() == "sft\n"  # the demo's own student, linked into the copy, untouched
+    assert result["rl_steps"] == 4 and [s for s, _ in result["probe_curve"]] == [0, 1, 2, 3, 4]
