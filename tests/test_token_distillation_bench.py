@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 
 import pytest
 
@@ -13,7 +12,7 @@ from bench.token_distillation import joined, rl_figures
 
 def write_run(project, steps: int, probe_every: int, start: float) -> None:
     """An rl run's reports as stages/rl writes them: the probe's start on step 1's row, its value on probed steps only."""
-    (project / "reports").mkdir(parents=True)
+    (project / "reports").mkdir(parents=True, exist_ok=True)
     rows = []
     for step in range(1, steps + 1):
         row = {"step": step, "episodes": 4, "response_tokens": 10.0, "kl_teacher": 0.5 / step, "probe_kl": "", "probe_kl_start": ""}
@@ -44,6 +43,10 @@ def test_joined_phases_count_steps_on_and_drop_the_later_start_probe(tmp_path):
     assert both["rl_steps"] == 8 and both["train_s"] == 32.0 and both["teacher_tokens"] == 200
 
 
+def write_eval(project) -> None:
+    (project / "reports/bench_eval.json").write_text(json.dumps({"em": 0.5, "em_lo": 0.4, "em_hi": 0.6, "questions": 8}))
+
+
 def fake_demo(root):
     for folder in ("data/raw", "models/base", "models/sft", "models/rl", "models/teacher", "reports"):
         (root / folder).mkdir(parents=True)
@@ -68,11 +71,9 @@ def test_a_row_stopped_part_way_goes_on_in_its_copy_and_a_finished_row_is_read_b
             if calls.count("stages.rl") == 1:
                 (project / "data/.cache/left-by-the-stopped-run").touch()
                 raise RuntimeError("killed")
-            write_run(project / "run", steps=2, probe_every=1, start=1.0)
-            for name in ("rl_curve.csv", "rl.json"):
-                (project / "reports" / name).write_bytes((project / "run/reports" / name).read_bytes())
+            write_run(project, steps=2, probe_every=1, start=1.0)
         else:
-            (project / "reports/bench_eval.json").write_text(json.dumps({"em": 0.5, "em_lo": 0.4, "em_hi": 0.6, "questions": 8}))
+            write_eval(project)
         return 1.0
 
     monkeypatch.setattr(td, "run", stage)
@@ -103,12 +104,9 @@ def test_an_opd_row_has_no_outcome_term_unless_set_and_the_opd_rl_row_runs_opd_t
             rl = yaml.safe_load((project / "params.yaml").read_text())["rl"]
             seen.append((rl["objective"], rl.get("outcome_weight"), rl["steps"]))
             (project / "models/rl").mkdir(exist_ok=True)
-            write_run(project / "run", steps=rl["steps"], probe_every=1, start=1.0)
-            for name in ("rl_curve.csv", "rl.json"):
-                (project / "reports" / name).write_bytes((project / "run/reports" / name).read_bytes())
-            shutil.rmtree(project / "run")
+            write_run(project, steps=rl["steps"], probe_every=1, start=1.0)
         else:
-            (project / "reports/bench_eval.json").write_text(json.dumps({"em": 0.5, "em_lo": 0.4, "em_hi": 0.6, "questions": 8}))
+            write_eval(project)
         return 1.0
 
     monkeypatch.setattr(td, "run", stage)
@@ -137,12 +135,9 @@ def test_an_opd_rl_row_stopped_in_its_rl_phase_keeps_its_opd_phase_and_starts_th
                 raise RuntimeError("killed")
             (project / "models/rl").mkdir(exist_ok=True)
             (project / "models/rl/weights").write_text((project / "models/sft/weights").read_text() + f"{objective}\n")
-            write_run(project / "run", steps=2, probe_every=1, start=1.0)
-            for name in ("rl_curve.csv", "rl.json"):
-                (project / "reports" / name).write_bytes((project / "run/reports" / name).read_bytes())
-            shutil.rmtree(project / "run")
+            write_run(project, steps=2, probe_every=1, start=1.0)
         else:
-            (project / "reports/bench_eval.json").write_text(json.dumps({"em": 0.5, "em_lo": 0.4, "em_hi": 0.6, "questions": 8}))
+            write_eval(project)
         return 1.0
 
     monkeypatch.setattr(td, "run", stage)
