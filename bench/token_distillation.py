@@ -35,7 +35,9 @@ beside the teacher's.
 On a CPU a row of tens of steps takes hours, so a run stopped part-way goes on when the same command is run again: a
 row (or the teacher's row) finished with the same setup is read back from its copy, and a row's copy stopped part-way is
 kept: a finished phase of an OPD -> RL row is not trained again, and the rl stage stopped part-way resumes from its
-checkpoint.
+checkpoint. The OPD half of `sft_opd_rl` at a budget of 2n steps is the `sft_opd` row at n (the same params, student and
+seeds): whichever of the two a run of the same setup finished first, the other takes its student and figures instead
+of training them again (likewise from the base).
 """
 from __future__ import annotations
 
@@ -225,9 +227,16 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
         if i:  # the phase before's student starts this one
             shutil.rmtree(project / "models/sft")
             shutil.copytree(project / f"models/phase{i - 1}", project / "models/sft", copy_function=os.link)
-        set_params(project, {**changes, **overrides, "rl.steps": n})
-        run(project, py, "-m", "stages.rl")
-        phases.append(rl_figures(project))
+        if i == 0 and method in ("opd", "opd_rl") and (done := finished_opd(work, start, n, setup, project)) is not None:
+            figures, student = done  # the same run another row of this setup finished: its student and figures
+            shutil.rmtree(project / "models/rl", ignore_errors=True)
+            shutil.copytree(student, project / "models/rl", copy_function=os.link)
+            phases.append(figures)
+            print(f"token_distillation: {project.name}: {n} OPD steps from {start} reused from {student.parent.parent.name}", flush=True)
+        else:
+            set_params(project, {**changes, **overrides, "rl.steps": n})
+            run(project, py, "-m", "stages.rl")
+            phases.append(rl_figures(project))
         if i < len(plan) - 1:  # kept before it counts as finished, so a stop between the two re-runs this phase
             shutil.rmtree(project / f"models/phase{i}", ignore_errors=True)
             os.replace(project / "models/rl", project / f"models/phase{i}")
@@ -237,6 +246,22 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
     result = {**measured(project), **figures, "train_s": figures["train_s"] + pre_s, "budget": steps, **extra}
     write_json(result, project / "bench_row.json")
     return result
+
+
+FIGURES = ("train_s", "student_tokens", "teacher_tokens", "kl_curve", "probe_curve", "rl_steps")  # rl_figures' keys
+
+
+def finished_opd(work: Path, start: str, steps: int, setup: dict, project: Path) -> tuple[dict, Path] | None:
+    """`steps` OPD steps from `start` that another row of the same setup finished (the `<start>_opd@<steps>` row, or the
+    first phase of `<start>_opd_rl@<2 steps>`: the same run, with the same params, student and seeds): their figures and
+    their student's folder; else None."""
+    single, hybrid = work / f"{start}_opd@{steps}", work / f"{start}_opd_rl@{2 * steps}"
+    if single != project and same_setup(single, setup) and (single / "bench_row.json").is_file():
+        row_figures = json.loads((single / "bench_row.json").read_text())
+        return {k: row_figures[k] for k in FIGURES}, single / "models/rl"
+    if hybrid != project and same_setup(hybrid, setup) and (hybrid / "bench_phases.json").is_file():
+        return json.loads((hybrid / "bench_phases.json").read_text())[0], hybrid / "models/phase0"
+    return None
 
 
 def fresh_copy(demo: Path, project: Path, teacher: Path, setup: dict) -> None:

@@ -149,3 +149,40 @@ def test_an_opd_rl_row_stopped_in_its_rl_phase_keeps_its_opd_phase_and_starts_th
     assert (work / "sft_opd_rl@4/models/rl/weights").read_text() == "sft\nopd\nreward\n"
     assert (demo / "models/sft/weights").read_text() == "sft\n"  # the demo's own student, linked into the copy, untouched
     assert result["rl_steps"] == 4 and [s for s, _ in result["probe_curve"]] == [0, 1, 2, 3, 4]
+
+
+def test_the_opd_row_at_n_steps_and_the_opd_half_of_the_opd_rl_row_at_2n_are_trained_once_for_both(tmp_path, monkeypatch):
+    """The stages are stood in for, as above. Whichever row runs first trains the n OPD steps; the other takes that
+    student and its figures: in one order the OPD row only evaluates, in the other the OPD -> RL row trains only RL,
+    from the OPD row's student. Another setup trains again."""
+    import yaml
+
+    import bench.token_distillation as td
+
+    demo, calls = fake_demo(tmp_path / "demo"), []
+    (demo / "models/sft/weights").write_text("sft\n")
+
+    def stage(project, *cmd):
+        if cmd[-1] == "stages.rl":
+            rl = yaml.safe_load((project / "params.yaml").read_text())["rl"]
+            calls.append((project.name, rl["objective"]))
+            (project / "models/rl").mkdir(exist_ok=True)
+            (project / "models/rl/weights").write_text((project / "models/sft/weights").read_text() + f"{rl['objective']}\n")
+            write_run(project, steps=rl["steps"], probe_every=1, start=1.0 if rl["objective"] == "opd" else 0.3)
+        else:
+            write_eval(project)
+        return 1.0
+
+    monkeypatch.setattr(td, "run", stage)
+    for first, second, work in (("sft_opd_rl", "sft_opd", tmp_path / "a"), ("sft_opd", "sft_opd_rl", tmp_path / "b")):
+        calls.clear()
+        budget = {"sft_opd_rl": 4, "sft_opd": 2}
+        one = td.row(first, demo, work, demo / "teacher", budget[first], 0.5, 8, {}, False)
+        two = td.row(second, demo, work, demo / "teacher", budget[second], 0.5, 8, {}, False)
+        hybrid, opd = (one, two) if first == "sft_opd_rl" else (two, one)
+        assert calls == [(f"{first}@{budget[first]}", "opd"), ("sft_opd_rl@4", "reward")]  # OPD trained once
+        assert (work / "sft_opd@2/models/rl/weights").read_text() == "sft\nopd\n"
+        assert (work / "sft_opd_rl@4/models/rl/weights").read_text() == "sft\nopd\nreward\n"
+        assert opd["probe_curve"] == hybrid["probe_curve"][:3] and opd["train_s"] * 2 == hybrid["train_s"]
+    td.row("sft_opd", demo, tmp_path / "a", demo / "teacher", 2, 0.5, 8, {"rl.lr": 5e-5}, False)  # another setup: trained
+    assert calls[-1] == ("sft_opd@2", "opd")
