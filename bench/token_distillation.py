@@ -20,7 +20,8 @@ curriculum. `--set rl.probe_prompts=K` holds K of them out and measures the reve
 the first step and after every `rl.probe_every`-th (the curve that shows whether OPD reduces its own objective; a
 probe costs group_size episodes a held-out prompt, so a long run probes every few steps). Each row: EM with its
 Wilson 95% interval, training seconds (the rl stage's rollout, reward and update time, without the probe), student
-tokens sampled, teacher tokens scored, the reverse KL of the training batches and of the probe per step. Plots:
+tokens sampled, teacher tokens scored, the reverse KL of the training batches and of the probe per step; the student
+each row starts from (`sft`, `base`) is scored too, its own row at 0 training seconds. Plots:
 reports/token_distillation.png (the probe's KL per step) and reports/token_distillation_em.png (EM against training
 seconds, one line per row over the budgets). Figures merge into reports/bench.json under "token_distillation", one
 entry per row and budget, so runs of a few rows at a time add up.
@@ -294,22 +295,37 @@ def make_teacher(work: Path, train_questions: int) -> Path:
     return project / "models/sft"
 
 
-def teacher_row(demo: Path, work: Path, teacher: Path) -> dict:
-    """The token-level teacher itself on the demo's test questions, acting as a student does (`single`, evaluate's
-    temperature)."""
-    project, setup = work / "teacher_eval", {"demo": str(demo), "teacher": str(teacher)}
+def model_row(demo: Path, work: Path, teacher: Path, name: str) -> dict:
+    """One model of a copy, models/<name>, on the demo's test questions, acting as a student does (`single`, evaluate's
+    temperature): the token-level teacher (`teacher`), or the student a row starts from (`sft`, `base`)."""
+    project, setup = work / f"{name}_eval", {"demo": str(demo), "teacher": str(teacher)}
     if (done := finished(project, setup)) is not None:
         return done
     fresh_copy(demo, project, teacher, setup)
-    run(project, sys.executable, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/teacher')")
+    run(project, sys.executable, "-c", f"from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/{name}')")
     result = measured(project)
     write_json(result, project / "bench_row.json")
     return result
 
 
+def em_lines(rows: dict) -> dict[str, list[tuple]]:
+    """Per method (the rows' names without the budget): its (training seconds, EM, low, high) over the budgets, from the
+    student it starts from at 0 s when that was scored."""
+    lines = {}
+    for key, r in rows.items():
+        name = key.split("@")[0]
+        if "_" in name:  # a method's row; `teacher`, `sft` and `base` are models'
+            lines.setdefault(name, []).append((r["train_s"], r["em"], r["em_lo"], r["em_hi"]))
+    for name, points in lines.items():
+        if (start := rows.get(name.split("_")[0])) is not None:
+            points.append((0.0, start["em"], start["em_lo"], start["em_hi"]))
+        points.sort()
+    return lines
+
+
 def plot(rows: dict, probe_path: Path, em_path: Path) -> None:
     """The probe's reverse KL per step, one line per row and budget; EM against training seconds, one line per row over
-    its budgets, with the intervals."""
+    its budgets from the student it starts from (at 0 s), with the intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -331,8 +347,7 @@ def plot(rows: dict, probe_path: Path, em_path: Path) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for name in dict.fromkeys(key.split("@")[0] for key in rows if key != "teacher"):
-        points = sorted((r["train_s"], r["em"], r["em_lo"], r["em_hi"]) for key, r in rows.items() if key.split("@")[0] == name)
+    for name, points in em_lines(rows).items():
         xs, ems, los, his = zip(*points)
         ax.errorbar(xs, ems, yerr=[[e - lo for e, lo in zip(ems, los)], [hi - e for e, hi in zip(ems, his)]], marker="o",
                     capsize=3, label=name)
@@ -374,9 +389,11 @@ def main() -> None:
     else:
         teacher = (args.teacher or demo / "models/rl").resolve()
     if args.make_teacher or args.teacher:
-        results["teacher"] = teacher_row(demo, work, teacher)
+        results["teacher"] = model_row(demo, work, teacher, "teacher")
         print(f"token_distillation: the teacher {teacher}: EM {results['teacher']['em']:.3f} "
               f"[{results['teacher']['em_lo']:.3f}, {results['teacher']['em_hi']:.3f}]", flush=True)
+    for start in dict.fromkeys(name.split("_")[0] for name in args.rows.split(",")):  # each row's start, at 0 s
+        results[start] = model_row(demo, work, teacher, start)
     for budget in budgets:
         for name in args.rows.split(","):
             t0 = time.perf_counter()

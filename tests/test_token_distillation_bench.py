@@ -186,3 +186,18 @@ def test_the_opd_row_at_n_steps_and_the_opd_half_of_the_opd_rl_row_at_2n_are_tra
         assert opd["probe_curve"] == hybrid["probe_curve"][:3] and opd["train_s"] * 2 == hybrid["train_s"]
     td.row("sft_opd", demo, tmp_path / "a", demo / "teacher", 2, 0.5, 8, {"rl.lr": 5e-5}, False)  # another setup: trained
     assert calls[-1] == ("sft_opd@2", "opd")
+
+
+def test_each_methods_em_line_runs_over_its_budgets_from_the_student_it_starts_from_at_zero_seconds():
+    from bench.token_distillation import em_lines
+
+    def scored(em, train_s=None):
+        return {"em": em, "em_lo": em - 0.1, "em_hi": em + 0.1, **({} if train_s is None else {"train_s": train_s})}
+
+    rows = {"teacher": scored(0.97), "sft": scored(0.28), "sft_rl@32": scored(0.32, 4000.0), "sft_rl@8": scored(0.27, 900.0),
+            "sft_opd_rl@8": scored(0.33, 800.0), "base_opd@8": scored(0.0, 990.0)}
+    lines = em_lines(rows)
+    assert set(lines) == {"sft_rl", "sft_opd_rl", "base_opd"}
+    assert [(x, em) for x, em, _, _ in lines["sft_rl"]] == [(0.0, 0.28), (900.0, 0.27), (4000.0, 0.32)]
+    assert [x for x, *_ in lines["sft_opd_rl"]] == [0.0, 800.0]
+    assert [x for x, *_ in lines["base_opd"]] == [990.0]  # the base student was not scored: no start point
