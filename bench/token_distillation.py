@@ -7,7 +7,7 @@ Rows (each trained in its own copy of the demo project: data and models hard-lin
   sft_opd      SFT -> OPD (rl.objective opd, outcome_weight 0 unless `--set` gives one, the demo's rl settings otherwise)
   base_opd     OPD from the base student
   sft_kd_opd   SFT with logit KD (the teacher's top-k on the demo's trajectories, sft.kd_weight) -> OPD
-  sft_opd_rl   SFT -> OPD for half the budget, then RL for the other half (OPD annealed into RL, in two phases)
+  sft_opd_rl   SFT -> OPD for half the budget, then RL for the other half, in one run (rl.opd_steps)
   base_opd_rl  the same from the base student
 The token-level teacher is `--teacher` (a model folder), or `--make-teacher N`: a SmolLM2 student that the pipeline
 trains (dvc repro sft, one epoch, bench/expert_demo.py) on the scripted expert's trajectories of N train questions of
@@ -35,10 +35,7 @@ beside the teacher's.
 
 On a CPU a row of tens of steps takes hours, so a run stopped part-way goes on when the same command is run again: a
 row (or the teacher's row) finished with the same setup is read back from its copy, and a row's copy stopped part-way is
-kept: a finished phase of an OPD -> RL row is not trained again, and the rl stage stopped part-way resumes from its
-checkpoint. The OPD half of `sft_opd_rl` at a budget of 2n steps is the `sft_opd` row at n (the same params, student and
-seeds): whichever of the two a run of the same setup finished first, the other takes its student and figures instead
-of training them again (likewise from the base).
+kept: the rl stage stopped part-way resumes from its checkpoint.
 """
 from __future__ import annotations
 
@@ -164,28 +161,19 @@ def rl_figures(project: Path) -> dict:
             "rl_steps": report["steps"]}
 
 
-def joined(phases: list[dict]) -> dict:
-    """The figures of phases trained one after the other as one run: a later phase's steps count on from the earlier
-    phases', and its start probe, which repeats the end of the one before, is dropped."""
-    out = {k: sum(p[k] for p in phases) for k in ("train_s", "student_tokens", "teacher_tokens", "rl_steps")}
-    out["kl_curve"] = [v for p in phases for v in p["kl_curve"]]
-    out["probe_curve"], before = list(phases[0]["probe_curve"]), phases[0]["rl_steps"]
-    for p in phases[1:]:
-        out["probe_curve"] += [[before + step, kl] for step, kl in p["probe_curve"][1:]]
-        before += p["rl_steps"]
-    return out
-
-
 def measured(project: Path) -> dict:
     m = json.loads((project / "reports/bench_eval.json").read_text())
     return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], "n": m["questions"]}
 
 
-def phases_of(method: str, steps: int) -> list[tuple[dict, int]]:
-    """(param changes, steps) of each rl run a row's method makes of a budget of `steps`."""
+def method_params(method: str, steps: int) -> dict:
+    """The rl params a row's method sets for a budget of `steps`: OPD, OPD for the first half then RL (rl.opd_steps,
+    one run), or RL (the demo's)."""
     if method == "opd_rl":
-        return [(OPD, steps // 2), ({"rl.objective": "reward"}, steps - steps // 2)]
-    return [(OPD if method in ("opd", "kd_opd") else {}, steps)]
+        if steps < 2:
+            raise SystemExit(f"token_distillation: an OPD -> RL row needs a budget of 2 steps or more, got {steps}")
+        return {"rl.objective": "reward", "rl.opd_steps": steps // 2, "rl.outcome_weight": 0.0}
+    return OPD if method in ("opd", "kd_opd") else {}
 
 
 def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_weight: float, topk: int, overrides: dict,
@@ -209,9 +197,7 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
 
     steps = steps or yaml.safe_load((project / "params.yaml").read_text())["rl"]["steps"]
     pre_s, extra = 0.0, {}
-    phases_path = project / "bench_phases.json"  # the figures of each phase finished, its student kept in models/phase<i>
-    phases = json.loads(phases_path.read_text()) if phases_path.is_file() else []
-    if start == "base" and not phases:
+    if start == "base":
         shutil.rmtree(project / "models/sft")
         shutil.copytree(project / "models/base", project / "models/sft", copy_function=os.link)
     if method == "kd_opd":
@@ -221,48 +207,13 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
         run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/sft')")
         sft = json.loads((project / "reports/bench_eval.json").read_text())
         extra = {"sft_kd_em": sft["em"], "sft_kd_em_lo": sft["em_lo"], "sft_kd_em_hi": sft["em_hi"], "sft_kd_s": pre_s}
-    plan = phases_of(method, steps)
-    for i, (changes, n) in enumerate(plan):
-        if i < len(phases):
-            continue
-        if i:  # the phase before's student starts this one
-            shutil.rmtree(project / "models/sft")
-            shutil.copytree(project / f"models/phase{i - 1}", project / "models/sft", copy_function=os.link)
-        if i == 0 and method in ("opd", "opd_rl") and (done := finished_opd(work, start, n, setup, project)) is not None:
-            figures, student = done  # the same run another row of this setup finished: its student and figures
-            shutil.rmtree(project / "models/rl", ignore_errors=True)
-            shutil.copytree(student, project / "models/rl", copy_function=os.link)
-            phases.append(figures)
-            print(f"token_distillation: {project.name}: {n} OPD steps from {start} reused from {student.parent.parent.name}", flush=True)
-        else:
-            set_params(project, {**changes, **overrides, "rl.steps": n})
-            run(project, py, "-m", "stages.rl")
-            phases.append(rl_figures(project))
-        if i < len(plan) - 1:  # kept before it counts as finished, so a stop between the two re-runs this phase
-            shutil.rmtree(project / f"models/phase{i}", ignore_errors=True)
-            os.replace(project / "models/rl", project / f"models/phase{i}")
-            write_json(phases, phases_path)
+    set_params(project, {**method_params(method, steps), **overrides, "rl.steps": steps})
+    run(project, py, "-m", "stages.rl")
     run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/rl')")
-    figures = joined(phases)
+    figures = rl_figures(project)
     result = {**measured(project), **figures, "train_s": figures["train_s"] + pre_s, "budget": steps, **extra}
     write_json(result, project / "bench_row.json")
     return result
-
-
-FIGURES = ("train_s", "student_tokens", "teacher_tokens", "kl_curve", "probe_curve", "rl_steps")  # rl_figures' keys
-
-
-def finished_opd(work: Path, start: str, steps: int, setup: dict, project: Path) -> tuple[dict, Path] | None:
-    """`steps` OPD steps from `start` that another row of the same setup finished (the `<start>_opd@<steps>` row, or the
-    first phase of `<start>_opd_rl@<2 steps>`: the same run, with the same params, student and seeds): their figures and
-    their student's folder; else None."""
-    single, hybrid = work / f"{start}_opd@{steps}", work / f"{start}_opd_rl@{2 * steps}"
-    if single != project and same_setup(single, setup) and (single / "bench_row.json").is_file():
-        row_figures = json.loads((single / "bench_row.json").read_text())
-        return {k: row_figures[k] for k in FIGURES}, single / "models/rl"
-    if hybrid != project and same_setup(hybrid, setup) and (hybrid / "bench_phases.json").is_file():
-        return json.loads((hybrid / "bench_phases.json").read_text())[0], hybrid / "models/phase0"
-    return None
 
 
 def fresh_copy(demo: Path, project: Path, teacher: Path, setup: dict) -> None:

@@ -47,7 +47,8 @@ def main() -> None:
                       + ([layout.TEACHER] if rl.scores_with_teacher else []))
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {rl.steps} steps x "
-              f"{rl.prompts_per_step} prompts x {rl.group_size} rollouts, objective {rl.objective}, estimator "
+              f"{rl.prompts_per_step} prompts x {rl.group_size} rollouts, objective {rl.objective}"
+              + (f" after {rl.opd_steps} OPD steps" if rl.opd_steps else "") + ", estimator "
               f"{rl.estimator}, rollouts on {rl.rollout_backend}"
               + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}"
                  if rl.student_role == "agentflow_planner" else ""),
@@ -60,14 +61,15 @@ def main() -> None:
             return
         write_records_csv(records, CURVE_CSV)
         first, last = records[0], records[-1]
+        distilled = [r for r in records if "kl_teacher" in r]  # rl.objective opd, or rl.opd_steps' first steps
         metrics = {"steps": len(records), "prompts": len(rows), "first_reward": first["reward_total"],
                    "final_reward": last["reward_total"], "first_accuracy": first["accuracy"],
                    "final_accuracy": last["accuracy"], "final_tool_call_rate": last["tool_call_rate"],
                    "mean_kept_groups": sum(r["kept_groups"] for r in records) / len(records),
                    **{f"{k}_total": sum(r[k] for r in records) for k in ("rollout_s", "reward_s", "train_s")},
-                   **({"first_kl_teacher": first["kl_teacher"], "final_kl_teacher": last["kl_teacher"],
-                       "teacher_tokens_total": sum(r["teacher_tokens"] for r in records)}
-                      if "kl_teacher" in last else {}),
+                   **({"first_kl_teacher": distilled[0]["kl_teacher"], "final_kl_teacher": distilled[-1]["kl_teacher"],
+                       "teacher_tokens_total": sum(r["teacher_tokens"] for r in distilled)}
+                      if distilled else {}),
                    **({"probe_kl_start": first["probe_kl_start"], "final_probe_kl": last["probe_kl"]}
                       if "probe_kl_start" in first else {})}
         write_json(metrics, layout.report("rl"))
@@ -76,8 +78,8 @@ def main() -> None:
 
 def rl_setup(params) -> RLSetup:
     """The run's settings as one bundle; rank 0, which rolls out and scores, also gets the toolbox, the PRM
-    (rl.prm_weight > 0), the teacher (rl.objective opd) and AgentFlow's fixed modules (rl.student_role
-    agentflow_planner)."""
+    (rl.prm_weight > 0), the teacher (rl.objective opd, rl.opd_steps, rl.probe_prompts) and AgentFlow's fixed modules
+    (rl.student_role agentflow_planner)."""
     rl, rank0 = params.rl, is_main_process()
     tools = enabled_tools(params.tools)
     planner = rl.student_role == "agentflow_planner" and rank0

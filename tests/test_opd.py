@@ -260,6 +260,20 @@ def test_length_collapse_warns_when_episodes_shorten_as_the_kl_rises():
                                                                          {"response_tokens": 20, "kl_teacher": 0.2}])
 
 
+def resumed_after_a_kill(student, cfg, tmp_path, teacher, step: int) -> tuple[list[int], list[dict]]:
+    """A run in tmp_path/resumed killed as it logs `step`, then run again: the steps the second run trained, its
+    records."""
+    def kill(rec):
+        if rec["step"] == step:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(student, cfg, tmp_path, "resumed", on_step=kill, teacher=teacher)
+    trained = []
+    records = run(student, cfg, tmp_path, "resumed", on_step=lambda rec: trained.append(rec["step"]), teacher=teacher)
+    return trained, records
+
+
 @pytest.mark.slow
 def test_opd_moves_the_student_toward_its_teacher_and_resumes_after_a_kill(tiny_model_dir, tmp_path):
     """The student was taught Paris and Rome, the teacher Paris only; the teacher scores the student's tokens. After one
@@ -277,18 +291,42 @@ def test_opd_moves_the_student_toward_its_teacher_and_resumes_after_a_kill(tiny_
         assert r["teacher_tokens"] == round(r["response_tokens"] * r["episodes"])
     assert records[1]["kl_teacher"] < 0.9 * records[0]["kl_teacher"], [r["kl_teacher"] for r in records]
     assert records[0]["loss"] == pytest.approx(records[0]["kl_teacher"], rel=1e-6)  # ratio 1 at the first update: -mean(A) = KL
-
-    def kill(rec):
-        if rec["step"] == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        run(student, cfg, tmp_path, "resumed", on_step=kill, teacher=teacher)
-    trained = []
-    run(student, cfg, tmp_path, "resumed", on_step=lambda rec: trained.append(rec["step"]), teacher=teacher)
+    trained, _ = resumed_after_a_kill(student, cfg, tmp_path, teacher, step=2)
     assert trained == [2]
     a, b = state(tmp_path / "straight" / "out"), state(tmp_path / "resumed" / "out")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_opd_steps_distil_first_then_train_on_rewards_in_one_run_that_resumes_across_the_switch(tiny_model_dir, tmp_path):
+    """rl.opd_steps 2 of 3 steps: the first two steps are the steps of an OPD run of the same seeds (the same batches,
+    losses and KL), the third trains on the rewards (no teacher term); a run killed in the RL step resumes there from
+    the checkpoint of the last OPD step and ends with the same weights."""
+    student = teach_answers(tiny_model_dir, tmp_path / "student")
+    teacher = HFBackend(str(teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))), dtype="float32")
+    common = dict(lr=1e-4, warmup_ratio=0.0, dynamic_sampling=True)
+    opd = run(student, rl_config(steps=2, objective="opd", **common), tmp_path, "opd", teacher=teacher)
+    cfg = rl_config(steps=3, opd_steps=2, **common)
+    hybrid = run(student, cfg, tmp_path, "hybrid", teacher=teacher)
+    assert ["kl_teacher" in r for r in hybrid] == [True, True, False]
+    for a, b in zip(opd, hybrid):
+        assert (a["kl_teacher"], a["loss"], a["response_tokens"]) == (b["kl_teacher"], b["loss"], b["response_tokens"])
+    assert "teacher_tokens" not in hybrid[2] and hybrid[2]["accuracy"] >= 0
+    trained, resumed = resumed_after_a_kill(student, cfg, tmp_path, teacher, step=3)
+    assert trained == [3] and resumed[-1]["loss"] == hybrid[2]["loss"]
+    a, b = state(tmp_path / "hybrid" / "out"), state(tmp_path / "resumed" / "out")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_opd_steps_are_refused_where_they_cannot_run():
+    with pytest.raises(ValueError, match="rl.opd_steps 2 leaves none of rl.steps 2 to RL"):
+        RLConfig(steps=2, opd_steps=2)
+    with pytest.raises(ValueError, match="rl.objective is opd already"):
+        RLConfig(steps=4, opd_steps=2, objective="opd")
+    with pytest.raises(ValueError, match="rl.objective opd and rl.opd_steps run on rl.trainer unison"):
+        RLConfig(steps=4, opd_steps=2, estimator="flow_grpo")
+    cfg = RLConfig(steps=4, opd_steps=2, kd_weight=1.0)
+    assert cfg.scores_with_teacher and [cfg.at_step(s).objective for s in range(4)] == ["opd", "opd", "reward", "reward"]
 
 
 def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():

@@ -1,5 +1,5 @@
-"""bench/token_distillation's reading of an rl run's reports, its joining of phases (OPD, then RL) into one row, and a stopped
-row going on where it stopped."""
+"""bench/token_distillation's reading of an rl run's reports, the rl params of each row, and a stopped row going on where
+it stopped."""
 from __future__ import annotations
 
 import csv
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.token_distillation import joined, rl_figures
+from bench.token_distillation import rl_figures
 
 
 def write_run(project, steps: int, probe_every: int, start: float) -> None:
@@ -33,14 +33,6 @@ def test_the_probe_curve_keeps_the_steps_it_was_measured_at(tmp_path):
     figures = rl_figures(tmp_path)
     assert figures["probe_curve"] == [[0, 1.2], [2, 1.2 / 3], [4, 1.2 / 5], [5, 1.2 / 6]]
     assert figures["train_s"] == 16.0 and figures["student_tokens"] == 200 and len(figures["kl_curve"]) == 5
-
-
-def test_joined_phases_count_steps_on_and_drop_the_later_start_probe(tmp_path):
-    write_run(tmp_path / "opd", steps=4, probe_every=2, start=1.0)
-    write_run(tmp_path / "rl", steps=4, probe_every=4, start=0.2)
-    both = joined([rl_figures(tmp_path / "opd"), rl_figures(tmp_path / "rl")])
-    assert both["probe_curve"] == [[0, 1.0], [2, 1.0 / 3], [4, 0.2], [8, 0.04]]
-    assert both["rl_steps"] == 8 and both["train_s"] == 32.0 and both["teacher_tokens"] == 200
 
 
 def write_eval(project) -> None:
@@ -90,9 +82,9 @@ def test_a_row_stopped_part_way_goes_on_in_its_copy_and_a_finished_row_is_read_b
     assert calls.count("stages.rl") == 3 and not (work / "sft_opd@2/data/.cache/left-by-the-stopped-run").exists()
 
 
-def test_an_opd_row_has_no_outcome_term_unless_set_and_the_opd_rl_row_runs_opd_then_rl(tmp_path, monkeypatch):
-    """What each rl phase of a row runs with, read from the copy's params.yaml when its rl stage starts (the stages are
-    stood in for): `--set` wins over the row's own settings."""
+def test_an_opd_row_has_no_outcome_term_unless_set_and_the_opd_rl_row_runs_opd_then_rl_in_one_run(tmp_path, monkeypatch):
+    """What each row's rl run runs with, read from the copy's params.yaml when its rl stage starts (the stages are
+    stood in for): `--set` wins over the row's own settings; OPD -> RL is one run, its first half OPD."""
     import yaml
 
     import bench.token_distillation as td
@@ -102,7 +94,7 @@ def test_an_opd_row_has_no_outcome_term_unless_set_and_the_opd_rl_row_runs_opd_t
     def stage(project, *cmd):
         if cmd[-1] == "stages.rl":
             rl = yaml.safe_load((project / "params.yaml").read_text())["rl"]
-            seen.append((rl["objective"], rl.get("outcome_weight"), rl["steps"]))
+            seen.append((rl["objective"], rl.get("outcome_weight"), rl["steps"], rl.get("opd_steps")))
             (project / "models/rl").mkdir(exist_ok=True)
             write_run(project, steps=rl["steps"], probe_every=1, start=1.0)
         else:
@@ -114,78 +106,9 @@ def test_an_opd_row_has_no_outcome_term_unless_set_and_the_opd_rl_row_runs_opd_t
     td.row("sft_opd", *args, {}, False)
     td.row("base_opd", *args, {"rl.outcome_weight": 1.0}, False)
     td.row("sft_opd_rl", *args, {"rl.outcome_weight": 0.5}, False)
-    assert seen == [("opd", 0.0, 4), ("opd", 1.0, 4), ("opd", 0.5, 2), ("reward", 0.5, 2)]
-
-
-def test_an_opd_rl_row_stopped_in_its_rl_phase_keeps_its_opd_phase_and_starts_the_rl_phase_from_its_student(tmp_path, monkeypatch):
-    """The stages are stood in for: each rl run writes as its student the one it started from plus one line; the RL
-    phase dies once. The same command again does not train the OPD phase again and starts RL from the OPD student."""
-    import yaml
-
-    import bench.token_distillation as td
-
-    demo, work, calls = fake_demo(tmp_path / "demo"), tmp_path / "work", []
-    (demo / "models/sft/weights").write_text("sft\n")
-
-    def stage(project, *cmd):
-        if cmd[-1] == "stages.rl":
-            objective = yaml.safe_load((project / "params.yaml").read_text())["rl"]["objective"]
-            calls.append(objective)
-            if calls == ["opd", "reward"]:
-                raise RuntimeError("killed")
-            (project / "models/rl").mkdir(exist_ok=True)
-            (project / "models/rl/weights").write_text((project / "models/sft/weights").read_text() + f"{objective}\n")
-            write_run(project, steps=2, probe_every=1, start=1.0)
-        else:
-            write_eval(project)
-        return 1.0
-
-    monkeypatch.setattr(td, "run", stage)
-    args = (demo, work, demo / "teacher", 4, 0.5, 8, {}, False)
-    with pytest.raises(RuntimeError, match="killed"):
-        td.row("sft_opd_rl", *args)
-    result = td.row("sft_opd_rl", *args)
-    assert calls == ["opd", "reward", "reward"]
-    assert (work / "sft_opd_rl@4/models/rl/weights").read_text() == "sft\nopd\nreward\n"
-    assert (demo / "models/sft/weights").read_text() == "sft\n"  # the demo's own student, linked into the copy, untouched
-    assert result["rl_steps"] == 4 and [s for s, _ in result["probe_curve"]] == [0, 1, 2, 3, 4]
-
-
-def test_the_opd_row_at_n_steps_and_the_opd_half_of_the_opd_rl_row_at_2n_are_trained_once_for_both(tmp_path, monkeypatch):
-    """The stages are stood in for, as above. Whichever row runs first trains the n OPD steps; the other takes that
-    student and its figures: in one order the OPD row only evaluates, in the other the OPD -> RL row trains only RL,
-    from the OPD row's student. Another setup trains again."""
-    import yaml
-
-    import bench.token_distillation as td
-
-    demo, calls = fake_demo(tmp_path / "demo"), []
-    (demo / "models/sft/weights").write_text("sft\n")
-
-    def stage(project, *cmd):
-        if cmd[-1] == "stages.rl":
-            rl = yaml.safe_load((project / "params.yaml").read_text())["rl"]
-            calls.append((project.name, rl["objective"]))
-            (project / "models/rl").mkdir(exist_ok=True)
-            (project / "models/rl/weights").write_text((project / "models/sft/weights").read_text() + f"{rl['objective']}\n")
-            write_run(project, steps=rl["steps"], probe_every=1, start=1.0 if rl["objective"] == "opd" else 0.3)
-        else:
-            write_eval(project)
-        return 1.0
-
-    monkeypatch.setattr(td, "run", stage)
-    for first, second, work in (("sft_opd_rl", "sft_opd", tmp_path / "a"), ("sft_opd", "sft_opd_rl", tmp_path / "b")):
-        calls.clear()
-        budget = {"sft_opd_rl": 4, "sft_opd": 2}
-        one = td.row(first, demo, work, demo / "teacher", budget[first], 0.5, 8, {}, False)
-        two = td.row(second, demo, work, demo / "teacher", budget[second], 0.5, 8, {}, False)
-        hybrid, opd = (one, two) if first == "sft_opd_rl" else (two, one)
-        assert calls == [(f"{first}@{budget[first]}", "opd"), ("sft_opd_rl@4", "reward")]  # OPD trained once
-        assert (work / "sft_opd@2/models/rl/weights").read_text() == "sft\nopd\n"
-        assert (work / "sft_opd_rl@4/models/rl/weights").read_text() == "sft\nopd\nreward\n"
-        assert opd["probe_curve"] == hybrid["probe_curve"][:3] and opd["train_s"] * 2 == hybrid["train_s"]
-    td.row("sft_opd", demo, tmp_path / "a", demo / "teacher", 2, 0.5, 8, {"rl.lr": 5e-5}, False)  # another setup: trained
-    assert calls[-1] == ("sft_opd@2", "opd")
+    assert seen == [("opd", 0.0, 4, None), ("opd", 1.0, 4, None), ("reward", 0.5, 4, 2)]
+    with pytest.raises(SystemExit, match="needs a budget of 2 steps or more"):
+        td.row("sft_opd_rl", demo, tmp_path / "work", demo / "teacher", 1, 0.5, 8, {}, False)
 
 
 def test_each_methods_em_line_runs_over_its_budgets_from_the_student_it_starts_from_at_zero_seconds():

@@ -631,6 +631,9 @@ class RLConfig(TrainingSettings):
                                                 "outcome_weight x advantage")
     outcome_weight: float = Field(0.0, ge=0.0, description='opd: weight of the verifiable-reward advantage beside the '
                                   'teacher term; 0 = pure distillation')
+    opd_steps: int = Field(0, ge=0, description="objective reward: the first opd_steps steps distil on-policy as "
+                           "objective opd does (outcome_weight, kd_weight and teacher_context with them), the rest "
+                           "train on the rewards, in one run; 0 = none")
     kd_weight: float = Field(0.0, ge=0.0, description="opd: > 0 adds kd_weight x the divergence from the teacher's "
                              "top-k at each sampled token (on-policy logit distillation): it raises teacher tokens "
                              "the student never samples; same vocabulary only")
@@ -704,19 +707,31 @@ class RLConfig(TrainingSettings):
     @property
     def scores_with_teacher(self) -> bool:
         """Whether the teacher block scores the student's tokens: opd's advantage, or the KL probe."""
-        return self.objective == "opd" or self.probe_prompts > 0
+        return self.objective == "opd" or self.opd_steps > 0 or self.probe_prompts > 0
+
+    def at_step(self, step: int) -> RLConfig:
+        """The settings of step `step` (0-based): objective opd during the first opd_steps steps, these after."""
+        return self.model_copy(update={"objective": "opd", "opd_steps": 0}) if step < self.opd_steps else self
 
     @model_validator(mode="after")
     def _rules(self):
         if self.colocate == "sleep" and self.rollout_backend != "vllm":
             raise ValueError("rl.colocate: sleep puts the vLLM engine to sleep, but rl.rollout_backend is "
                              f"{self.rollout_backend!r}; set rl.rollout_backend: vllm or rl.colocate: auto")
-        if self.objective == "opd" and (self.estimator == "flow_grpo" or self.trainer == "verl"):
-            raise ValueError("rl.objective opd runs on rl.trainer unison with a sequence estimator "
-                             f"({' | '.join(SEQUENCE_ESTIMATORS)}) for its outcome term")
-        if self.kd_weight > 0 and self.objective != "opd":
+        distils = self.objective == "opd" or self.opd_steps > 0
+        if distils and (self.estimator == "flow_grpo" or self.trainer == "verl"):
+            raise ValueError("rl.objective opd and rl.opd_steps run on rl.trainer unison with a sequence estimator "
+                             f"({' | '.join(SEQUENCE_ESTIMATORS)}) for the outcome term")
+        if self.opd_steps and self.objective == "opd":
+            raise ValueError(f"rl.opd_steps {self.opd_steps} starts an RL run with on-policy distillation, but "
+                             "rl.objective is opd already: every step distils; set rl.objective: reward or "
+                             "rl.opd_steps: 0")
+        if self.opd_steps and self.opd_steps >= self.steps:
+            raise ValueError(f"rl.opd_steps {self.opd_steps} leaves none of rl.steps {self.steps} to RL: set "
+                             "rl.objective: opd for a run of distillation only, or fewer opd_steps")
+        if self.kd_weight > 0 and not distils:
             raise ValueError("rl.kd_weight > 0 distils the teacher's top-k on the student's own episodes, a part of "
-                             "on-policy distillation: set rl.objective: opd, or rl.kd_weight: 0")
+                             "on-policy distillation: set rl.objective: opd (or rl.opd_steps), or rl.kd_weight: 0")
         if self.prm_weight > 0 and self.estimator == "flow_grpo":
             raise ValueError("rl.prm_weight > 0 needs a sequence estimator "
                              f"({' | '.join(SEQUENCE_ESTIMATORS)}), not flow_grpo")
@@ -855,8 +870,8 @@ class Params(Section):
             raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
         chat_teacher = self.teacher_engine().chat
         if self.rl.scores_with_teacher and chat_teacher:
-            raise ValueError(f"rl.objective opd or rl.probe_prompts: the teacher ({self.teacher.model}) must score "
-                             "given tokens, and teacher.api chat cannot (a chat API returns no log-probs of given "
+            raise ValueError(f"rl.objective opd, rl.opd_steps or rl.probe_prompts: the teacher ({self.teacher.model}) "
+                             "must score given tokens, and teacher.api chat cannot (a chat API returns no log-probs of given "
                              "tokens): set teacher.api: completions with a vLLM server, or a local teacher "
                              "(teacher.backend vllm | transformers)")
         if self.generate.topk and chat_teacher and self.generate.source:

@@ -15,7 +15,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -438,8 +438,10 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
              ) if probe_rows and trainer.is_main else None
     probed_start = {f"{k}_start": v for k, v in probe().items()} if probe and start == 0 else {}
     for step in range(start, rl.steps):
+        now = rl.at_step(step)  # rl.opd_steps: the first steps distil
         trainer.model.eval()
-        collected = trainer.from_main(collect_step(step, pos, rows, backend, setup) if trainer.is_main else None)
+        collected = trainer.from_main(collect_step(step, pos, rows, backend, replace(setup, rl=now)) if trainer.is_main
+                                      else None)
         samples, times = collected.samples, collected.times
         pos += collected.rounds * rl.prompts_per_step
         t2 = time.perf_counter()
@@ -449,8 +451,8 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
         if samples:
             if needs_old_logp(rl):
                 attach_logprobs(trainer.model, samples, "old_logp", rl, pad_id, trainer.device, trainer.precision,
-                                unscaled_key="old_logp_t1" if rl.objective == "opd" else None)
-            if rl.objective == "opd":
+                                unscaled_key="old_logp_t1" if now.objective == "opd" else None)
+            if now.objective == "opd":
                 t_teacher = time.perf_counter()
                 top_k = rl.kd_topk if rl.kd_weight > 0 else 0
                 scored = (teacher_logps(setup.teacher, samples, tok, setup.worked_examples, top_k) if trainer.is_main
@@ -460,7 +462,7 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
             if ref is not None:
                 attach_logprobs(ref, samples, "ref_logp", rl, pad_id, trainer.device, trainer.precision)
             trainer.model.train()
-            metrics |= train_on(trainer, samples, rl, pad_id, random.Random(f"{rl.seed}/{step}"))
+            metrics |= train_on(trainer, samples, now, pad_id, random.Random(f"{rl.seed}/{step}"))
         if sleeps:
             backend.wake_up(policy if samples else None)
         elif samples and rl.rollout_backend == "vllm" and trainer.is_main:
@@ -472,7 +474,7 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
             times["probe_s"] = time.perf_counter() - t_probe
         metrics, probed_start = metrics | probed_start, {}
         trainer.log(step_record(step + 1, collected, metrics, trainer.sched.get_last_lr()[0]))
-        if (rl.objective == "opd" and trainer.is_main
+        if (now.objective == "opd" and trainer.is_main
                 and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r]))):
             print(warning, flush=True)
         if trainer.checkpoint_due(step + 1):
