@@ -1,5 +1,5 @@
-"""On-policy distillation (rl.objective: opd): the student rolls out as in RL, the teacher scores every token the
-student sampled, and the per-token reverse KL is the advantage (discount 0):
+"""On-policy distillation (rl.objective: opd, or the first rl.opd_steps steps of an RL run): the student rolls out as in
+RL, the teacher scores every token the student sampled, and the per-token reverse KL is the advantage (discount 0):
 
     A_t = log p_teacher(y_t | y_<t) - log p_student(y_t | y_<t)      on the student's sampled tokens (loss_mask 1)
 
