@@ -337,7 +337,7 @@ def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["rl"]["objective"] = "opd"
     raw["teacher"].update(backend="openai", api="chat", base_url="http://127.0.0.1:9/v1")
-    with pytest.raises(ParamsError, match="rl.objective opd or rl.probe_prompts: the teacher .* must score given tokens, and teacher.api chat cannot"):
+    with pytest.raises(ParamsError, match="rl.objective opd, rl.opd_steps or rl.probe_prompts: the teacher .* must score given tokens, and teacher.api chat cannot"):
         validate_params(raw)
     raw["teacher"]["api"] = "completions"  # a vLLM server scores (prompt_logprobs)
     assert validate_params(raw).rl.objective == "opd"
