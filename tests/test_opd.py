@@ -345,7 +345,7 @@ def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():
     with pytest.raises(ParamsError, match="rl.teacher_context worked_examples puts generate.demonstrations in the teacher's prompt"):
         validate_params(raw)
     raw["rl"]["teacher_context"] = "student"
-    with pytest.raises(ValueError, match="rl.objective opd runs on rl.trainer unison with a sequence estimator"):
+    with pytest.raises(ValueError, match="rl.objective opd and rl.opd_steps run on rl.trainer unison with a sequence estimator"):
         RLConfig(objective="opd", estimator="flow_grpo")
 
 
