@@ -871,8 +871,8 @@ class Params(Section):
         chat_teacher = self.teacher_engine().chat
         if self.rl.scores_with_teacher and chat_teacher:
             raise ValueError(f"rl.objective opd, rl.opd_steps or rl.probe_prompts: the teacher ({self.teacher.model}) "
-                             "must score given tokens, and teacher.api chat cannot (a chat API returns no log-probs of given "
-                             "tokens): set teacher.api: completions with a vLLM server, or a local teacher "
+                             "must score given tokens, and teacher.api chat cannot (a chat API returns no log-probs of "
+                             "given tokens): set teacher.api: completions with a vLLM server, or a local teacher "
                              "(teacher.backend vllm | transformers)")
         if self.generate.topk and chat_teacher and self.generate.source:
             raise ValueError("generate.topk with imported trajectories (generate.source) needs a teacher that "
