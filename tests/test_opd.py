@@ -454,7 +454,7 @@ def test_the_probes_sampled_reverse_kl_estimates_trls_full_vocabulary_reverse_kl
     values, tokens = span_kls(samples)
     ours = sum(values) / tokens
     spread = statistics.pstdev(values) / math.sqrt(len(values))
-    trl_sum = 0.0
+    trl_sum, trl_tokens = 0.0, 0
     for sample in samples:  # one episode at a time: the whole batch's logits over the vocabulary take ~15 GB
         with torch.no_grad():
             batch = collate([sample], tok.eos_token_id)
@@ -462,10 +462,12 @@ def test_the_probes_sampled_reverse_kl_estimates_trls_full_vocabulary_reverse_kl
             t_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         labels = batch["input_ids"][:, 1:].masked_fill(batch["teacher_span"] == 0, -100)
         trl_sum += GKDTrainer.generalized_jsd_loss(s_logits, t_logits, labels=labels, beta=1.0, reduction="sum").item()
+        trl_tokens += int((labels != -100).sum())
         t_logp = torch.log_softmax(t_logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
         scored = batch["teacher_span"] > 0
         assert torch.allclose(t_logp[scored], batch["teacher_logp"][scored], atol=1e-5)  # the probe's teacher scores
-    trl = trl_sum / tokens  # TRL's batchmean over the scored tokens of all the episodes
+    assert trl_tokens == tokens
+    trl = trl_sum / trl_tokens  # TRL's batchmean over the scored tokens of all the episodes, counted from its labels
     print(f"reverse KL per scored token: TRL (whole vocabulary) {trl:.4f}, the probe's estimate {ours:.4f} +- {spread:.4f} "
           f"over {tokens} tokens")
     assert trl > 0.05 and abs(ours - trl) < 3 * spread + 0.01
