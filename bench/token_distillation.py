@@ -33,6 +33,11 @@ entry per row and budget, so runs of a few rows at a time add up.
 budget for every row. It wins over a row's own settings: `--set rl.outcome_weight=1` gives the OPD rows an outcome term
 beside the teacher's.
 
+`--seeds 0,1,2` trains each row once per seed (the params' top-level seed in its copy: the rl run's prompt order,
+sampling and held-out probe prompts; the student it starts from stays the demo's, and evaluation is greedy). The rows
+are keyed `sft_rl@8-seed1`, and the summary adds each row's mean, lowest and highest EM over the seeds, and, per seed,
+each method's EM minus RL's from the same start at the same budget (the paired difference a single seed cannot give).
+
 On a CPU a row of tens of steps takes hours, so a run stopped part-way goes on when the same command is run again: a
 row (or the teacher's row) finished with the same setup is read back from its copy, and a row's copy stopped part-way is
 kept: the rl stage stopped part-way resumes from its checkpoint.
@@ -176,13 +181,20 @@ def method_params(method: str, steps: int) -> dict:
     return OPD if method in ("opd", "kd_opd") else {}
 
 
+def row_key(name: str, steps: int | None, seed: int | None) -> str:
+    """A row's name in the results and its copy's folder: `sft_rl`, `sft_rl@8`, `sft_rl@8-seed1`."""
+    return name + ("" if steps is None else f"@{steps}") + ("" if seed is None else f"-seed{seed}")
+
+
 def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_weight: float, topk: int, overrides: dict,
-        all_prompts: bool) -> dict:
+        all_prompts: bool, seed: int | None = None) -> dict:
     start, method = name.split("_", 1)
+    if seed is not None:
+        overrides = {"seed": seed, **overrides}
     if name == "sft_rl" and not overrides and steps is None and not all_prompts:  # the demo's own SFT -> RL
         m = json.loads((demo / "reports/metrics.json").read_text())["rl"]
         return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], **rl_figures(demo)}
-    project = work / (name if steps is None else f"{name}@{steps}")
+    project = work / row_key(name, steps, seed)
     setup = {"demo": str(demo), "teacher": str(teacher), "overrides": overrides, "all_prompts": all_prompts, "kd_weight": kd_weight,
              "topk": topk}
     if (done := finished(project, setup)) is not None:
@@ -259,19 +271,50 @@ def model_row(demo: Path, work: Path, teacher: Path, name: str) -> dict:
     return result
 
 
+def split_key(key: str) -> tuple[str, int | None, int | None]:
+    """row_key's parts: (name, steps, seed)."""
+    key, _, seed = key.partition("-seed")
+    name, _, steps = key.partition("@")
+    return name, int(steps) if steps else None, int(seed) if seed else None
+
+
 def em_lines(rows: dict) -> dict[str, list[tuple]]:
-    """Per method (the rows' names without the budget): its (training seconds, EM, low, high) over the budgets, from the
-    student it starts from at 0 s when that was scored."""
+    """Per method and seed (the rows' names without the budget): its (training seconds, EM, low, high) over the budgets,
+    from the student it starts from at 0 s when that was scored."""
     lines = {}
     for key, r in rows.items():
-        name = key.split("@")[0]
+        name, _, seed = split_key(key)
         if "_" in name:  # a method's row; `teacher`, `sft` and `base` are models'
-            lines.setdefault(name, []).append((r["train_s"], r["em"], r["em_lo"], r["em_hi"]))
+            lines.setdefault(row_key(name, None, seed), []).append((r["train_s"], r["em"], r["em_lo"], r["em_hi"]))
     for name, points in lines.items():
         if (start := rows.get(name.split("_")[0])) is not None:
             points.append((0.0, start["em"], start["em_lo"], start["em_hi"]))
         points.sort()
     return lines
+
+
+def across_seeds(rows: dict) -> dict[str, dict]:
+    """Per row and budget trained with several seeds: its mean, lowest and highest EM and mean training seconds over them,
+    and, where RL from the same start ran with the same seeds, the mean, lowest and highest of (EM - RL's EM) per seed."""
+    groups: dict[str, dict[int, dict]] = {}
+    for key, r in rows.items():
+        name, steps, seed = split_key(key)
+        if seed is not None:
+            groups.setdefault(row_key(name, steps, None), {})[seed] = r
+    out = {}
+    for key, by_seed in groups.items():
+        if len(by_seed) < 2:
+            continue
+        ems = [r["em"] for r in by_seed.values()]
+        summary = {"seeds": sorted(by_seed), "em_mean": sum(ems) / len(ems), "em_min": min(ems), "em_max": max(ems),
+                   "train_s_mean": sum(r["train_s"] for r in by_seed.values()) / len(ems)}
+        name, steps, _ = split_key(key)
+        rl = groups.get(row_key(name.split("_")[0] + "_rl", steps, None), {})
+        if name.split("_", 1)[1] != "rl" and set(by_seed) <= set(rl):
+            diffs = [by_seed[s]["em"] - rl[s]["em"] for s in sorted(by_seed)]
+            summary |= {"vs_rl_mean": sum(diffs) / len(diffs), "vs_rl_min": min(diffs), "vs_rl_max": max(diffs)}
+        out[key] = summary
+    return out
 
 
 def plot(rows: dict, probe_path: Path, em_path: Path) -> None:
@@ -325,6 +368,7 @@ def main() -> None:
     ap.add_argument("--kd-weight", type=float, default=0.5)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a param of every trained row (YAML value)")
+    ap.add_argument("--seeds", default="", help="comma-separated: each row trained once per seed (default: the demo's seed, once)")
     args = ap.parse_args()
     import yaml
 
@@ -345,29 +389,38 @@ def main() -> None:
               f"[{results['teacher']['em_lo']:.3f}, {results['teacher']['em_hi']:.3f}]", flush=True)
     for start in dict.fromkeys(name.split("_")[0] for name in args.rows.split(",")):  # each row's start, at 0 s
         results[start] = model_row(demo, work, teacher, start)
-    for budget in budgets:
-        for name in args.rows.split(","):
-            t0 = time.perf_counter()
-            key = name if budget is None else f"{name}@{budget}"
-            results[key] = row(name, demo, work, teacher, budget, args.kd_weight, args.topk, overrides, args.prompts == "all")
-            print(f"token_distillation: {key}: {json.dumps(results[key])} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"\n{'row':<16} {'EM':>6} {'95% CI':>15} {'train s':>8} {'student tok':>11} {'teacher tok':>11}  probe KL (else batch KL)")
+    seeds = [int(s) for s in args.seeds.split(",") if s] or [None]
+    for seed in seeds:
+        for budget in budgets:
+            for name in args.rows.split(","):
+                t0 = time.perf_counter()
+                key = row_key(name, budget, seed)
+                results[key] = row(name, demo, work, teacher, budget, args.kd_weight, args.topk, overrides, args.prompts == "all",
+                                   seed)
+                print(f"token_distillation: {key}: {json.dumps(results[key])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"\n{'row':<22} {'EM':>6} {'95% CI':>15} {'train s':>8} {'student tok':>11} {'teacher tok':>11}  probe KL (else batch KL)")
     for key, r in results.items():
         curve = [kl for _, kl in r["probe_curve"]] if r.get("probe_curve") else r.get("kl_curve", [])
-        print(f"{key:<16} {r['em']:6.3f} [{r['em_lo']:.3f}, {r['em_hi']:.3f}] {r.get('train_s', 0):8.0f} "
+        print(f"{key:<22} {r['em']:6.3f} [{r['em_lo']:.3f}, {r['em_hi']:.3f}] {r.get('train_s', 0):8.0f} "
               f"{r.get('student_tokens', 0):11d} {r.get('teacher_tokens', 0):11d}  {' '.join(f'{v:.3f}' for v in curve)}")
     from bench.bench_rollout import REPORT
 
     earlier = json.loads(REPORT.read_text()).get("token_distillation", {}) if REPORT.exists() else {}
     same = earlier.get("teacher_path") == str(teacher) and earlier.get("overrides") == overrides and earlier.get("prompts") == args.prompts
     merged = {**(earlier.get("rows", {}) if same else {}), **results}  # a run of a few rows adds to the same setup's others
+    if seeded := across_seeds(merged):
+        print(f"\n{'over seeds':<16} {'seeds':>8} {'EM mean':>8} {'lowest':>7} {'highest':>7} {'train s':>8}  EM - RL's, per seed: mean [lowest, highest]")
+        for key, m in seeded.items():
+            vs_rl = f"{m['vs_rl_mean']:+.3f} [{m['vs_rl_min']:+.3f}, {m['vs_rl_max']:+.3f}]" if "vs_rl_mean" in m else ""
+            print(f"{key:<16} {len(m['seeds']):>8} {m['em_mean']:8.3f} {m['em_min']:7.3f} {m['em_max']:7.3f} "
+                  f"{m['train_s_mean']:8.0f}  {vs_rl}")
     Path("reports").mkdir(exist_ok=True)
     plot(merged, Path("reports/token_distillation.png"), Path("reports/token_distillation_em.png"))
     stages = json.loads((demo / "reports/stage_times.json").read_text()) if (demo / "reports/stage_times.json").exists() else {}
     save_report({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(), "demo_commit": stages.get("commit"),
                  "cpu_kind": stages.get("cpu_kind"), "teacher_path": str(teacher), "made_teacher": args.make_teacher,
                  "kd_weight": args.kd_weight, "topk": args.topk, "overrides": overrides, "prompts": args.prompts,
-                 "rows": merged}, key="token_distillation")
+                 "rows": merged, "across_seeds": seeded}, key="token_distillation")
 
 
 if __name__ == "__main__":

@@ -124,3 +124,49 @@ def test_each_methods_em_line_runs_over_its_budgets_from_the_student_it_starts_f
     assert [(x, em) for x, em, _, _ in lines["sft_rl"]] == [(0.0, 0.28), (900.0, 0.27), (4000.0, 0.32)]
     assert [x for x, *_ in lines["sft_opd_rl"]] == [0.0, 800.0]
     assert [x for x, *_ in lines["base_opd"]] == [990.0]  # the base student was not scored: no start point
+
+
+def test_a_seeded_row_trains_in_its_own_copy_with_that_seed(tmp_path, monkeypatch):
+    import yaml
+
+    import bench.token_distillation as td
+
+    demo, seen = fake_demo(tmp_path / "demo"), []
+
+    def stage(project, *cmd):
+        if cmd[-1] == "stages.rl":
+            seen.append((project.name, yaml.safe_load((project / "params.yaml").read_text())["seed"]))
+            write_run(project, steps=2, probe_every=1, start=1.0)
+        else:
+            write_eval(project)
+        return 1.0
+
+    monkeypatch.setattr(td, "run", stage)
+    args = (demo, tmp_path / "work", demo / "teacher", 2, 0.5, 8, {}, False)
+    td.row("sft_rl", *args, seed=1)
+    td.row("sft_rl", *args, seed=2)
+    td.row("sft_rl", *args, seed=1)  # read back from its copy
+    assert seen == [("sft_rl@2-seed1", 1), ("sft_rl@2-seed2", 2)]
+    assert td.split_key("sft_opd_rl@8-seed12") == ("sft_opd_rl", 8, 12) and td.split_key("sft") == ("sft", None, None)
+
+
+def test_rows_over_seeds_give_each_methods_spread_and_its_paired_difference_from_rl():
+    from bench.token_distillation import across_seeds, em_lines
+
+    def scored(em, train_s=100.0):
+        return {"em": em, "em_lo": em - 0.1, "em_hi": em + 0.1, "train_s": train_s}
+
+    rows = {"sft": scored(0.28), "sft_rl@8-seed0": scored(0.27), "sft_rl@8-seed1": scored(0.30, 300.0),
+            "sft_opd_rl@8-seed0": scored(0.335), "sft_opd_rl@8-seed1": scored(0.25), "sft_opd@8-seed1": scored(0.1),
+            "base_opd@8-seed0": scored(0.0), "base_opd@8-seed1": scored(0.02), "sft_rl@32": scored(0.325)}
+    summary = across_seeds(rows)
+    assert set(summary) == {"sft_rl@8", "sft_opd_rl@8", "base_opd@8"}  # one seed, or none: no spread to give
+    assert summary["sft_rl@8"]["em_mean"] == pytest.approx(0.285) and summary["sft_rl@8"]["train_s_mean"] == 200.0
+    hybrid = summary["sft_opd_rl@8"]
+    assert (hybrid["em_min"], hybrid["em_max"], hybrid["seeds"]) == (0.25, 0.335, [0, 1])
+    assert hybrid["vs_rl_min"] == pytest.approx(-0.05) and hybrid["vs_rl_max"] == pytest.approx(0.065)
+    assert hybrid["vs_rl_mean"] == pytest.approx(0.0075)
+    assert "vs_rl_mean" not in summary["base_opd@8"]  # no base_rl rows with these seeds
+    assert "vs_rl_mean" not in summary["sft_rl@8"]
+    lines = em_lines(rows)
+    assert [x for x, *_ in lines["sft_rl-seed1"]] == [0.0, 300.0] and [em for _, em, *_ in lines["sft_rl"]] == [0.28, 0.325]
