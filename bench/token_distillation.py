@@ -296,24 +296,24 @@ def em_lines(rows: dict) -> dict[str, list[tuple]]:
 def across_seeds(rows: dict) -> dict[str, dict]:
     """Per row and budget trained with several seeds: its mean, lowest and highest EM and mean training seconds over them,
     and, where RL from the same start ran with the same seeds, the mean, lowest and highest of (EM - RL's EM) per seed."""
-    groups: dict[str, dict[int, dict]] = {}
+    groups: dict[tuple[str, int | None], dict[int, dict]] = {}
     for key, r in rows.items():
         name, steps, seed = split_key(key)
         if seed is not None:
-            groups.setdefault(row_key(name, steps, None), {})[seed] = r
+            groups.setdefault((name, steps), {})[seed] = r
     out = {}
-    for key, by_seed in groups.items():
+    for (name, steps), by_seed in groups.items():
         if len(by_seed) < 2:
             continue
         ems = [r["em"] for r in by_seed.values()]
         summary = {"seeds": sorted(by_seed), "em_mean": sum(ems) / len(ems), "em_min": min(ems), "em_max": max(ems),
                    "train_s_mean": sum(r["train_s"] for r in by_seed.values()) / len(ems)}
-        name, steps, _ = split_key(key)
-        rl = groups.get(row_key(name.split("_")[0] + "_rl", steps, None), {})
-        if name.split("_", 1)[1] != "rl" and set(by_seed) <= set(rl):
+        start, method = name.split("_", 1)
+        rl = groups.get((f"{start}_rl", steps), {})
+        if method != "rl" and set(by_seed) <= set(rl):
             diffs = [by_seed[s]["em"] - rl[s]["em"] for s in sorted(by_seed)]
             summary |= {"vs_rl_mean": sum(diffs) / len(diffs), "vs_rl_min": min(diffs), "vs_rl_max": max(diffs)}
-        out[key] = summary
+        out[row_key(name, steps, None)] = summary
     return out
 
 
