@@ -146,7 +146,7 @@ test: setup
 	@export OMP_NUM_THREADS=$$(( $$(nproc) > 2 ? ($$(nproc) - 1) / 2 : 1 )) VLLM_CPU_OMP_THREADS_BIND=nobind; logs=$$(mktemp -d); \
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "$(SLOW_TESTS)" $(SECOND_HALF) > $$logs/second 2>&1 & second=$$!; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" > $$logs/fast 2>&1 & fast=$$!; \
-	$(PY) -m pytest -q --durations=25 -m "$(SLOW_TESTS)" $(addprefix --ignore=,$(SECOND_HALF)); first_rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "$(SLOW_TESTS)" $(addprefix --ignore=,$(SECOND_HALF)); first_rc=$$?; \
 	wait $$second; second_rc=$$?; wait $$fast; fast_rc=$$?; \
 	echo; echo "== the slow tests' second half, run beside them =="; cat $$logs/second; \
 	echo; echo "== the fast tests (make test-fast), run beside them =="; cat $$logs/fast; rm -rf $$logs; \

@@ -132,7 +132,9 @@ def test_gpu_smoke_refuses_without_a_gpu_and_times_stages_in_a_copy_with_allow_c
     if not torch.cuda.is_available():
         assert gpu_smoke.main(["--out", str(tmp_path / "refused.json")]) == 2
         assert "no CUDA GPU visible" in capsys.readouterr().err and not (tmp_path / "refused.json").exists()
-    status = lambda: subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True).stdout
+    def status():  # the workspace's files; Python's and pytest's caches are left out: the suite's other processes write them
+        lines = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True).stdout
+        return [line for line in lines.splitlines() if not line.rstrip("/").endswith(("__pycache__", ".pytest_cache"))]
     before = status()
     out, overlay = tmp_path / "gpu_smoke.json", tmp_path / "overlay.yaml"
     overlay.write_text('index: {encoder: "hash:384"}\n')
