@@ -300,11 +300,13 @@ def test_opd_moves_the_student_toward_its_teacher_and_resumes_after_a_kill(tiny_
 @pytest.mark.slow
 def test_opd_steps_distil_first_then_train_on_rewards_in_one_run_that_resumes_across_the_switch(tiny_model_dir, tmp_path):
     """rl.opd_steps 2 of 3 steps: the first two steps are the steps of an OPD run of the same seeds (the same batches,
-    losses and KL), the third trains on the rewards (no teacher term); a run killed in the RL step resumes there from
-    the checkpoint of the last OPD step and ends with the same weights."""
+    losses and KL), the third trains on the rewards (no teacher term) with the lr schedule started again (rl.opd_switch
+    restart; continue decays one schedule over the three steps); a run killed in the RL step resumes there from the
+    checkpoint of the last OPD step, drops the OPD steps' AdamW moments as the run never killed did, and ends with the
+    same weights."""
     student = teach_answers(tiny_model_dir, tmp_path / "student")
     teacher = HFBackend(str(teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))), dtype="float32")
-    common = dict(lr=1e-4, warmup_ratio=0.0, dynamic_sampling=True)
+    common = dict(lr=1e-4, warmup_ratio=0.0, schedule="linear", dynamic_sampling=True)
     opd = run(student, rl_config(steps=2, objective="opd", **common), tmp_path, "opd", teacher=teacher)
     cfg = rl_config(steps=3, opd_steps=2, **common)
     hybrid = run(student, cfg, tmp_path, "hybrid", teacher=teacher)
@@ -312,6 +314,10 @@ def test_opd_steps_distil_first_then_train_on_rewards_in_one_run_that_resumes_ac
     for a, b in zip(opd, hybrid):
         assert (a["kl_teacher"], a["loss"], a["response_tokens"]) == (b["kl_teacher"], b["loss"], b["response_tokens"])
     assert "teacher_tokens" not in hybrid[2] and hybrid[2]["accuracy"] >= 0
+    assert [r["lr"] for r in hybrid] == pytest.approx([5e-5, 1e-4, 0.0])  # the lr of the step after each: 1e-4 at the switch
+    continued = run(student, rl_config(steps=3, opd_steps=2, opd_switch="continue", **common), tmp_path, "continued",
+                    teacher=teacher)
+    assert [r["lr"] for r in continued] == pytest.approx([1e-4 * 2 / 3, 1e-4 / 3, 0.0])
     trained, resumed = resumed_after_a_kill(student, cfg, tmp_path, teacher, step=3)
     assert trained == [3] and resumed[-1]["loss"] == hybrid[2]["loss"]
     a, b = state(tmp_path / "hybrid" / "out"), state(tmp_path / "resumed" / "out")

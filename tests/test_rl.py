@@ -131,6 +131,14 @@ def test_one_step_moves_the_policy_toward_the_rewarded_answer(answerer, tmp_path
     assert p_paris(tmp_path / "one" / "out") > p_paris(answerer)
 
 
+def test_the_lr_schedule_decays_over_every_optimiser_step_when_a_step_makes_several(answerer, tmp_path):
+    """rl.mini_batches 2: two optimiser steps a step, so 2 steps decay the lr linearly over 4 updates, to half after
+    the first step (not to 0 there, leaving the second step's updates none)."""
+    records = run(answerer, rl_config(steps=2, mini_batches=2, warmup_ratio=0.0, schedule="linear", lr=1e-4,
+                                      checkpoint_every=0), tmp_path, "two")
+    assert [r["lr"] for r in records] == pytest.approx([5e-5, 0.0])
+
+
 @pytest.mark.slow
 def test_resume_after_a_kill_gives_the_same_weights(answerer, tmp_path):
     cfg = rl_config(steps=2)

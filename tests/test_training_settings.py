@@ -82,3 +82,35 @@ def test_sft_prm_and_dpo_resume_from_their_checkpoint_after_a_kill(tiny_model_di
         assert seen == list(range(3, len(whole) + 1)), (name, seen)
         assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole], abs=1e-6), name
         assert not checkpoint.exists()  # finished: only a killed run resumes
+
+
+
+def test_a_trainer_restarted_part_way_runs_its_schedule_again_and_steps_on_as_a_fresh_adamw_after_forget_moments():
+    """restart_at 2 of 4 optimiser steps: the lr factors are 1, 1/2 and again 1, 1/2 (linear decay, no warm-up); after
+    forget_moments the third update is the first update of a fresh Trainer from the same weights, which an update with
+    AdamW's moments kept is not."""
+    import copy
+
+    import torch
+
+    from unison.train.loop import Trainer
+
+    torch.manual_seed(0)
+    settings = RLConfig(lr=0.1, warmup_ratio=0.0, schedule="linear", max_grad_norm=None)
+    target = torch.randn(4)
+
+    def update(trainer) -> tuple[float, torch.Tensor]:
+        """One optimiser step toward `target`: the lr it used, the weights after it."""
+        lr, weight = trainer.opt.param_groups[0]["lr"], trainer.unwrapped().weight
+        trainer.step([0], lambda _: (((weight.squeeze(0) - target) ** 2).sum(), {}))
+        return lr, weight.detach().clone()
+
+    restarted = Trainer("rl", torch.nn.Linear(4, 1, bias=False), 4, settings, restart_at=2)
+    lrs = [update(restarted)[0] for _ in range(2)]
+    kept, fresh = copy.deepcopy(restarted), Trainer("rl", copy.deepcopy(restarted.unwrapped()), 2, settings)
+    restarted.forget_moments()
+    lr, third = update(restarted)
+    lrs += [lr, update(restarted)[0]]
+    assert lrs == pytest.approx([0.1, 0.05, 0.1, 0.05])
+    assert torch.allclose(third, update(fresh)[1], atol=0, rtol=1e-6)
+    assert not torch.allclose(third, update(kept)[1], atol=1e-3)

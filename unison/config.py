@@ -634,6 +634,9 @@ class RLConfig(TrainingSettings):
     opd_steps: int = Field(0, ge=0, description="objective reward: the first opd_steps steps distil on-policy as "
                            "objective opd does (outcome_weight, kd_weight and teacher_context with them), the rest "
                            "train on the rewards, in one run; 0 = none")
+    opd_switch: Literal['restart', 'continue'] = Field('restart', description="opd_steps > 0: restart = the RL steps "
+                                                        "start as a second run would (fresh AdamW moments, the lr "
+                                                        "schedule again) | continue = one optimiser and schedule")
     kd_weight: float = Field(0.0, ge=0.0, description="opd: > 0 adds kd_weight x the divergence from the teacher's "
                              "top-k at each sampled token (on-policy logit distillation): it raises teacher tokens "
                              "the student never samples; same vocabulary only")

@@ -131,9 +131,11 @@ class Trainer:
     metrics."""
 
     def __init__(self, name: str, model, total_steps: int, settings: TrainingSettings, *, grad_accum: int = 1,
-                 gradient_checkpointing: bool = False, on_step: Callable[[dict], None] | None = None):
+                 gradient_checkpointing: bool = False, on_step: Callable[[dict], None] | None = None,
+                 restart_at: int = 0):
         """`settings`: the stage's section of params.yaml (its TrainingSettings fields); `name` the stage, for
-        errors."""
+        errors. `restart_at` > 0: the lr schedule runs over the first restart_at optimiser steps, then again over the
+        rest (with `forget_moments` there, the rest trains as a second run would)."""
         self.name, self.total, self.max_grad_norm, self.on_step = name, total_steps, settings.max_grad_norm, on_step
         self.checkpoint_every = settings.checkpoint_every
         self.precision = resolve_precision(settings.precision, f"{name}.precision")
@@ -145,8 +147,10 @@ class Trainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
-        schedule = lr_schedule(settings.schedule, total_steps, settings.warmup_steps(total_steps))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        first = restart_at or total_steps
+        before = lr_schedule(settings.schedule, first, settings.warmup_steps(first))
+        after = lr_schedule(settings.schedule, total_steps - first, settings.warmup_steps(total_steps - first))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: before(s) if s < first else after(s - first))
         self.model, self.opt, self.sched = self.acc.prepare(model, opt, sched)
         self.device = self.acc.device
         self.steps_done, self.records, self.t0 = 0, [], time.perf_counter()
@@ -189,6 +193,13 @@ class Trainer:
         self.steps_done += 1
         out["lr"] = self.sched.get_last_lr()[0]
         return out
+
+    def forget_moments(self) -> None:
+        """AdamW starts again: its moment estimates and step counts are dropped, the weights kept."""
+        opt = self.opt
+        while hasattr(opt, "optimizer"):  # accelerate's and DeepSpeed's wrappers
+            opt = opt.optimizer
+        opt.state.clear()
 
     def summed(self, values: list[float]) -> list[float]:
         """`values` summed over the processes (as they are with one)."""

@@ -416,7 +416,10 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if rl.kl_coef > 0 else None
-    trainer = Trainer("rl", model, rl.steps, rl, gradient_checkpointing=setup.gradient_checkpointing, on_step=on_step)
+    updates = rl.ppo_epochs * rl.mini_batches  # optimiser steps a step
+    restarts = rl.opd_steps > 0 and rl.opd_switch == "restart"
+    trainer = Trainer("rl", model, rl.steps * updates, rl, gradient_checkpointing=setup.gradient_checkpointing,
+                      on_step=on_step, restart_at=rl.opd_steps * updates if restarts else 0)
     if trainer.zero_stage == 3 and trainer.acc.num_processes > 1:
         raise ValueError("params.yaml rl.deepspeed_config: ZeRO-3 shards the policy, but rank 0 rolls "
                          "out with the whole policy; use configs/deepspeed/zero2.json")
@@ -439,6 +442,8 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
     probed_start = {f"{k}_start": v for k, v in probe().items()} if probe and start == 0 else {}
     for step in range(start, rl.steps):
         now = rl.at_step(step)  # rl.opd_steps: the first steps distil
+        if restarts and step == rl.opd_steps:
+            trainer.forget_moments()
         trainer.model.eval()
         collected = trainer.from_main(collect_step(step, pos, rows, backend, replace(setup, rl=now)) if trainer.is_main
                                       else None)
@@ -477,7 +482,7 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
         if (now.objective == "opd" and trainer.is_main
                 and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r]))):
             print(warning, flush=True)
-        if trainer.checkpoint_due(step + 1):
+        if trainer.checkpoint_due((step + 1) * updates):
             trainer.save_checkpoint(checkpoint_dir, {"rl_step": step + 1, "pos": pos, "config": rl.model_dump()})
     with trainer.whole_model() as trained:
         if trainer.is_main:
