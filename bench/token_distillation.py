@@ -167,8 +167,24 @@ def rl_figures(project: Path) -> dict:
 
 
 def measured(project: Path) -> dict:
+    """A copy's evaluation: EM with its interval, and how its test episodes ended (endings)."""
+    import pyarrow.parquet as pq
+
     m = json.loads((project / "reports/bench_eval.json").read_text())
-    return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], "n": m["questions"]}
+    rows = pq.read_table(project / "reports/bench_eval.parquet", columns=["student", "finish_reason", "n_tool_calls"])
+    return {"em": m["em"], "em_lo": m["em_lo"], "em_hi": m["em_hi"], "n": m["questions"], **endings(rows.to_pylist())}
+
+
+def endings(rows: list[dict]) -> dict:
+    """How test episodes ended: the share answered, the episodes whose last turn writes a tool's result itself (a
+    `<tool_response>` block: the failure OPD can teach), those cut at the length limit and at the tool-call limit, and the
+    tool calls a question."""
+    wrote = sum("<tool_response>" in next((m["content"] for m in reversed(r["student"]) if m["role"] == "assistant"), "")
+                for r in rows)
+    reasons = [r["finish_reason"] for r in rows]
+    return {"answered": reasons.count("answer") / max(1, len(rows)), "wrote_tool_response": wrote,
+            "cut_at_length": reasons.count("length"), "at_tool_call_limit": reasons.count("max_tool_calls"),
+            "tool_calls": sum(r["n_tool_calls"] for r in rows) / max(1, len(rows))}
 
 
 def method_params(method: str, steps: int) -> dict:
@@ -398,11 +414,14 @@ def main() -> None:
                 results[key] = row(name, demo, work, teacher, budget, args.kd_weight, args.topk, overrides, args.prompts == "all",
                                    seed)
                 print(f"token_distillation: {key}: {json.dumps(results[key])} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"\n{'row':<22} {'EM':>6} {'95% CI':>15} {'train s':>8} {'student tok':>11} {'teacher tok':>11}  probe KL (else batch KL)")
+    print(f"\n{'row':<22} {'EM':>6} {'95% CI':>15} {'train s':>8} {'student tok':>11} {'teacher tok':>11} {'answered':>8} "
+          f"{'wrote result':>12}  probe KL (else batch KL)")
     for key, r in results.items():
         curve = [kl for _, kl in r["probe_curve"]] if r.get("probe_curve") else r.get("kl_curve", [])
         print(f"{key:<22} {r['em']:6.3f} [{r['em_lo']:.3f}, {r['em_hi']:.3f}] {r.get('train_s', 0):8.0f} "
-              f"{r.get('student_tokens', 0):11d} {r.get('teacher_tokens', 0):11d}  {' '.join(f'{v:.3f}' for v in curve)}")
+              f"{r.get('student_tokens', 0):11d} {r.get('teacher_tokens', 0):11d} "
+              f"{'-' if 'answered' not in r else format(r['answered'], '.3f'):>8} {r.get('wrote_tool_response', '-'):>12}  "
+              f"{' '.join(f'{v:.3f}' for v in curve)}")
     from bench.bench_rollout import REPORT
 
     earlier = json.loads(REPORT.read_text()).get("token_distillation", {}) if REPORT.exists() else {}

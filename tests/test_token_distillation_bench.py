@@ -35,8 +35,31 @@ def test_the_probe_curve_keeps_the_steps_it_was_measured_at(tmp_path):
     assert figures["train_s"] == 16.0 and figures["student_tokens"] == 200 and len(figures["kl_curve"]) == 5
 
 
+def episode(*turns: str, finish: str = "answer", calls: int = 1) -> dict:
+    """An evaluation row's fields that `endings` reads: the rendering after the prompt as assistant and tool turns."""
+    student = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    student += [{"role": "assistant" if k % 2 == 0 else "tool", "content": t} for k, t in enumerate(turns)]
+    return {"student": student, "finish_reason": finish, "n_tool_calls": calls}
+
+
 def write_eval(project) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     (project / "reports/bench_eval.json").write_text(json.dumps({"em": 0.5, "em_lo": 0.4, "em_hi": 0.6, "questions": 8}))
+    pq.write_table(pa.Table.from_pylist([episode("<search>x</search>", "r", "<answer>y</answer>")] * 8),
+                   project / "reports/bench_eval.parquet")
+
+
+def test_endings_count_the_episodes_whose_last_turn_writes_a_tool_result_itself():
+    from bench.token_distillation import endings
+
+    rows = [episode("<search>x</search>", "doc", "<answer>y</answer>"),
+            episode("<search>x</search>", "doc", "<tool_response>\ndoc", finish="length"),
+            episode("<tool_response> in a first turn", "doc", "<answer>y</answer>"),  # not its last turn: not counted
+            episode("<search>x</search>", "doc", "<search>x</search>", "doc", finish="max_tool_calls", calls=3)]
+    assert endings(rows) == {"answered": 0.5, "wrote_tool_response": 1, "cut_at_length": 1, "at_tool_call_limit": 1,
+                             "tool_calls": 1.5}
 
 
 def fake_demo(root):
