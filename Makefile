@@ -140,7 +140,7 @@ pipeline: setup
 # other at every parallel region). The first half's output comes first, then the two logs; fails if any fails.
 FAST_TESTS := not slow and not e2e and not nightly
 SLOW_TESTS := (slow or e2e) and not nightly
-SECOND_HALF := tests/test_e2e.py tests/test_workflow_steps.py tests/test_opd.py tests/test_faults.py tests/test_gpu_path.py \
+SECOND_HALF := tests/test_e2e.py tests/test_workflow_steps.py tests/test_opd.py tests/test_faults.py tests/test_gpu_path.py tests/test_bench_smoke.py \
                tests/test_stage_resume.py
 test: setup
 	@export OMP_NUM_THREADS=$$(( $$(nproc) > 2 ? ($$(nproc) - 1) / 2 : 1 )) VLLM_CPU_OMP_THREADS_BIND=nobind; logs=$$(mktemp -d); \
@@ -169,12 +169,8 @@ test-nightly: setup  # the long runs `make test` checks in a shorter form, the f
 ui: setup
 	$(PY) -m flows.ui
 
-bench: setup
-	$(PY) -m bench.bench_rollout
-	$(PY) -m bench.bench_methods
-	$(PY) -m bench.bench_train
-	$(PY) -m bench.bench_index
-	$(PY) -m bench.bench_ray
+bench: setup  # every speed bench on this project's demo outputs: reports/bench.json and reports/bench.md (bench/__main__.py)
+	$(PY) -m bench
 
 clean:
 	rm -rf data models reports mlruns mlflow.db .prefect .unison .dvc/cache .dvc/tmp

@@ -20,7 +20,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPORT = Path("reports/bench.json")
+from bench.bench_rollout import save_report
+
 TOOL = textwrap.dedent('''
     import sys
 
@@ -71,10 +72,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=500)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from unison.agents.toolbox import Toolbox
     from unison.config import McpServerConfig, ToolsConfig
     from unison.tools.custom import close_custom_tools
@@ -112,11 +113,9 @@ def main() -> None:
         print(f"custom tools: {name:10s} p50 {f['p50_ms']:.3f} ms, p99 {f['p99_ms']:.3f} ms{extra}", flush=True)
     print(f"custom tools: MCP stdio p50 {figures['mcp_stdio']['p50_ms']:.2f} ms (target < 5 ms): "
           f"{'met' if figures['mcp_stdio']['p50_ms'] < 5 else 'missed'}", flush=True)
-    report = json.loads(REPORT.read_text()) if REPORT.exists() else {}
-    report["custom_tools"] = {"measured": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                              "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), **figures}
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    REPORT.write_text(json.dumps(report, indent=2) + "\n")
+    save_report({"measured": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), **figures},
+                key="custom_tools")
 
 
 if __name__ == "__main__":

@@ -7,14 +7,14 @@ code (`generate_trajectories`) three times, engine start included, with `--cpus`
   ray_1        a local cluster (`ray start --head` + one worker of --cpus CPUs): 1 replica
   ray_2        the same with two workers of --cpus/2 CPUs each: 2 replicas, the questions in shards over both
 CPU-bound, so ray_2's total is about ray_1's; the gap to in_process is the Ray path's overhead (actor start, each
-replica importing and starting its own engine, shards). Prints a table and writes reports/bench/ray.json.
+replica importing and starting its own engine, shards). Prints a table and merges the figures into reports/bench.json
+under "ray".
 
     nice -n 10 python -m bench.bench_ray [--questions 32] [--samples 2] [--cpus 2] [--model models/teacher]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -25,9 +25,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.bench_rollout import git_commit
+from bench.bench_rollout import git_commit, save_report
 
-REPORT = Path("reports/bench/ray.json")
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     from unison.config import validate_params
     from unison.data.schemas import QUESTION, read_table
 
-    report, home = Path(REPORT).resolve(), os.getcwd()
+    report, home = Path("reports/bench.json").resolve(), os.getcwd()
     work = Path(tempfile.mkdtemp(prefix="bench-ray-"))
     temp = Path(f"/tmp/unison-bench-ray-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
     try:
@@ -171,8 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "questions": args.questions, "samples": args.samples, "cpus": args.cpus, "model": args.model,
                    "commit": git_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")})
     print(format_table(result), flush=True)
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(json.dumps(result, indent=2) + "\n")
+    save_report(result, report, key="ray")
     return result
 
 

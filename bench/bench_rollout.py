@@ -129,8 +129,10 @@ class TimedToolbox:
 
     def __init__(self, toolbox):
         self.toolbox, self.seconds, self.calls, self.log = toolbox, 0.0, 0, []
-        self.call_deadline_s = toolbox.call_deadline_s
         self._lock = threading.Lock()
+
+    def deadline_for(self, tool: str) -> float:
+        return self.toolbox.deadline_for(tool)
 
     def call(self, tool: str, arg: str):
         with self._lock:

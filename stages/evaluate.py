@@ -1,53 +1,83 @@
-"""Stage `evaluate`: the students and the teacher system, scored on the test split with the same tools.
+"""Stage `evaluate`: the students and the teacher system scored on the test split with the same tools, a stage each.
 
-The systems are base, SFT, DPO when enabled, RL, PRM-reranked SFT and the teacher (unison/labeling/evaluation.py). Each
-trained student is registered in MLflow's model registry with its metrics (unison/registry.py), and the headline goes
-to the pipeline's parent run."""
+    python -m stages.evaluate <system>    stage evaluate_<system>: one system's row (base, teacher, sft, prm_rerank, dpo,
+                                          rl); a system params.yaml turns off writes a row that says so
+    python -m stages.evaluate             stage evaluate: every row's metrics in reports/metrics.json, the headline on
+                                          the pipeline's run
+
+A row re-runs only when its own inputs change: a new student leaves the teacher's and the base model's rows as DVC
+has them. Each trained student is registered in MLflow's model registry with its metrics (unison/registry.py)."""
 from __future__ import annotations
 
+import json
 from functools import partial
+from pathlib import Path
 
 from unison import layout, registry, track
 from unison.cli import stage_main
 from unison.config import load_params
-from unison.data.schemas import LABELED, QUESTION, atomic_dir, read_table, write_json, write_table
+from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
 from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
 from unison.labeling.metrics import scoring_label
 from unison.report.tables import headline_metrics
 from unison.tools.registry import check_toolset
-from unison.train.prm import load_prm
-
-OUT = layout.EVAL
 
 
-def main() -> None:
+OFF = {"teacher": "evaluate.teacher is false", "prm_rerank": "evaluate.rerank_samples is 1",
+       "dpo": "dpo.enabled is false"}  # the systems params.yaml can turn off, and the setting that does
+
+
+def evaluate_system(system: str) -> None:
+    """One system's labeled rows and metrics, or, where params.yaml turns it off, an empty row that says why."""
     params = load_params()
-    check_toolset(params.tools, layout.TOOLSET, "evaluate")
     p, g = params.evaluate, params.generate
-    systems = systems_to_evaluate(p, g.temperature, params.dpo.enabled)
+    chosen = [s for s in systems_to_evaluate(p, g.temperature, params.dpo.enabled) if s[0] == system]
+    rows_path, metrics_path = layout.eval_rows(system), layout.eval_metrics(system)
+    if not chosen:
+        write_table([], rows_path, LABELED, empty_ok=True)
+        write_json({"evaluated": False, "why": OFF[system]}, metrics_path)
+        print(f"evaluate: {system} not evaluated ({OFF[system]})", flush=True)
+        return
+    from unison.train.prm import load_prm
+
+    check_toolset(params.tools, layout.TOOLSET, f"evaluate_{system}")
     questions = read_table(layout.RAW_TEST, QUESTION)[: p.max_questions or None]
-    metrics: dict[str, dict] = {}
-    with track.stage_run("evaluate", {"seed": params.seed, **p.model_dump(), "teacher_method": g.method,
-                                      "episodes_in_flight": g.episodes_in_flight,
-                                      "teacher": params.teacher.model_dump(),
-                                      "cluster": params.cluster.model_dump()}) as run:
-        with atomic_dir(OUT) as out:  # reports/eval/ appears whole, with no system left over from an earlier run
-            scoring = scoring_label(params.label, p)
-            for name, rows, m in evaluate_systems(params.system_settings(), p, scoring, params.cluster, systems,
-                                                  questions, partial(load_prm, layout.PRM, params.prm.precision)):
-                write_table(rows, out / f"{name}.parquet", LABELED)
-                metrics[name] = m
-                run.log_metrics({f"{name}.{k}": v for k, v in m.items()})
-                print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy "
-                      f"({params.label.judge} judge) {m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, "
-                      f"{m['accuracy_hi']:.3f}]", flush=True)
+    with track.stage_run(f"evaluate_{system}", {"seed": params.seed, **p.model_dump(), "teacher_method": g.method,
+                                                "episodes_in_flight": g.episodes_in_flight,
+                                                "teacher": params.teacher.model_dump(),
+                                                "cluster": params.cluster.model_dump()}) as run:
+        [(name, rows, m)] = evaluate_systems(params.system_settings(), p, scoring_label(params.label, p), params.cluster,
+                                             chosen, questions, partial(load_prm, layout.PRM, params.prm.precision))
+        write_table(rows, rows_path, LABELED)
+        write_json({"evaluated": True, **m}, metrics_path)
+        run.log_metrics({f"{name}.{k}": v for k, v in m.items()})
+        print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy "
+              f"({params.label.judge} judge) {m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]",
+              flush=True)
+        if name in registry.TRAINED:
+            registry.register_student(run, name, chosen[0][1], m)
+
+
+def collect_metrics() -> None:
+    """The rows' metrics, in evaluation order, as reports/metrics.json; the headline to the pipeline's run."""
+    metrics = {}
+    for system in layout.SYSTEMS:
+        m = json.loads(Path(layout.eval_metrics(system)).read_text())
+        if m.pop("evaluated"):
+            metrics[system] = m
+    with track.stage_run("evaluate", {}) as run:
         write_json(metrics, layout.METRICS)
         run.log_artifact(layout.METRICS)
         run.log_pipeline_metrics(headline_metrics(metrics))
-        for name, model_dir, _ in systems:
-            if name in registry.TRAINED:
-                registry.register_student(run, name, model_dir, metrics[name])
+    print("evaluate: " + ", ".join(f"{name} EM {m['em']:.3f}" for name, m in metrics.items()), flush=True)
+
+
+def main(system: str = "") -> None:
+    if system:
+        evaluate_system(system)
+    else:
+        collect_metrics()
 
 
 if __name__ == "__main__":
-    stage_main("evaluate", main)
+    stage_main("evaluate", main, arguments=layout.SYSTEMS)

@@ -133,3 +133,21 @@ def test_ray_bench_table_names_every_run_and_the_identity_check():
                           "identical": True, "ray2_vs_ray1": 0.95, "ray1_vs_in_process": 0.83})
     assert [line.split()[0] for line in table.splitlines()[1:4]] == ["in_process", "ray_1", "ray_2"]
     assert "same trajectories in all three: True" in table and "0.95" in table
+
+
+def test_stage_profile_puts_each_sample_in_its_stage_and_kind():
+    from bench.stage_profile import split_by_stage
+
+    dvc = 'process 1:"python dvc repro";'
+    raw = "\n".join([
+        dvc + 'process 2:"python -m stages.sft";<module> (stages/sft.py:1);_find_and_load (<frozen importlib._bootstrap>:1) 4',
+        dvc + 'process 2:"python -m stages.sft";main (stages/sft.py:9);Module._call_impl (torch/nn/modules/module.py:1);'
+              'LlamaModel.forward (transformers/models/llama/modeling_llama.py:1);forward (torch/nn/modules/linear.py:1) 10',
+        dvc + 'process 3:"python -m stages.evaluate teacher";main (stages/evaluate.py:1);LLM.__init__ (vllm/entrypoints/llm.py:1);'
+              '_find_and_load (<frozen importlib._bootstrap>:1) 6',  # an import inside the engine's start is the start's
+        dvc + 'process 3:"python -m stages.evaluate teacher";step (unison/agents/runtime.py:1);step (vllm/v1/engine/core.py:1) 2',
+        dvc + 'process 3:"python -m stages.evaluate teacher";process 4:"bwrap python";run (unison/tools/python_sandbox.py:3) 2',
+        dvc + 'status (dvc/repo/status.py:1) 5',  # DVC's own work: no stage's
+    ])
+    assert split_by_stage(raw, rate=2.0) == {"sft": {"imports": 2.0, "model": 5.0},
+                                             "evaluate_teacher": {"engine start": 3.0, "engine overhead": 1.0, "tools": 1.0}}

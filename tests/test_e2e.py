@@ -87,7 +87,8 @@ def test_mlflow_has_one_parent_with_a_child_per_stage_and_traces(project):
     parents = {r.data.tags["mlflow.parentRunId"] for r in children}
     assert len(parents) == 1  # every stage run under one pipeline run; flywheel rounds nest under the flywheel stage
     stages = {r.data.tags.get("stage") for r in children}
-    assert {"download", "teacher", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl", "evaluate", "flywheel", "report"} <= stages
+    assert {"download", "teacher", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl", "evaluate_base", "evaluate_teacher",
+            "evaluate_sft", "evaluate_rl", "evaluate", "flywheel", "report"} <= stages
     gen = next(r for r in children if r.data.tags.get("stage") == "generate")
     assert gen.data.params["generate.method"] == "debate"
     mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")

@@ -21,6 +21,8 @@ from unison.train.rl import (
     collate,
     logprobs_of,
     needs_old_logp,
+    scored_batch,
+    scored_columns,
     split_probe,
     train_on,
 )
@@ -170,7 +172,8 @@ def test_a_student_that_is_its_teacher_gets_zero_advantage_at_any_sampling_tempe
         loss, metrics = batch_loss(logits, batch, cfg)
         assert abs(metrics["kl_teacher"]) < 1e-5 and abs(loss.item()) < 1e-5, temperature
         if temperature != 1.0:  # the log-probs it samples with are another distribution than the teacher's
-            assert (logp - batch["teacher_logp"])[batch["teacher_span"] > 0].abs().max().item() > 0.01
+            scored = scored_batch(batch, scored_columns(batch))  # where logprobs_of computes them
+            assert (logp - scored["teacher_logp"])[scored["teacher_span"] > 0].abs().max().item() > 0.01
 
 
 class CapitalPassage:

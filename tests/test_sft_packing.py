@@ -1,12 +1,22 @@
 """SFT packing: rows of several examples give the unpacked token-mean loss and gradients, attention never crosses examples."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
-from unison.train.sft import SFTConfig, collate, collate_packed, pack, target_logits, target_nll, train_sft
+from unison.train.sft import (
+    SFTConfig,
+    collate,
+    collate_packed,
+    pack,
+    target_logits,
+    target_nll,
+    train_sft,
+    use_packed_attention,
+)
 
 
 def examples(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -22,11 +32,15 @@ def examples(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], list[in
     return out
 
 
-def test_pack_fills_rows_in_order_within_max_length():
+def test_pack_fills_as_few_rows_as_fit_and_balances_them():
     batch = [([1] * 5, [0] * 5), ([2] * 4, [0] * 4), ([3] * 3, [0] * 3), ([4] * 10, [0] * 10)]
-    assert [[len(i) for i, _ in row] for row in pack(batch, 10)] == [[5, 4], [3], [10]]
+    assert [[len(i) for i, _ in row] for row in pack(batch, 10)] == [[10], [5], [4, 3]]  # 22 tokens: 3 rows of 10
+    assert [[len(i) for i, _ in row] for row in pack(batch[:3], 12)] == [[5, 4, 3]]
+    # in order they would be [6, 5] and [4, 3], both padded to 11: even rows keep the padding down
+    assert [[len(i) for i, _ in row] for row in pack([(x, x) for x in ([0] * 6, [0] * 5, [0] * 4, [0] * 3)], 12)] == [[6, 3], [5, 4]]
     packed = collate_packed(batch[:3], pad_id=0, max_length=10)
-    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3], [0, 1, 2, 0, 1, 2, 3, 4, 5]]  # pads restart too
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2]]  # pads restart too
+    assert packed["input_ids"].tolist() == [[1] * 5 + [0, 0], [2] * 4 + [3] * 3]
     assert "attention_mask" not in packed
 
 
@@ -47,10 +61,13 @@ def test_packed_loss_and_gradients_equal_unpacked(tiny_model_dir):
     assert packed["input_ids"].shape[0] < plain["input_ids"].shape[0]  # several examples share a row
     assert packed["loss_mask"].sum() == plain["loss_mask"][:, 1:].sum()  # the same targets, nothing extra
     loss_a, grads_a = loss_and_grads(plain)
-    loss_b, grads_b = loss_and_grads(packed)
-    assert torch.allclose(loss_a, loss_b, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
-    # the block-diagonal mask is what makes them equal: the same row with one position sequence leaks across examples
+    loss_b, grads_b = loss_and_grads(packed)  # transformers' own packing: a block-diagonal mask over the row
+    use_packed_attention(model)  # attention example by example, as train_sft runs a packed model
+    loss_c, grads_c = loss_and_grads(packed)
+    for loss, grads in ((loss_b, grads_b), (loss_c, grads_c)):
+        assert torch.allclose(loss_a, loss, atol=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads))
+    # the restarts are what makes them equal: the same row with one position sequence leaks across examples
     leak = {**packed, "position_ids": torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"])}
     with torch.no_grad():
         logits = model(**{k: v for k, v in leak.items() if k != "loss_mask"}, use_cache=False).logits
@@ -70,6 +87,8 @@ def test_train_sft_packed_takes_the_same_steps(tiny_model_dir, tmp_path):
         cfg = SFTConfig(epochs=2, lr=1e-3, batch_size=3, max_length=64, warmup_ratio=0.0, packing=packing)
         recs = train_sft(str(tiny_model_dir), batch, cfg, str(tmp_path / f"sft-{packing}"))
         losses[packing], rows[packing] = [r["loss"] for r in recs], sum(r["row_tokens"] for r in recs)
+        saved = json.loads((tmp_path / f"sft-{packing}" / "config.json").read_text())
+        assert saved.get("_attn_implementation", "sdpa") != "unison_packed"  # vLLM and transformers load it as ever
     # the same steps up to float32 reduction order (packed rows attend in other shapes): 2e-5 of the loss was seen on one
     # CI machine; a wrong mask or position would move it by far more than 1e-4 of it
     assert losses[True] == pytest.approx(losses[False], rel=1e-4) and losses[True][-1] < losses[True][0]

@@ -40,7 +40,8 @@ from unison.data.schemas import LABELED, TEMP, read_table, remove_stale_temps, w
 
 from .projects import copy_project, merge
 
-STAGES = ["download", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl", "evaluate", "flywheel", "report"]
+STAGES = ["download", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl", "evaluate_base", "evaluate_teacher",
+          "evaluate_sft", "evaluate_prm_rerank", "evaluate_dpo", "evaluate_rl", "evaluate", "flywheel", "report"]
 # What differs between two runs on the same inputs: wall-clock measurements, in the reports only (never in data files)
 TIMING_FIELDS = {"wall_s", "embed_seconds", "build_seconds", "train_s", "rollout_s", "wall_s_per_question", "elapsed_s",
                  "reward_s", "step_s", "rollout_s_total", "reward_s_total", "train_s_total", "topk_s", "teacher_s"}
@@ -119,7 +120,8 @@ def temps(project: Path) -> list[str]:
 
 
 def command(stage: str) -> list[str]:
-    return [sys.executable, "-m", f"stages.{stage}"]
+    """dvc.yaml's command of the stage (`python -m stages.<module> [argument]`) with this Python."""
+    return [sys.executable, *yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["cmd"].split()[1:]]
 
 
 def start(project: Path, stage: str, env: dict) -> tuple[subprocess.Popen, list[tuple[float, str]], threading.Thread]:

@@ -31,12 +31,16 @@ def stages() -> dict[str, dict]:
 
 
 def summary(stage: str) -> str:
-    """The first line of stages/<stage>.py's docstring, without the `Stage <name>:` prefix."""
+    """The first line of the docstring of the module the stage runs (`python -m stages.<module> [argument]`), without
+    its `Stage <name>:` prefix; with the argument, if any."""
     import ast
 
-    doc = ast.get_docstring(ast.parse((ROOT / "stages" / f"{stage}.py").read_text())) or ""
+    module, *argument = stages()[stage]["cmd"].split()[2:]
+    doc = ast.get_docstring(ast.parse((ROOT / f"{module.replace('.', '/')}.py").read_text())) or ""
     first = doc.split("\n", 1)[0]
-    return first.split(":", 1)[1].strip() if first.lower().startswith(("stage", stage)) and ":" in first else first
+    if first.lower().startswith(("stage", module.split(".")[-1])) and ":" in first:
+        first = first.split(":", 1)[1].strip()
+    return f"{argument[0]}: {first}" if argument else first
 
 
 def settings_help(keys: list[str]) -> str:
@@ -77,11 +81,11 @@ def outs(entry: dict) -> list[str]:
     return [next(iter(o)) if isinstance(o, dict) else o for o in entry.get("outs", [])]
 
 
-def stage_main(stage: str, main) -> None:
-    """`python -m stages.<stage>` [--help]: print the stage's settings and run nothing, or run it (after deleting the
-    temps that a killed run of any stage left under data/, models/ and reports/). A stage whose tools cannot be
-    sandboxed stops with the refusal and its fix as plain text, exit 1, no traceback (with UNISON_VERBOSE, the
-    traceback)."""
+def stage_main(stage: str, main, arguments: tuple[str, ...] = ()) -> None:
+    """`python -m stages.<stage>` [--help | one of `arguments`]: print the stage's settings and run nothing, or run
+    `main` with the argument given, if any (after deleting the temps that a killed run of any stage left under data/,
+    models/ and reports/). A stage whose tools cannot be sandboxed stops with the refusal and its fix as plain text,
+    exit 1, no traceback (with UNISON_VERBOSE, the traceback)."""
     from .quiet import verbose
     from .tools.python_sandbox import SandboxUnavailable
 
@@ -89,13 +93,14 @@ def stage_main(stage: str, main) -> None:
     if args and args[0] in ("-h", "--help"):
         print(stage_help(stage))
         return
-    if args:
-        sys.exit(f"python -m stages.{stage}: takes no arguments (settings live in params.yaml; --help lists "
-                 f"them), got {args}")
+    if args and not (len(args) == 1 and args[0] in arguments):
+        sys.exit(f"python -m stages.{stage}: takes " + (f"at most one of {', '.join(arguments)}" if arguments else
+                                                         "no arguments")
+                 + f" (settings live in params.yaml; --help lists them), got {args}")
     for path in remove_stale_temps():
         print(f"{stage}: removed {path}, left by a killed run", flush=True)
     try:
-        main()
+        main(*args)
     except SandboxUnavailable as refusal:
         if verbose():
             raise

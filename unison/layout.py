@@ -28,8 +28,8 @@ RL = "models/rl"
 FLYWHEEL = "models/flywheel"
 
 # reports
-EVAL = "reports/eval"
-METRICS = "reports/metrics.json"
+SYSTEMS = ("base", "teacher", "sft", "prm_rerank", "dpo", "rl")  # evaluate's rows, one stage each, in this order
+METRICS = "reports/metrics.json"  # evaluate: every row's metrics
 SFT_LOSS = "reports/sft_loss.csv"
 PRM_LOSS = "reports/prm_loss.csv"
 DPO_LOSS = "reports/dpo_loss.csv"
@@ -43,6 +43,16 @@ SUMMARY = "reports/summary.md"
 PLOTS = "reports/plots"
 STAGE_TIMES = "reports/stage_times.json"  # make demo's clock; not a DVC output
 STAGE_REPORTS = ("download", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl")
+
+
+def eval_rows(system: str) -> str:
+    """evaluate_<system>: the system's labeled test episodes."""
+    return f"reports/eval/{system}.parquet"
+
+
+def eval_metrics(system: str) -> str:
+    """evaluate_<system>: the system's metrics, or why it was not evaluated."""
+    return f"reports/eval/{system}.json"
 
 
 def report(stage: str) -> str:

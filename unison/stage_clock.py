@@ -29,8 +29,10 @@ SKIPPED = re.compile(r"^Stage '([^']+)' (is cached - skipping run|didn't change,
 
 
 def cpu_kind(flags: set[str]) -> str:
-    """The kind of x86 CPU as far as the demo's speed and figures go: bf16 matmuls or not."""
-    if {"avx512_bf16", "amx_bf16"} & flags:
+    """The kind of x86 CPU as far as the demo's speed and figures go: bf16 matmuls in AMX tiles, in AVX-512, or none."""
+    if "amx_bf16" in flags:
+        return "AMX-BF16"
+    if "avx512_bf16" in flags:
         return "AVX512-BF16"
     if "avx512f" in flags:
         return "AVX-512 (no BF16)"

@@ -3,8 +3,9 @@ split, with the same tools.
 
 Students run the plain protocol (`single`, unscaffolded); the teacher runs its configured method with its scaffold.
 `prm_rerank` samples `evaluate.rerank_samples` answers per question from the SFT student and keeps the one models/prm
-scores best (lowest step score highest); its cost counts every sample. Each system's labeled rows go to
-reports/eval/<system>.parquet; metrics to reports/metrics.json: EM, SubEM and the judge's accuracy with Wilson 95% CIs,
+scores best (lowest step score highest); its cost counts every sample. Each system's labeled rows and metrics go to
+reports/eval/<system>.parquet and .json (stage evaluate_<system>), every system's metrics together to
+reports/metrics.json (stage evaluate): EM, SubEM and the judge's accuracy with Wilson 95% CIs,
 F1 with a bootstrap CI, answer length, cost per question and per correct answer, the served teacher's and the remote
 search's retries and failures. Answers are judged by label.judge, with evaluate.first_only (null = label.first_only)
 deciding whether only the first `|` item counts.

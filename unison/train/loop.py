@@ -146,7 +146,8 @@ class Trainer:
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
+        # fused: one kernel over all the parameters (torch's default on CPU loops over them one tensor at a time)
+        opt = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay, fused=True)
         first = restart_at or total_steps
         before = lr_schedule(settings.schedule, first, settings.warmup_steps(first))
         after = lr_schedule(settings.schedule, total_steps - first, settings.warmup_steps(total_steps - first))

@@ -48,7 +48,8 @@ def teacher_term(advantages: torch.Tensor, teacher_logp: torch.Tensor, teacher_s
     span = teacher_span.long()
     scored = (span > 0).to(teacher_logp.dtype)
     teacher, student = teacher_logp * scored, student_logp.detach() * scored
-    per_span = torch.zeros(span.shape[0], span.shape[1] + 1, dtype=teacher.dtype, device=teacher.device)
+    per_span = torch.zeros(span.shape[0], int(span.max()) + 1 if span.numel() else 1, dtype=teacher.dtype,
+                           device=teacher.device)  # span ids, not positions: a batch cut to its scored columns
     per_span.scatter_add_(1, span, teacher - student)
     return advantages + per_span.gather(1, span) * scored, (student - teacher).sum() / scored.sum().clamp(min=1)
 

@@ -287,11 +287,31 @@ def padded_tops(rows: list[list[tuple[list[int], list[float]]]], width: int) -> 
     return ids_out, logp_out
 
 
+TOKEN_FIELDS = ("loss_mask", "advantages", "old_logp", "old_logp_t1", "ref_logp", "teacher_logp", "teacher_span",
+                "teacher_top_ids", "teacher_top_logp")  # collate's target-aligned fields, [batch, width - 1, ...]
+
+
+def scored_columns(batch: dict) -> torch.Tensor:
+    """The target positions that are a loss-mask token in some row (the teacher scores only those too): the LM head and
+    the log-softmax over the vocabulary run nowhere else. In a rollout the prompt, the tools' schemas and their results
+    are most of the tokens, and the head is a fifth of a 135M model's compute plus a [batch, width, vocab] fp32
+    tensor."""
+    return (batch["loss_mask"] > 0).any(0).nonzero().squeeze(-1)
+
+
+def scored_batch(batch: dict, columns: torch.Tensor) -> dict:
+    """The batch's target-aligned fields cut to `columns`, with the next tokens there as `targets`."""
+    return {**{k: v[:, columns] if k in TOKEN_FIELDS else v for k, v in batch.items()},
+            "targets": batch["input_ids"][:, 1:][:, columns]}
+
+
 def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs of each next token, temperature-scaled logits) under `model` (the sampling distribution)."""
-    logits = model(input_ids=batch["input_ids"],
-                   attention_mask=batch["attention_mask"]).logits[:, :-1].float() / temperature
-    return token_logprobs(logits, batch["input_ids"][:, 1:]), logits
+    """(log-probs of each next token, temperature-scaled logits) under `model` (the sampling distribution), at the
+    batch's scored_columns only."""
+    columns = scored_columns(batch)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                   logits_to_keep=columns).logits.float() / temperature
+    return token_logprobs(logits, batch["input_ids"][:, 1:][:, columns]), logits
 
 
 def batch_loss(logits: torch.Tensor, batch: dict, rl: RLConfig,
@@ -299,8 +319,13 @@ def batch_loss(logits: torch.Tensor, batch: dict, rl: RLConfig,
     """policy_loss of a collated batch from its (scaled) logits: clipped PG on loss_mask tokens, + k3 KL if configured;
     with the teacher's log-probs in the batch (rl.objective opd) the advantages gain the teacher term (teacher_term, on
     the sampling policy's log-probs at temperature 1), and the metrics the batch's reverse KL to the teacher
-    (`kl_teacher`)."""
-    logp = token_logprobs(logits, batch["input_ids"][:, 1:])
+    (`kl_teacher`). `logits`: at the batch's scored_columns (logprobs_of), or at every target position (cut to them
+    here: the other positions count in no row)."""
+    columns = scored_columns(batch)
+    if logits.shape[1] != len(columns):
+        logits = logits[:, columns]
+    batch = scored_batch(batch, columns)
+    logp = token_logprobs(logits, batch["targets"])
     # one update: the sampling policy is this one
     old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
     advantages, extra = batch["advantages"], {}
@@ -322,7 +347,7 @@ def unscaled_logp(logits: torch.Tensor, logp: torch.Tensor, batch: dict, tempera
     (`old_logp_t1`), else the loss's own (`logp` from `logits` scaled by 1/temperature), detached."""
     if "old_logp_t1" in batch:
         return batch["old_logp_t1"]
-    return (logp if temperature == 1 else token_logprobs(logits * temperature, batch["input_ids"][:, 1:])).detach()
+    return (logp if temperature == 1 else token_logprobs(logits * temperature, batch["targets"])).detach()
 
 
 def needs_old_logp(rl: RLConfig) -> bool:
@@ -337,17 +362,22 @@ def needs_old_logp(rl: RLConfig) -> bool:
 def attach_logprobs(model, samples: list[dict], key: str, rl: RLConfig, pad_id: int, device, precision: str,
                     unscaled_key: str | None = None) -> None:
     """Each sample's per-token log-probs under `model` (in the training precision, at rl.temperature) as
-    samples[i][key], and at temperature 1 as samples[i][unscaled_key] when given."""
+    samples[i][key], and at temperature 1 as samples[i][unscaled_key] when given; 0 at the positions that count in no
+    sample of its micro-batch (scored_columns), which no loss reads."""
     for i in range(0, len(samples), rl.micro_batch_size):
         chunk = samples[i : i + rl.micro_batch_size]
         batch = {n: t.to(device) for n, t in collate(chunk, pad_id).items()}
+        columns = scored_columns(batch)
         with autocast(precision, device.type):
             logp, logits = logprobs_of(model, batch, rl.temperature)
-            unscaled = token_logprobs(logits * rl.temperature, batch["input_ids"][:, 1:]) if unscaled_key else None
-        for r, s in enumerate(chunk):
-            s[key] = logp[r, : len(s["ids"]) - 1].tolist()
-            if unscaled_key:
-                s[unscaled_key] = unscaled[r, : len(s["ids"]) - 1].tolist()
+            unscaled = (token_logprobs(logits * rl.temperature, batch["input_ids"][:, 1:][:, columns])
+                        if unscaled_key else None)
+        for name, values in ((key, logp), (unscaled_key, unscaled)):
+            if name:
+                full = torch.zeros(len(chunk), batch["input_ids"].shape[1] - 1)
+                full[:, columns] = values.float().cpu()
+                for r, s in enumerate(chunk):
+                    s[name] = full[r, : len(s["ids"]) - 1].tolist()
 
 
 def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, rng: random.Random) -> dict:
