@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -30,9 +31,10 @@ BENCHES = {
     "methods": ("bench.bench_methods", [], ["--questions", "1", "--methods", "single,debate"]),
     "index": ("bench.bench_index", [], ["--sizes", "2000"]),
     "custom_tools": ("bench.bench_custom_tools", [], ["--calls", "5"]),
-    "ray": ("bench.bench_ray", [], ["--questions", "2", "--samples", "1", "--max-tokens-per-turn", "8"]),
+    "ray": ("bench.bench_ray", [], ["--questions", "8", "--samples", "1", "--max-tokens-per-turn", "8"]),
 }
 MARKDOWN = Path("reports/bench.md")
+NOISE = re.compile(r"pid=\w+\)|^\[W\d|%\||Warning|^\s+(warnings\.warn|wrapper =|if hasattr)")  # engines' logs, progress bars
 
 
 def headline(figures: dict) -> str:
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Benches, {date}, commit {commit}{' (smoke)' if args.smoke else ''}", "",
              f"{m['cpu']}, {m['cores']} cores, {m['cpu_kind']}, training precision {m['precision']} (auto)", ""]
     for name, (out, seconds, rc) in outputs.items():
-        tail = "\n".join(out.rstrip().splitlines()[-25:])
+        tail = "\n".join([line for line in out.rstrip().splitlines() if not NOISE.search(line)][-25:])
         lines += [f"## {name} ({seconds:.0f} s{', FAILED: exit ' + str(rc) if rc else ''})", "", "```", tail, "```", ""]
     lines += ["A row for docs/benchmarks.md:", "", "| date | commit | CPU kind, precision | figures |", "|---|---|---|---|",
               f"| {date} | {commit} | {m['cpu_kind']}, {m['precision']} | {headline(figures)} |", ""]
