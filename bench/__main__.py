@@ -71,10 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         module, full, smoke = BENCHES[name]
         cmd = [sys.executable, "-m", module, *(smoke if args.smoke else full)]
         print(f"bench: {name}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.perf_counter()
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        print(p.stdout, end="", flush=True)
-        outputs[name] = (p.stdout, time.perf_counter() - t0, p.returncode)
+        t0, lines = time.perf_counter(), []
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+            for line in p.stdout:  # as it comes: the benches print their progress
+                print(line, end="", flush=True)
+                lines.append(line)
+        outputs[name] = ("".join(lines), time.perf_counter() - t0, p.returncode)
         if p.returncode:
             failed.append(name)
     figures = json.loads(REPORT.read_text()) if REPORT.exists() else {}
