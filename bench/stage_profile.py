@@ -10,6 +10,7 @@ matches, in this order:
     tracking         MLflow
     tools            the tools' own work: the sandbox, retrieval and its encoder
     python           everything else: the stage's and the runtime's own Python, the libraries' glue
+    native           threads with no Python frame: torch's OpenMP workers, vLLM's and the tools' native threads
 
 Samples are of threads that run (py-spy leaves out most idle ones; a thread blocked in a wait is left out here), so a
 stage's figures are CPU-seconds of Python-visible work, not wall seconds; the split is what matters. Needs py-spy (`pip install py-spy`) and ptrace (root, or
@@ -20,7 +21,6 @@ kernel.yama.ptrace_scope 0). Writes reports/stage_profile.json (and the raw samp
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import subprocess
@@ -31,7 +31,7 @@ from pathlib import Path
 KINDS = {  # kind: frames (substrings of a py-spy frame) that make a sample that kind, checked in this order
     "engine start": ("LLM.__init__ (vllm/",),
     "imports": ("_find_and_load (<frozen importlib._bootstrap>",),
-    "model": ("execute_model (vllm/", "forward (torch/nn/modules/", "backward (torch/", "_engine_run_backward",
+    "model": ("execute_model (vllm/", "Module._call_impl (torch/nn/modules/", "backward (torch/", "_engine_run_backward",
               "Optimizer.step", "adamw (torch/optim", "_fused_adamw", "clip_grad_norm_"),
     "engine overhead": ("(vllm/",),
     "I/O": ("save_pretrained", "from_pretrained", "safetensors", "pyarrow", "read_table (unison", "write_table (unison",
@@ -46,6 +46,8 @@ REPORT = Path("reports/stage_profile.json")
 
 
 def kind_of(stack: str) -> str:
+    if stack.rsplit(";", 1)[-1].startswith("process "):
+        return "native"
     for kind, frames in KINDS.items():
         if any(f in stack for f in frames):
             return kind
@@ -67,7 +69,7 @@ def split_by_stage(raw: str, rate: float) -> dict[str, dict[str, float]]:
 
 
 def format_table(split: dict[str, dict[str, float]]) -> str:
-    kinds = [*KINDS, "python"]
+    kinds = [*KINDS, "python", "native"]
     lines = [f"{'stage':20} {'CPU s':>7} " + " ".join(f"{k:>15}" for k in kinds)]
     for stage, by_kind in split.items():
         total = sum(by_kind.values())
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     raw = REPORT.with_suffix(".raw.txt")
     raw.parent.mkdir(parents=True, exist_ok=True)
     done = subprocess.run([spy, "record", "--subprocesses", "--format", "raw", "--rate", str(args.rate), "-o", str(raw),
-                           "--", *args.command])
+                           "--", *args.command], check=False)
     if not raw.exists():
         raise SystemExit(f"bench.stage_profile: py-spy wrote no samples (exit {done.returncode})")
     split = split_by_stage(raw.read_text(), args.rate)

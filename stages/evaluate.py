@@ -1,9 +1,9 @@
 """Stage `evaluate`: the students and the teacher system scored on the test split with the same tools, a stage each.
 
-    python -m stages.evaluate <system>    stage evaluate_<system>: one system's row (base, teacher, sft, prm_rerank, dpo,
-                                          rl); a system params.yaml turns off writes a row that says so
-    python -m stages.evaluate             stage evaluate: every row's metrics in reports/metrics.json, the headline on
-                                          the pipeline's run
+    python -m stages.evaluate <system>    stage evaluate_<system>: one system's row (base, teacher, sft, prm_rerank,
+                                          dpo, rl); a system params.yaml turns off writes a row that says so
+    python -m stages.evaluate             stage evaluate: every row's metrics in reports/metrics.json, the headline
+                                          on the pipeline's run
 
 A row re-runs only when its own inputs change: a new student leaves the teacher's and the base model's rows as DVC
 has them. Each trained student is registered in MLflow's model registry with its metrics (unison/registry.py)."""
@@ -21,7 +21,6 @@ from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
 from unison.labeling.metrics import scoring_label
 from unison.report.tables import headline_metrics
 from unison.tools.registry import check_toolset
-
 
 OFF = {"teacher": "evaluate.teacher is false", "prm_rerank": "evaluate.rerank_samples is 1",
        "dpo": "dpo.enabled is false"}  # the systems params.yaml can turn off, and the setting that does
@@ -46,8 +45,9 @@ def evaluate_system(system: str) -> None:
                                                 "episodes_in_flight": g.episodes_in_flight,
                                                 "teacher": params.teacher.model_dump(),
                                                 "cluster": params.cluster.model_dump()}) as run:
-        [(name, rows, m)] = evaluate_systems(params.system_settings(), p, scoring_label(params.label, p), params.cluster,
-                                             chosen, questions, partial(load_prm, layout.PRM, params.prm.precision))
+        [(name, rows, m)] = evaluate_systems(params.system_settings(), p, scoring_label(params.label, p),
+                                             params.cluster, chosen, questions,
+                                             partial(load_prm, layout.PRM, params.prm.precision))
         write_table(rows, rows_path, LABELED)
         write_json({"evaluated": True, **m}, metrics_path)
         run.log_metrics({f"{name}.{k}": v for k, v in m.items()})

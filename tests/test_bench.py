@@ -148,6 +148,9 @@ def test_stage_profile_puts_each_sample_in_its_stage_and_kind():
         dvc + 'process 3:"python -m stages.evaluate teacher";step (unison/agents/runtime.py:1);step (vllm/v1/engine/core.py:1) 2',
         dvc + 'process 3:"python -m stages.evaluate teacher";process 4:"bwrap python";run (unison/tools/python_sandbox.py:3) 2',
         dvc + 'status (dvc/repo/status.py:1) 5',  # DVC's own work: no stage's
+        dvc + 'process 2:"python -m stages.sft";process 5:"python -m stages.sft" 2',  # an OpenMP worker: no Python frame
+        dvc + 'process 3:"python -m stages.evaluate teacher";_FlowDriver.wait_for (unison/agents/scheduler.py:1);'
+              'Condition.wait (threading.py:1) 40',  # a flow thread waiting on the engine: not work
     ])
-    assert split_by_stage(raw, rate=2.0) == {"sft": {"imports": 2.0, "model": 5.0},
+    assert split_by_stage(raw, rate=2.0) == {"sft": {"imports": 2.0, "model": 5.0, "native": 1.0},
                                              "evaluate_teacher": {"engine start": 3.0, "engine overhead": 1.0, "tools": 1.0}}

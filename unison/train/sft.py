@@ -4,6 +4,7 @@ The batches and the loss; the loop (accelerate, so a DeepSpeed config works on G
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -163,7 +164,7 @@ def packed_attention(module, query, key, value, attention_mask, *, position_ids=
         starts = [*(positions == 0).nonzero().squeeze(-1).tolist(), query.shape[2]]
         rows.append(torch.cat([sdpa_attention_forward(module, query[r : r + 1, :, a:b], key[r : r + 1, :, a:b],
                                                       value[r : r + 1, :, a:b], None, is_causal=True, **kwargs)[0]
-                               for a, b in zip(starts, starts[1:])], dim=1))
+                               for a, b in itertools.pairwise(starts)], dim=1))
     return torch.cat(rows), None
 
 
