@@ -46,6 +46,11 @@ def test_stage_module_help_prints_and_runs_nothing(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "stages.label", "--epochs", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     assert bad.returncode == 1 and "takes no arguments" in bad.stderr and list(tmp_path.iterdir()) == []
+    # evaluate takes the system whose row it computes, and no other argument
+    bad = subprocess.run([sys.executable, "-m", "stages.evaluate", "student"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, check=False, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert bad.returncode == 1 and "at most one of base, teacher, sft, prm_rerank, dpo, rl" in bad.stderr, bad.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 # A stage that refuses as a tool stage does when the sandbox cannot start, after torch.distributed started (as vLLM's

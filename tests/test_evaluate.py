@@ -99,3 +99,32 @@ def test_evaluate_first_only_defaults_to_the_label_rule_and_may_override_it():
     assert scoring_label(gap.label, gap.evaluate) == LabelConfig(first_only=True, qa_metric="em") and params.label.first_only is False
     with pytest.raises(ParamsError, match="evaluate.first_only"):
         validate_params({"teacher": {}, "student": {}, "evaluate": {"first_only": "sometimes"}}, "overlay.yaml")
+
+
+def test_a_system_turned_off_writes_a_row_saying_so_and_the_metrics_gather_the_rows_that_ran(tracked_project):
+    """evaluate_dpo with dpo.enabled false writes an empty row and why (its DVC outputs exist either way); the stage
+    evaluate gathers the rows that ran into reports/metrics.json, without the marker field."""
+    import json
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+    import yaml
+
+    from stages import evaluate
+    from unison import layout
+    from unison.config import ROOT
+    from unison.data.schemas import LABELED
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    (tracked_project / "params.yaml").write_text(yaml.safe_dump({**params, "dpo": {**params["dpo"], "enabled": False}}))
+    evaluate.main("dpo")
+    empty = pq.read_table(layout.eval_rows("dpo"))
+    assert empty.num_rows == 0 and empty.schema.names == LABELED.names
+    assert json.loads(Path(layout.eval_metrics("dpo")).read_text()) == {"evaluated": False, "why": "dpo.enabled is false"}
+    for k, system in enumerate(("rl", "teacher", "sft", "base")):
+        metrics = {"em": k / 10, "tokens_per_question": 40.0 + k, "evaluated": True}
+        Path(layout.eval_metrics(system)).write_text(json.dumps(metrics))
+    Path(layout.eval_metrics("prm_rerank")).write_text(json.dumps({"evaluated": False, "why": "off"}))
+    evaluate.main()
+    metrics = json.loads(Path(layout.METRICS).read_text())
+    assert set(metrics) == {"base", "teacher", "sft", "rl"} and metrics["rl"] == {"em": 0.0, "tokens_per_question": 40.0}
