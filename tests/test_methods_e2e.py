@@ -16,6 +16,8 @@ from unison.config import ROOT, ToolsConfig, load_params
 from unison.data.schemas import TRAJECTORY, read_table, write_table
 from unison.token_view import token_view
 
+from .local_http import invariant_dtype
+
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 QUESTIONS = [
@@ -40,7 +42,7 @@ def ctx_factory(base_model_dir, tmp_path_factory):
     corpus = root / "corpus.parquet"
     write_table([{"id": f"p{i}", **p} for i, p in enumerate(PASSAGES)], corpus, CORPUS)
     build_index(corpus, root / "index", encoder="builtin:all-minilm-l6-v2")
-    backend = VLLMBackend(str(base_model_dir), max_model_len=2048, block_size=32)
+    backend = VLLMBackend(str(base_model_dir), dtype=invariant_dtype(), max_model_len=2048, block_size=32)
     toolbox = Toolbox(Retriever(root / "index", topk=1), ToolsConfig(python_timeout_s=5, search_max_chars=200))
     cfg = EpisodeSettings(temperature=0.7, top_p=0.95, max_turns=4, max_tokens_per_turn=32, max_tool_calls=3)
     scaffold = {"qa": ["search", "answer"], "math": ["python", "answer"]}

@@ -20,7 +20,7 @@ import yaml
 
 from unison.config import ROOT
 
-from .local_http import served_requests, vllm_openai_server
+from .local_http import invariant_dtype, served_requests, vllm_openai_server
 from .projects import copy_project, merge, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -94,13 +94,12 @@ def test_a_served_teacher_on_completions_with_vllms_token_ids(served):
 
 def test_vllms_server_scores_given_tokens_as_the_in_process_engine_does(served, base_model_dir):
     """`score` through /v1/completions with vLLM's prompt_logprobs (what token-level distillation asks of a served
-    teacher) against the same model scored here in the server's dtype: in fp32 by transformers, whose scores equal the
-    in-process vLLM engine's (tests/test_scoring.py); in bf16 (AVX512-BF16 CPUs) by the in-process vLLM engine itself
-    (transformers' bf16 kernels differ from vLLM's by up to 0.12 nats here). Within 1e-4 in both: the bf16 difference
-    measured on 2026-11-28 (AVX512-BF16 EPYC) was 0.0 (docs/scale.md)."""
+    teacher) against the same model scored here in the server's dtype (invariant_dtype): in fp32 by transformers, whose
+    scores equal the in-process vLLM engine's (tests/test_scoring.py); in bf16 (AVX512-BF16 CPUs) by the in-process
+    vLLM engine itself (transformers' bf16 kernels differ from vLLM's by up to 0.12 nats here). Within 1e-4 in both: the
+    bf16 difference measured on 2026-11-28 (AVX512-BF16 EPYC) was 0.0 (docs/scale.md)."""
     from transformers import AutoTokenizer
 
-    from unison.llm.base import cpu_dtype
     from unison.llm.hf_backend import HFBackend
     from unison.llm.openai_backend import OpenAIBackend
     from unison.llm.vllm_backend import VLLMBackend
@@ -111,12 +110,13 @@ def test_vllms_server_scores_given_tokens_as_the_in_process_engine_does(served, 
     prompts = [ids("<|im_start|>user\nWhere was Zorvan Kelt born?<|im_end|>\n<|im_start|>assistant\n"), ids("The capital of France is")]
     completions = [ids("<search>Zorvan Kelt</search>"), ids(" Paris.")]
     server = OpenAIBackend(url, "smol-teacher", tokenizer=tok, api_key_env="UNISON_TEACHER_KEY").score(prompts, completions, top_k=2)
-    if cpu_dtype() == "float32":
+    dtype = invariant_dtype()  # the server's
+    if dtype == "float32":
         local = HFBackend(str(base_model_dir), dtype="float32").score(prompts, completions, top_k=2)
     else:
-        local = VLLMBackend(str(base_model_dir), dtype=cpu_dtype(), max_model_len=512, kv_cache_gb=1).score(prompts, completions, top_k=2)
+        local = VLLMBackend(str(base_model_dir), dtype=dtype, max_model_len=512, kv_cache_gb=1).score(prompts, completions, top_k=2)
     gap = max(abs(x - y) for a, b in zip(server, local) for x, y in zip(a.logprobs + sum(a.top_logprobs, []), b.logprobs + sum(b.top_logprobs, [])))
-    print(f"server against in-process, {cpu_dtype()}: largest |difference| of a log-prob {gap:.2e}")
+    print(f"server against in-process, {dtype}: largest |difference| of a log-prob {gap:.2e}")
     for a, b in zip(server, local):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4) and a.top_ids == b.top_ids
         assert [x for r in a.top_logprobs for x in r] == pytest.approx([x for r in b.top_logprobs for x in r], abs=1e-4)

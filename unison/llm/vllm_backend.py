@@ -7,7 +7,8 @@ decoded alone differs from the same request decoded beside others (logprobs by u
 token, a different token after ~30), while batches of 2 and 41 give equal bits; a lone request's attention also splits
 its KV cache over the threads, so its logits depend on the thread count. So on CPU the engine never decodes one request
 alone (a greedy companion request, dropped as soon as another request runs) and attention does not split the KV cache
-(VLLM_CPU_ATTN_SPLIT_KV=0).
+(VLLM_CPU_ATTN_SPLIT_KV=0). Not on AMX-BF16 CPUs in bf16: there a request's tokens change beside 1, 5 or 11 others
+(not 3); in fp32 they do not. Set llm.dtype: float32 there where rows must not depend on the schedule (Ray shards).
 """
 from __future__ import annotations
 
