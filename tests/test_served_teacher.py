@@ -45,7 +45,8 @@ def served(tmp_path_factory, base_model_dir):
     dst = copy_project(tmp_path_factory.mktemp("served-project"), base_model_dir)  # stage teacher swaps its local copy for a tokenizer
     os.environ["UNISON_TEACHER_KEY"] = SECRET
     with vllm_openai_server(base_model_dir, "smol-teacher", tmp_path_factory.mktemp("server") / "vllm.log", api_key=SECRET,
-                            args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as url:  # chat's tool calls
+                            args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),  # chat's tool calls
+                            dtype=invariant_dtype()) as url:  # scored against an in-process engine below
         teacher = {"model": f"local:{base_model_dir}", "backend": "openai", "api": "completions", "base_url": url, "served_name": "smol-teacher",
                    "api_key_env": "UNISON_TEACHER_KEY"}
         params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), {**SERVED, "teacher": teacher})
