@@ -31,14 +31,16 @@ def matmul_gflops(dtype: torch.dtype, windows: int = 3, seconds: float = 1.0) ->
     `windows` windows of about `seconds` (the rate the hardware gives; one short window of bf16 on AMX read 1,354 and
     2,089 GFLOP/s in two runs)."""
     a, b = torch.randn(1024, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    best = 0.0
-    for window in range(windows + 1):  # the first warms up
+
+    def window() -> float:
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             a @ b
             n += 1
-        best = max(best, 2 * 1024 * 2048 * 2048 * n / (time.perf_counter() - t0) / 1e9) if window else 0.0
-    return best
+        return 2 * 1024 * 2048 * 2048 * n / (time.perf_counter() - t0) / 1e9
+
+    window()  # warm-up
+    return max(window() for _ in range(windows))
 
 
 def run_workload(name: str, model: str, views: list, rows: list, precision: str, steps: int, batch_size: int, tmp: str) -> dict:

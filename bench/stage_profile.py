@@ -13,8 +13,8 @@ matches, in this order:
     native           threads with no Python frame: torch's OpenMP workers, vLLM's and the tools' native threads
 
 Samples are of threads that run (py-spy leaves out most idle ones; a thread blocked in a wait is left out here), so a
-stage's figures are CPU-seconds of Python-visible work, not wall seconds; the split is what matters. Needs py-spy (`pip install py-spy`) and ptrace (root, or
-kernel.yama.ptrace_scope 0). Writes reports/stage_profile.json (and the raw samples beside it) and prints a table.
+stage's figures are CPU-seconds of Python-visible work, not wall seconds; the split is what matters. Needs py-spy
+(`pip install py-spy`) and ptrace (root, or kernel.yama.ptrace_scope 0). Writes reports/stage_profile.json (and the raw samples beside it) and prints a table.
 
     python -m bench.stage_profile [--rate 20] [-- dvc repro ...]
 """

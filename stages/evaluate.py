@@ -59,7 +59,7 @@ def evaluate_system(system: str) -> None:
 
 
 def collect_metrics() -> None:
-    """The rows' metrics, in evaluation order, as reports/metrics.json; the headline to the pipeline's run."""
+    """The metrics of the rows that ran, as reports/metrics.json; the headline to the pipeline's run."""
     metrics = {}
     for system in layout.SYSTEMS:
         m = json.loads(Path(layout.eval_metrics(system)).read_text())
