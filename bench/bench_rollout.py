@@ -183,7 +183,7 @@ def measure_method(ctx, counter: EngineCounter, method: str, questions: list[dic
     steps0, narrow0, narrow_s0 = backend.steps, backend.narrow_steps, backend.narrow_s
     t0 = time.perf_counter()
     if barrier_chunk:
-        rows = [r for i in range(0, len(questions), barrier_chunk) for r in get_method(method)(questions[i : i + barrier_chunk], samples, ctx)]
+        rows = [r for i in range(0, len(questions), barrier_chunk) for r in get_method(method)(questions[i : i + barrier_chunk], range(samples), ctx)]
     else:
         rows = run_method(method, questions, samples, ctx, in_flight)
     wall = time.perf_counter() - t0

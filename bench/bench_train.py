@@ -1,4 +1,5 @@
-"""Training throughput of the one loop (unison/train/loop.py): sft (unpacked and packed), dpo, prm and the rl update,
+"""Training throughput of the one loop (unison/train/loop.py): sft (padded, packed, with a shared prefix), dpo, prm and
+the rl update,
 each in fp32 and, where the hardware has bf16 matmuls, in bf16, beside the matmul ceiling measured in the same run.
 
 Every workload runs the real trainer on the real student model over the demo's token views (data/labeled/train.parquet
@@ -9,6 +10,7 @@ nothing but dense matmuls at that rate. Where bf16 runs, the sft loss curves of 
 Prints a table and merges the figures into reports/bench.json under "train".
 
     python -m bench.bench_train [--model models/base] [--data data/labeled/train.parquet] [--steps 4] [--batch-size 4]
+                                [--format native|tags]
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 
 from bench.bench_rollout import git_commit, save_report
 
-WORKLOADS = ("sft", "sft_packed", "dpo", "prm", "rl_update")
+WORKLOADS = ("sft", "sft_packed", "sft_shared_prefix", "dpo", "prm", "rl_update")
 
 
 def matmul_gflops(dtype: torch.dtype, windows: int = 3, seconds: float = 1.0) -> float:
@@ -49,7 +51,8 @@ def run_workload(name: str, model: str, views: list, rows: list, precision: str,
 
     n = steps * batch_size
     if name.startswith("sft"):
-        cfg = sft.SFTConfig(epochs=1, batch_size=batch_size, warmup_ratio=0.0, packing=name == "sft_packed", precision=precision)
+        cfg = sft.SFTConfig(epochs=1, batch_size=batch_size, warmup_ratio=0.0, packing=name == "sft_packed",
+                            shared_prefix=name == "sft_shared_prefix", precision=precision)
         recs = sft.train_sft(model, views[:n], cfg, f"{tmp}/{name}")
         tokens = sum(len(ids) for ids, _ in views[:n])
     elif name == "dpo":
@@ -108,19 +111,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=4, help="optimiser steps per workload")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--format", choices=("native", "tags"), default="native",
+                    help="the student's tool format the token views are rendered in (the demo's: native)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoTokenizer
 
     from unison.data.schemas import LABELED, read_table
     from unison.train.loop import bf16_supported
+    from unison.tool_format import student_format
+    from unison.tools.registry import DEFAULT_TOOLS
     from unison.train.sft import build_examples
 
     rows = [r for r in read_table(args.data, LABELED) if r["steps"]]
     need = 2 * args.steps * args.batch_size
     if len(rows) < need:
         raise SystemExit(f"bench_train: {args.data} has {len(rows)} trajectories with steps; need {need}")
-    views, _ = build_examples(AutoTokenizer.from_pretrained(args.model), rows[:need], 768)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    views, _ = build_examples(tok, rows[:need], 768, native=student_format(args.format, tok, DEFAULT_TOOLS, "single"))
     config = AutoConfig.from_pretrained(args.model)
     from transformers import AutoModelForCausalLM
 
@@ -139,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": {"cpus_usable": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
                           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
                           "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
-              "workload": {"model": args.model, "data": args.data, "steps": args.steps, "batch_size": args.batch_size,
+              "workload": {"model": args.model, "data": args.data, "format": args.format, "steps": args.steps,
+                           "batch_size": args.batch_size,
                            "mean_tokens": sum(len(i) for i, _ in views) / len(views)},
               "bf16_supported": bf16, "matmul_gflops": gflops, "flops_per_token": flops_per_token,
               "ceiling_tokens_per_s": {p: g * 1e9 / flops_per_token for p, g in gflops.items()}, "runs": runs}
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         by = {(r["workload"], r["precision"]): r["losses"] for r in runs}
         result["loss_curves"] = [{"fp32": [round(x, 4) for x in by[(w, "fp32")]], "bf16": [round(x, 4) for x in by[(w, "bf16")]],
                                   "max_abs_diff": max(abs(a - b) for a, b in zip(by[(w, "fp32")], by[(w, "bf16")]))}
-                                 for w in ("sft", "sft_packed") if (w, "fp32") in by]
+                                 for w in ("sft", "sft_packed", "sft_shared_prefix") if (w, "fp32") in by]
     print(format_table(result), flush=True)
     save_report(result, key="train")
     print("bench_train: wrote reports/bench.json (key 'train')", flush=True)

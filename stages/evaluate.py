@@ -2,8 +2,9 @@
 
     python -m stages.evaluate <system>    stage evaluate_<system>: one system's row (base, teacher, sft, prm_rerank,
                                           dpo, rl); a system params.yaml turns off writes a row that says so
-    python -m stages.evaluate             stage evaluate: every row's metrics in reports/metrics.json, the headline
-                                          on the pipeline's run
+    python -m stages.evaluate             stage evaluate: every row's metrics in reports/metrics.json, the systems
+                                          compared question by question in reports/paired.json (exact McNemar on
+                                          EM), the headline on the pipeline's run
 
 A row re-runs only when its own inputs change: a new student leaves the teacher's and the base model's rows as DVC
 has them. Each trained student is registered in MLflow's model registry with its metrics (unison/registry.py)."""
@@ -18,10 +19,12 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
 from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
-from unison.labeling.metrics import scoring_label
+from unison.labeling.metrics import paired_em, scoring_label
 from unison.report.tables import headline_metrics
 from unison.tools.registry import check_toolset
 
+# the comparisons the report makes, (first, second): the first's EM against the second's on the same questions
+PAIRS = (("sft", "base"), ("sft", "teacher"), ("dpo", "sft"), ("prm_rerank", "sft"), ("rl", "sft"), ("rl", "teacher"))
 OFF = {"teacher": "evaluate.teacher is false", "prm_rerank": "evaluate.rerank_samples is 1",
        "dpo": "dpo.enabled is false"}  # the systems params.yaml can turn off, and the setting that does
 
@@ -59,17 +62,29 @@ def evaluate_system(system: str) -> None:
 
 
 def collect_metrics() -> None:
-    """The metrics of the rows that ran, as reports/metrics.json; the headline to the pipeline's run."""
+    """The metrics of the rows that ran, as reports/metrics.json, and their paired comparisons (PAIRS where both ran)
+    as reports/paired.json; the headline and each comparison's p-value to the pipeline's run."""
+    params = load_params()
     metrics = {}
     for system in layout.SYSTEMS:
         m = json.loads(Path(layout.eval_metrics(system)).read_text())
         if m.pop("evaluated"):
             metrics[system] = m
+    label = scoring_label(params.label, params.evaluate)
+    paired = {f"{a}_vs_{b}": paired_em(read_table(layout.eval_rows(a), LABELED),
+                                       read_table(layout.eval_rows(b), LABELED), label)
+              for a, b in PAIRS if a in metrics and b in metrics}
     with track.stage_run("evaluate", {}) as run:
         write_json(metrics, layout.METRICS)
+        write_json(paired, layout.PAIRED)
         run.log_artifact(layout.METRICS)
-        run.log_pipeline_metrics(headline_metrics(metrics))
+        run.log_pipeline_metrics({**headline_metrics(metrics),
+                                  **{f"{name}_p_mcnemar": c["p_mcnemar"] for name, c in paired.items()}})
     print("evaluate: " + ", ".join(f"{name} EM {m['em']:.3f}" for name, m in metrics.items()), flush=True)
+    for name, c in paired.items():
+        print(f"evaluate: {name.replace('_vs_', ' vs ')} {100 * c['difference']:+.1f} EM points on {c['questions']} "
+              f"questions ({c['only_first']} right only in the first, {c['only_second']} only in the second), exact "
+              f"McNemar p = {c['p_mcnemar']:.3g}", flush=True)
 
 
 def main(system: str = "") -> None:

@@ -8,28 +8,34 @@ from __future__ import annotations
 import gc
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 from unison import layout, track
 from unison.agents.episode_traces import sample_traces
 from unison.agents.generation import generate_trajectories, shard_dir
 from unison.agents.imports import import_trajectories
+from unison.agents.methods import StopWhenVerified
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
+from unison.judge import verifies
 from unison.llm import teacher_backend
 from unison.teacher_topk import TEACHER_TOPK, capture_topk, generated_figures
 from unison.tools.registry import enabled_tools, toolset
 
 OUT = Path(layout.TRAJECTORIES)
+VERIFIER = {"qa_metric", "f1_threshold", "first_only", "math_timeout_s"}  # the label settings the rule judge reads
 
 
 def main() -> None:
     params = load_params()
     g, systems = params.generate, params.system_settings()
     questions = read_table(layout.RAW_TRAIN, QUESTION)
+    stop = StopWhenVerified(partial(verifies, params.label), g.stop_at_verified) if g.stop_at_verified else None
+    verifier = params.label.model_dump(include=VERIFIER) if stop else None
     with track.stage_run("generate",
-                         {**g.model_dump(),
+                         {**g.model_dump(), **({"verifier": verifier} if stop else {}),
                           **params.model_dump(include={"seed", "llm", "teacher", "tools", "cluster"})}) as run:
         shards = None
         if g.source:
@@ -37,9 +43,9 @@ def main() -> None:
             rows, metrics = import_trajectories(g, enabled_tools(params.tools), params.download.dataset, questions)
             metrics["wall_s"] = time.perf_counter() - t0
         else:
-            shards = shard_dir(systems, questions)
+            shards = shard_dir(systems, questions, verifier)
             try:
-                rows, metrics = generate_trajectories(systems, params.cluster, questions, shards)
+                rows, metrics = generate_trajectories(systems, params.cluster, questions, shards, stop)
             except Exception as error:  # a server gone for good: its retries and failures still reach MLflow
                 run.log_metrics(getattr(error, "counters", {}))
                 raise

@@ -75,6 +75,15 @@ def test_train_and_test_ask_about_different_entities(world):
     assert not {r["question"] for r in train} & {r["question"] for r in test}
 
 
+def test_growing_the_train_split_leaves_the_test_split_as_it_was():
+    """A user who grows download.builtin.train_size compares new students with old ones on the same test questions."""
+    small = BuiltinWorldConfig(**SMALL_WORLD)
+    _, train, test = generate_world(small, seed=3)
+    _, more_train, same_test = generate_world(small.model_copy(update={"train_size": small.train_size + 20}), seed=3)
+    assert same_test == test
+    assert len(more_train) == len(train) + 20
+
+
 def test_every_hop1_answer_is_in_its_passage(world):
     passage, train, test = world
     hop1 = [r for r in train + test if meta(r)["hop"] == "hop1"]

@@ -70,8 +70,17 @@ def test_full_pipeline_runs_and_reports(project):
     import pyarrow.parquet as pq
 
     traj = pq.read_table(project / "data/trajectories/train.parquet").to_pylist()
-    assert len(traj) == 64 and all(t["method"] == "debate" for t in traj)  # 32 questions x 2 samples
-    assert all(t["student"][-1]["role"] == "assistant" for t in traj)
+    assert all(t["method"] == "debate" for t in traj) and all(t["student"][-1]["role"] == "assistant" for t in traj)
+    labeled = pq.read_table(project / "data/labeled/train.parquet").to_pylist()
+    drawn = {q: [r["sample"] for r in labeled if r["question_id"] == q] for q in {r["question_id"] for r in labeled}}
+    first_verified = {r["question_id"] for r in labeled if r["sample"] == 0 and r["correct"]}
+    assert len(drawn) == 32 and all(s == ([0] if q in first_verified else [0, 1]) for q, s in drawn.items())  # stop_at_verified 1
+    label = json.loads((project / "reports/label.json").read_text())
+    assert len(label["coverage_at_k"]) == 2 and label["coverage_at_k"][0] == len(first_verified) / 32
+    assert (project / "reports/plots/coverage_vs_samples.png").stat().st_size > 1000
+    paired = json.loads((project / "reports/paired.json").read_text())
+    assert {"sft_vs_teacher", "rl_vs_sft", "rl_vs_teacher"} <= set(paired) and paired["rl_vs_sft"]["questions"] == 8
+    assert "McNemar" in (project / "reports/summary.md").read_text()
     flywheel = json.loads((project / "reports/flywheel.json").read_text())
     assert [r["round"] for r in flywheel["rounds"]] == [0]  # round 0 is the pipeline itself
     assert flywheel["rounds"][0]["teacher_em"] == metrics["teacher"]["em"] and flywheel["rounds"][0]["student_em"] == metrics["rl"]["em"]

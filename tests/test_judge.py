@@ -10,7 +10,7 @@ from unison.judge import score
 from unison.judge.answers import extract_answer, last_boxed, split_answers
 from unison.judge.math_equivalence import math_score, to_number
 from unison.judge.qa import exact_match, qa_scores, substring_match, token_f1
-from unison.judge.stats import bootstrap_ci, wilson_interval
+from unison.judge.stats import bootstrap_ci, mcnemar_exact, wilson_interval
 from unison.protocol import normalize_answer as normalize
 
 PARAMS = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
@@ -239,3 +239,21 @@ def test_wilson_interval_rejects_no_trials_and_impossible_counts():
     with pytest.raises(ValueError, match="successes"):
         wilson_interval(3, 2)
     assert wilson_interval(14, 200, alpha=0.01)[1] < wilson_interval(14, 200)[1]  # 99% is wider than 95%
+
+
+@pytest.mark.parametrize("only_first,only_second,expected", [
+    (10, 30, 0.0022214),  # scipy.stats.binomtest(10, 40, 0.5).pvalue
+    (1, 9, 0.0214844),  # 2 x 11 / 1024
+    (0, 6, 0.03125),  # 2 / 64: six discordant questions all one way is the fewest that can reach p < 0.05
+    (12, 8, 0.5034447),
+    (5, 5, 1.0),
+    (0, 0, 1.0),  # no discordant question: nothing tells the two systems apart
+])
+def test_mcnemar_exact_known_values_and_symmetry(only_first, only_second, expected):
+    assert mcnemar_exact(only_first, only_second) == pytest.approx(expected, abs=5e-7)
+    assert mcnemar_exact(only_second, only_first) == mcnemar_exact(only_first, only_second)
+
+
+def test_mcnemar_exact_rejects_negative_counts():
+    with pytest.raises(ValueError, match=">= 0"):
+        mcnemar_exact(-1, 3)

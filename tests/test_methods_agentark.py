@@ -47,7 +47,7 @@ def run_method(tiny, method: str, params: dict, roles: dict | None = None, sampl
     ctx = MethodContext(tiny, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=temperature, top_p=0.95, max_tokens_per_turn=16), "tiny",
                         scaffold={"qa": ["search", "answer"]}, params=type(getattr(GenerateConfig(), method))(**params),
                         role_backends=roles or {})
-    rows = get_method(method)([Q], samples, ctx)
+    rows = get_method(method)([Q], range(samples), ctx)
     for row in rows:
         assert row["method"] == method and row["question_id"] == "q1"
         # every LLM call is one assistant turn of the transcript; the last turn is the final answer

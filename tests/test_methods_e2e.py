@@ -73,7 +73,7 @@ NIGHTLY_METHODS = {"chain_of_agents", "agentflow", "agentverse", "dylan", "mav"}
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.nightly) if m in NIGHTLY_METHODS else m for m in METHODS])
 def test_method_writes_valid_trajectories_with_a_student_rendering_and_a_trace(method, ctx_factory, tracking, tmp_path):
     ctx = ctx_factory(method)
-    rows = get_method(method)(QUESTIONS, 1, ctx)
+    rows = get_method(method)(QUESTIONS, range(1), ctx)
     assert [r["question_id"] for r in rows] == ["q-qa", "q-math"] and {r["method"] for r in rows} == {method}
     path = tmp_path / "t.parquet"
     write_table(rows, path, TRAJECTORY)  # the Trajectory contract, checked field by field
@@ -112,7 +112,7 @@ def test_streaming_engine_and_per_question_flows_give_the_lock_step_trajectories
     try:
         for name, streaming in (("lockstep", False), ("stream", True), ("flows", True)):  # three schedules, one result
             backend.streaming = streaming  # False: the runtime wraps the engine in LockStep (one generate call per turn)
-            rows = run_method("debate", QUESTIONS, 2, ctx, episodes_in_flight=12) if name.startswith("flows") else get_method("debate")(QUESTIONS, 2, ctx)
+            rows = run_method("debate", QUESTIONS, 2, ctx, episodes_in_flight=12) if name.startswith("flows") else get_method("debate")(QUESTIONS, range(2), ctx)
             runs[name] = [(r["student"], r["final_answer"], r["n_tool_calls"]) for r in rows]
     finally:
         del backend.streaming  # back to the class default

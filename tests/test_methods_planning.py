@@ -139,7 +139,7 @@ def test_double_check_verifier_next_step_and_memory_parsing():
 def test_chain_of_agents_is_one_trajectory_that_replans_on_a_low_double_check(smol):
     scores = {"double_check": lambda prompt: "Score: 4</double_check>" if Q2["question"] in prompt else "Score: 1</double_check>"}
     ctx = context(smol, ChainOfAgentsConfig(max_cycles=2, accept_score=3), scripted={"reflection": "good</reflection>", **scores})
-    rows = get_method("chain_of_agents")([Q, Q2], 1, ctx)
+    rows = get_method("chain_of_agents")([Q, Q2], range(1), ctx)
     for row, cycles in zip(rows, (2, 1)):  # q1 scores 1: plans again; q2 scores 4: answers after one cycle
         names = {m["name"] for m in row["messages"] if m["role"] == "assistant"}
         assert names == {"think", "plan", "tool", "reflection", "suggested_answer", "double_check", "answer"}
@@ -157,7 +157,7 @@ def test_chain_of_agents_is_one_trajectory_that_replans_on_a_low_double_check(sm
 @pytest.mark.slow
 def test_agentflow_roles_memory_and_student_rendering(smol):
     ctx = context(smol, AgentFlowConfig(max_steps=3), scripted={"verifier": "The memory answers the query.\nConclusion: STOP"})
-    (row,) = get_method("agentflow")([Q], 1, ctx)
+    (row,) = get_method("agentflow")([Q], range(1), ctx)
     assert {"planner", "executor", "verifier", "generator"} <= {m["name"] for m in row["messages"]}
     assert row["n_tool_calls"] == 1 and row["n_llm_calls"] == 5  # analysis, next step, command, verifier STOP, answer
     student = row["student"]
@@ -171,7 +171,7 @@ def test_agentflow_roles_memory_and_student_rendering(smol):
 def test_gap_runs_each_plan_level_as_one_parallel_search_turn(smol):
     retriever = Recording()
     ctx = context(smol, GAPConfig(max_levels=3, max_parallel=4), scripted={"plan": PLAN}, retriever=retriever)
-    (row,) = get_method("gap")([Q], 1, ctx)
+    (row,) = get_method("gap")([Q], range(1), ctx)
     assert [len(c) for c in retriever.calls] == [2, 1]  # level 1: T1 and T2 together; level 2: T3 after their results
     student = row["student"]
     turns = [(m["role"], m["content"].lstrip().split(">")[0]) for m in student[2:]]
@@ -193,7 +193,7 @@ def test_a_gap_search_turn_past_the_call_deadline_is_a_timeout_and_the_chain_goe
     ctx.toolbox.handlers["search"] = lambda arg: (release.wait(120), ("too late", None))[1]  # stuck until the test ends
     t0 = time.perf_counter()
     try:
-        (row,) = get_method("gap")([Q], 1, ctx)
+        (row,) = get_method("gap")([Q], range(1), ctx)
     finally:
         release.set()
     assert time.perf_counter() - t0 < 60  # never waited for the stuck search (120 s)
@@ -208,7 +208,7 @@ def test_a_gap_search_turn_past_the_call_deadline_is_a_timeout_and_the_chain_goe
 def test_unscaffolded_methods_survive_garbage(tiny_model_dir, method, params):
     """A random 2-layer model (SmolLM2's tokenizer) writes garbage: every role output falls back, every row ends."""
     tiny = HFBackend(str(tiny_model_dir), dtype="float32")
-    rows = get_method(method)([Q, Q2], 2, context(tiny, params, scaffold=False))
+    rows = get_method(method)([Q, Q2], range(2), context(tiny, params, scaffold=False))
     assert [(r["question_id"], r["sample"]) for r in rows] == [("q1", 0), ("q1", 1), ("q2", 0), ("q2", 1)]
     for row in rows:
         assert row["finish_reason"] in ("answer", "no_answer", "context") and row["messages"][0]["content"] == row["question"]
@@ -242,7 +242,7 @@ def test_a_role_runs_on_its_own_real_model(smol, tiny_model_dir):
     main.generate, verifier.generate = counted(main, "main"), counted(verifier, "verifier")
     ctx = MethodContext(main, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.0, max_tokens_per_turn=16), "smol",
                         scaffold={"qa": ["search", "answer"]}, params=AgentFlowConfig(max_steps=2), role_backends=roles)
-    (row,) = get_method("agentflow")([Q], 1, ctx)
+    (row,) = get_method("agentflow")([Q], range(1), ctx)
     verdicts = sum(m["name"] == "verifier" for m in row["messages"])
     assert verdicts >= 1 and calls["verifier"] == verdicts  # a random model's verdict is garbage: CONTINUE, so 2 steps
     assert calls["main"] == row["n_llm_calls"] - verdicts
@@ -265,6 +265,6 @@ def test_the_teachers_demonstrations_reach_its_acting_agents_never_the_student(t
     tiny.generate = recorded
     ctx = context(tiny, params, max_tokens=8)
     ctx.demonstrations = "Worked examples: ZQX-DEMONSTRATION"
-    (row,) = get_method(method)([Q], 1, ctx)
+    (row,) = get_method(method)([Q], range(1), ctx)
     assert "ZQX-DEMONSTRATION" in prompts[0]
     assert not any("ZQX-DEMONSTRATION" in m["content"] for m in row["student"])

@@ -254,7 +254,7 @@ def test_real_vllm_server_runs_single_method_episodes(vllm_server, base_model_di
                         scaffold={"qa": ["search", "answer"]})
     questions = [{"id": f"q{i}", "question": q, "answers": ["Tarsk"], "task": "qa"}
                  for i, q in enumerate(["In which city was Zorvan Kelt born?", "Where is Tarsk?"])]
-    rows = get_method("single")(questions, 2, ctx)
+    rows = get_method("single")(questions, range(2), ctx)
     assert len(rows) == 4
     assert all(r["finish_reason"] in ("answer", "eos", "length", "max_turns") for r in rows)
     assert all(r["n_llm_calls"] >= 2 and r["n_tool_calls"] == 1 for r in rows)  # scaffold: search, then answer

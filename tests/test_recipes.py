@@ -170,7 +170,7 @@ def test_cli_writes_the_merged_params_and_refuses_to_stack_a_recipe_on_a_recipe(
     shutil.copy(ROOT / "params.yaml", base)
     main(["afm", "--tiny", "--base", str(base), "--out", str(base)])
     out = capsys.readouterr().out
-    assert "rl.estimator" not in out and "generate.method: 'self_consistency' -> 'chain_of_agents'" in out and "dpo.enabled: False -> True" in out
+    assert "rl.estimator" not in out and "generate.method: 'single' -> 'chain_of_agents'" in out and "dpo.enabled: False -> True" in out
     text = base.read_text()
     assert text.startswith("# unison recipe: afm (tiny)")
     assert yaml.safe_load(text) == recipe_params("afm", tiny=True, base=default)

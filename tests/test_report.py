@@ -2,7 +2,16 @@
 from __future__ import annotations
 
 from unison.report.page import render_html
-from unison.report.tables import flatten, flywheel_rows, format_value, headline_rows, key_value_rows, rerank_rows, story
+from unison.report.tables import (
+    flatten,
+    flywheel_rows,
+    format_value,
+    headline_rows,
+    key_value_rows,
+    paired_rows,
+    rerank_rows,
+    story,
+)
 
 
 def system(em: float, lo: float, hi: float, tokens: float) -> dict:
@@ -27,8 +36,23 @@ def test_story_names_the_final_student_the_gap_closed_and_the_token_ratio():
     text = story(METRICS)
     assert "the RL student" in story({**METRICS, "sft": {**METRICS["rl"], "em": 0.45}})  # the final one, not the best on test
     assert "the RL student" in text and "closing 75% of the EM gap" in text and "200 tokens (10% of the teacher's)" in text
-    assert "intervals overlap" in text  # 0.33-0.47 vs 0.43-0.57
+    assert "McNemar" not in text  # no paired comparison given, no claim about significance
     assert story({"rl": METRICS["rl"]}).startswith("No teacher was evaluated")
+
+
+def test_story_and_table_carry_the_paired_test_beside_the_comparison():
+    paired = {"rl_vs_teacher": {"questions": 200, "em_first": 0.40, "em_second": 0.50, "difference": -0.10,
+                                "only_first": 10, "only_second": 30, "p_mcnemar": 0.0022},
+              "rl_vs_sft": {"questions": 200, "em_first": 0.40, "em_second": 0.38, "difference": 0.02,
+                            "only_first": 12, "only_second": 8, "p_mcnemar": 0.5034}}
+    text = story(METRICS, paired)
+    assert "10 are right only for the student and 30 only for the teacher: exact McNemar p = 0.0022, a significant" in text
+    rows = paired_rows(paired)
+    assert [r["comparison"] for r in rows] == ["RL student vs teacher", "RL student vs SFT student"]
+    assert rows[1]["difference (points)"] == "+2.0" and rows[1]["exact McNemar p"] == "0.503"
+    assert "not a significant difference" in story(METRICS, {"rl_vs_teacher": paired["rl_vs_sft"]})
+    page = render_html(headline_rows(METRICS), {}, [], text, paired=rows)
+    assert "Paired comparisons" in page and "RL student vs SFT student" in page
 
 
 def test_story_says_plainly_when_the_student_passes_the_teacher():

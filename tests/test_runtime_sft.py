@@ -78,7 +78,7 @@ def test_debate_transcript_and_student_rendering(smol):
     ctx = MethodContext(smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.7, top_p=0.95, max_tokens_per_turn=16), "smol",
                         scaffold={"qa": ["search", "answer"]}, params=DebateConfig(agents=3, rounds=2, aggregator="vote"))
     q = {"id": "q1", "question": "In which city was Zorvan Kelt born?", "answers": ["Tarsk"], "task": "qa"}
-    (row,) = get_method("debate")([q], 1, ctx)
+    (row,) = get_method("debate")([q], range(1), ctx)
     names = {m["name"] for m in row["messages"] if m["role"] == "assistant"}
     assert {"agent0", "agent1", "agent2", "aggregator(vote)"} <= names
     assert sum(m["name"] == "moderator" for m in row["messages"]) == 3  # one update prompt per agent in round 2

@@ -1,9 +1,11 @@
-"""SFT packing: rows of several examples give the unpacked token-mean loss and gradients, attention never crosses examples."""
+"""SFT packing and the shared prefix: rows of several examples, or a micro-batch's common first tokens run once, give the
+padded token-mean loss and gradients; attention never crosses examples."""
 from __future__ import annotations
 
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,9 +13,13 @@ from unison.train.sft import (
     SFTConfig,
     collate,
     collate_packed,
+    distill_loss,
+    logits_at,
     pack,
+    shared_prefix_length,
     target_logits,
     target_nll,
+    target_positions,
     train_sft,
     use_packed_attention,
 )
@@ -93,3 +99,56 @@ def test_train_sft_packed_takes_the_same_steps(tiny_model_dir, tmp_path):
     # CI machine; a wrong mask or position would move it by far more than 1e-4 of it
     assert losses[True] == pytest.approx(losses[False], rel=1e-4) and losses[True][-1] < losses[True][0]
     assert rows[True] < rows[False]  # fewer pad tokens run through the model
+
+
+def with_prefix(batch: list[tuple], prefix: list[int]) -> list[tuple]:
+    return [(prefix + ids, [0] * len(prefix) + mask) for ids, mask in batch]
+
+
+def test_the_shared_prefix_is_the_rows_common_real_tokens_up_to_the_first_logit_needed():
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [1, 2, 3, 4, 0, 0]])
+    mask = torch.tensor([[1] * 6, [1] * 6, [1, 1, 1, 1, 0, 0]])
+    assert shared_prefix_length(ids, mask, limit=10) == 4  # the third row's pads are not shared tokens
+    assert shared_prefix_length(ids[:2], mask[:2], limit=10) == 5
+    assert shared_prefix_length(ids[:2], mask[:2], limit=2) == 2  # a logit needed at position 2: the rows run from it
+    assert shared_prefix_length(ids[:1], mask[:1], limit=10) == 6
+
+
+def test_shared_prefix_loss_and_gradients_equal_every_row_in_full(tiny_model_dir):
+    """The common first tokens run once and each row attends to them: the same loss, gradients and teacher terms as
+    every row in full."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    batch = with_prefix(examples(5, vocab, seed=2), [random.Random(3).randrange(vocab) for _ in range(24)])
+    rng = np.random.default_rng(0)
+    batch = [(ids, mask, (rng.integers(0, vocab, (sum(mask), 4)),
+                          np.log(rng.dirichlet([1.0] * 4, sum(mask))).astype(np.float32))) for ids, mask in batch]
+    inputs = collate(batch, pad_id=0)
+    calls = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True)
+
+    def loss_and_grads(share: bool):
+        model.zero_grad()
+        kept = target_positions(inputs)
+        logits = logits_at(model, {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
+                           kept - 1, share_prefix=share)
+        targets, mask = inputs["input_ids"][:, kept], inputs["loss_mask"][:, kept]
+        kd = distill_loss(logits, inputs["kd_ids"][:, kept], inputs["kd_logps"][:, kept], mask, "forward_kl")
+        loss = target_nll(logits, targets, mask) + kd
+        loss.backward()
+        return loss.detach(), kd.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss_a, kd_a, grads_a = loss_and_grads(share=False)
+    calls.clear()
+    loss_b, _, grads_b = loss_and_grads(share=True)
+    width = inputs["input_ids"].shape[1]
+    assert calls == [torch.Size([1, 24]), torch.Size([5, width - 24])]  # the prefix once, then each row's rest
+    assert torch.allclose(loss_a, loss_b, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
+    # the loop's own path (target_logits: sft and dpo) shares it too
+    calls.clear()
+    with torch.no_grad():
+        nll = target_nll(*target_logits(model, {k: inputs[k] for k in ("input_ids", "attention_mask", "loss_mask")}))
+    assert calls[0] == torch.Size([1, 24]) and torch.allclose(nll, loss_a - kd_a, atol=1e-5)

@@ -184,7 +184,7 @@ METRICS = {"base": {"em": 0.05, "tokens_per_question": 60.0}, "teacher": {"em": 
 def test_pipeline_runs_compare_on_their_params_identities_and_headline(project):
     """The parent runs alone tell two pipelines apart: what differs (params, hash, teacher) and what each did."""
     secret, params = "pw-5e1d", []
-    for changes, metrics in (({}, METRICS), ({"generate.temperature": 0.7, "teacher.backend": "openai",
+    for changes, metrics in (({}, METRICS), ({"generate.temperature": 0.3, "teacher.backend": "openai",
                                               "teacher.base_url": f"http://unison:{secret}@gpu-box:8000/v1"},
                                              {**METRICS, "rl": {"em": 0.52, "tokens_per_question": 200.0}})):
         params.append(write_params(project, **changes))

@@ -184,8 +184,8 @@ class BuiltinWorldConfig(Section):
     n_orgs: int = Field(30)
     n_cities: int = Field(24)
     n_countries: int = Field(8)
-    train_size: int = Field(50, description='train questions (the demo: 50, for its time on 2 CPU cores: '
-                            'docs/benchmarks.md)')
+    train_size: int = Field(200, description='train questions (the teacher samples each up to generate.samples '
+                            'times; its verified trajectories are what SFT learns from)')
     test_size: int = Field(200, description='>= 200, so a 95% interval is narrow enough to tell systems apart')
     mix: dict[str, float] = Field(default_factory=lambda: {'hop1': 0.5, 'hop2': 0.25, 'math': 0.25})
 
@@ -424,10 +424,13 @@ class GAPConfig(Section):
 
 
 class GenerateConfig(Section):
-    method: Literal[METHODS] = Field('self_consistency', description=f"{' | '.join(METHODS)}  (defaults below from the "
+    method: Literal[METHODS] = Field('single', description=f"{' | '.join(METHODS)}  (defaults below from the "
                                      "seed systems, docs/seeds.md)")
-    samples: int = Field(1)
-    temperature: float = Field(0.3, description="the teacher's sampling temperature (docs/guide.md compares the demo's "
+    samples: int = Field(8, ge=1, description="samples the teacher draws per train question (label keeps those that "
+                         "verify: rejection sampling); reports/label.json and the report show the coverage per k")
+    stop_at_verified: int = Field(1, ge=0, description="> 0: a question stops drawing samples once this many of its "
+                                  "trajectories verify (label's rule judge); 0 = every question draws generate.samples")
+    temperature: float = Field(0.7, description="the teacher's sampling temperature (docs/guide.md compares the demo's "
                                "methods at several)")
     top_p: float = Field(1.0, description='< 1 slows decoding on CPU: vLLM sorts the vocabulary per request '
                          '(docs/benchmarks.md)')
@@ -554,7 +557,7 @@ class SFTConfig(TrainingSettings):
     lora: bool = Field(False)
     lora_r: int = Field(16)
     lora_alpha: int = Field(32)
-    epochs: int = Field(3, description='passes over the correct teacher trajectories')
+    epochs: int = Field(2, description='passes over the correct teacher trajectories')
     batch_size: int = Field(4)
     grad_accum: int = Field(1, ge=1, description='micro-batches per optimiser step (with DeepSpeed: its '
                             'gradient accumulation)')
@@ -562,7 +565,8 @@ class SFTConfig(TrainingSettings):
     warmup_ratio: float = Field(0.05, ge=0.0, le=1.0, description="share of the optimiser steps with a linear warm-up "
                                 "(the demo: its first step)")
     packing: bool = Field(False, description='true = several examples per row of up to max_length (positions restart, '
-                          'attention never crosses examples; same token-mean loss), fewer pad tokens')
+                          'attention never crosses examples; same token-mean loss), fewer pad tokens; false = a row '
+                          'each, their shared first tokens run once')
     kd_weight: float = Field(0.0, ge=0.0, description="> 0: logit distillation, loss = cross-entropy + kd_weight x "
                              "divergence from the teacher's top-k (needs generate.topk > 0)")
     kd_loss: Literal['forward_kl', 'jsd'] = Field('forward_kl', description="forward_kl (teacher || student) | jsd, "
@@ -580,7 +584,8 @@ class ParetoConfig(Section):
     levels: int = Field(2, description='curriculum levels for rl, easiest (highest mean correctness) first')
     min_groups: int = Field(8, description='fewer mixed groups -> top up with Pareto-selected unmixed ones; 0 = none '
                             '(then none mixed = error)')
-    max_questions: int = Field(0, description='0 = the whole train split')
+    max_questions: int = Field(64, description='train questions the SFT student rolls out (the demo: 64 of 200, '
+                               'for its time); 0 = the whole train split')
 
 
 class DPOConfig(TrainingSettings):
@@ -663,7 +668,7 @@ class RLConfig(TrainingSettings):
                                                                 "generator do the rest")
     group_size: int = Field(4, description='rollouts per prompt (seeds: 8)')
     prompts_per_step: int = Field(4, description='curriculum: data/rl level 1 prompts first, then level 2, ...')
-    steps: int = Field(1, description='optimiser steps (the demo: 1, for its time; docs/results.md has what more did)')
+    steps: int = Field(4, description='optimiser steps (the demo: 4, for its time; docs/results.md has what more did)')
     lr: float = Field(1e-05, description="the demo's 135M student; GAP/AgentFlow 1e-6, AgentArk 5e-7 at 3-7B")
     schedule: Literal['linear', 'constant'] = Field('constant')
     weight_decay: float = Field(0.1, ge=0.0)
@@ -897,6 +902,13 @@ class Params(Section):
         if self.sft.kd_weight > 0 and not self.generate.topk:
             raise ValueError("sft.kd_weight > 0 distils the teacher's top-k log-probs, but generate.topk is 0: "
                              "set generate.topk (e.g. 8) so generate keeps them")
+        if self.generate.stop_at_verified and self.label.judge != "rule":
+            raise ValueError("generate.stop_at_verified verifies each trajectory as it is generated, with label's "
+                             f"rule judge, but label.judge is {self.label.judge}: set label.judge: rule or "
+                             "generate.stop_at_verified: 0")
+        if self.generate.stop_at_verified > self.generate.samples:
+            raise ValueError(f"generate.stop_at_verified {self.generate.stop_at_verified} is more than "
+                             f"generate.samples {self.generate.samples}: no question could stop early")
         if self.rl.trainer == "verl" and self.export.verl_agent != VERL_AGENT_LOOP:
             raise ValueError(f"export.verl_agent must be {VERL_AGENT_LOOP} with rl.trainer verl: unison's student "
                              f"writes tag tool calls (<search>q</search>), which verl's {self.export.verl_agent!r} "

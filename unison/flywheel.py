@@ -27,13 +27,16 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 from . import layout
 from .agents.cluster import Workbench, run_system
+from .agents.methods import StopWhenVerified
 from .agents.wiring import demonstrations, make_toolbox
 from .config import EvaluateConfig, FlywheelConfig, LabelConfig, SFTConfig, SystemSettings
 from .data.schemas import LABELED, QUESTION, DataError, atomic_dir, read_table, write_figure, write_json, write_table
+from .judge import verifies
 from .labeling.judging import label_rows, make_judge
 from .labeling.metrics import scoring_label, system_metrics
 from .llm import student_backend, teacher_id
@@ -67,11 +70,11 @@ def flat(prefix: str, metrics: dict) -> dict:
 
 
 def judged(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str, temperature: float,
-           label: LabelConfig, judge) -> tuple[list[dict], float]:
-    """A system run on `questions` (agents: the teacher's method or a student's `single`), then judged by `label`
-    (labeling): (labeled rows, wall seconds)."""
+           label: LabelConfig, judge, stop: StopWhenVerified | None = None) -> tuple[list[dict], float]:
+    """A system run on `questions` (agents: the teacher's method or a student's `single`; `stop` ends a question's
+    sampling early), then judged by `label` (labeling): (labeled rows, wall seconds)."""
     t0 = time.perf_counter()
-    rows, _ = run_system(workbench, questions, samples, teacher, model_id, temperature)
+    rows, _ = run_system(workbench, questions, samples, teacher, model_id, temperature, stop=stop)
     return label_rows(rows, label, judge), time.perf_counter() - t0
 
 
@@ -89,7 +92,9 @@ def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: System
     # one engine for the teacher's train answers and its test score; the pipeline's own weights, so they act in
     # student.tool_format
     teacher = Workbench(system, student_backend(teacher_dir, system), toolbox, student_weights=True)
-    rows, _ = judged(teacher, train, generate.samples, True, teacher_dir, generate.temperature, label, judge)
+    stop = (StopWhenVerified(partial(verifies, label), generate.stop_at_verified) if generate.stop_at_verified
+            else None)  # the round's teacher samples as generate's does
+    rows, _ = judged(teacher, train, generate.samples, True, teacher_dir, generate.temperature, label, judge, stop)
     write_table(rows, work / "train.parquet", LABELED)
     teacher_rows, teacher_s = judged(teacher, test, 1, True, teacher_dir, generate.temperature, eval_label, judge)
     del teacher

@@ -30,6 +30,7 @@ FLYWHEEL = "models/flywheel"
 # reports
 SYSTEMS = ("base", "teacher", "sft", "prm_rerank", "dpo", "rl")  # evaluate's rows, one stage each, in this order
 METRICS = "reports/metrics.json"  # evaluate: every row's metrics
+PAIRED = "reports/paired.json"  # evaluate: the systems compared question by question (exact McNemar on EM)
 SFT_LOSS = "reports/sft_loss.csv"
 PRM_LOSS = "reports/prm_loss.csv"
 DPO_LOSS = "reports/dpo_loss.csv"

@@ -66,13 +66,15 @@ def system_context(s: SystemSettings, backend, toolbox, teacher: bool, model_id:
 
 
 def run_system(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str,
-               temperature: float, top_logprobs: int = 0) -> tuple[list[dict], dict]:
-    """A system's trajectory rows on `questions` and what its networked pieces counted meanwhile (remote_counters)."""
+               temperature: float, top_logprobs: int = 0, stop=None) -> tuple[list[dict], dict]:
+    """A system's trajectory rows on `questions` and what its networked pieces counted meanwhile (remote_counters);
+    `stop` (methods.StopWhenVerified) ends a question's sampling early."""
     generate, networked = workbench.settings.generate, {"teacher": workbench.backend, **workbench.roles}
     ctx = system_context(workbench.settings, workbench.backend, workbench.toolbox, teacher, model_id, temperature,
                          workbench.roles, top_logprobs, workbench.student_weights)
     before = remote_counters(networked, workbench.toolbox)
-    rows = run_method(generate.method if teacher else "single", questions, samples, ctx, generate.episodes_in_flight)
+    rows = run_method(generate.method if teacher else "single", questions, samples, ctx, generate.episodes_in_flight,
+                      stop=stop)
     after = remote_counters(networked, workbench.toolbox)
     return rows, {k: v - before.get(k, 0.0) for k, v in after.items()}
 

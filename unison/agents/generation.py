@@ -27,7 +27,7 @@ from ..llm import teacher_id
 from ..teacher_topk import TEACHER_TOPK
 from .cluster import Replicas, Workbench, run_system, sum_counters, system_context, workbench_or_replicas
 from .episodes import tool_totals
-from .methods import run_method
+from .methods import StopWhenVerified, run_method
 from .runtime import REQUEST_FAILED
 from .wiring import demonstrations, fault_counters, remote_counters
 
@@ -38,11 +38,11 @@ FAULTS = ("teacher_", "search_")  # the counters an error's note repeats, with w
 SPENT = (".prompt_tokens", ".completion_tokens", ".cost_usd")
 
 
-def shard_dir(s: SystemSettings, questions: list[dict]) -> Path:
+def shard_dir(s: SystemSettings, questions: list[dict], verifier: dict | None = None) -> Path:
     """Shards are valid only for the same settings (less the spending limits and topk), questions and worked examples,
-    the same code (every .py file of the unison package) and the same index and teacher (every file of data/index,
-    models/teacher and generate.roles' local model folders, by content): a shard made by other code or other weights is
-    never reused."""
+    the same judge settings where generate.stop_at_verified verifies with them (`verifier`), the same code (every .py
+    file of the unison package) and the same index and teacher (every file of data/index, models/teacher and
+    generate.roles' local model folders, by content): a shard made by other code or other weights is never reused."""
     settings = s.model_dump()
     if not s.chat_top_logprobs:
         settings["generate"].pop("topk")  # scored after the trajectories: a new k re-scores them, never re-generates
@@ -50,7 +50,7 @@ def shard_dir(s: SystemSettings, questions: list[dict]) -> Path:
     for llm in (settings["student_engine"], settings["teacher_engine"]):
         for name in SPENDING_LIMITS:
             llm.pop(name, None)
-    key = json.dumps([settings, [q["id"] for q in questions]], sort_keys=True)
+    key = json.dumps([settings, [q["id"] for q in questions], verifier], sort_keys=True)
     key += demonstrations(s.generate)  # the teacher's worked examples: the file's text, not only its name
     code = sorted(PACKAGE.rglob("*.py"))
     roles = [str(spec["model"]) for spec in s.generate.roles.values() if Path(str(spec.get("model", ""))).is_dir()]
@@ -134,11 +134,11 @@ def summarize(rows: list[dict]) -> dict:
             **{f"finish_{k}": v / n for k, v in Counter(r["finish_reason"] for r in rows).items()}, **tool_totals(rows)}
 
 
-def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: list[dict],
-                          shards: Path) -> tuple[list[dict], dict]:
-    """Every question's trajectories, shard by shard in `shards` (finished shards reused; the engine starts only when
-    some shard is left to do), in this process or over the replicas of cluster.address; (rows in question order,
-    metrics)."""
+def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: list[dict], shards: Path,
+                          stop: StopWhenVerified | None = None) -> tuple[list[dict], dict]:
+    """Every question's trajectories (generate.samples each, fewer where `stop` ends a question early), shard by shard
+    in `shards` (finished shards reused; the engine starts only when some shard is left to do), in this process or
+    over the replicas of cluster.address; (rows in question order, metrics)."""
     g = s.generate
     shards.mkdir(parents=True, exist_ok=True)
     size = g.shard_size
@@ -154,14 +154,15 @@ def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: 
     if todo:  # start the engine only if some shard is left to do
         where = workbench_or_replicas(s, cluster, layout.TEACHER, teacher=True)
         pending = [(k, q) for k in todo for q in chunks[k]]
-        print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples, {g.method}, "
-              f"up to {g.episodes_in_flight} episodes in flight", flush=True)
+        print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples"
+              + (f" (a question stops at {stop.enough} verified)" if stop else "")
+              + f", {g.method}, up to {g.episodes_in_flight} episodes in flight", flush=True)
         failures = FailureShare(s.teacher_engine.max_failed_share, len(questions) * g.samples)
         failures.admit([r for k, path in enumerate(paths) if k not in todo for r in read_table(path, TRAJECTORY)])
         t0 = time.perf_counter()
         try:
-            counters = (run_here(s, where, pending, paths, failures) if isinstance(where, Workbench) else
-                        run_on_cluster(s, where, [(k, chunks[k]) for k in todo], paths, failures))
+            counters = (run_here(s, where, pending, paths, failures, stop) if isinstance(where, Workbench) else
+                        run_on_cluster(s, where, [(k, chunks[k]) for k in todo], paths, failures, stop))
         except Exception as error:  # a server gone for good: the finished shards stay; the stage logs the counters
             error.counters = getattr(error, "counters", counters)
             faults = [f"{k}={v:g}" for k, v in error.counters.items() if k.startswith(FAULTS)]
@@ -175,7 +176,7 @@ def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: 
 
 
 def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path],
-             failures: FailureShare) -> dict:
+             failures: FailureShare, stop: StopWhenVerified | None) -> dict:
     """The pending questions as flows on this process's engine, each shard written once its questions are done; the
     counters of the pieces behind a network (also on the error, when a server fails for good)."""
     g = s.generate
@@ -185,7 +186,7 @@ def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, d
     failures.last_failure = lambda: next((m.last_failure for m in models if getattr(m, "last_failure", "")), "")
     try:
         run_method(g.method, [q for _, q in pending], g.samples, ctx, g.episodes_in_flight,
-                   on_question=ShardWriter(pending, paths, failures))
+                   on_question=ShardWriter(pending, paths, failures), stop=stop)
     except Exception as error:
         error.counters = remote_counters({"teacher": workbench.backend, **workbench.roles}, workbench.toolbox)
         raise
@@ -193,13 +194,13 @@ def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, d
 
 
 def run_on_cluster(s: SystemSettings, replicas: Replicas, shards: list[tuple[int, list[dict]]], paths: list[Path],
-                   failures: FailureShare) -> dict:
+                   failures: FailureShare, stop: StopWhenVerified | None) -> dict:
     """Each shard on a replica (cluster.address), written here as it comes back (once `failures` admits it); the
     counters summed."""
     g, counters = s.generate, []
     with replicas:
         for j, (rows, c) in replicas.map(run_system, [(qs, g.samples, True, teacher_id(s), g.temperature,
-                                                       s.chat_top_logprobs)
+                                                       s.chat_top_logprobs, stop)
                                                       for _, qs in shards]):
             k = shards[j][0]
             failures.admit(rows)

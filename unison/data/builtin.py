@@ -35,6 +35,7 @@ FIELDS = {  # field of an organisation -> profession of the people who work ther
     "metallurgy": "metallurgist",
     "architecture": "architect",
 }
+TEST_SUBJECT_SHARE = 0.5  # the share of the subjects (people, organisations, cities) only test questions ask about
 CITY_KINDS = ["coastal", "mountain", "river", "lake", "market", "desert"]
 ITEMS = ["lanterns", "jars of honey", "copper coils", "maps", "glass beads", "seed packets"]
 
@@ -302,10 +303,11 @@ def generate_world(world: BuiltinWorldConfig, seed: int) -> tuple[list[dict], li
     kinds |= {c.name: "city" for c in cities} | {k.name: "country" for k in countries}
     corpus = [{"id": f"{kinds[t]}-{i:04d}", "title": t, "text": text} for i, (t, text) in enumerate(passage.items())]
 
-    # Train and test ask about disjoint subjects (the entity a question names).
+    # Train and test ask about disjoint subjects (the entity a question names), half each whatever the sizes, and each
+    # split draws with its own generator: growing the train split leaves the test questions as they were.
     subjects = [p.name for p in people] + [o.name for o in orgs] + [c.name for c in cities]
     rng.shuffle(subjects)
-    n_test_subjects = round(len(subjects) * world.test_size / (world.train_size + world.test_size))
+    n_test_subjects = round(len(subjects) * TEST_SUBJECT_SHARE)
     split_subjects = {"test": set(subjects[:n_test_subjects]), "train": set(subjects[n_test_subjects:])}
 
     candidates = [
@@ -313,6 +315,7 @@ def generate_world(world: BuiltinWorldConfig, seed: int) -> tuple[list[dict], li
     ]
     splits = {}
     for split in ("train", "test"):
+        rng = random.Random(f"{seed}/{split}")
         counts = _split_counts(getattr(world, f"{split}_size"), world.mix)
         mine = [q for q in candidates if q["subject"] in split_subjects[split]]
         rows = []

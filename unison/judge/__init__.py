@@ -36,3 +36,8 @@ def score(
     if not answer:
         return False, 0.0, "no-answer"
     return SCORERS[task](answer, list(answers), label)
+
+
+def verifies(label: LabelConfig, row: dict) -> bool:
+    """Whether a trajectory row's final answer is correct under label's rule judge (rejection sampling's check)."""
+    return score(row["task"], row["final_answer"], row["answers"], label)[0]

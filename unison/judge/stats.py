@@ -1,5 +1,6 @@
 """Confidence intervals for per-question scores: Wilson score intervals for 0/1 outcomes, percentile bootstrap (seeded)
-for the rest; ROC AUC of scores against 0/1 outcomes."""
+for the rest; the exact McNemar test of two systems' 0/1 outcomes on the same questions; ROC AUC of scores against 0/1
+outcomes."""
 from __future__ import annotations
 
 import math
@@ -35,6 +36,16 @@ def bootstrap_ci(
     resampled_means = values[rng.integers(0, values.size, size=(n, values.size))].mean(axis=1)
     lo, hi = np.quantile(resampled_means, [alpha / 2, 1 - alpha / 2])
     return float(values.mean()), float(lo), float(hi)
+
+
+def mcnemar_exact(only_first: int, only_second: int) -> float:
+    """Two-sided exact McNemar p-value of paired 0/1 outcomes, from the discordant questions: those only the first
+    system got right and those only the second did (a binomial test of their split at 1/2; 1.0 when there are none)."""
+    if only_first < 0 or only_second < 0:
+        raise ValueError(f"mcnemar_exact needs counts >= 0, got {only_first} and {only_second}")
+    n = only_first + only_second
+    tail = sum(math.comb(n, i) for i in range(min(only_first, only_second) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 def auc(scores: list[float], labels: list[bool]) -> float | None:

@@ -87,9 +87,25 @@ def completer(label: LabelConfig, s: SystemSettings):
     return Workbench(s, label_backend(label, s, label.mc_model, {}), make_toolbox(s.tools))
 
 
+def coverage_by_samples(rows: list[dict]) -> dict:
+    """Rejection sampling's yield for k = 1 .. the most samples a question drew: the share of questions with a
+    verified (correct) trajectory among their first k samples, and the teacher tokens per question those samples
+    cost."""
+    by_question = defaultdict(list)
+    for r in rows:
+        by_question[r["question_id"]].append(r)
+    n, most = len(by_question), 1 + max(r["sample"] for r in rows)
+    return {"coverage_at_k": [sum(any(r["correct"] for r in rs if r["sample"] < k) for rs in by_question.values()) / n
+                              for k in range(1, most + 1)],
+            "teacher_tokens_per_question_at_k": [sum(r["n_tokens"] for r in rows if r["sample"] < k) / n
+                                                 for k in range(1, most + 1)],
+            "verified_trajectories": sum(bool(r["correct"]) for r in rows)}
+
+
 def label_metrics(rows: list[dict], label: LabelConfig, judge) -> dict:
-    """Accuracy (overall, per task, per question), step-label counts and, for the LLM judge, its call counts."""
-    metrics = {**accuracy_metrics(rows), **step_label_metrics(rows)}
+    """Accuracy (overall, per task, per question), coverage per number of samples, step-label counts and, for the LLM
+    judge, its call counts."""
+    metrics = {**accuracy_metrics(rows), **coverage_by_samples(rows), **step_label_metrics(rows)}
     if label.judge == "llm":
         metrics.update({"judge_llm_calls": judge.calls, "judge_unparsable": judge.unparsable})
     return metrics

@@ -1,5 +1,6 @@
 """What a system scored and what it cost, on the test split: EM, SubEM and the judge's accuracy with Wilson 95%
-intervals, F1 with a bootstrap interval, answer length, cost per question and per correct answer (ET-Agent).
+intervals, F1 with a bootstrap interval, answer length, cost per question and per correct answer (ET-Agent); two
+systems compared question by question (exact McNemar on EM).
 """
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from ..agents.episodes import tool_totals
 from ..config import EvaluateConfig, LabelConfig
 from ..judge import score
 from ..judge.answers import judged_answer
-from ..judge.stats import bootstrap_ci, wilson_interval
+from ..judge.stats import bootstrap_ci, mcnemar_exact, wilson_interval
 
 
 def with_interval(name: str, estimate: tuple[float, float, float]) -> dict:
@@ -59,6 +60,23 @@ def system_metrics(rows: list[dict], wall_s: float, label: LabelConfig, n_boot: 
     out["answered_rate"] = sum(bool(r["final_answer"]) for r in rows) / n
     out.update({f"{k}_per_question": v / n for k, v in tool_totals(rows).items()})
     return out
+
+
+def paired_em(first: list[dict], second: list[dict], label: LabelConfig) -> dict:
+    """Two systems' rows on the same test questions compared question by question on EM: each one's EM, the
+    difference, the questions only one of them got right, and the exact McNemar p-value of that split."""
+    em = label.model_copy(update={"qa_metric": "em"})
+    right = [{r["question_id"]: score(r["task"], r["final_answer"], r["answers"], em)[0] for r in rows}
+             for rows in (first, second)]
+    if right[0].keys() != right[1].keys():
+        raise ValueError(f"paired_em: the two systems answered different questions ({len(right[0])} and "
+                         f"{len(right[1])}, {len(right[0].keys() ^ right[1].keys())} not in both)")
+    only_first = sum(right[0][q] and not right[1][q] for q in right[0])
+    only_second = sum(right[1][q] and not right[0][q] for q in right[0])
+    n = len(right[0])
+    return {"questions": n, "em_first": sum(right[0].values()) / n, "em_second": sum(right[1].values()) / n,
+            "difference": (only_first - only_second) / n, "only_first": only_first, "only_second": only_second,
+            "p_mcnemar": mcnemar_exact(only_first, only_second)}
 
 
 def scoring_label(label: LabelConfig, evaluate: EvaluateConfig) -> LabelConfig:

@@ -1,6 +1,6 @@
 """reports/report.html and reports/summary.md -- the teacher-vs-student story, the headline table (EM and SubEM with
-Wilson 95% CIs, F1, answer length, cost), the PRM rerank and flywheel comparisons when present, the stage metrics as
-tables, and the plots."""
+Wilson 95% CIs, F1, answer length, cost), the paired comparisons (exact McNemar on EM), the PRM rerank and flywheel
+comparisons when present, the stage metrics as tables, and the plots."""
 from __future__ import annotations
 
 import html
@@ -9,13 +9,15 @@ from pathlib import Path
 
 from .. import layout
 from ..data.schemas import atomic_path
-from .tables import flywheel_rows, headline_rows, key_value_rows, markdown_table, rerank_rows, story
+from .tables import flywheel_rows, headline_rows, key_value_rows, markdown_table, paired_rows, rerank_rows, story
 
 STAGES = ("download", "teacher", "index", "generate", "label", "prm", "sft", "pareto", "dpo", "rl")
 HEADLINE_NOTE = ("EM and SubEM: share of test questions (SQuAD normalisation; SubEM only for answers up to 5x the "
                  "gold's length), with Wilson 95% intervals. F1: mean token F1. answer tokens: words in the extracted "
                  "final answer. Cost per question; tokens/correct: all generated tokens over the answers the "
                  "label judge accepts.")
+PAIRED_NOTE = ("Each comparison scores both systems on the same test questions: the questions only one of them gets "
+               "right decide the exact (binomial) McNemar test; p < 0.05 is a difference this split can tell.")
 WIDE_PLOTS = ("rl_curves.png",)  # multi-panel figures take a whole row of the page
 
 
@@ -49,11 +51,14 @@ figure.wide{grid-column:1/-1}figure img{width:100%;height:auto;border:1px solid 
 
 
 def render_html(rows: list[dict], stage_metrics: dict, plots: list[str], headline: str = "", rerank: list[dict] = (),
-                flywheel: list[dict] = ()) -> str:
-    """The page: story, headline table, PRM rerank and flywheel tables, plots (paths relative to reports/), stage
-    tables."""
+                flywheel: list[dict] = (), paired: list[dict] = ()) -> str:
+    """The page: story, headline table, paired comparisons, PRM rerank and flywheel tables, plots (paths relative to
+    reports/), stage tables."""
     sections = [f"<p class='story'>{html.escape(headline)}</p>" if headline else "", "<h2>Headline</h2>",
                 html_table(rows, "headline"), f"<p class='note'>{html.escape(HEADLINE_NOTE)}</p>"]
+    if paired:
+        sections += ["<h2>Paired comparisons</h2>", html_table(paired),
+                     f"<p class='note'>{html.escape(PAIRED_NOTE)}</p>"]
     if rerank:
         sections += ["<h2>PRM best-of-N rerank</h2>", html_table(rerank)]
     if flywheel:
@@ -67,9 +72,12 @@ def render_html(rows: list[dict], stage_metrics: dict, plots: list[str], headlin
             f"<style>{CSS}</style></head><body><h1>unison: student vs teacher</h1>{''.join(sections)}</body></html>")
 
 
-def summary_markdown(rows: list[dict], headline: str, rerank: list[dict], flywheel: list[dict]) -> str:
-    """reports/summary.md: the story, the headline table, then the PRM rerank and flywheel tables when present."""
+def summary_markdown(rows: list[dict], headline: str, rerank: list[dict], flywheel: list[dict],
+                     paired: list[dict] = ()) -> str:
+    """reports/summary.md: the story, the headline table, then the paired comparisons, the PRM rerank and flywheel
+    tables when present."""
     parts = [headline + "\n" if headline else "", markdown_table(rows)]
+    parts += [f"\nPaired comparisons (exact McNemar on EM):\n\n{markdown_table(paired)}" if paired else ""]
     parts += [f"\nPRM best-of-N rerank:\n\n{markdown_table(rerank)}" if rerank else ""]
     parts += [f"\nFlywheel rounds:\n\n{markdown_table(flywheel)}" if flywheel else ""]
     return "\n".join(p for p in parts if p)
@@ -78,15 +86,17 @@ def summary_markdown(rows: list[dict], headline: str, rerank: list[dict], flywhe
 
 
 def write_pages(metrics: dict, plots: list[str]) -> str:
-    """reports/report.html and reports/summary.md from `metrics` (reports/metrics.json), the stages'
-    reports/<stage>.json, reports/flywheel.json when there and `plots`; the summary's markdown."""
+    """reports/report.html and reports/summary.md from `metrics` (reports/metrics.json), reports/paired.json, the
+    stages' reports/<stage>.json, reports/flywheel.json when there and `plots`; the summary's markdown."""
     stage_metrics = {s: json.loads(Path(layout.report(s)).read_text()) for s in STAGES
                      if Path(layout.report(s)).exists()}
     flywheel = (flywheel_rows(json.loads(Path(layout.FLYWHEEL_REPORT).read_text()))
                 if Path(layout.FLYWHEEL_REPORT).exists() else [])
-    rows, headline, rerank = headline_rows(metrics), story(metrics), rerank_rows(metrics)
-    summary = summary_markdown(rows, headline, rerank, flywheel)
-    for path, text in ((layout.REPORT_HTML, render_html(rows, stage_metrics, plots, headline, rerank, flywheel)),
+    paired = json.loads(Path(layout.PAIRED).read_text()) if Path(layout.PAIRED).exists() else {}
+    rows, headline, rerank = headline_rows(metrics), story(metrics, paired), rerank_rows(metrics)
+    summary = summary_markdown(rows, headline, rerank, flywheel, paired_rows(paired))
+    for path, text in ((layout.REPORT_HTML, render_html(rows, stage_metrics, plots, headline, rerank, flywheel,
+                                                        paired_rows(paired))),
                        (layout.SUMMARY, summary)):
         tmp = atomic_path(path)
         tmp.write_text(text)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import matplotlib
@@ -99,6 +100,27 @@ def plot_rl_curves(curve_csv: Path, path: Path) -> None:
     save(fig, path)
 
 
+def plot_coverage(label: dict, path: Path) -> None:
+    """Rejection sampling: the share of train questions with a verified teacher trajectory against the samples drawn
+    per question, and what those samples cost in teacher tokens."""
+    ks = range(1, len(label["coverage_at_k"]) + 1)
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    ax.plot(ks, label["coverage_at_k"], marker="o", label="questions with a verified trajectory")
+    ax.set_xlabel("teacher samples per question (k)")
+    ax.set_ylabel("coverage")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(list(ks))
+    cost = ax.twinx()
+    cost.plot(ks, label["teacher_tokens_per_question_at_k"], color="grey", linestyle="--", marker=".",
+              label="teacher tokens per question")
+    cost.set_ylabel("teacher tokens per question")
+    cost.set_ylim(bottom=0)
+    lines = ax.get_legend_handles_labels()[0] + cost.get_legend_handles_labels()[0]
+    ax.legend(lines, [line.get_label() for line in lines], fontsize=9, loc="lower right")
+    ax.set_title("verified teacher data against samples")
+    save(fig, path)
+
+
 def make_plots(metrics: dict) -> list[str]:
     """Draw the report's plots into reports/plots (the folder swapped in whole); every plot to show, as a path relative
     to reports/ (other stages' too)."""
@@ -111,6 +133,10 @@ def make_plots(metrics: dict) -> list[str]:
             if Path(csv_path).exists() and read_csv(Path(csv_path)):
                 plot_loss(Path(csv_path), out / name.replace(".csv", ".png"), title)
                 plots.append(f"plots/{name.replace('.csv', '.png')}")
+        label = Path(layout.report("label"))
+        if label.exists() and "coverage_at_k" in (label_json := json.loads(label.read_text())):
+            plot_coverage(label_json, out / "coverage_vs_samples.png")
+            plots.append("plots/coverage_vs_samples.png")
         if Path(layout.RL_CURVE).exists() and read_csv(Path(layout.RL_CURVE)):
             plot_rl_curves(Path(layout.RL_CURVE), out / "rl_curves.png")
             plots.append("plots/rl_curves.png")

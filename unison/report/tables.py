@@ -1,5 +1,5 @@
-"""The report's tables and sentences: the headline per system, the teacher-vs-student story, the PRM rerank and flywheel
-rows, and any stage's metrics as metric/value rows."""
+"""The report's tables and sentences: the headline per system, the teacher-vs-student story, the paired comparisons,
+the PRM rerank and flywheel rows, and any stage's metrics as metric/value rows."""
 from __future__ import annotations
 
 import numbers
@@ -71,10 +71,26 @@ def headline_metrics(metrics: dict) -> dict:
     return out
 
 
-def story(metrics: dict) -> str:
+def paired_sentence(c: dict, first: str, second: str) -> str:
+    """How a paired comparison reads: the discordant questions and the exact McNemar p-value, significant or not."""
+    verdict = "a significant difference" if c["p_mcnemar"] < 0.05 else "not a significant difference"
+    return (f"paired on the same {c['questions']} questions, {c['only_first']} are right only for {first} and "
+            f"{c['only_second']} only for {second}: exact McNemar p = {c['p_mcnemar']:.3g}, {verdict} at 0.05")
+
+
+def paired_rows(paired: dict) -> list[dict]:
+    """reports/paired.json as table rows, one comparison each."""
+    return [{"comparison": f"{LABELS.get(a, a)} vs {LABELS.get(b, b)}", "EM first": f"{c['em_first']:.3f}",
+             "EM second": f"{c['em_second']:.3f}", "difference (points)": f"{100 * c['difference']:+.1f}",
+             "right only in first": c["only_first"], "right only in second": c["only_second"],
+             "exact McNemar p": f"{c['p_mcnemar']:.3g}"}
+            for a, b, c in ((*name.split("_vs_"), c) for name, c in paired.items())]
+
+
+def story(metrics: dict, paired: dict | None = None) -> str:
     """One or two sentences: teacher EM vs the final student's, the token ratio, and either the share of the
     base-to-teacher EM gap the student closed or, when its EM is above the teacher's, by how many points it passes
-    it."""
+    it; then whether that difference is significant, question by question (`paired`, reports/paired.json)."""
     best = final_student(metrics)
     if best is None:
         return ""
@@ -94,9 +110,8 @@ def story(metrics: dict) -> str:
                  f"({base['em']:.3f})")
     elif base:
         text += f"; the teacher is not ahead of the base student ({base['em']:.3f}), so there is no gap to close"
-    overlap = (b.get("em_lo") is not None and t.get("em_lo") is not None and b["em_lo"] <= t["em_hi"]
-               and t["em_lo"] <= b["em_hi"])
-    return text + (". Their 95% intervals overlap: this test split cannot tell them apart." if overlap else ".")
+    compared = (paired or {}).get(f"{best}_vs_teacher")
+    return text + (f"; {paired_sentence(compared, 'the student', 'the teacher')}." if compared else ".")
 
 
 def rerank_rows(metrics: dict) -> list[dict]:

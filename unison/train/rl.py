@@ -52,7 +52,7 @@ from .rollout import (
     rollout,
     turn_views,
 )
-from .sft import distill_loss, save_model
+from .sft import distill_loss, logits_at, save_model
 
 # ------------------------------------------------------------------------------------------------------- the setup
 
@@ -309,8 +309,8 @@ def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, t
     """(log-probs of each next token, temperature-scaled logits) under `model` (the sampling distribution), at the
     batch's scored_columns only."""
     columns = scored_columns(batch)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                   logits_to_keep=columns).logits.float() / temperature
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    logits = logits_at(model, inputs, columns).float() / temperature  # a group's shared prompt runs once
     return token_logprobs(logits, batch["input_ids"][:, 1:][:, columns]), logits
 
 

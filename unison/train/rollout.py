@@ -87,7 +87,7 @@ def planner_rollout(rows: list[dict], group_size: int, backend, roles: dict, too
     ctx = MethodContext(backend, toolbox, cfg, teacher="policy", params=flow, role_backends=roles, tools=tools,
                         taught_by="agentflow")
     episodes, views = [], []
-    for f in run_flows(questions, group_size, ctx):
+    for f in run_flows(questions, range(group_size), ctx):
         episodes.append(Episode(key=f"{f.q['id']}/{f.sample}", prompt_ids=[], seed=0, segments=f.segments, tools=tools))
         views.append(View([], [], [], turns=[episode_view(e) for e in f.of("planner")]))
     return episodes, views

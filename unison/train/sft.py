@@ -184,9 +184,40 @@ def target_logits(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
     135M model's compute plus a [batch, length, vocab] fp32 tensor and its log-softmax.
     """
     targets = target_positions(batch)
-    inputs = {n: t for n, t in batch.items() if n in MODEL_INPUTS}
-    logits = model(**inputs, use_cache=False, logits_to_keep=targets - 1).logits
+    logits = logits_at(model, {n: t for n, t in batch.items() if n in MODEL_INPUTS}, targets - 1)
     return logits, batch["input_ids"][:, targets], batch["loss_mask"][:, targets]
+
+
+MIN_SHARED_PREFIX = 16  # tokens; rows sharing fewer first tokens run in full
+
+
+def logits_at(model, inputs: dict[str, torch.Tensor], positions: torch.Tensor, share_prefix: bool = True):
+    """The model's logits at `positions` of right-padded rows (`inputs`: input_ids, attention_mask). The first tokens
+    every row has in common before the first of `positions` (the system prompt with the tools' schemas, a GRPO group's
+    whole prompt) run once, with their gradient, and each row attends to them as to its own: the same logits and
+    gradients up to float rounding, for a fraction of the compute. Packed rows (position_ids), a single row, fewer than
+    MIN_SHARED_PREFIX shared tokens and gradient checkpointing (which keeps no cache) run every row in full."""
+    ids = inputs["input_ids"]
+    shared = shared_prefix_length(ids, inputs.get("attention_mask"), int(positions.min()) if len(positions) else 0)
+    if (not share_prefix or "position_ids" in inputs or len(ids) < 2 or shared < MIN_SHARED_PREFIX
+            or getattr(getattr(model, "module", model), "is_gradient_checkpointing", False)):
+        return model(**inputs, use_cache=False, logits_to_keep=positions).logits
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=getattr(model, "config", None))
+    model(input_ids=ids[:1, :shared], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(len(ids))  # backward sums the rows' gradients into the one prefix pass
+    return model(input_ids=ids[:, shared:], attention_mask=inputs["attention_mask"], past_key_values=cache,
+                 use_cache=True, logits_to_keep=positions - shared).logits
+
+
+def shared_prefix_length(ids: torch.Tensor, attention_mask: torch.Tensor | None, limit: int) -> int:
+    """How many first tokens all rows of `ids` have in common (real tokens in every row), at most `limit`."""
+    same = (ids == ids[:1]).all(0)
+    if attention_mask is not None:
+        same &= attention_mask.bool().all(0)
+    differ = (~same).nonzero()
+    return min(int(differ[0]) if len(differ) else ids.shape[1], limit)
 
 
 def target_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:

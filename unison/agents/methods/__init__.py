@@ -1,4 +1,5 @@
-"""Teacher methods (DESIGN §5), one module each; `run(questions, samples, ctx) -> trajectory rows`."""
+"""Teacher methods (DESIGN §5), one module each; `run(questions, samples, ctx) -> trajectory rows` for the sample
+indices in `samples` (a range) of every question."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -76,20 +77,51 @@ def get_method(name: str):
     return import_module(f".{name}", __package__).run
 
 
+@dataclass(frozen=True)
+class StopWhenVerified:
+    """Rejection sampling that stops early: a question draws no more samples once `enough` of its trajectories pass
+    `check` (the label judge on the trajectory row)."""
+    check: Callable[[dict], bool]
+    enough: int
+
+
+def sample_waves(samples: int, enough: int = 0) -> list[range]:
+    """The sample indices a question draws, wave by wave: all at once when nothing stops it early; else `enough`
+    first, then each wave as large as all drawn before it, so a question that keeps failing reaches `samples` in a few
+    waves and an easy one stops after its first."""
+    if not enough:
+        return [range(samples)]
+    waves, start = [], 0
+    while start < samples:
+        size = max(enough, start)
+        waves.append(range(start, min(samples, start + size)))
+        start += size
+    return waves
+
+
 def run_method(name: str, questions: list[dict], samples: int, ctx: MethodContext, episodes_in_flight: int,
-               on_question: Callable[[int, list[dict]], None] | None = None) -> list[dict]:
-    """Trajectory rows of a teacher method on the questions, each question a flow of its own on ctx's engine
-    (`run_flows`): a question's next round starts as soon as its own agents finish, and the next question starts as
-    soon as fewer than `episodes_in_flight` episodes are live. `on_question(i, rows)` is called as question i finishes.
-    A chat teacher asked for its top log-probs (settings.top_logprobs) gives each row its TEACHER_TOPK row, in memory
-    under "teacher_topk" (the shard writer stores it beside the trajectories)."""
+               on_question: Callable[[int, list[dict]], None] | None = None,
+               stop: StopWhenVerified | None = None) -> list[dict]:
+    """Trajectory rows of a teacher method on the questions (`samples` each, fewer where `stop` ends a question
+    early), each question a flow of its own on ctx's engine (`run_flows`): a question's next round starts as soon as
+    its own agents finish, and the next question starts as soon as fewer than `episodes_in_flight` episodes are live.
+    `on_question(i, rows)` is called as question i finishes. A chat teacher asked for its top log-probs
+    (settings.top_logprobs) gives each row its TEACHER_TOPK row, in memory under "teacher_topk" (the shard writer
+    stores it beside the trajectories). Sample s of a question draws with the same seed whether or not `stop` is set."""
     run = get_method(name)
 
     tok, k = ctx.backend.tokenizer, ctx.settings.top_logprobs
     fingerprint = tokenizer_fingerprint(tok)
 
     def flow(i: int, q: dict) -> list[dict]:
-        rows = [{**r, "tokenizer": fingerprint} for r in run([q], samples, ctx)]
+        rows, verified = [], 0
+        for wave in sample_waves(samples, stop.enough if stop else 0):
+            drawn = run([q], wave, ctx)
+            rows += [{**r, "tokenizer": fingerprint} for r in drawn]
+            if stop:
+                verified += sum(map(stop.check, drawn))
+                if verified >= stop.enough:
+                    break
         for r in rows:
             tops = r.pop("teacher_tops", {})
             if k:

@@ -111,7 +111,7 @@ def own_ids(segments: list[Segment], ctx, role: str) -> list[Segment]:
     return segments if same else [Segment(s.kind, s.text, []) for s in segments]
 
 
-def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+def run(questions: list[dict], samples: range, ctx) -> list[dict]:
     rows = []
     for f in run_flows(questions, samples, ctx):
         rows.append(trajectory_row(f.q, f.sample, "agentflow", ctx.teacher, f.messages,
@@ -120,12 +120,12 @@ def run(questions: list[dict], samples: int, ctx) -> list[dict]:
     return rows
 
 
-def run_flows(questions: list[dict], samples: int, ctx) -> list[Flow]:
+def run_flows(questions: list[dict], samples: range, ctx) -> list[Flow]:
     """Every (question, sample)'s flow, run to its answer: its segments end with the generator's."""
     max_steps = (ctx.params or AgentFlowConfig()).max_steps
     tools, system = ctx.tools, ctx.system
     flows = [Flow(q, s, messages=[{"role": "user", "name": None, "content": q["question"]}]) for q in questions
-             for s in range(samples)]
+             for s in samples]
     for f, e in zip(flows, phase(flows, "planner", [f.prompt(ANALYSIS, tools=tools) for f in flows], "analysis", ctx)):
         f.analysis = e.text.strip()
     live = flows

@@ -54,12 +54,12 @@ def parse_evaluation(text: str) -> tuple[bool, str]:
     return bool(verdicts) and verdicts[-1] == "1", (advice.group(1) if advice else text).strip()
 
 
-def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+def run(questions: list[dict], samples: range, ctx) -> list[dict]:
     tok, p = ctx.backend.tokenizer, ctx.params or AgentVerseConfig()
     n_critics, turns, critic_rounds = max(1, p.agents - 1), p.turns, p.critic_rounds
     critic, evaluator, follow = (ctx.backend_for("critic"), ctx.backend_for("evaluator"),
                                  ["answer"] if ctx.scaffold else [])
-    groups = [(q, s) for q in questions for s in range(samples)]
+    groups = [(q, s) for q in questions for s in samples]
     texts = [q["question"] for q, _ in groups]
     messages = [[{"role": "user", "name": None, "content": text}] for text in texts]
     episodes: list[list[Episode]] = [[] for _ in groups]

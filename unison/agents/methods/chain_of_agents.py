@@ -80,12 +80,12 @@ def double_check_score(text: str) -> int | None:
     return int(m.group()) if m else None
 
 
-def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+def run(questions: list[dict], samples: range, ctx) -> list[dict]:
     tok = ctx.backend.tokenizer
     p = ctx.params or ChainOfAgentsConfig()
     max_cycles, accept = p.max_cycles, p.accept_score
     room = 4 * ctx.settings.max_tokens_per_turn  # a chain with less context left answers instead of starting a cycle
-    groups = [(q, s) for q in questions for s in range(samples)]
+    groups = [(q, s) for q in questions for s in samples]
     chains = [new_chain(tok, f"{q['id']}/{s}", q["question"],
                         ctx.with_demonstrations(system_prompt(ctx.tools) + RULES.format(accept=accept)))
               for q, s in groups]

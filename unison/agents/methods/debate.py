@@ -12,11 +12,11 @@ from ..runtime import Episode, run_episodes
 from .common import aggregate, aggregate_prompt, majority, student_rendering, update_prompt
 
 
-def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+def run(questions: list[dict], samples: range, ctx) -> list[dict]:
     tok = ctx.backend.tokenizer
     p = ctx.params or DebateConfig()
     n_agents, n_rounds, aggregator = p.agents, p.rounds, p.aggregator
-    groups = [(q, s) for q in questions for s in range(samples)]
+    groups = [(q, s) for q in questions for s in samples]
     rounds: list[list[list[Episode]]] = []  # rounds[r][group][agent]
     first = [[ctx.solver_episode(f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), q["task"])
               for a in range(n_agents)] for q, s in groups]

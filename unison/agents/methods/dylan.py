@@ -46,11 +46,11 @@ def consensus(answers: list[str | None], threshold: float) -> bool:
     return bool(votes) and max(votes.values()) > math.floor(threshold * len(answers))
 
 
-def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+def run(questions: list[dict], samples: range, ctx) -> list[dict]:
     tok, p = ctx.backend.tokenizer, ctx.params or DylanConfig()
     n_agents, n_rounds, top_k, threshold = p.agents, p.rounds, p.top_k, p.consensus
     ranker, follow = ctx.backend_for("ranker"), ["answer"] if ctx.scaffold else []
-    groups = [(q, s) for q in questions for s in range(samples)]
+    groups = [(q, s) for q in questions for s in samples]
     layers = [[{a: ctx.solver_episode(f"{q['id']}/{s}/a{a}/r0", q["question"], stable_seed(q["id"], s, a, 0), q["task"])
                 for a in range(n_agents)}] for q, s in groups]  # layers[group][round] = {agent: episode}
     run_episodes([e for g in layers for e in g[0].values()], ctx.backend, ctx.toolbox, ctx.settings, desc="dylan r1")

@@ -105,12 +105,12 @@ def search_turn(chains, queries: dict[str, list[str]], ctx) -> None:
                        {"role": "tool", "name": "search", "content": obs}]
 
 
-def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+def run(questions: list[dict], samples: range, ctx) -> list[dict]:
     tok = ctx.backend.tokenizer
     p = ctx.params or GAPConfig()
     max_levels, max_parallel = p.max_levels, p.max_parallel
     room = 4 * ctx.settings.max_tokens_per_turn  # a chain with less context left answers instead of searching again
-    groups = [(q, s) for q in questions for s in range(samples)]
+    groups = [(q, s) for q in questions for s in samples]
     chains = [new_chain(tok, f"{q['id']}/{s}", q["question"], ctx.with_demonstrations(system_prompt(ctx.tools) + RULES))
               for q, s in groups]
     plans = extend(chains, "plan", ctx, "plan", "gap plan")

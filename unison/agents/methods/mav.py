@@ -51,11 +51,11 @@ def best_solution(scores: list[float], answers: list[str | None]) -> int:
     return next((i for i in sorted(range(len(scores)), key=lambda i: -scores[i]) if answers[i]), 0)
 
 
-def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+def run(questions: list[dict], samples: range, ctx) -> list[dict]:
     p = ctx.params or MAVConfig()
     n_solutions, n_verifiers = p.solutions, p.verifiers
     verifier, vcfg = ctx.backend_for("verifier"), replace(ctx.settings, temperature=p.verifier_temperature)
-    groups = [(q, s) for q in questions for s in range(samples)]
+    groups = [(q, s) for q in questions for s in samples]
     sols = [[ctx.solver_episode(f"{q['id']}/{s}/sol{k}", f"{q['question']}\n\n{GENERATE}",
                                 stable_seed(q["id"], s, "sol", k), q["task"])
              for k in range(n_solutions)] for q, s in groups]

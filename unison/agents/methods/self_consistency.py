@@ -18,10 +18,10 @@ def aggregate_prompt(question: str, paths: list[Episode]) -> str:
             f"provide a final answer to the task as <answer>...</answer>.")
 
 
-def run(questions: list[dict], samples: int, ctx) -> list[dict]:
+def run(questions: list[dict], samples: range, ctx) -> list[dict]:
     p = ctx.params or SelfConsistencyConfig()
     n_paths, aggregator = p.samples, p.aggregator
-    groups = [(q, s) for q in questions for s in range(samples)]
+    groups = [(q, s) for q in questions for s in samples]
     paths = [[ctx.solver_episode(f"{q['id']}/{s}/p{k}", q["question"], stable_seed(q["id"], s, k), q["task"])
               for k in range(n_paths)] for q, s in groups]
     run_episodes([e for g in paths for e in g], ctx.backend, ctx.toolbox, ctx.settings, desc="self_consistency")
