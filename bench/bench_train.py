@@ -1,5 +1,5 @@
-"""Training throughput of the one loop (unison/train/loop.py): sft (padded, packed, with a shared prefix), dpo, prm and
-the rl update,
+"""Training throughput of the one loop (unison/train/loop.py): sft (a micro-batch's shared prefix run once, the default;
+every row in full; packed), dpo, prm and the rl update (shared prefix, and every row in full),
 each in fp32 and, where the hardware has bf16 matmuls, in bf16, beside the matmul ceiling measured in the same run.
 
 Every workload runs the real trainer on the real student model over the demo's token views (data/labeled/train.parquet
@@ -25,7 +25,7 @@ import torch
 
 from bench.bench_rollout import git_commit, save_report
 
-WORKLOADS = ("sft", "sft_packed", "sft_shared_prefix", "dpo", "prm", "rl_update")
+WORKLOADS = ("sft", "sft_full_rows", "sft_packed", "dpo", "prm", "rl_update", "rl_update_full_rows")
 
 
 def matmul_gflops(dtype: torch.dtype, windows: int = 3, seconds: float = 1.0) -> float:
@@ -50,9 +50,11 @@ def run_workload(name: str, model: str, views: list, rows: list, precision: str,
     from unison.train import dpo, prm, sft
 
     n = steps * batch_size
+    # "_full_rows": the baseline without the shared prefix (logits_at runs every row in full under this many tokens)
+    sft.MIN_SHARED_PREFIX = 10**9 if name.endswith("_full_rows") else 16
     if name.startswith("sft"):
         cfg = sft.SFTConfig(epochs=1, batch_size=batch_size, warmup_ratio=0.0, packing=name == "sft_packed",
-                            shared_prefix=name == "sft_shared_prefix", precision=precision)
+                            precision=precision)
         recs = sft.train_sft(model, views[:n], cfg, f"{tmp}/{name}")
         tokens = sum(len(ids) for ids, _ in views[:n])
     elif name == "dpo":
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         by = {(r["workload"], r["precision"]): r["losses"] for r in runs}
         result["loss_curves"] = [{"fp32": [round(x, 4) for x in by[(w, "fp32")]], "bf16": [round(x, 4) for x in by[(w, "bf16")]],
                                   "max_abs_diff": max(abs(a - b) for a, b in zip(by[(w, "fp32")], by[(w, "bf16")]))}
-                                 for w in ("sft", "sft_packed", "sft_shared_prefix") if (w, "fp32") in by]
+                                 for w in ("sft", "sft_full_rows", "sft_packed") if (w, "fp32") in by]
     print(format_table(result), flush=True)
     save_report(result, key="train")
     print("bench_train: wrote reports/bench.json (key 'train')", flush=True)

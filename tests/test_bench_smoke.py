@@ -46,7 +46,7 @@ def test_every_bench_runs_on_a_tiny_model_and_reports(tiny_pipeline, tmp_path):
     assert "FAILED" not in p.stdout, p.stdout[-4000:]
     report = json.loads((project / "reports/bench.json").read_text())
     assert set(report) == set(BENCHES), sorted(report)
-    assert {r["workload"] for r in report["train"]["runs"]} == {"sft", "sft_packed", "dpo", "prm", "rl_update"}
+    assert {r["workload"] for r in report["train"]["runs"]} == {"sft", "sft_full_rows", "sft_packed", "dpo", "prm", "rl_update", "rl_update_full_rows"}
     assert report["rl"]["backends"]["vllm"]["step_s"] > 0 and report["rollout"]["runtime_vs_plain"] > 0
     summary = (project / "reports/bench.md").read_text()
     assert "training precision" in summary and "| train % of ceiling: sft " in summary, summary

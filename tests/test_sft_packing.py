@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from unison.train import sft
 from unison.train.sft import (
     SFTConfig,
     collate,
@@ -114,7 +115,7 @@ def test_the_shared_prefix_is_the_rows_common_real_tokens_up_to_the_first_logit_
     assert shared_prefix_length(ids[:1], mask[:1], limit=10) == 6
 
 
-def test_shared_prefix_loss_and_gradients_equal_every_row_in_full(tiny_model_dir):
+def test_shared_prefix_loss_and_gradients_equal_every_row_in_full(tiny_model_dir, monkeypatch):
     """The common first tokens run once and each row attends to them: the same loss, gradients and teacher terms as
     every row in full."""
     from transformers import AutoModelForCausalLM
@@ -130,10 +131,11 @@ def test_shared_prefix_loss_and_gradients_equal_every_row_in_full(tiny_model_dir
     model.register_forward_pre_hook(lambda _, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True)
 
     def loss_and_grads(share: bool):
+        monkeypatch.setattr(sft, "MIN_SHARED_PREFIX", 16 if share else 10**9)  # 10**9: every row in full
         model.zero_grad()
         kept = target_positions(inputs)
         logits = logits_at(model, {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
-                           kept - 1, share_prefix=share)
+                           kept - 1)
         targets, mask = inputs["input_ids"][:, kept], inputs["loss_mask"][:, kept]
         kd = distill_loss(logits, inputs["kd_ids"][:, kept], inputs["kd_logps"][:, kept], mask, "forward_kl")
         loss = target_nll(logits, targets, mask) + kd
@@ -152,3 +154,16 @@ def test_shared_prefix_loss_and_gradients_equal_every_row_in_full(tiny_model_dir
     with torch.no_grad():
         nll = target_nll(*target_logits(model, {k: inputs[k] for k in ("input_ids", "attention_mask", "loss_mask")}))
     assert calls[0] == torch.Size([1, 24]) and torch.allclose(nll, loss_a - kd_a, atol=1e-5)
+
+
+def test_train_sft_takes_the_same_steps_with_the_prefix_shared_or_every_row_in_full(tiny_model_dir, tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    batch = with_prefix(examples(6, AutoConfig.from_pretrained(tiny_model_dir).vocab_size, seed=4), list(range(7, 47)))
+    losses = {}
+    for share in (False, True):
+        monkeypatch.setattr(sft, "MIN_SHARED_PREFIX", 16 if share else 10**9)
+        cfg = SFTConfig(epochs=2, lr=1e-3, batch_size=3, max_length=128, warmup_ratio=0.0)
+        recs = train_sft(str(tiny_model_dir), batch, cfg, str(tmp_path / f"sft-{share}"))
+        losses[share] = [r["loss"] for r in recs]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4) and losses[True][-1] < losses[True][0]

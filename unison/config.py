@@ -565,8 +565,8 @@ class SFTConfig(TrainingSettings):
     warmup_ratio: float = Field(0.05, ge=0.0, le=1.0, description="share of the optimiser steps with a linear warm-up "
                                 "(the demo: its first step)")
     packing: bool = Field(False, description='true = several examples per row of up to max_length (positions restart, '
-                          'attention never crosses examples; same token-mean loss), fewer pad tokens; false = a row '
-                          'each, their shared first tokens run once')
+                          'attention never crosses examples), fewer pad tokens; false = a row each, their shared first '
+                          'tokens run once')
     kd_weight: float = Field(0.0, ge=0.0, description="> 0: logit distillation, loss = cross-entropy + kd_weight x "
                              "divergence from the teacher's top-k (needs generate.topk > 0)")
     kd_loss: Literal['forward_kl', 'jsd'] = Field('forward_kl', description="forward_kl (teacher || student) | jsd, "

@@ -191,7 +191,7 @@ def target_logits(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
 MIN_SHARED_PREFIX = 16  # tokens; rows sharing fewer first tokens run in full
 
 
-def logits_at(model, inputs: dict[str, torch.Tensor], positions: torch.Tensor, share_prefix: bool = True):
+def logits_at(model, inputs: dict[str, torch.Tensor], positions: torch.Tensor):
     """The model's logits at `positions` of right-padded rows (`inputs`: input_ids, attention_mask). The first tokens
     every row has in common before the first of `positions` (the system prompt with the tools' schemas, a GRPO group's
     whole prompt) run once, with their gradient, and each row attends to them as to its own: the same logits and
@@ -199,7 +199,7 @@ def logits_at(model, inputs: dict[str, torch.Tensor], positions: torch.Tensor, s
     MIN_SHARED_PREFIX shared tokens and gradient checkpointing (which keeps no cache) run every row in full."""
     ids = inputs["input_ids"]
     shared = shared_prefix_length(ids, inputs.get("attention_mask"), int(positions.min()) if len(positions) else 0)
-    if (not share_prefix or "position_ids" in inputs or len(ids) < 2 or shared < MIN_SHARED_PREFIX
+    if ("position_ids" in inputs or len(ids) < 2 or shared < MIN_SHARED_PREFIX
             or getattr(getattr(model, "module", model), "is_gradient_checkpointing", False)):
         return model(**inputs, use_cache=False, logits_to_keep=positions).logits
     from transformers import DynamicCache
