@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..agents.episodes import tool_totals
 from ..config import EvaluateConfig, LabelConfig
-from ..judge import score
+from ..judge import score, verifies
 from ..judge.answers import judged_answer
 from ..judge.stats import bootstrap_ci, mcnemar_exact, wilson_interval
 
@@ -20,7 +20,7 @@ def with_interval(name: str, estimate: tuple[float, float, float]) -> dict:
 def rule_correct(rows: list[dict], label: LabelConfig, metric: str) -> int:
     """How many rows the rule judge finds correct under qa_metric `metric` (math rows: math equivalence)."""
     label = label.model_copy(update={"qa_metric": metric})
-    return sum(score(r["task"], r["final_answer"], r["answers"], label)[0] for r in rows)
+    return sum(verifies(label, r) for r in rows)
 
 
 def answer_tokens(row: dict) -> int:
@@ -66,8 +66,7 @@ def paired_em(first: list[dict], second: list[dict], label: LabelConfig) -> dict
     """Two systems' rows on the same test questions compared question by question on EM: each one's EM, the
     difference, the questions only one of them got right, and the exact McNemar p-value of that split."""
     em = label.model_copy(update={"qa_metric": "em"})
-    right = [{r["question_id"]: score(r["task"], r["final_answer"], r["answers"], em)[0] for r in rows}
-             for rows in (first, second)]
+    right = [{r["question_id"]: verifies(em, r) for r in rows} for rows in (first, second)]
     if right[0].keys() != right[1].keys():
         raise ValueError(f"paired_em: the two systems answered different questions ({len(right[0])} and "
                          f"{len(right[1])}, {len(right[0].keys() ^ right[1].keys())} not in both)")
