@@ -32,6 +32,7 @@ BENCHES = {
     "index": ("bench.bench_index", [], ["--sizes", "2000"]),
     "custom_tools": ("bench.bench_custom_tools", [], ["--calls", "5"]),
     "ray": ("bench.bench_ray", [], ["--questions", "8", "--samples", "1", "--max-tokens-per-turn", "8"]),
+    "served": ("bench.bench_served", [], ["--questions", "2", "--sequential", "1"]),
 }
 MARKDOWN = Path("reports/bench.md")
 NOISE = re.compile(r"pid=\w+\)|^\[W\d|%\||Warning|^\s+(warnings\.warn|wrapper =|if hasattr)")  # engines' logs, progress bars
@@ -52,6 +53,10 @@ def headline(figures: dict) -> str:
     if "rollout" in figures:
         r = figures["rollout"]
         parts.append(f"rollout {r['runtime_vs_plain']:.2f}x plain decode, {r['runtime_vs_compute_bound']:.0%} of its bound")
+    if "served" in figures:
+        r = figures["served"]
+        parts.append(f"served evaluation {r['served_vs_in_process']:.2f}x in process, EM differs on {r['em_differs_on']} "
+                     f"of {r['questions']}")
     return "; ".join(parts)
 
 

@@ -11,6 +11,7 @@ from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import atomic_dir, write_json
+from unison.model_card import facts, write_card
 from unison.tools.registry import check_toolset
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, resolve_precision, write_records_csv
@@ -63,6 +64,8 @@ def main() -> None:
                    "final_accuracy": records[-1]["accuracy"], "train_s": records[-1]["elapsed_s"],
                    "precision": resolve_precision(cfg.precision, "dpo.precision")}
         write_json(metrics, layout.report("dpo"))
+        write_card(OUT, facts(params, "dpo", [LABELED_PATH], {
+            "pairs": stats["pairs"], "steps": len(records), "beta": cfg.beta, "precision": metrics["precision"]}))
         run.log_metrics(metrics)
 
 

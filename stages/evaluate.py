@@ -58,7 +58,7 @@ def evaluate_system(system: str) -> None:
               f"({params.label.judge} judge) {m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]",
               flush=True)
         if name in registry.TRAINED:
-            registry.register_student(run, name, chosen[0][1], m)
+            registry.register_student(run, name, chosen[0][1], m, params.download.dataset)
 
 
 def collect_metrics() -> None:

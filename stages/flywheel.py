@@ -10,6 +10,7 @@ from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
 from unison.flywheel import cache_dir, plot, publish_rounds, round_zero, run_rounds
+from unison.model_card import evaluation, facts, write_card
 from unison.tools.registry import check_toolset
 
 REPORT, PLOT = Path(layout.FLYWHEEL_REPORT), Path(layout.FLYWHEEL_PLOT)
@@ -35,10 +36,16 @@ def main() -> None:
         if n == 0:
             print("flywheel: flywheel.rounds is 0; reports/flywheel.json holds the pipeline's own round", flush=True)
         publish_rounds(work, n)
+        for row in rounds[1:]:  # each round's student was scored here: its card is the scored one
+            scores = {key.removeprefix("student_"): v for key, v in row.items() if key.startswith("student_")}
+            data = [f"{layout.FLYWHEEL_DATA}/round-{row['round']}.parquet"]
+            training = {"round": row["round"], "teacher": row["teacher"], "sft steps": row["sft_steps"]}
+            write_card(row["student"], facts(params, "flywheel", data, training),
+                       evaluation(scores, params.download.dataset))
         for child, row in zip(children, rounds[1:]):  # once published: a resumed run registers a reused round once
             registry.register_student(child, f"flywheel-round-{row['round']}", row["student"],
                                       {key.removeprefix("student_"): v for key, v in row.items()
-                                       if key.startswith("student_")})
+                                       if key.startswith("student_")}, params.download.dataset)
         write_json({"base": base, "rounds": rounds}, REPORT)
         plot(rounds, base, PLOT)
         run.log_metrics({f"round{r['round']}.{key}": v for r in rounds for key, v in r.items()

@@ -16,6 +16,7 @@ from unison.agents.wiring import demonstrations, make_role_backends, make_toolbo
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
+from unison.model_card import facts, write_card
 from unison.tool_format import student_format
 from unison.tools.registry import check_toolset, enabled_tools
 from unison.train.launch import is_main_process, run_distributed
@@ -73,6 +74,9 @@ def main() -> None:
                    **({"probe_kl_start": first["probe_kl_start"], "final_probe_kl": last["probe_kl"]}
                       if "probe_kl_start" in first else {})}
         write_json(metrics, layout.report("rl"))
+        write_card(layout.RL, facts(params, "rl", paths, {
+            "objective": rl.objective, "estimator": rl.estimator, "steps": len(records),
+            "prompts per step": rl.prompts_per_step, "group size": rl.group_size}))
         run.log_metrics(metrics)
 
 
@@ -129,6 +133,7 @@ def main_verl(params) -> None:
         metrics = {"trainer": "verl", "steps": len(records), "first_reward": records[0]["reward_total"],
                    "final_reward": records[-1]["reward_total"]}
         write_json(metrics, layout.report("rl"))
+        write_card(layout.RL, facts(params, "rl", paths, {"trainer": "verl", "steps": len(records)}))
         run.log_metrics(metrics)
 
 

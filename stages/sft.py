@@ -12,6 +12,7 @@ from unison import layout, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
+from unison.model_card import facts, write_card
 from unison.teacher_topk import TEACHER_TOPK, topk_for
 from unison.tool_format import student_format
 from unison.tools.registry import check_toolset, enabled_tools
@@ -63,6 +64,9 @@ def main() -> None:
         print(f"sft: {len(examples)} examples, {len(records)} steps in {metrics['train_s']:.0f} s "
               f"({metrics['precision']}), loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}", flush=True)
         write_json(metrics, layout.report("sft"))
+        write_card(layout.SFT, facts(params, "sft", [layout.LABELED], {
+            "examples": len(examples), "epochs": cfg.epochs, "steps": len(records), "precision": metrics["precision"],
+            "final loss": round(metrics["final_loss"], 4)}))
         run.log_metrics(metrics)
 
 

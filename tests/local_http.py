@@ -4,20 +4,18 @@ an ASGI app under uvicorn (FastAPI servers: ours, and the seed systems' retrieva
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import socketserver
-import subprocess
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import requests
 import uvicorn
+
+from unison.serve import server_process
 
 DROP = "drop"  # what `respond` returns to close the connection without answering (a server that died mid-request)
 
@@ -149,36 +147,6 @@ def uvicorn_serving(config: uvicorn.Config):
     finally:
         uv.should_exit = True
         thread.join(10)
-
-
-@contextmanager
-def server_process(cmd: list[str], port: int, ready_path: str, log_path, env: dict | None = None, deadline_s: float = 600):
-    """`cmd` (a server listening on 127.0.0.1:`port`) in its own session, its output to `log_path`; yields once GET
-    `ready_path` answers 200, and kills its process group afterwards."""
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        deadline = time.time() + deadline_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[2]} exited ({proc.returncode}):\n{Path(log_path).read_text()[-3000:]}")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}{ready_path}", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"{cmd[2]} not ready after {deadline_s:.0f} s")
-            time.sleep(2)
-        yield
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def invariant_dtype() -> str:

@@ -54,8 +54,8 @@ def test_students_are_tagged_versions_and_the_best_em_is_champion_loaded_back_by
     sft, rl = train(project / "models/sft", 1), train(project / "models/rl", 2)
     (project / "models/rl/chat_template.jinja").write_text(TEMPLATE.read_text())  # a native student's template with tools
     with track.stage_run("evaluate", {}) as run:
-        first = registry.register_student(run, "sft", "models/sft", scores(0.30))
-        second = registry.register_student(run, "rl", "models/rl", scores(0.45))
+        first = registry.register_student(run, "sft", "models/sft", scores(0.30), "builtin")
+        second = registry.register_student(run, "rl", "models/rl", scores(0.45), "builtin")
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     assert client.get_registered_model("unison-default").aliases == {"champion": second.version}
     tags = client.get_model_version("unison-default", second.version).tags
@@ -84,14 +84,14 @@ def test_students_are_tagged_versions_and_the_best_em_is_champion_loaded_back_by
     train(project / "models/flywheel/round-1", 4)
     flywheel = train(project / "models/flywheel/round-2", 5)
     with track.stage_run("flywheel", {}) as run:
-        tie = registry.register_student(run, "flywheel-round-1", "models/flywheel/round-1", scores(0.45))
+        tie = registry.register_student(run, "flywheel-round-1", "models/flywheel/round-1", scores(0.45), "builtin")
         assert client.get_registered_model("unison-default").aliases == {"champion": second.version}
-        best = registry.register_student(run, "flywheel-round-2", "models/flywheel/round-2", scores(0.52))
+        best = registry.register_student(run, "flywheel-round-2", "models/flywheel/round-2", scores(0.52), "builtin")
     assert int(tie.version) == int(second.version) + 1
     assert client.get_registered_model("unison-default").aliases == {"champion": best.version}
 
     capsys.readouterr()
-    registry.main([])  # what README's `vllm serve "$(python -m unison.registry)"` serves
+    registry.main([])  # the folder `unison serve` serves by default
     out = capsys.readouterr()
     assert same_weights(AutoModelForCausalLM.from_pretrained(out.out.strip()).state_dict(), flywheel)
     assert f"unison-default@champion: version {best.version}, flywheel-round-2 (EM 0.52), commit {commit[:10]}" in out.err
@@ -102,7 +102,7 @@ def test_one_registered_model_per_recipe(project):
                                          + (project / "params.yaml").read_text())
     train(project / "models/sft", 1)
     with track.stage_run("evaluate", {}) as run:
-        version = registry.register_student(run, "sft", "models/sft", scores(0.1))
+        version = registry.register_student(run, "sft", "models/sft", scores(0.1), "builtin")
     assert version.name == "unison-gap-tiny"
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_registered_model("unison-gap-tiny").aliases == {"champion": version.version}
     assert [recipe_of(f"{MARKER} {label} -- x\nseed: 0") for label in ("afm", "afm (tiny)", "configs/recipes/gap.yaml")] == [
@@ -113,3 +113,44 @@ def test_one_registered_model_per_recipe(project):
 def test_no_champion_is_a_clear_error(project):
     with pytest.raises(SystemExit, match="no unison-nothing@champion in sqlite:"):
         registry.main(["--model", "unison-nothing"])
+
+
+def test_a_trained_folder_carries_its_card_and_the_registered_version_the_scored_one(project):
+    """The training stage's card (README.md with Hub front matter, tools.json, system_prompt.txt) says where the score
+    is; registering writes the scored card (EM, interval, CPU kind, date) into the version's copy and description,
+    replacing the hard links rather than writing through them into the trained folder."""
+    import json
+
+    import yaml
+
+    from unison.config import load_params
+    from unison.model_card import facts, read_card, write_card
+    from unison.tool_format import native_system_prompt
+    from unison.tools.registry import schemas
+
+    train(project / "models/rl", 1)
+    (project / "models/rl/chat_template.jinja").write_text(TEMPLATE.read_text())
+    (project / "data").mkdir()
+    (project / "data/rl.parquet").write_bytes(b"the prompts")
+    params = load_params()
+    write_card(project / "models/rl", facts(params, "rl", ["data/rl.parquet"], {"steps": 4}))
+    card = (project / "models/rl/README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["unison"]["base_model"] == "builtin:smollm2-135m-instruct" and front["unison"]["tool_parser"] == "hermes"
+    assert front["unison"]["data_sha256"] == __import__("hashlib").sha256(b"the prompts").hexdigest()[:12]
+    assert "model-index" not in front and "Not scored in this folder" in card and "unison serve" in card
+    assert json.loads((project / "models/rl/tools.json").read_text()) == schemas(("search", "python"))
+    assert (project / "models/rl/system_prompt.txt").read_text() == native_system_prompt(params.generate.method)
+
+    with track.stage_run("evaluate", {}) as run:
+        version = registry.register_student(run, "rl", "models/rl", scores(0.45), "builtin")
+    stored = project / "mlruns" / run.run_id / "artifacts" / "students" / "rl"
+    scored = (stored / "README.md").read_text()
+    assert "**EM 45.0%** (95% Wilson interval 35.0-55.0) on 200 test questions of builtin" in scored
+    assert yaml.safe_load(scored.split("---\n")[1])["model-index"][0]["results"][0]["metrics"][0]["value"] == 0.45
+    assert read_card(stored) == read_card(project / "models/rl")  # the same facts, now with the score
+    assert (project / "models/rl/README.md").read_text() == card  # the trained folder (DVC's cache) is untouched
+    assert os.stat(stored / "README.md").st_ino != os.stat(project / "models/rl/README.md").st_ino
+    assert os.stat(stored / "model.safetensors").st_ino == os.stat(project / "models/rl/model.safetensors").st_ino
+    description = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_model_version("unison-default", version.version).description
+    assert "**EM 45.0%**" in description and "tools.json" in description

@@ -213,3 +213,19 @@ def test_sft_refuses_a_max_length_that_leaves_no_trained_token(native):
     assert sum(examples[0][1]) > 0
     with pytest.raises(ValueError, match="sft.max_length 64 cuts every example before its first trained token"):
         build_examples(native.tok, [row], max_length=64, native=native)
+
+
+def test_unisons_template_renders_the_same_prompt_whatever_order_and_flags_a_client_sends_the_tools_with(tiny_model_dir):
+    """An agent framework lists its MCP tools first and marks each schema "strict": false; the served student measured
+    8 points lower with the tools out of its trained order (docs/results.md). unison's template sorts them by name and
+    renders each as type, name, description and parameters only."""
+    from unison.tool_format import with_tool_template
+    from unison.tools.registry import schemas
+
+    tok = with_tool_template(AutoTokenizer.from_pretrained(tiny_model_dir))
+    trained = schemas(("search", "python"))
+    as_an_sdk_sends = [{**t, "function": {**t["function"], "strict": False}} for t in reversed(trained)]
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    render = lambda tools: tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert render(as_an_sdk_sends) == render(trained)
+    assert render(trained).index('"name": "python"') < render(trained).index('"name": "search"') and "strict" not in render(trained)

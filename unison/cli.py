@@ -6,8 +6,9 @@
     unison run sft --single       `dvc repro -s sft`: that stage alone (its inputs must exist)
     unison demo                   the whole pipeline (`dvc repro`), each stage's time, then the results table
     unison recipe afm [--tiny]    params.yaml <- a seed system's recipe (configs/recipes)
-    unison evaluate --served URL  the trained student behind `vllm serve ... --tool-call-parser hermes`, driven by the
-                                  openai client on the test split and scored as evaluate scores it
+    unison serve [MODEL_DIR]      a trained student (default: the registry's champion) behind vLLM's OpenAI server
+    unison evaluate --served URL  a served student driven by the openai client on the test split, scored as evaluate
+                                  scores it
 
 Every stage is also `python -m stages.<stage>`; with --help it prints the same settings and runs nothing.
 """
@@ -126,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         print(overview())
         return 0
     command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from .serve import main as serve_main
+
+        return serve_main(rest)
     if command == "evaluate" and rest and rest[0].startswith("--served"):
         from .labeling.served import main as served_main
 
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
         recipes_main(rest if "--out" in rest or "--list" in rest or not rest else [*rest, "--out", "params.yaml"])
         return 0
-    print(f"unison: unknown command {command!r}; stages: {', '.join(names)}; commands: run, demo, recipe "
+    print(f"unison: unknown command {command!r}; stages: {', '.join(names)}; commands: run, demo, recipe, serve "
           "(see unison --help)", file=sys.stderr)
     return 2
 

@@ -73,7 +73,8 @@ class LLMConfig(Section):
                                'preemption (bench_rollout)')
     block_size: int = Field(32, description='KV-cache block; the prefix cache reuses whole blocks only, so a small '
                             'block lets it hit the shared system prompt (docs/benchmarks.md); 0 = engine default')
-    max_concurrency: int = Field(8, description="openai backend: requests in flight at once")
+    max_concurrency: int = Field(64, description="requests in flight at once: a served teacher's (openai backend), and "
+                                 "the questions `unison evaluate --served` runs together")
     timeout_s: float = Field(120, description='openai backend: the most one request may take (connect, headers, body, '
                              'retries); with several base URLs each attempt gets an equal share of the time left (for '
                              'a retry on another)')

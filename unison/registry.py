@@ -14,7 +14,7 @@ round. Another store (a tracking server, S3) gets an upload.
 
     python -m unison.registry  # the local folder of this recipe's champion (stdout), what it is (stderr)
     python -m unison.registry --model unison-afm-tiny --alias champion
-    vllm serve "$(python -m unison.registry)" --served-model-name unison-champion   # its OpenAI-compatible server
+    unison serve                # the champion behind vLLM's OpenAI-compatible server (unison/serve.py)
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 import urllib.parse
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.file_utils import local_file_uri_to_path
 
 from . import track
+from .model_card import evaluation, read_card, render, write_card
 from .redaction import redact
 from .tool_format import serving_info
 
@@ -44,18 +46,28 @@ def model_name(recipe: str) -> str:
     return f"unison-{recipe}"
 
 
-def store_model(run: track.StageRun, model_dir: str | os.PathLike, artifact_path: str) -> str:
-    """Put a model folder among the run's artifacts (hard links on a local store, else MLflow's upload); its URI."""
+def store_model(run: track.StageRun, model_dir: str | os.PathLike, artifact_path: str, card=None) -> str:
+    """Put a model folder among the run's artifacts (hard links on a local store, else MLflow's upload), `card(folder)`
+    writing the scored model card into the copy; its URI."""
     uri = f"{run.client.get_run(run.run_id).info.artifact_uri}/{artifact_path}"
     if urllib.parse.urlparse(uri).scheme in ("", "file"):
         target = Path(local_file_uri_to_path(uri))
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             shutil.copytree(model_dir, target, copy_function=os.link)
+            if card:
+                card(target)  # new files replace the links: the cache's files stay as they were
             return uri
         except shutil.Error:  # another filesystem: no hard links
             shutil.rmtree(target)
-    run.log_artifact(model_dir, artifact_path)
+    if card:
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / "model"
+            shutil.copytree(model_dir, copy, copy_function=os.symlink)
+            card(copy)
+            run.log_artifact(copy, artifact_path)
+    else:
+        run.log_artifact(model_dir, artifact_path)
     return uri
 
 
@@ -75,18 +87,23 @@ def champion_em(client, name: str) -> float | None:
     return None if version is None else float(client.get_model_version(name, version).tags["em"])
 
 
-def register_student(run: track.StageRun, student: str, model_dir: str | os.PathLike, metrics: dict) -> ModelVersion:
-    """Register `model_dir` (the student `student`, scored `metrics` in this run) as a new version of the recipe's
-    model; alias it `champion` when its EM beats the champion's."""
+def register_student(run: track.StageRun, student: str, model_dir: str | os.PathLike, metrics: dict,
+                     dataset: str) -> ModelVersion:
+    """Register `model_dir` (the student `student`, scored `metrics` on `dataset`'s test split in this run) as a new
+    version of the recipe's model, its model card scored (the version's description and README.md); alias it
+    `champion` when its EM beats the champion's."""
     pipeline = track.pipeline_params()
     name, client = model_name(pipeline["recipe"]), run.client
     ensure_registered_model(client, name, pipeline["recipe"])
-    source = store_model(run, model_dir, f"students/{student}")
+    card, scores = read_card(model_dir), evaluation(metrics, dataset)
+    source = store_model(run, model_dir, f"students/{student}",
+                         card=(lambda folder: write_card(folder, card, scores)) if card else None)
     git = {k: v for k, v in track.git_tags().items() if not k.startswith("mlflow.")}
     tags = {"student": student, "model_dir": str(model_dir), "pipeline_run_id": run.pipeline_run_id or "", **git,
             **{k: pipeline[k] for k in ("params_hash", "recipe", "teacher") if k in pipeline},
             **{k: str(metrics[k]) for k in METRIC_TAGS if metrics.get(k) is not None}, **serving_info(model_dir)}
-    version = client.create_model_version(name, source, run_id=run.run_id, tags=tags)
+    version = client.create_model_version(name, source, run_id=run.run_id, tags=tags,
+                                          description=render(card, scores, serving_info(model_dir)) if card else None)
     best = champion_em(client, name)
     crowned = best is None or metrics["em"] > best
     if crowned:
@@ -118,8 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     tags = version.tags
     print(f"{name}@{args.alias}: version {version.version}, {tags.get('student')} (EM {tags.get('em')}), "
           f"commit {tags.get('git_commit', '?')[:10]}, params {tags.get('params_hash')}", file=sys.stderr)
-    if "serve_flags" in tags:
-        print(f"serve it: vllm serve <the folder below> {tags['serve_flags']}", file=sys.stderr)
+    print("serve it: unison serve (the champion), or unison serve <the folder below>", file=sys.stderr)
     print(local_dir(name, args.alias))
 
 

@@ -246,15 +246,21 @@ def read_table(path: str | os.PathLike, schema: pa.Schema) -> list[dict]:
     return rows
 
 
-def write_json(obj: Any, path: str | os.PathLike) -> None:
-    """Write JSON atomically (metrics, metadata)."""
+def write_text(text: str, path: str | os.PathLike) -> None:
+    """Write a text file atomically: a new file renamed onto `path` (a hard link at `path` is replaced, not written
+    through)."""
     tmp = atomic_path(path)
     try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(text)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def write_json(obj: Any, path: str | os.PathLike) -> None:
+    """Write JSON atomically (metrics, metadata)."""
+    write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", path)
 
 
 def write_figure(fig, path: str | os.PathLike, dpi: int) -> None:

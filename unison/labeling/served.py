@@ -2,8 +2,11 @@
 in the standard agent loop: send the question with the tools' schemas, run each returned tool call with unison's tools,
 send each result as a `tool` message, read the final content. Scored as evaluate scores a system.
 
-    vllm serve models/rl --enable-auto-tool-choice --tool-call-parser hermes
-    unison evaluate --served http://127.0.0.1:8000/v1 [--model NAME] [--max-questions N]
+    unison serve models/rl
+    unison evaluate --served http://127.0.0.1:8000/v1 [--model NAME] [--max-questions N] [--concurrency N]
+
+Up to llm.max_concurrency questions are in flight at once (each its own agent loop), so the server batches them as the
+in-process engine batches its episodes.
 
 Writes reports/served.json (evaluate's metrics) and reports/served.parquet (the labeled rows), outside DVC's outputs.
 Nothing here knows unison's tag protocol: the model is driven as any client drives a tool-calling model.
@@ -14,6 +17,7 @@ import argparse
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from .. import layout
 from ..agents.runtime import timed_call
@@ -96,6 +100,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-questions", type=int, default=0,
                     help="the first N test questions; 0 = evaluate.max_questions")
     ap.add_argument("--api-key-env", default="OPENAI_API_KEY", help="env var holding the server's key, if it wants one")
+    ap.add_argument("--concurrency", type=int, default=0, help="questions in flight at once; 0 = llm.max_concurrency")
     args = ap.parse_args(argv)
     from openai import OpenAI
 
@@ -107,16 +112,19 @@ def main(argv: list[str]) -> int:
     questions = read_table(layout.RAW_TEST, QUESTION)[: args.max_questions or p.max_questions or None]
     tools, toolbox = enabled_tools(params.tools), make_toolbox(params.tools)
     system = native_system_prompt(g.method)
-    print(f"evaluate --served: {model} at {args.served} on {len(questions)} questions, tools {', '.join(tools)}",
-          flush=True)
-    t0, rows = time.perf_counter(), []
-    for k, q in enumerate(questions):
-        rows.append(served_episode(client, model, q, tools, toolbox, system, g.max_turns, g.max_tokens_per_turn,
-                                   g.max_tool_calls, p.temperature, params.seed))
-        if (k + 1) % 20 == 0 or k + 1 == len(questions):
-            rate = (k + 1) / (time.perf_counter() - t0)
-            print(f"evaluate --served: {k + 1}/{len(questions)} questions, {rate:.2f} q/s, eta "
-                  f"{(len(questions) - k - 1) / rate:.0f} s", flush=True)
+    in_flight = args.concurrency or params.llm.max_concurrency
+    print(f"evaluate --served: {model} at {args.served} on {len(questions)} questions, {in_flight} in flight, tools "
+          f"{', '.join(tools)}", flush=True)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="served") as pool:
+        futures = [pool.submit(served_episode, client, model, q, tools, toolbox, system, g.max_turns,
+                               g.max_tokens_per_turn, g.max_tool_calls, p.temperature, params.seed) for q in questions]
+        for k, _ in enumerate(as_completed(futures)):
+            if (k + 1) % 20 == 0 or k + 1 == len(questions):
+                rate = (k + 1) / (time.perf_counter() - t0)
+                print(f"evaluate --served: {k + 1}/{len(questions)} questions, {rate:.2f} q/s, eta "
+                      f"{(len(questions) - k - 1) / rate:.0f} s", flush=True)
+        rows = [f.result() for f in futures]
     label = scoring_label(params.label, p)
     rows = label_rows(rows, label, make_judge(label, params.system_settings(), {}))
     metrics = {**system_metrics(rows, time.perf_counter() - t0, label, p.bootstrap, params.seed), "model": model,
