@@ -16,7 +16,7 @@ FLOORS = [
     ("labelling and evaluation", ("unison.labeling",)),
     ("training", ("unison.train",)),
     ("stages, flows, bench and the security suite", ("unison.track", "unison.storage", "unison.stage_clock", "unison.recipes", "unison.cli", "unison.report",
-                                                     "unison.registry", "unison.exports", "unison.flywheel", "stages", "flows", "bench",
+                                                     "unison.registry", "unison.model_card", "unison.serve", "unison.exports", "unison.flywheel", "stages", "flows", "bench",
                                                      "security")),
 ]
 
