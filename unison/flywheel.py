@@ -46,7 +46,8 @@ from .train.sft import build_examples, select_trajectories, train_sft
 
 FIRST_STUDENT = layout.RL
 DATA, MODELS = Path(layout.FLYWHEEL_DATA), Path(layout.FLYWHEEL)
-KEPT = ("em", "em_lo", "em_hi", "subem", "tokens_per_question", "questions")  # per system in a round's row of reports/flywheel.json
+# per system in a round's row of reports/flywheel.json
+KEPT = ("em", "em_lo", "em_hi", "subem", "tokens_per_question", "questions")
 
 
 def cache_dir(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig,
