@@ -36,7 +36,7 @@ def measure(project: Path, questions: int) -> dict:
         s = params.system_settings()
         test = read_table("data/raw/test.parquet", QUESTION)[:questions]
         backend = student_backend("models/sft", s)
-        workbench = Workbench(s, backend, make_toolbox(params.tools))
+        workbench = Workbench(s, backend, make_toolbox(params.tools), tool_format=params.student.tool_format)
         run_system(workbench, test[:4], 1, False, "warm-up", 0.0)  # the engine's first batches, compiled kernels
         t0 = time.perf_counter()
         rows, _ = run_system(workbench, test, 1, False, "models/sft", 0.0)
@@ -46,7 +46,7 @@ def measure(project: Path, questions: int) -> dict:
     finally:
         os.chdir(here)
     n = len(rows)
-    return {"format": s.student_format, "episodes": n, "wall_s": wall, "episodes_per_s": n / wall,
+    return {"format": params.student.tool_format, "episodes": n, "wall_s": wall, "episodes_per_s": n / wall,
             "tokens_per_s": sum(r["n_tokens"] for r in rows) / wall, "tokens_per_episode": sum(r["n_tokens"] for r in rows) / n,
             "llm_calls_per_episode": sum(r["n_llm_calls"] for r in rows) / n, "tool_calls_per_episode": sum(r["n_tool_calls"] for r in rows) / n}
 

@@ -77,11 +77,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+    from transformers import AutoTokenizer
 
     from unison.agents.wiring import make_toolbox
     from unison.config import load_params
+    from unison.tool_format import TagFormat
     from unison.tools.registry import enabled_tools
     from unison.train.rl import RLSetup, train_rl
+    from unison.train.rollout import SoloRollout
 
     params = load_params()
     model_dir = "models/sft" if Path("models/sft/config.json").exists() else "models/base"
@@ -94,12 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(), "model": model_dir,
               "machine": {"cpus_usable": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
                           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"},
-              "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size, "estimator": rl.estimator,
-                           "max_turns": rl.max_turns, "max_tokens_per_turn": rl.max_tokens_per_turn}, "backends": {}}
+              "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size, "estimator": rl.loss.estimator,
+                           "max_turns": rl.rollout.max_turns, "max_tokens_per_turn": rl.rollout.max_tokens_per_turn}, "backends": {}}
     for backend in args.backends.split(","):
-        setup = RLSetup(rl.model_copy(update={"rollout_backend": backend, "steps": args.steps, "prompts_per_step": args.prompts,
-                                              "group_size": args.group_size, "checkpoint_every": 0}),
-                        params.label, params.llm, tools, toolbox=toolbox)
+        rollout = rl.rollout.model_copy(update={"backend": backend, "prompts_per_step": args.prompts,
+                                                "group_size": args.group_size})
+        setup = RLSetup(rl.model_copy(update={"rollout": rollout, "steps": args.steps, "checkpoint_every": 0}),
+                        params.label, params.llm, tools,
+                        acting=SoloRollout(toolbox, tools, TagFormat(AutoTokenizer.from_pretrained(model_dir))))
         print(f"bench_rl: {backend}: {args.steps} steps x {args.prompts} prompts x {args.group_size} rollouts", flush=True)
         with tempfile.TemporaryDirectory(dir=".cache" if Path(".cache").is_dir() else None) as tmp:
             t0 = time.perf_counter()

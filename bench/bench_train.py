@@ -76,8 +76,9 @@ def rl_update(model_dir: str, views: list, precision: str, steps: int) -> tuple[
     seeded random advantages, one mini-batch of all `views` per step."""
     from transformers import AutoModelForCausalLM
 
+    from unison.train.batches import attach_logprobs
     from unison.train.loop import Trainer
-    from unison.train.rl import RLConfig, attach_logprobs, train_on
+    from unison.train.rl import RLConfig, train_on
 
     torch.manual_seed(0)
     cfg = RLConfig(micro_batch_size=4, precision=precision, lr=1e-6, weight_decay=0.0, warmup_ratio=0.0)
@@ -120,9 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from unison.data.schemas import LABELED, read_table
-    from unison.train.loop import bf16_supported
     from unison.tool_format import student_format
     from unison.tools.registry import DEFAULT_TOOLS
+    from unison.train.loop import bf16_supported
     from unison.train.sft import build_examples
 
     rows = [r for r in read_table(args.data, LABELED) if r["steps"]]
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     if len(rows) < need:
         raise SystemExit(f"bench_train: {args.data} has {len(rows)} trajectories with steps; need {need}")
     tok = AutoTokenizer.from_pretrained(args.model)
-    views, _ = build_examples(tok, rows[:need], 768, native=student_format(args.format, tok, DEFAULT_TOOLS, "single"))
+    views, _ = build_examples(student_format(args.format, tok, DEFAULT_TOOLS, "single"), rows[:need], 768)
     config = AutoConfig.from_pretrained(args.model)
     from transformers import AutoModelForCausalLM
 

@@ -107,19 +107,24 @@ def check_prm(model_dir: Path, precision: str) -> tuple[int, dict]:
 
 def check_rl_step(model_dir: Path, work: Path, precision: str, python_tool: bool) -> tuple[int, dict]:
     """One RL step from the SFT model: 4 prompts x 4 rollouts with the tools on the transformers backend, then the update."""
+    from transformers import AutoTokenizer
+
     from unison.agents.toolbox import Toolbox
     from unison.config import LabelConfig, LLMConfig
+    from unison.tool_format import TagFormat
     from unison.train.pareto import rl_rows
     from unison.train.rl import RLConfig, RLSetup, train_rl
+    from unison.train.rollout import SoloRollout
 
     groups = [{"question_id": f"q{i}", "task": "qa", "tool_calls": [0, 1], "correctness": [0.0, 1.0], "score_tool": 0.25,
                "score_corr": 0.25, "front": 0, "crowding": 1.0} for i in range(4)]
     rows = rl_rows(groups, [1] * 4, {f"q{i}": {**QUESTION, "id": f"q{i}"} for i in range(4)})
-    cfg = RLConfig(steps=1, prompts_per_step=4, group_size=4, dynamic_sampling=False, rollout_backend="transformers",
-                   max_turns=3, max_tokens_per_turn=48, micro_batch_size=8, precision=precision, checkpoint_every=0)
+    cfg = RLConfig(steps=1, micro_batch_size=8, precision=precision, checkpoint_every=0,
+                   rollout={"prompts_per_step": 4, "group_size": 4, "dynamic_sampling": False, "backend": "transformers",
+                            "max_turns": 3, "max_tokens_per_turn": 48})
     tools = ("search", "python") if python_tool else ("search",)
     setup = RLSetup(cfg, LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5), LLMConfig(max_model_len=1024),
-                    tools, toolbox=Toolbox(KeywordRetriever()))  # episodes at rl's temperature 1.0 and top_p 1.0, 1024 tokens
+                    tools, acting=SoloRollout(Toolbox(KeywordRetriever()), tools, TagFormat(AutoTokenizer.from_pretrained(model_dir))))  # episodes at rl's temperature 1.0 and top_p 1.0, 1024 tokens
     [record] = train_rl(str(model_dir), rows, setup, str(work / "rl"), str(work / "rl-ckpt"))
     tokens = int(record["response_tokens"] * record["episodes"])  # sampled; the update's tokens/s is in train_s
     keep = ("episodes", "samples", "loss", "grad_norm", "tool_calls_per_episode", "turns_per_episode", "rollout_s", "train_s")
@@ -127,7 +132,7 @@ def check_rl_step(model_dir: Path, work: Path, precision: str, python_tool: bool
 
 
 def colocation(n_params: int) -> dict:
-    """rl.colocate's decisions on this machine, and whether the policy fits beside an engine at vLLM's default share."""
+    """rl.rollout.colocate's decisions on this machine, and whether the policy fits beside an engine at vLLM's default share."""
     from unison.train.rollout import check_colocated_memory, engine_sleeps
 
     cuda = torch.cuda.is_available()

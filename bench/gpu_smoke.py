@@ -82,7 +82,7 @@ def smoke_params(recipe: str, vllm: bool, model_dir: Path | None, overlay: Path 
         params = recipe_params(recipe, tiny=True)
     if not vllm:
         params = merge(params, {"llm": {"backend": "transformers"}, "teacher": {"backend": "transformers"},
-                                "rl": {"rollout_backend": "transformers"}})
+                                "rl": {"rollout": {"backend": "transformers"}}})
     if model_dir:
         params = merge(params, {"student": {"model": f"local:{model_dir.resolve()}"}, "teacher": {"model": f"local:{model_dir.resolve()}"}})
     if overlay:

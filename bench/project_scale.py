@@ -39,7 +39,7 @@ SEEDS = {
                                                                          response_len=4096, generated_share=0.5),
 }
 # unison's measured fill: the demo's RL episodes generated 27.25 tokens (reports/rl_curve.csv, step 1: response_tokens)
-# of a 4 turns x 96 tokens budget (params.yaml rl.max_turns, rl.max_tokens_per_turn).
+# of a 4 turns x 96 tokens budget (params.yaml rl.rollout.max_turns, rl.rollout.max_tokens_per_turn).
 DEMO_FILL = 27.25 / (4 * 96)
 
 

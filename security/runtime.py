@@ -112,13 +112,14 @@ def a_tool_call_that_never_answers():
     from unison.agents.runtime import EpisodeSettings, run_episodes
     from unison.agents.wiring import make_toolbox
     from unison.config import ToolsConfig
+    from unison.tool_format import TagFormat
 
     hung, folder = HungServer(), tempfile.mkdtemp(prefix="unison-security-model-")
     try:
         backend = tiny_backend(folder)
         with contextlib.redirect_stdout(io.StringIO()):  # make_toolbox's sandbox line
             box = make_toolbox(ToolsConfig(search_url=hung.url, search_timeout_s=10, call_deadline_s=1.0))
-        episode = start_episode(backend.tokenizer, "hang", "Where is Tarsk?", 1, ["search", "answer"])
+        episode = start_episode(TagFormat(backend.tokenizer), "hang", "Where is Tarsk?", 1, ["search", "answer"])
         start = time.monotonic()
         with contextlib.redirect_stderr(io.StringIO()):  # the episodes' progress bar
             run_episodes([episode], backend, box, EpisodeSettings(temperature=0.0, max_tokens_per_turn=3, max_turns=3))

@@ -16,7 +16,7 @@ from unison.config import load_params
 from unison.data import models
 from unison.data.schemas import write_json
 from unison.data.splits import write_splits
-from unison.tool_format import install_template
+from unison.tool_format import format_class
 
 RAW = Path(layout.RAW)
 MODEL_DIR = Path(layout.BASE)
@@ -28,13 +28,13 @@ def main() -> None:
     p, student = params.download, params.student.model
     with track.stage_run("download", {"seed": params.seed, **p.model_dump(), "model": student}) as run:
         counts = write_splits(p, params.seed, RAW)
-        info, native = models.read_info(MODEL_DIR), params.student.tool_format == "native"
+        info = models.read_info(MODEL_DIR)
         if info and info["source"] == student and info.get("tool_format", "tags") == params.student.tool_format:
             print(f"download: {MODEL_DIR} already holds {student}", flush=True)
         else:
             print(f"download: materialising {student} -> {MODEL_DIR} ({params.student.tool_format} tool calls) ...",
                   flush=True)
-            info = models.materialize_model(student, MODEL_DIR, install_template if native else None)
+            info = models.materialize_model(student, MODEL_DIR, format_class(params.student.tool_format).install)
         metrics = {**counts, "model": {"n_parameters": info["n_parameters"]}}
         write_json(metrics, METRICS)
         run.log_metrics(metrics)

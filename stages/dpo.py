@@ -49,8 +49,8 @@ def main() -> None:
 
         pairs = load_pairs(LABELED_PATH, cfg.max_pairs_per_question)
         tok = AutoTokenizer.from_pretrained(START)
-        native = student_format(params.student.tool_format, tok, enabled_tools(params.tools), params.generate.method)
-        views, stats = pair_views(tok, pairs, cfg.max_length, native)
+        format = student_format(params.student.tool_format, tok, enabled_tools(params.tools), params.generate.method)
+        views, stats = pair_views(format, pairs, cfg.max_length)
         print(f"dpo: {stats['pairs']} pairs from {stats['questions']} questions", flush=True)
         checkpoint = checkpoint_path("dpo", settings, [Path(LABELED_PATH), *sorted(Path(START).glob("*.safetensors"))])
         records = train_dpo(START, views, cfg, OUT, on_step=lambda r: run.log_metrics(

@@ -7,14 +7,14 @@
                                           EM), the headline on the pipeline's run
 
 A row re-runs only when its own inputs change: a new student leaves the teacher's and the base model's rows as DVC
-has them. Each trained student is registered in MLflow's model registry with its metrics (unison/registry.py)."""
+has them. Each trained student is registered in MLflow's model registry with its metrics (unison/model_registry.py)."""
 from __future__ import annotations
 
 import json
 from functools import partial
 from pathlib import Path
 
-from unison import layout, registry, track
+from unison import layout, model_registry, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
@@ -48,8 +48,8 @@ def evaluate_system(system: str) -> None:
                                                 "episodes_in_flight": g.episodes_in_flight,
                                                 "teacher": params.teacher.model_dump(),
                                                 "cluster": params.cluster.model_dump()}) as run:
-        [(name, rows, m)] = evaluate_systems(params.system_settings(), p, scoring_label(params.label, p),
-                                             params.cluster, chosen, questions,
+        [(name, rows, m)] = evaluate_systems(params.system_settings(), params.student.tool_format, p,
+                                             scoring_label(params.label, p), params.cluster, chosen, questions,
                                              partial(load_prm, layout.PRM, params.prm.precision))
         write_table(rows, rows_path, LABELED)
         write_json({"evaluated": True, **m}, metrics_path)
@@ -57,8 +57,8 @@ def evaluate_system(system: str) -> None:
         print(f"evaluate: {name} EM {m['em']:.3f} [{m['em_lo']:.3f}, {m['em_hi']:.3f}], accuracy "
               f"({params.label.judge} judge) {m['accuracy']:.3f} [{m['accuracy_lo']:.3f}, {m['accuracy_hi']:.3f}]",
               flush=True)
-        if name in registry.TRAINED:
-            registry.register_student(run, name, chosen[0][1], m, params.download.dataset)
+        if name in model_registry.TRAINED:
+            model_registry.register_student(run, name, chosen[0][1], m, params.download.dataset)
 
 
 def collect_metrics() -> None:

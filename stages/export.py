@@ -31,8 +31,9 @@ def main() -> None:
         labeled, rl = read_table(LABELED_PATH, LABELED), read_rl_prompts(RL_DIR)
         tok = AutoTokenizer.from_pretrained(STUDENT)
         with atomic_dir(OUT) as tmp:
-            counts = write_export(tmp, labeled, rl, params.export, params.sft, params.dpo, tools, tok, LABELED_PATH,
-                                  student_format(params.student.tool_format, tok, tools, params.generate.method))
+            counts = write_export(tmp, labeled, rl, params.export, params.sft, params.dpo, tools,
+                                  student_format(params.student.tool_format, tok, tools, params.generate.method),
+                                  LABELED_PATH)
         write_json(counts, layout.report("export"))
         run.log_metrics(counts)
         print(f"export: {counts['sft_conversations']} SFT conversations ({counts['sft_questions']} questions), "

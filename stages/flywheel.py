@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from unison import layout, registry, track
+from unison import layout, model_registry, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import write_json
@@ -20,7 +20,7 @@ def main() -> None:
     params = load_params()
     check_toolset(params.tools, layout.TOOLSET, "flywheel")
     n, system = params.flywheel.rounds, params.system_settings()
-    sections = (params.flywheel, system, params.label, params.sft, params.evaluate)
+    sections = (params.flywheel, system, params.student.tool_format, params.label, params.sft, params.evaluate)
     with track.stage_run("flywheel", {**params.flywheel.model_dump(), "teacher_method": params.generate.method}) as run:
         first, base = round_zero(system)
         # hashing the models costs seconds: only when rounds run
@@ -43,7 +43,7 @@ def main() -> None:
             write_card(row["student"], facts(params, "flywheel", data, training),
                        evaluation(scores, params.download.dataset))
         for child, row in zip(children, rounds[1:]):  # once published: a resumed run registers a reused round once
-            registry.register_student(child, f"flywheel-round-{row['round']}", row["student"],
+            model_registry.register_student(child, f"flywheel-round-{row['round']}", row["student"],
                                       {key.removeprefix("student_"): v for key, v in row.items()
                                        if key.startswith("student_")}, params.download.dataset)
         write_json({"base": base, "rounds": rounds}, REPORT)

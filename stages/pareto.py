@@ -21,7 +21,8 @@ def main() -> None:
     with track.stage_run("pareto", {"seed": params.seed, **p.model_dump(),
                                     "episodes_in_flight": params.generate.episodes_in_flight,
                                     "cluster": params.cluster.model_dump()}) as run:
-        rows, groups, metrics = rl_curriculum(p, params.system_settings(), params.label, params.cluster, questions)
+        rows, groups, metrics = rl_curriculum(p, params.system_settings(), params.student.tool_format, params.label,
+                                              params.cluster, questions)
         with atomic_dir(OUT) as tmp:
             write_rl_data(rows, tmp)
         plot_front(groups)

@@ -23,6 +23,7 @@ from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, run_key, write_records_csv
 from unison.train.prm import load_prm
 from unison.train.rl import RLSetup, load_rl_data, train_rl
+from unison.train.rollout import PlannerRollout, SoloRollout
 
 CURVE_CSV = Path(layout.RL_CURVE)
 VERL_DATA, VERL_WORK = Path(layout.VERL_DATA), Path(layout.VERL_WORK)
@@ -44,13 +45,13 @@ def main() -> None:
         paths = sorted(Path(layout.RL_DATA).glob("level*.parquet"),
                        key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
-        model_dirs = ([layout.SFT] + ([layout.PRM] if rl.prm_weight > 0 else [])
+        model_dirs = ([layout.SFT] + ([layout.PRM] if rl.reward.prm_weight > 0 else [])
                       + ([layout.TEACHER] if rl.scores_with_teacher else []))
         inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
         print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {rl.steps} steps x "
-              f"{rl.prompts_per_step} prompts x {rl.group_size} rollouts, objective {rl.objective}"
-              + (f" after {rl.opd_steps} OPD steps" if rl.opd_steps else "") + ", estimator "
-              f"{rl.estimator}, rollouts on {rl.rollout_backend}"
+              f"{rl.rollout.prompts_per_step} prompts x {rl.rollout.group_size} rollouts, objective {rl.loss.objective}"
+              + (f" after {rl.opd.steps} OPD steps" if rl.opd.steps else "") + ", estimator "
+              f"{rl.loss.estimator}, rollouts on {rl.rollout.backend}"
               + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}"
                  if rl.student_role == "agentflow_planner" else ""),
               flush=True)
@@ -62,7 +63,7 @@ def main() -> None:
             return
         write_records_csv(records, CURVE_CSV)
         first, last = records[0], records[-1]
-        distilled = [r for r in records if "kl_teacher" in r]  # rl.objective opd, or rl.opd_steps' first steps
+        distilled = [r for r in records if "kl_teacher" in r]  # rl.loss.objective opd, or rl.opd.steps' first steps
         metrics = {"steps": len(records), "prompts": len(rows), "first_reward": first["reward_total"],
                    "final_reward": last["reward_total"], "first_accuracy": first["accuracy"],
                    "final_accuracy": last["accuracy"], "final_tool_call_rate": last["tool_call_rate"],
@@ -75,35 +76,41 @@ def main() -> None:
                       if "probe_kl_start" in first else {})}
         write_json(metrics, layout.report("rl"))
         write_card(layout.RL, facts(params, "rl", paths, {
-            "objective": rl.objective, "estimator": rl.estimator, "steps": len(records),
-            "prompts per step": rl.prompts_per_step, "group size": rl.group_size}))
+            "objective": rl.loss.objective, "estimator": rl.loss.estimator, "steps": len(records),
+            "prompts per step": rl.rollout.prompts_per_step, "group size": rl.rollout.group_size}))
         run.log_metrics(metrics)
 
 
 def rl_setup(params) -> RLSetup:
-    """The run's settings as one bundle; rank 0, which rolls out and scores, also gets the toolbox, the PRM
-    (rl.prm_weight > 0), the teacher (rl.objective opd, rl.opd_steps, rl.probe_prompts) and AgentFlow's fixed modules
-    (rl.student_role agentflow_planner)."""
+    """The run's settings as one bundle; rank 0, which rolls out and scores, also gets how the student acts (alone
+    with its toolbox, or as AgentFlow's planner beside its fixed modules: rl.student_role), the PRM
+    (rl.reward.prm_weight > 0) and the teacher (on-policy distillation, the probe)."""
     rl, rank0 = params.rl, is_main_process()
     tools = enabled_tools(params.tools)
-    planner = rl.student_role == "agentflow_planner" and rank0
     return RLSetup(
-        rl=rl, label=params.label, llm=params.llm, tools=tools,
-        toolbox=make_toolbox(params.tools) if rank0 else None,
-        native=student_format(params.student.tool_format, AutoTokenizer.from_pretrained(layout.SFT), tools,
-                              params.generate.method),
-        prm=load_prm(layout.PRM, params.prm.precision) if rl.prm_weight > 0 and rank0 else None,
+        rl=rl, label=params.label, llm=params.llm, tools=tools, acting=student_acting(params, tools) if rank0 else None,
+        prm=load_prm(layout.PRM, params.prm.precision) if rl.reward.prm_weight > 0 and rank0 else None,
         teacher=opd_teacher(params) if rl.scores_with_teacher and rank0 else None,
         worked_examples=(demonstrations(params.generate)
-                         if rl.scores_with_teacher and rl.teacher_context == "worked_examples" else ""),
-        roles=make_role_backends(params.generate.roles, params.teacher_engine(), params.seed) if planner else None,
-        agentflow=params.generate.agentflow if planner else None,
+                         if rl.scores_with_teacher and rl.opd.teacher_context == "worked_examples" else ""),
         gradient_checkpointing=params.train.gradient_checkpointing)
 
 
+def student_acting(params, tools: tuple[str, ...]) -> SoloRollout | PlannerRollout:
+    """How the student's RL episodes are rolled out: alone in its tool format, or as AgentFlow's planner."""
+    toolbox = make_toolbox(params.tools)
+    if params.rl.student_role == "agentflow_planner":
+        return PlannerRollout(toolbox, tools, make_role_backends(params.generate.roles, params.teacher_engine(),
+                                                                 params.seed), params.generate.agentflow)
+    return SoloRollout(toolbox, tools, student_format(params.student.tool_format,
+                                                      AutoTokenizer.from_pretrained(layout.SFT), tools,
+                                                      params.generate.method))
+
+
 def opd_teacher(params):
-    """The teacher block's backend, which scores the student's tokens (rl.objective opd): the very tokens when it has
-    the student's vocabulary, else the student's text through the character alignment (unison/token_alignment.py)."""
+    """The teacher block's backend, which scores the student's tokens (on-policy distillation, the probe): the very
+    tokens when it has the student's vocabulary, else the student's text through the character alignment
+    (unison/token_alignment.py)."""
     from unison.llm import teacher_backend
 
     return teacher_backend(params.system_settings())
@@ -126,8 +133,8 @@ def main_verl(params) -> None:
         work = VERL_WORK / key
         overrides = write_verl_config(params.rl, params.llm, params.label, params.tools, params.export.verl_agent,
                                       [str(p.resolve()) for p in paths], str(Path(layout.SFT).resolve()), work, tools)
-        print(f"rl: verl over {len(paths)} level file(s), {params.rl.verl_nnodes} node(s) x "
-              f"{params.rl.verl_gpus_per_node} GPUs; config in {work}", flush=True)
+        print(f"rl: verl over {len(paths)} level file(s), {params.rl.verl.nnodes} node(s) x "
+              f"{params.rl.verl.gpus_per_node} GPUs; config in {work}", flush=True)
         records = run_verl(overrides, work, params.rl.steps, layout.RL)
         write_records_csv(records, CURVE_CSV)
         metrics = {"trainer": "verl", "steps": len(records), "first_reward": records[0]["reward_total"],

@@ -40,8 +40,8 @@ def main() -> None:
             raise DataError(layout.LABELED, "no correct trajectories to train on", field="correct")
         tok = AutoTokenizer.from_pretrained(layout.BASE)
         topk = topk_for(tok, chosen, read_table(layout.TOPK, TEACHER_TOPK)) if cfg.kd_weight else None
-        native = student_format(params.student.tool_format, tok, enabled_tools(params.tools), params.generate.method)
-        examples, stats = build_examples(tok, chosen, cfg.max_length, topk, native)
+        format = student_format(params.student.tool_format, tok, enabled_tools(params.tools), params.generate.method)
+        examples, stats = build_examples(format, chosen, cfg.max_length, topk)
         print(f"sft: {len(chosen)} of {len(rows)} trajectories selected; drift: {stats['drifted_examples']} examples, "
               f"{stats['drift_tokens']} tokens", flush=True)
         inputs = [Path(layout.LABELED), *([Path(layout.TOPK)] if cfg.kd_weight else []),

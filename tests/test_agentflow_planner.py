@@ -14,6 +14,7 @@ from unison.config import AgentFlowConfig, LLMConfig, ParamsError, validate_para
 from unison.llm.hf_backend import HFBackend
 from unison.llm.openai_backend import OpenAIBackend
 from unison.train.rl import RLSetup, collect_step, train_rl
+from unison.train.rollout import PlannerRollout
 
 from .local_http import LocalServer
 from .test_rl import LABEL, make_rows, rl_config, state
@@ -51,13 +52,14 @@ def fake_hosted_fixed_modules(log: list):
 
 
 def planner_setup(cfg, flow: dict) -> RLSetup:
-    """The RL bundle of a planner run: 1024-token episodes with search, and `flow` (`roles` and `agentflow`)."""
-    return RLSetup(cfg, LABEL, LLMConfig(max_model_len=1024), TOOLS, toolbox=Toolbox(OnePassage()), **flow)
+    """The RL bundle of a planner run: 1024-token episodes with search, the student planning `flow` (`roles` and
+    `flow`)."""
+    return RLSetup(cfg, LABEL, LLMConfig(max_model_len=1024), TOOLS, acting=PlannerRollout(Toolbox(OnePassage()), TOOLS, **flow))
 
 
 def fixed_modules(modules, max_steps: int) -> dict:
-    """RLSetup's `roles` (one backend for the executor, the verifier and the generator) and `agentflow`."""
-    return {"roles": {role: modules for role in ("executor", "verifier", "generator")}, "agentflow": AgentFlowConfig(max_steps=max_steps)}
+    """PlannerRollout's `roles` (one backend for the executor, the verifier and the generator) and `flow`."""
+    return {"roles": {role: modules for role in ("executor", "verifier", "generator")}, "flow": AgentFlowConfig(max_steps=max_steps)}
 
 
 @contextmanager
@@ -71,8 +73,8 @@ def fake_hosted_flow(tok, max_steps: int):
 def small_planner_config(**kw):
     """One question, two rollouts of one step each, 8 tokens a planner turn; seed 3 names the rollouts' questions so that
     the fake generator answers Paris in one rollout of two in each of the first two steps (its seed's parity)."""
-    return rl_config(estimator="flow_grpo", student_role="agentflow_planner", group_size=2, prompts_per_step=1, max_tokens_per_turn=8,
-                     format_weight=0.0, seed=3, **kw)
+    return rl_config(student_role="agentflow_planner", seed=3, loss={"estimator": "flow_grpo"}, reward={"format_weight": 0.0},
+                     rollout={"group_size": 2, "prompts_per_step": 1, "max_tokens_per_turn": 8}, **kw)
 
 
 def train_planner(model_dir, cfg, flow, out, on_step=None) -> list[dict]:
@@ -97,8 +99,7 @@ def test_only_the_planners_turns_train_and_the_fixed_modules_answer_from_the_api
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = rl_config(estimator="flow_grpo", student_role="agentflow_planner", group_size=4, prompts_per_step=2, max_tokens_per_turn=12,
-                    lr=1e-3, format_weight=0.0)
+    cfg = rl_config(student_role="agentflow_planner", lr=1e-3, loss={"estimator": "flow_grpo"}, rollout={"group_size": 4, "prompts_per_step": 2, "max_tokens_per_turn": 12}, reward={"format_weight": 0.0})
     rows, log = make_rows(), []
     with LocalServer(fake_hosted_fixed_modules(log)) as api:
         modules = OpenAIBackend(f"{api.url}/v1", "gpt-4o-mini", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=30)
@@ -197,9 +198,9 @@ def test_the_planner_role_needs_flow_grpo_and_the_three_fixed_modules_when_param
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["rl"] |= {"student_role": "agentflow_planner"}
-    with pytest.raises(ParamsError, match="rl.student_role agentflow_planner .* needs rl.estimator flow_grpo"):
+    with pytest.raises(ParamsError, match="rl.student_role agentflow_planner .* needs rl.loss.estimator flow_grpo"):
         validate_params(raw)
-    raw["rl"]["estimator"] = "flow_grpo"
+    raw["rl"]["loss"]["estimator"] = "flow_grpo"
     raw["generate"]["roles"] = {"executor": {"model": "gpt-4o-mini", "backend": "openai", "api": "chat", "base_url": "http://127.0.0.1:9/v1"}}
     with pytest.raises(ParamsError, match="generate.roles has no verifier, generator: name the fixed modules"):
         validate_params(raw)

@@ -18,6 +18,7 @@ from unison.agents.toolbox import Toolbox
 from unison.config import ROOT
 from unison.llm import Sampling
 from unison.llm.openai_backend import OpenAIBackend
+from unison.tool_format import TagFormat
 
 from .local_http import LocalServer
 
@@ -108,7 +109,7 @@ def test_a_request_failing_for_good_ends_only_its_episode_with_a_finish_of_its_o
 
     with LocalServer(respond) as server:
         backend = OpenAIBackend(f"{server.url}/v1", "gpt-fake", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=1.5, max_retries=1)
-        episodes = [start_episode(tok, f"q{k}/0", question, 1, [], tools=("search",)) for k, question in
+        episodes = [start_episode(TagFormat(tok), f"q{k}/0", question, 1, [], tools=("search",)) for k, question in
                     enumerate(["Where was Zorvan Kelt born?", "Where was Ilse Varga born?"])]
         run_episodes(episodes, backend, Toolbox(), EpisodeSettings(max_turns=2, max_tokens_per_turn=16))
     ok, poisoned = episodes

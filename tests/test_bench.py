@@ -35,15 +35,24 @@ def test_timed_backend_records_the_widest_step():
 
 
 def test_parallel_tool_turn_is_faster_than_serial_calls():
-    """k sandboxed runs that each sleep 0.3 s: through the thread pool they overlap, one after another they add up."""
+    """k sandboxed runs that each sleep 0.3 s: through the thread pool they overlap, one after another they add up.
+    Each bound compares figures of the same run and is at most a third of what a quiet 2-core machine measures; calls
+    made one at a time would fail both."""
     class Retriever:
         def search(self, queries):
             time.sleep(0.05)  # one batched lookup per call, whatever the number of queries
             return [[{"title": q, "text": q}] for q in queries]
 
-    fig = measure_tool_concurrency(Toolbox(Retriever(), ToolsConfig(python_timeout_s=10)), ["a", "b", "c", "d"], sleep_s=0.3)
-    assert fig["k"] == 4 and fig["search_speedup"] > 1.5  # ideally 4; 1.9 measured on a loaded 2-core machine
-    assert fig["python_serial_s"] >= 4 * 0.3 and fig["python_speedup"] > 1.5
+    k, sleep_s = 4, 0.3
+    fig = measure_tool_concurrency(Toolbox(Retriever(), ToolsConfig(python_timeout_s=10)), ["a", "b", "c", "d"],
+                                   sleep_s=sleep_s)
+    assert fig["k"] == k and fig["python_serial_s"] >= k * sleep_s
+    # one batched lookup against k: 4.0x quiet, 3.5x beside 6 spinning processes; 1.0x searching the queries one by one
+    assert fig["search_speedup"] > 1.3, fig
+    # the sleeps overlap: the parallel turn saves the k - 1 sleeps serial calls add, 0.9 s (1.0-1.2 s saved quiet and
+    # beside 6 spinning processes; the 1.9x speedup once measured on a loaded machine saves over 0.55 s of a serial
+    # turn of at least 1.2 s); about nothing if the pool ran the calls one at a time
+    assert fig["python_serial_s"] - fig["python_parallel_s"] > (k - 1) * sleep_s / 3, fig
 
 
 def test_timed_toolbox_counts_calls_and_passes_results_through():

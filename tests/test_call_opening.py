@@ -1,10 +1,10 @@
-"""bench/call_opening: where a tool call and a tool's result part ways in SmolLM2's tokens, which rows it reads, and
+"""research/call_opening: where a tool call and a tool's result part ways in SmolLM2's tokens, which rows it reads, and
 the probabilities it compares (a tiny random model)."""
 from __future__ import annotations
 
 import torch
 
-from bench.call_opening import branch_tokens, opening_probs, with_first_result
+from research.call_opening import branch_tokens, opening_probs, with_first_result
 
 
 def test_a_call_and_a_result_share_their_opening_tokens_up_to_call_and_response(tiny_model_dir):

@@ -12,12 +12,13 @@ from transformers import AutoTokenizer
 
 from unison.agents.episodes import start_episode
 from unison.agents.methods import MethodContext, run_method
-from unison.agents.runtime import EpisodeSettings, Segment, _obs
+from unison.agents.runtime import EpisodeSettings, Segment
 from unison.agents.toolbox import Toolbox
 from unison.llm.base import Sampling
 from unison.llm.chat import Template, marked_text, messages, protocol_answer, request_fields
 from unison.llm.openai_backend import OpenAIBackend
-from unison.protocol import stops_for
+from unison.protocol import observation, stops_for
+from unison.tool_format import TagFormat
 
 from .local_http import LocalServer
 
@@ -36,9 +37,11 @@ def tok(tiny_model_dir):
 
 
 def transcript(tok, texts: list[tuple[str, str]]) -> list[int]:
-    e = start_episode(tok, "q0/0", QUESTIONS[0]["question"], 1, [])
+    tags = TagFormat(tok)
+    e = start_episode(tags, "q0/0", QUESTIONS[0]["question"], 1, [])
     for kind, text in texts:  # as the runtime appends them: generated ids, and observations as plain text
-        e.segments.append(Segment(kind, text, tok(text, add_special_tokens=False)["input_ids"]) if kind == "gen" else _obs(tok, text))
+        e.segments.append(Segment(kind, text, tok(text, add_special_tokens=False)["input_ids"]) if kind == "gen" else
+                          Segment(kind, observation(text), tags.observation_ids(text)))
     return e.ids
 
 
@@ -133,10 +136,14 @@ def test_documented_answer_shapes_become_protocol_text_or_a_counted_error(choice
     assert protocol_answer(choice, stop, forced) == want
 
 
+DEEP_ARGUMENTS = '{"query": ' + "[" * 1500 + '"Zorvan Kelt"' + "]" * 1500 + "}"  # about 3 KB: under the length cap
+
+
 def fake_hosted_chat_api(faults: dict):
     """respond() for /v1/chat/completions in OpenAI's documented shapes: a search call with JSON-string arguments
     (finish_reason tool_calls) until the transcript holds a tool message, then a plain answer; `usage` always; question
-    `faults` maps a question's text to a fault: "malformed" arguments, a "refusal", a 429 with Retry-After once."""
+    `faults` maps a question's text to a fault: "malformed" arguments, arguments nested 1,500 "deep", a "refusal", a 429
+    with Retry-After once."""
     seen_429 = set()
 
     def respond(req):
@@ -154,7 +161,7 @@ def fake_hosted_chat_api(faults: dict):
             message = {"role": "assistant", "content": "Tarsk"}
             finish = "stop"
         else:
-            arguments = '{"q": 1}' if fault == "malformed" else json.dumps({"query": "Zorvan Kelt birthplace"})
+            arguments = {"malformed": '{"q": 1}', "deep": DEEP_ARGUMENTS}.get(fault, json.dumps({"query": "Zorvan Kelt birthplace"}))
             message = {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "call_abc", "type": "function", "function": {"name": "search", "arguments": arguments}}]}
             finish = "tool_calls"
@@ -207,6 +214,30 @@ def test_a_fake_hosted_chat_api_teaches_with_native_tool_calls_and_malformed_ans
     assert backend.stats["refusals"] == 1 and backend.stats["malformed_tool_calls"] == 3 and backend.stats["retries"] == 1  # the 429
     assert backend.stats["prompt_tokens"] == 50 * backend.stats["requests"]  # every answer's usage (the 429's retry is one request)
     assert all(r["teacher"] == "gpt-fake@api (server: gpt-fake-2026)" for r in rows.values())  # the name the server answered with
+
+
+class RecordingRetriever(CorpusRetriever):
+    def __init__(self):
+        self.queries = []
+
+    def search(self, queries):
+        self.queries += queries
+        return super().search(queries)
+
+
+def test_a_fake_hosted_chat_apis_call_nested_deep_under_the_length_cap_is_a_counted_error_and_never_searched(tok):
+    retriever = RecordingRetriever()
+    question = {**QUESTIONS[0], "id": "deep", "question": "Deep?"}
+    with LocalServer(fake_hosted_chat_api({"Deep?": "deep"})) as api:
+        backend = OpenAIBackend(f"{api.url}/v1", "gpt-fake", tokenizer=tok, api="chat", backoff_s=0.01, timeout_s=30)
+        ctx = MethodContext(backend, Toolbox(retriever), EpisodeSettings(temperature=0.0, max_turns=3), "gpt-fake@api")
+        [row] = run_method("single", [question], 1, ctx, 8)
+    assert len(DEEP_ARGUMENTS) < 64 * EpisodeSettings().max_tokens_per_turn  # not cut by the answer's length cap
+    assert retriever.queries == [] and row["n_tool_calls"] == 0
+    assert json.loads(row["tool_stats"]) == {"tool_call": {"calls": 3, "errors": 3, "malformed": 3}}
+    assert row["finish_reason"] == "max_turns" and row["final_answer"] == ""
+    assert "error: an unusable tool call: JSON nested more than 32 deep" in row["student"][3]["content"]
+    assert backend.stats["malformed_tool_calls"] == 3
 
 
 def test_a_chat_server_without_tool_calling_is_stepped_down_to_the_tag_protocol_once(tok):

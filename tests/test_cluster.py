@@ -129,7 +129,8 @@ def evaluation(params) -> tuple:
     """evaluate_systems' settings, as the evaluate stage takes them out of `params`."""
     from unison.labeling.metrics import scoring_label
 
-    return params.system_settings(), params.evaluate, scoring_label(params.label, params.evaluate), params.cluster
+    return (params.system_settings(), params.student.tool_format, params.evaluate,
+            scoring_label(params.label, params.evaluate), params.cluster)
 
 
 @pytest.mark.nightly  # CI's 45 minutes: Ray's path runs nightly (make test-nightly), as label and pareto on it do
@@ -185,10 +186,10 @@ def test_label_montecarlo_and_pareto_rollouts_on_a_ray_cluster_equal_the_in_proc
     here, ray = on_ray(project, address, {"label": {"step_labels": "montecarlo", "mc_rollouts": 2}})
     questions = read_table("data/raw/train.parquet", QUESTION)
     rows, _ = generate_trajectories(here.system_settings(), here.cluster, questions, Path("label-here"))
-    engine = workbench_or_replicas(here.system_settings(), here.cluster, STUDENT)
+    engine = workbench_or_replicas(here.system_settings(), here.cluster, STUDENT, tool_format=here.student.tool_format)
     rollouts = student_rollouts(questions[:4], 2, engine, 1.0, here.label)
     del engine
-    with workbench_or_replicas(ray.system_settings(), ray.cluster, STUDENT) as replicas:
+    with workbench_or_replicas(ray.system_settings(), ray.cluster, STUDENT, tool_format=ray.student.tool_format) as replicas:
         assert student_rollouts(questions[:4], 2, replicas, 1.0, here.label) == rollouts
 
     labeled = label_trajectories(rows, here.label, here.system_settings(), here.cluster, make_judge(here.label, here.system_settings(), {}), {})

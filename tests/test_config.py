@@ -1,4 +1,4 @@
-"""The typed settings (unison/config.py): params.yaml equals the models' defaults, recipes validate through the same
+"""The typed settings (unison/config): params.yaml equals the models' defaults, recipes validate through the same
 models, and a bad setting fails at load naming the file and the key."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_each_settings_comment_in_params_yaml_is_its_one_description():
     from unison.params_doc import sync
 
     text = (ROOT / "params.yaml").read_text()
-    assert sync(text) == text, "params.yaml's comments differ from unison/config.py's descriptions: run python -m unison.params_doc"
+    assert sync(text) == text, "params.yaml's comments differ from unison/config's descriptions: run python -m unison.params_doc"
     stale = text.replace("# questions per resumable shard", "# shards of questions", 1)
     assert stale != text and sync(stale) == text  # the model's description wins
     assert "ParetoConfig" not in text and "Pareto front" in Params.model_fields["pareto"].annotation.model_fields["counts"].description
@@ -79,7 +79,7 @@ def test_the_estimator_names_are_the_estimators():
     from unison.train.advantages import ESTIMATORS
     from unison.train.verl_trainer import ESTIMATORS as VERL_ESTIMATORS
 
-    assert typing.get_args(RLConfig.model_fields["estimator"].annotation) == RL_ESTIMATORS
+    assert typing.get_args(RLConfig.model_fields["loss"].annotation.model_fields["estimator"].annotation) == RL_ESTIMATORS
     assert tuple(ESTIMATORS) == tuple(VERL_ESTIMATORS) == SEQUENCE_ESTIMATORS
     assert set(RL_ESTIMATORS) - set(SEQUENCE_ESTIMATORS) == {"flow_grpo"}  # advantages.flow_grpo, over turns
 
@@ -93,7 +93,7 @@ def overlay(**sections) -> dict:
 
 @pytest.mark.parametrize("sections, message", [
     ({"sft": {"epochz": 3}}, r"params-bad.yaml sft.epochz: unknown key"),
-    ({"rl": {"estimator": "ppo"}}, r"params-bad.yaml rl.estimator: Input should be 'grpo', 'dr_grpo', 'rloo' or 'flow_grpo'"),
+    ({"rl": {"loss": {"estimator": "ppo"}}}, r"params-bad.yaml rl.loss.estimator: Input should be 'grpo', 'dr_grpo', 'rloo' or 'flow_grpo'"),
     ({"sft": {"batch_size": "four"}}, r"params-bad.yaml sft.batch_size: Input should be a valid integer"),
     ({"generate": {"roles": {"critic": {"temperture": 0.2}}}}, r"generate.roles.critic: unknown key\(s\) \['temperture'\]"),
     ({"label": {"llm": {"dtyp": "bf16"}}}, r"label.llm: unknown key"),

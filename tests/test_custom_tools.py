@@ -16,7 +16,7 @@ from unison.agents.runtime import Episode, EpisodeSettings, run_episodes
 from unison.agents.toolbox import Toolbox
 from unison.config import McpServerConfig, ToolsConfig
 from unison.data.schemas import write_json
-from unison.tool_format import NativeFormat, native_system_prompt
+from unison.tool_format import NativeFormat, TagFormat, native_system_prompt
 from unison.tools.custom import close_custom_tools
 from unison.tools.mcp_servers import ToolServerGone
 from unison.tools.registry import SCAFFOLD, TOOLS, check_toolset, enabled_tools, schemas, system_prompt, toolset
@@ -56,6 +56,7 @@ def test_a_functions_schema_comes_from_its_type_hints_and_docstring_and_joins_ev
     ('{"order_id": "A-17", "drop_table": true}', "invalid_arguments", "Additional properties are not allowed ('drop_table'"),
     ('{"include_items": true}', "invalid_arguments", "'order_id' is a required property"),
     ("order A-17 please", "invalid_arguments", "not a JSON object"),
+    ('{"order_id": ' + "[" * 1500 + '"A-17"' + "]" * 1500 + "}", "invalid_arguments", "are JSON nested more than 32 deep"),
     ('{"order_id": "' + "x" * 10_000_000 + '"}', "argument_too_long", "over the 4000 allowed"),
     ('{"order_id": "Z-1"}', "tool_error", "lookup_order raised KeyError: 'no order Z-1'"),
 ])
@@ -143,10 +144,9 @@ def test_both_formats_force_read_and_render_a_call_of_your_tool(functions, tiny_
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tools = ("search", "lookup_order")
     native = NativeFormat(tok, tools, native_system_prompt())
-    for fmt in (None, native):
-        prompt = native.prompt_ids([{"role": "system", "content": native.system}, {"role": "user", "content": "Where is A-17?"}]) \
-            if fmt else tok("Where is A-17?")["input_ids"]
-        episode = Episode(key="q/0", prompt_ids=prompt, seed=0, scaffold=["lookup_order", "answer"], tools=tools, native=fmt)
+    for fmt, prompt in ((TagFormat(tok), tok("Where is A-17?")["input_ids"]),
+                        (native, native.prompt_ids([{"role": "system", "content": native.system}, {"role": "user", "content": "Where is A-17?"}]))):
+        episode = Episode(key="q/0", prompt_ids=prompt, seed=0, scaffold=["lookup_order", "answer"], tools=tools, format=fmt)
         run_episodes([episode], Scripted(tok, ['A-17" and more', "shipped\n\n"]), functions, EpisodeSettings(temperature=0.0))
         assert [s.text for s in episode.segments[:2]] == ['<lookup_order>{"order_id": "A-17"}</lookup_order>',
                                                          '\n<result>\n{"status": "shipped"}\n</result>\n']
@@ -181,7 +181,7 @@ def test_a_stage_whose_tools_differ_from_generates_refuses_naming_them(functions
     ("Bram Yarrow and on", None, '"}</badge_number>', '"}</badge_number>'),  # cut at its length
 ])
 def test_the_scaffold_closes_a_forced_call_after_what_the_model_wrote_of_the_close(text, stop, close, rest):
-    from unison.agents.runtime import closing
+    from unison.tool_format import closing
 
     assert closing(text, stop, close) == rest
 

@@ -477,11 +477,11 @@ def test_the_materialised_folder_does_not_record_hf_hub_offline(tiny_model_dir, 
     """The tokenizer that download saves again with its chat template is the same bytes online and offline."""
     import huggingface_hub.constants
 
-    from unison.tool_format import install_template
+    from unison.tool_format import NativeFormat
 
     for offline in (True, False):
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)  # what HF_HUB_OFFLINE=1 sets at import
-        models.materialize_model(f"local:{tiny_model_dir}", tmp_path / str(offline), install_template)
+        models.materialize_model(f"local:{tiny_model_dir}", tmp_path / str(offline), NativeFormat.install)
     assert file_md5s(tmp_path / "True") == file_md5s(tmp_path / "False")
     assert not set(json.loads((tmp_path / "True" / "tokenizer_config.json").read_text())) & set(models.LOADING_OPTIONS)
 

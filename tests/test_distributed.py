@@ -144,8 +144,9 @@ def test_two_processes_give_the_one_process_rl_curve(tmp_path, monkeypatch, answ
     from unison.tools.retrieval import build_index
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["rl"] |= {"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_turns": 2, "max_tokens_per_turn": 12, "lr": 1e-4,
-                     "warmup_ratio": 0.5, "dynamic_sampling": False, "micro_batch_size": 2, "precision": "fp32", "rollout_backend": "vllm"}
+    params["rl"] |= {"steps": 2, "lr": 1e-4, "warmup_ratio": 0.5, "micro_batch_size": 2, "precision": "fp32"}
+    params["rl"]["rollout"] |= {"prompts_per_step": 2, "group_size": 4, "max_turns": 2, "max_tokens_per_turn": 12, "dynamic_sampling": False,
+                                "backend": "vllm"}
     params["llm"] |= {"max_model_len": 512, "kv_cache_gb": 1}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     shutil.copytree(answerer, tmp_path / "models" / "sft")

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from unison.data.schemas import LABELED, DataError, write_table
 from unison.token_view import token_view
+from unison.tool_format import TagFormat
 from unison.train.dpo import DPOConfig, build_pairs, dpo_loss, pair_views, sequence_logps, train_dpo
 
 
@@ -88,7 +89,7 @@ def test_a_training_step_raises_the_margin(tiny_model_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     pairs = [(labeled("a", 0, True, "Tarsk"), labeled("a", 1, False, "Velmora")),
              (labeled("b", 0, True, "Tarsk"), labeled("b", 1, False, "Oslo city"))]
-    views, stats = pair_views(tok, pairs, max_length=256)
+    views, stats = pair_views(TagFormat(tok), pairs, max_length=256)
     assert stats == {"pairs": 2, "questions": 2, "truncated_sequences": 0}
     cfg = DPOConfig(beta=0.1, lr=1e-3, epochs=3, batch_size=2)
     recs = train_dpo(str(tiny_model_dir), views, cfg, str(tmp_path / "dpo"))

@@ -1,4 +1,4 @@
-"""A transfer check no weak teacher can hide: a scripted expert of the builtin world (bench/expert.py) behind a
+"""A transfer check no weak teacher can hide: a scripted expert of the builtin world (research/expert.py) behind a
 fake hosted chat API (the one boundary we fake) teaches the real SmolLM2 student through `dvc repro sft`, and the SFT
 student's exact match on held-out test questions, scored by the project's own evaluation, must reach a floor. The demo's
 teacher is weaker than its student, so there a regression that halves what SFT transfers would go unseen; here the
@@ -17,7 +17,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from bench.expert import MODEL, ExpertStats, expert_server
+from research.expert import MODEL, ExpertStats, expert_server
 from unison.agents.methods import MethodContext, run_method
 from unison.agents.runtime import EpisodeSettings
 from unison.agents.wiring import make_toolbox
@@ -80,7 +80,7 @@ params = load_params()
 p = params.evaluate
 questions = read_table(layout.RAW_TEST, QUESTION)[: p.max_questions or None]
 systems = [("teacher", layout.TEACHER, params.generate.temperature), ("sft", layout.SFT, p.temperature)]
-for name, rows, m in evaluate_systems(params.system_settings(), p, scoring_label(params.label, p), params.cluster, systems,
+for name, rows, m in evaluate_systems(params.system_settings(), params.student.tool_format, p, scoring_label(params.label, p), params.cluster, systems,
                                       questions, lambda: None):
     print(json.dumps({"system": name, **{k: m[k] for k in ("em", "em_lo", "em_hi", "questions")}}), flush=True)
 """

@@ -19,6 +19,7 @@ from unison.config import ROOT, ParamsError, load_params
 from unison.data.schemas import LABELED, RL_ROW, DataError, read_table, write_table
 from unison.exports import read_rl_prompts, student_turns, write_export
 from unison.protocol import observation
+from unison.tool_format import NativeFormat, TagFormat
 from unison.tools.registry import DEFAULT_TOOLS, system_prompt
 from unison.train.pareto import rl_rows, write_rl_data
 
@@ -81,7 +82,7 @@ def files(root: Path) -> dict[str, str]:
 def exported(project):
     """The library's export of the project (the stage itself, MLflow and all, is the first test's)."""
     write_export("data/export", read_table("data/labeled/train.parquet", LABELED), read_rl_prompts("data/rl"), *export_sections(load_params()), DEFAULT_TOOLS,
-                 student_tokenizer())
+                 TagFormat(student_tokenizer()))
     return project / "data/export"
 
 
@@ -179,7 +180,7 @@ def test_trl_sft_trainer_with_its_default_settings_trains_exactly_the_tokens_sft
     prepared = SFTTrainer(model="models/base", args=args, train_dataset=data, processing_class=tok).train_dataset
     params = load_params()
     chosen = select_trajectories(read_table("data/labeled/train.parquet", LABELED), params.sft.max_per_question, params.sft.dedupe)
-    views, _ = build_examples(tok, chosen, params.sft.max_length)
+    views, _ = build_examples(TagFormat(tok), chosen, params.sft.max_length)
     assert len(prepared) == len(views) == 2
     for example, (ids, mask) in zip(prepared, views):
         assert example["input_ids"] == ids
@@ -204,7 +205,8 @@ def test_a_rendering_without_an_assistant_turn_or_with_a_stray_role_is_refused()
 
 def test_without_pairs_there_is_no_dpo_dataset_and_a_bad_name_fails_at_load(project):
     rows = [r for r in read_table("data/labeled/train.parquet", LABELED) if r["correct"] or r["question_id"] == "q2"]
-    counts = write_export("data/export", rows, read_rl_prompts("data/rl"), *export_sections(load_params()), DEFAULT_TOOLS, student_tokenizer())
+    counts = write_export("data/export", rows, read_rl_prompts("data/rl"), *export_sections(load_params()), DEFAULT_TOOLS,
+                          TagFormat(student_tokenizer()))
     assert (counts["sft_conversations"], counts["dpo_pairs"]) == (2, 0)
     assert not (project / "data/export/llamafactory/dpo.jsonl").exists()
     assert list(json.loads((project / "data/export/llamafactory/dataset_info.json").read_text())) == ["unison_sft"]
@@ -223,13 +225,11 @@ def test_a_native_students_export_carries_the_tools_in_each_consumers_own_field(
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
-    from unison.tool_format import NativeFormat, install_template
-
-    install_template("models/base")  # as download leaves it
+    NativeFormat.install("models/base")  # as download leaves it
     tok = student_tokenizer()
     native = NativeFormat(tok, DEFAULT_TOOLS)
     write_export("data/export", read_table("data/labeled/train.parquet", LABELED), read_rl_prompts("data/rl"),
-                 *export_sections(load_params()), DEFAULT_TOOLS, tok, native=native)
+                 *export_sections(load_params()), DEFAULT_TOOLS, native)
     out = project / "data/export"
     info = json.loads((out / "llamafactory/dataset_info.json").read_text())["unison_sft"]
     assert info["columns"]["tools"] == "tools"

@@ -19,10 +19,10 @@ def test_rl_colocate_choice_and_its_errors():
     assert engine_sleeps("auto", "vllm", cuda=True) and engine_sleeps("sleep", "vllm", cuda=True)
     assert not engine_sleeps("auto", "vllm", cuda=False)  # the CPU path: no sleep mode, the engine as before
     assert not engine_sleeps("auto", "transformers", cuda=True) and not engine_sleeps("off", "vllm", cuda=True)
-    with pytest.raises(ValueError, match=r"rl.colocate: sleep needs a CUDA GPU"):
+    with pytest.raises(ValueError, match=r"rl.rollout.colocate: sleep needs a CUDA GPU"):
         engine_sleeps("sleep", "vllm", cuda=False)
-    with pytest.raises(ValueError, match=r"rl.colocate: sleep .* rl.rollout_backend is 'transformers'"):  # the config's rule
-        RLConfig(colocate="sleep", rollout_backend="transformers")
+    with pytest.raises(ValueError, match=r"rl.rollout.colocate: sleep .* rl.rollout.backend is 'transformers'"):  # the config's rule
+        RLConfig(rollout={"colocate": "sleep", "backend": "transformers"})
     check_colocated_memory(135_000_000, 0.5, 80 * 2**30)  # SmolLM2-135M: 2 GiB of policy beside a 40 GiB engine
     with pytest.raises(ValueError, match=r"llm.gpu_memory_utilization: 0.85 leaves 12.0 GiB .* needs at least 104.3 GiB"):
         check_colocated_memory(7_000_000_000, 0.85, 80 * 2**30)  # a 7B policy in fp32 with AdamW beside the engine
@@ -49,7 +49,7 @@ def test_rl_engine_sleeps_through_each_update_fake_gpu_engine(tiny_model_dir, tm
     monkeypatch.setattr(rl, "engine_sleeps", lambda *a: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(rl, "make_rollout_backend", lambda kind, model, tok, *a, **kw: SleepRecorder(model=model, tokenizer=tok))
-    cfg = rl_config(steps=2, group_size=2, max_turns=1, max_tokens_per_turn=4, checkpoint_every=0)
+    cfg = rl_config(steps=2, checkpoint_every=0, rollout={"group_size": 2, "max_turns": 1, "max_tokens_per_turn": 4})
     records = run(tiny_model_dir, cfg, tmp_path, "asleep")
     assert SleepRecorder.calls == ["sleep", "wake_up(policy)"] * 2  # each update between a sleep and a wake with the new weights
     assert [r["samples"] for r in records] == [4, 4] and (tmp_path / "asleep" / "out" / "model.safetensors").is_file()
@@ -108,7 +108,7 @@ def test_evaluate_engine_per_process_gives_the_rows_of_one_process(tiny_model_di
     runs = {}
     for per_process in (False, True):
         params = validate_params(merge(raw, {"evaluate": {"engine_per_process": per_process}}))
-        runs[per_process] = list(evaluate_systems(params.system_settings(), params.evaluate, params.label, params.cluster, systems[:2], questions, partial(load_prm, "models/prm", "fp32")))
+        runs[per_process] = list(evaluate_systems(params.system_settings(), params.student.tool_format, params.evaluate, params.label, params.cluster, systems[:2], questions, partial(load_prm, "models/prm", "fp32")))
     drop_wall = lambda m: {k: v for k, v in m.items() if "wall" not in k}
     assert [(n, rows, drop_wall(m)) for n, rows, m in runs[True]] == [(n, rows, drop_wall(m)) for n, rows, m in runs[False]]
     assert [n for n, _, _ in runs[True]] == ["base", "sft"] and all(len(rows) == 2 for _, rows, _ in runs[True])

@@ -204,6 +204,7 @@ def test_download_generate_label_sft_on_imported_trajectories(workdir, tiny_mode
     from transformers import AutoTokenizer
 
     from stages import download, generate, label, sft
+    from unison.tool_format import TagFormat
     from unison.train.sft import build_examples, select_trajectories
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -222,7 +223,7 @@ def test_download_generate_label_sft_on_imported_trajectories(workdir, tiny_mode
     assert held_out["id"] not in {r["question_id"] for r in labeled} and all(r["correct"] for r in labeled)
     tok = AutoTokenizer.from_pretrained("models/base")
     chosen = select_trajectories(labeled, max_per_question=2, dedupe=True)
-    examples, stats = build_examples(tok, chosen, max_length=params["sft"]["max_length"])
+    examples, stats = build_examples(TagFormat(tok), chosen, max_length=params["sft"]["max_length"])
     assert len(examples) == 3 and stats["truncated_examples"] == 0
     for row, (ids, mask) in zip(chosen, examples):
         assert_masked_token_exactly(tok, row, ids, mask)

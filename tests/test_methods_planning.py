@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,8 +97,9 @@ def check_student_system(student: list[dict], method: str, tag: str) -> None:
     (evaluate, pareto and rl take it from a context with taught_by=method); the teacher's own rules are not in it."""
     system = student[0]["content"]
     assert tag in system and system != SYSTEM_PROMPT and "chain of agents" not in system and "'T1: description'" not in system
-    assert system == MethodContext(None, Toolbox(), EpisodeSettings(), "x", taught_by=method).system
-    assert MethodContext(None, Toolbox(), EpisodeSettings(), "x", taught_by="debate").system == SYSTEM_PROMPT
+    untokenized = SimpleNamespace(tokenizer=None)  # no backend: only the context's system prompt is read
+    assert system == MethodContext(untokenized, Toolbox(), EpisodeSettings(), "x", taught_by=method).system
+    assert MethodContext(untokenized, Toolbox(), EpisodeSettings(), "x", taught_by="debate").system == SYSTEM_PROMPT
 
 
 def test_plan_parsing_and_topological_levels():

@@ -1,4 +1,4 @@
-"""On-policy distillation (rl.objective opd, unison/train/opd.py): the advantage by hand (spans of a teacher of another
+"""On-policy distillation (rl.loss.objective opd, unison/train/opd.py): the advantage by hand (spans of a teacher of another
 tokenizer, unscored tokens masked), no gradient on observations, zero advantage when the student is its teacher at any
 sampling temperature, a scaffolded tool episode through rl's defaults (dynamic sampling on, an outcome term) checked
 value by value, and the rl loop with a teacher that scores: it moves the student toward the teacher and resumes after
@@ -12,20 +12,13 @@ import statistics
 import pytest
 import torch
 
+import unison.train.rl as rl_module
 from unison.llm.hf_backend import HFBackend
+from unison.protocol import final_answer, normalize_answer
 from unison.train.opd import attach_teacher_logps, length_collapse, own_spans, teacher_logps, teacher_term
-from unison.train.rl import (
-    RLConfig,
-    attach_logprobs,
-    batch_loss,
-    collate,
-    logprobs_of,
-    needs_old_logp,
-    scored_batch,
-    scored_columns,
-    split_probe,
-    train_on,
-)
+from unison.train.batches import attach_logprobs, collate, logprobs_of, scored_batch, scored_columns
+from unison.train.probe import split_probe
+from unison.train.rl import RLConfig, batch_loss, needs_old_logp, train_on
 
 from .test_rl import LABEL, make_rows, rl_config, run, state, teach_answers
 
@@ -69,7 +62,7 @@ def test_observation_tokens_get_exactly_zero_gradient():
     sample = {"ids": ids[0].tolist(), "loss_mask": mask, "advantages": [0.0] * 6}
     attach_teacher_logps([sample], [[x + 1.0 for x in logp[0].tolist()]], [own_spans(mask)])  # the teacher likes every token more
     batch = collate([sample], 0)
-    loss, metrics = batch_loss(logits[:, :-1], batch, RLConfig(objective="opd"))
+    loss, metrics = batch_loss(logits[:, :-1], batch, RLConfig(loss={"objective": "opd"}))
     loss.backward()
     grad = logits.grad[0, :-1].abs().sum(-1)
     assert grad[[0, 3, 4]].tolist() == [0.0, 0.0, 0.0] and bool((grad[[1, 2, 5]] > 0).all())
@@ -77,7 +70,7 @@ def test_observation_tokens_get_exactly_zero_gradient():
 
 
 def test_the_kd_term_is_the_teachers_top_k_against_the_students_on_scored_tokens_only_by_hand():
-    """rl.kd_weight: the forward KL from the teacher's top-k (renormalised) to the student's distribution over the same
+    """rl.opd.kd_weight: the forward KL from the teacher's top-k (renormalised) to the student's distribution over the same
     tokens, at the scored sampled positions only (not the prompt's or the observation's), weighted into the loss; a
     slot the teacher left empty weighs nothing."""
     logits = torch.randn(1, 7, 11)
@@ -99,14 +92,14 @@ def test_the_kd_term_is_the_teachers_top_k_against_the_students_on_scored_tokens
         expected.append((teacher.exp() * (teacher - student)).sum().item())
     kd = sum(expected) / 3
     plain, _ = batch_loss(logits[:, :-1], collate([{k: v for k, v in sample.items() if k != "teacher_top"}], 0),
-                          RLConfig(objective="opd"))
-    loss, metrics = batch_loss(logits[:, :-1], collate([sample], 0), RLConfig(objective="opd", kd_weight=0.5))
+                          RLConfig(loss={"objective": "opd"}))
+    loss, metrics = batch_loss(logits[:, :-1], collate([sample], 0), RLConfig(loss={"objective": "opd"}, opd={"kd_weight": 0.5}))
     assert metrics["kd_teacher"] == pytest.approx(kd, abs=1e-5) and metrics["kl_teacher"] == pytest.approx(0.0, abs=1e-6)
     assert loss.item() == pytest.approx(plain.item() + 0.5 * kd, abs=1e-5)
 
 
 def test_the_kd_term_raises_a_token_the_teacher_likes_that_the_student_never_sampled(tiny_model_dir):
-    """The teacher term scores only what the student sampled; with rl.kd_weight one update also raises the teacher's
+    """The teacher term scores only what the student sampled; with rl.opd.kd_weight one update also raises the teacher's
     top token at a position where the student sampled another, and the teacher term alone (kd_weight 0) does not move
     it as far."""
     from unison.train.loop import Trainer
@@ -119,7 +112,7 @@ def test_the_kd_term_raises_a_token_the_teacher_likes_that_the_student_never_sam
     assert liked != ids[4]
 
     def raised(kd_weight: float) -> float:
-        cfg = RLConfig(objective="opd", kd_weight=kd_weight, lr=1e-3, precision="fp32", checkpoint_every=0)
+        cfg = RLConfig(lr=1e-3, precision="fp32", checkpoint_every=0, loss={"objective": "opd"}, opd={"kd_weight": kd_weight})
         trainer = Trainer("rl", HFBackend(str(tiny_model_dir), dtype="float32").model, 1, cfg)
         sample = {"ids": ids, "loss_mask": [0, 0, 1, 1, 0, 1], "advantages": [0.0] * 6}
         tops = [([liked, ids[t + 1]], [-0.01, -5.0]) for t in range(6)]  # sure of `liked`, not of what was sampled
@@ -138,15 +131,15 @@ def test_the_kd_term_raises_a_token_the_teacher_likes_that_the_student_never_sam
 
 
 def test_kd_weight_needs_opd_and_a_teacher_of_the_students_vocabulary(tiny_model_dir):
-    with pytest.raises(ValueError, match="rl.kd_weight > 0 distils the teacher's top-k .* set rl.objective: opd"):
-        RLConfig(kd_weight=1.0)
+    with pytest.raises(ValueError, match="rl.opd.kd_weight > 0 distils the teacher's top-k .* set rl.loss.objective: opd"):
+        RLConfig(opd={"kd_weight": 1.0})
 
     class OtherVocabulary:
         tokenizer = type("Tok", (), {"get_vocab": lambda self: {"a": 0}})()
 
     teacher = HFBackend(str(tiny_model_dir), dtype="float32")
     sample = {"ids": [5, 17, 99], "loss_mask": [0, 1], "advantages": [0.0, 0.0], "messages": []}
-    with pytest.raises(ValueError, match="the teacher's vocabulary is not the student's: set rl.kd_weight: 0"):
+    with pytest.raises(ValueError, match="the teacher's vocabulary is not the student's: set rl.opd.kd_weight: 0"):
         teacher_logps(OtherVocabulary(), [sample], teacher.tokenizer, top_k=8)
     logps, spans, _, tops = teacher_logps(teacher, [sample], teacher.tokenizer, top_k=3)
     assert len(tops[0]) == 2 and all(len(ids) == len(lps) == 3 for ids, lps in tops[0])
@@ -156,14 +149,14 @@ def test_kd_weight_needs_opd_and_a_teacher_of_the_students_vocabulary(tiny_model
 @pytest.mark.parametrize("ppo_epochs", [1, 2], ids=["one-update", "old-logp-pass"])
 def test_a_student_that_is_its_teacher_gets_zero_advantage_at_any_sampling_temperature(tiny_model_dir, ppo_epochs):
     """The teacher scores at temperature 1; the student's log-probs in the teacher term are its temperature-1 ones too,
-    whatever rl.temperature samples at (the loss's own with one update, else the old-policy pass's), so the loss of a
+    whatever rl.rollout.temperature samples at (the loss's own with one update, else the old-policy pass's), so the loss of a
     student equal to its teacher is 0 at 0.7 as at 1 (log-probs at 0.7 would leave a KL of their own)."""
     teacher = HFBackend(str(tiny_model_dir), dtype="float32")
     samples = [{"ids": [5, 17, 99, 4, 250, 31, 7], "loss_mask": [0, 0, 1, 1, 0, 1], "advantages": [0.0] * 6},
                {"ids": [8, 9, 10, 11], "loss_mask": [0, 1, 1], "advantages": [0.0] * 3}]
     attach_teacher_logps(samples, *teacher_logps(teacher, samples, teacher.tokenizer))
     for temperature in (1.0, 0.7):
-        cfg = RLConfig(objective="opd", temperature=temperature, ppo_epochs=ppo_epochs, precision="fp32")
+        cfg = RLConfig(ppo_epochs=ppo_epochs, precision="fp32", loss={"objective": "opd"}, rollout={"temperature": temperature})
         assert needs_old_logp(cfg) == (ppo_epochs > 1)
         if needs_old_logp(cfg):
             attach_logprobs(teacher.model, samples, "old_logp", cfg, 0, torch.device("cpu"), "fp32", unscaled_key="old_logp_t1")
@@ -193,21 +186,21 @@ def test_opd_with_rls_default_sampling_on_a_tool_episode_checked_value_by_value(
     from unison.agents.toolbox import Toolbox
     from unison.config import LLMConfig
     from unison.protocol import chat_prompt
+    from unison.tool_format import TagFormat
     from unison.train.loop import Trainer
     from unison.train.rl import RLSetup, build_samples, score_episodes, train_on
     from unison.train.rollout import episode_view
 
-    cfg = RLConfig(objective="opd", outcome_weight=0.5, temperature=0.7, group_size=2, prompts_per_step=2, micro_batch_size=3,
-                   lr=1e-4, precision="fp32", seed=0)
-    assert cfg.dynamic_sampling and cfg.estimator == "grpo"  # the defaults
+    cfg = RLConfig(micro_batch_size=3, lr=1e-4, precision="fp32", seed=0, loss={"objective": "opd"}, opd={"outcome_weight": 0.5}, rollout={"temperature": 0.7, "group_size": 2, "prompts_per_step": 2})
+    assert cfg.rollout.dynamic_sampling and cfg.loss.estimator == "grpo"  # the defaults
     tools = ("search", "python")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     rows = make_rows(2)
     episodes = [Episode(key=f"{k}/{g}", prompt_ids=chat_prompt(tok, row["prompt"]), seed=10 * k + g, scaffold=["search", "answer"],
-                        tools=tools) for k, row in enumerate(rows) for g in range(2)]
+                        tools=tools, format=TagFormat(tok)) for k, row in enumerate(rows) for g in range(2)]
     run_episodes(episodes, HFBackend(model=model, tokenizer=tok), Toolbox(CapitalPassage()),
-                 EpisodeSettings(temperature=cfg.temperature, top_p=1.0, max_turns=2, max_tokens_per_turn=6, max_model_len=512))
+                 EpisodeSettings(temperature=cfg.rollout.temperature, top_p=1.0, max_turns=2, max_tokens_per_turn=6, max_model_len=512))
     for e in episodes:
         assert [s.kind for s in e.segments] == ["gen", "obs", "gen"] and e.n_tool_calls == 1 and e.finish_reason == "answer"
         assert "Paris is the capital of France." in e.segments[1].text
@@ -215,7 +208,7 @@ def test_opd_with_rls_default_sampling_on_a_tool_episode_checked_value_by_value(
     views = [episode_view(e, rows[i // 2]["prompt"]) for i, e in enumerate(episodes)]
     rewards = score_episodes(episodes, rows, views, RLSetup(cfg, LABEL, LLMConfig(), tools), step=1)
     assert rewards["verifiable"] == [1.0, 0.0, 0.0, 0.0] and rewards["total"][2] == rewards["total"][3]
-    assert len(build_samples(views, rewards, cfg.model_copy(update={"objective": "reward"}))[0]) == 2  # RL drops group 1
+    assert len(build_samples(views, rewards, cfg.model_copy(update={"loss": cfg.loss.model_copy(update={"objective": "reward"})}))[0]) == 2  # RL drops group 1
     samples, kept = build_samples(views, rewards, cfg)
     assert len(samples) == 4 and kept == 1.0
     outcome = []  # grpo by hand: (r - mean) / (unbiased std + 1e-6) within each group
@@ -246,7 +239,7 @@ def test_opd_with_rls_default_sampling_on_a_tool_episode_checked_value_by_value(
                 kls.append(s_lp[t] - t_lp[t])
                 kls_at_temperature.append(s_lp_07[t] - t_lp[t])
     first = collate(samples[:1], tok.pad_token_id)  # the right answer alone: its outcome term does not cancel out
-    loss, _ = batch_loss(logprobs_of(model, first, cfg.temperature)[1], first, cfg)
+    loss, _ = batch_loss(logprobs_of(model, first, cfg.rollout.temperature)[1], first, cfg)
     n_first = sum(samples[0]["loss_mask"])
     assert loss.item() == pytest.approx(sum(terms[:n_first]) / n_first, rel=1e-5)
     assert loss.item() == pytest.approx(sum(kls[:n_first]) / n_first - 0.5 * outcome[0], rel=1e-5)  # -mean(A): KL - 0.5 x 0.707
@@ -286,7 +279,7 @@ def test_opd_moves_the_student_toward_its_teacher_and_resumes_after_a_kill(tiny_
     student = teach_answers(tiny_model_dir, tmp_path / "student")
     teacher_dir = teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))
     teacher = HFBackend(str(teacher_dir), dtype="float32")
-    cfg = rl_config(steps=2, objective="opd", outcome_weight=0.0, group_size=4, lr=1e-4, dynamic_sampling=True)
+    cfg = rl_config(steps=2, lr=1e-4, loss={"objective": "opd"}, opd={"outcome_weight": 0.0}, rollout={"group_size": 4, "dynamic_sampling": True})
     records = run(student, cfg, tmp_path, "straight", teacher=teacher)
     assert all(r["teacher_tokens"] > 0 and math.isfinite(r["kl_teacher"]) for r in records)
     for r in records:
@@ -301,24 +294,37 @@ def test_opd_moves_the_student_toward_its_teacher_and_resumes_after_a_kill(tiny_
 
 
 @pytest.mark.slow
-def test_opd_steps_distil_first_then_train_on_rewards_in_one_run_that_resumes_across_the_switch(tiny_model_dir, tmp_path):
-    """rl.opd_steps 2 of 3 steps: the first two steps are the steps of an OPD run of the same seeds (the same batches,
-    losses and KL), the third trains on the rewards (no teacher term) with the lr schedule started again (rl.opd_switch
+def test_opd_steps_distil_first_then_train_on_rewards_in_one_run_that_resumes_across_the_switch(tiny_model_dir, tmp_path,
+                                                                                             monkeypatch):
+    """rl.opd.steps 2 of 3 steps: the first two steps are the steps of an OPD run of the same seeds (the same batches,
+    losses and KL), the third trains on the rewards (no teacher term) with the lr schedule started again (rl.opd.switch
     restart; continue decays one schedule over the three steps); a run killed in the RL step resumes there from the
     checkpoint of the last OPD step, drops the OPD steps' AdamW moments as the run never killed did, and ends with the
     same weights."""
     student = teach_answers(tiny_model_dir, tmp_path / "student")
     teacher = HFBackend(str(teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))), dtype="float32")
-    common = dict(lr=1e-4, warmup_ratio=0.0, schedule="linear", dynamic_sampling=True)
-    opd = run(student, rl_config(steps=2, objective="opd", **common), tmp_path, "opd", teacher=teacher)
-    cfg = rl_config(steps=3, opd_steps=2, **common)
-    hybrid = run(student, cfg, tmp_path, "hybrid", teacher=teacher)
+    common = dict(lr=1e-4, warmup_ratio=0.0, schedule="linear", rollout={"dynamic_sampling": True})
+    opd = run(student, rl_config(steps=2, loss={"objective": "opd"}, **common), tmp_path, "opd", teacher=teacher)
+    cfg = rl_config(steps=3, opd={"steps": 2}, **common)
+    collected, collect_step = [], rl_module.collect_step
+
+    def recorded(*args, **kwargs):
+        collected.append(collect_step(*args, **kwargs))
+        return collected[-1]
+
+    with monkeypatch.context() as m:  # each step's rollouts, to score them here
+        m.setattr(rl_module, "collect_step", recorded)
+        hybrid = run(student, cfg, tmp_path, "hybrid", teacher=teacher)
     assert ["kl_teacher" in r for r in hybrid] == [True, True, False]
     for a, b in zip(opd, hybrid):
         assert (a["kl_teacher"], a["loss"], a["response_tokens"]) == (b["kl_teacher"], b["loss"], b["response_tokens"])
-    assert "teacher_tokens" not in hybrid[2] and hybrid[2]["accuracy"] >= 0
+    assert "teacher_tokens" not in hybrid[2] and len(collected) == 3
+    # the RL step's accuracy: the share of its episodes (every refill's) whose last <answer> says Paris (subem)
+    answers = [normalize_answer(final_answer(e.text) or "").split() for e in collected[2].episodes]
+    right = [words.count("paris") > 0 and len(words) <= 5 for words in answers]
+    assert hybrid[2]["accuracy"] == pytest.approx(sum(right) / len(right)), answers
     assert [r["lr"] for r in hybrid] == pytest.approx([5e-5, 1e-4, 0.0])  # the lr of the step after each: 1e-4 at the switch
-    continued = run(student, rl_config(steps=3, opd_steps=2, opd_switch="continue", **common), tmp_path, "continued",
+    continued = run(student, rl_config(steps=3, opd={"steps": 2, "switch": "continue"}, **common), tmp_path, "continued",
                     teacher=teacher)
     assert [r["lr"] for r in continued] == pytest.approx([1e-4 * 2 / 3, 1e-4 / 3, 0.0])
     trained, resumed = resumed_after_a_kill(student, cfg, tmp_path, teacher, step=3)
@@ -328,14 +334,14 @@ def test_opd_steps_distil_first_then_train_on_rewards_in_one_run_that_resumes_ac
 
 
 def test_opd_steps_are_refused_where_they_cannot_run():
-    with pytest.raises(ValueError, match="rl.opd_steps 2 leaves none of rl.steps 2 to RL"):
-        RLConfig(steps=2, opd_steps=2)
-    with pytest.raises(ValueError, match="rl.objective is opd already"):
-        RLConfig(steps=4, opd_steps=2, objective="opd")
-    with pytest.raises(ValueError, match="rl.objective opd and rl.opd_steps run on rl.trainer unison"):
-        RLConfig(steps=4, opd_steps=2, estimator="flow_grpo")
-    cfg = RLConfig(steps=4, opd_steps=2, kd_weight=1.0)
-    assert cfg.scores_with_teacher and [cfg.at_step(s).objective for s in range(4)] == ["opd", "opd", "reward", "reward"]
+    with pytest.raises(ValueError, match="rl.opd.steps 2 leaves none of rl.steps 2 to RL"):
+        RLConfig(steps=2, opd={"steps": 2})
+    with pytest.raises(ValueError, match="rl.loss.objective is opd already"):
+        RLConfig(steps=4, opd={"steps": 2}, loss={"objective": "opd"})
+    with pytest.raises(ValueError, match="rl.loss.objective opd and rl.opd.steps run on rl.trainer unison"):
+        RLConfig(steps=4, opd={"steps": 2}, loss={"estimator": "flow_grpo"})
+    cfg = RLConfig(steps=4, opd={"steps": 2, "kd_weight": 1.0})
+    assert cfg.scores_with_teacher and [cfg.at_step(s).loss.objective for s in range(4)] == ["opd", "opd", "reward", "reward"]
 
 
 def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():
@@ -344,22 +350,22 @@ def test_opd_with_a_chat_api_teacher_is_refused_when_params_load():
     from unison.config import ROOT, ParamsError, validate_params
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    raw["rl"]["objective"] = "opd"
+    raw["rl"]["loss"]["objective"] = "opd"
     raw["teacher"].update(backend="openai", api="chat", base_url="http://127.0.0.1:9/v1")
-    with pytest.raises(ParamsError, match="rl.objective opd, rl.opd_steps or rl.probe_prompts: the teacher .* must score given tokens, and teacher.api chat cannot"):
+    with pytest.raises(ParamsError, match="rl.loss.objective opd, rl.opd.steps or rl.probe.prompts: the teacher .* must score given tokens, and teacher.api chat cannot"):
         validate_params(raw)
     raw["teacher"]["api"] = "completions"  # a vLLM server scores (prompt_logprobs)
-    assert validate_params(raw).rl.objective == "opd"
-    raw["rl"]["teacher_context"], raw["generate"]["demonstrations"] = "worked_examples", ""
-    with pytest.raises(ParamsError, match="rl.teacher_context worked_examples puts generate.demonstrations in the teacher's prompt"):
+    assert validate_params(raw).rl.loss.objective == "opd"
+    raw["rl"]["opd"]["teacher_context"], raw["generate"]["demonstrations"] = "worked_examples", ""
+    with pytest.raises(ParamsError, match="rl.opd.teacher_context worked_examples puts generate.demonstrations in the teacher's prompt"):
         validate_params(raw)
-    raw["rl"]["teacher_context"] = "student"
-    with pytest.raises(ValueError, match="rl.objective opd and rl.opd_steps run on rl.trainer unison with a sequence estimator"):
-        RLConfig(objective="opd", estimator="flow_grpo")
+    raw["rl"]["opd"]["teacher_context"] = "student"
+    with pytest.raises(ValueError, match="rl.loss.objective opd and rl.opd.steps run on rl.trainer unison with a sequence estimator"):
+        RLConfig(loss={"objective": "opd", "estimator": "flow_grpo"})
 
 
 def test_with_worked_examples_the_teacher_scores_the_students_tokens_after_its_own_context(tiny_model_dir):
-    """rl.teacher_context worked_examples: the same tokens, scored after the prompt with the worked examples in the
+    """rl.opd.teacher_context worked_examples: the same tokens, scored after the prompt with the worked examples in the
     system message (context distillation), equal to a direct score with that prompt, and not the student-context scores."""
     from unison.protocol import chat_prompt
 
@@ -381,7 +387,7 @@ def test_with_worked_examples_the_teacher_scores_the_students_tokens_after_its_o
 
 
 def test_the_curve_csv_keeps_the_probe_of_steps_after_the_first_when_it_probes_every_few_steps(tmp_path):
-    """rl.probe_every 2: step 1's record has the probe's start only, steps 2 and 3 their probe; the CSV's header is every
+    """rl.probe.every 2: step 1's record has the probe's start only, steps 2 and 3 their probe; the CSV's header is every
     key of the records, so the later probes stay (a header from step 1's keys alone dropped them)."""
     import csv
 
@@ -404,13 +410,13 @@ def test_split_probe_holds_out_seeded_prompts_and_refuses_to_hold_out_the_whole_
     qid = lambda r: r["extra_info"]["question_id"]
     assert len(train) == 4 and len(probe) == 2 and not {qid(r) for r in train} & {qid(r) for r in probe}
     assert split_probe(rows, 2, seed=0) == (train, probe) and split_probe(rows, 0, seed=0) == (rows, [])
-    with pytest.raises(ValueError, match=r"rl.probe_prompts 6: the curriculum \(data/rl\) has 6 prompts"):
+    with pytest.raises(ValueError, match=r"rl.probe.prompts 6: the curriculum \(data/rl\) has 6 prompts"):
         split_probe(rows, 6, seed=0)
 
 
 # Measured on 2 CPU cores (AVX2, fp32, seed 0), the probe's reverse KL before the first step and after each of the 20:
 # 1.113 1.111 0.970 0.891 1.023 0.869 0.765 0.725 0.681 0.611 0.382 0.465 0.402 0.434 0.395 0.295 0.445 0.283 0.172 0.120
-# 0.100, a fall of 91%; probed after steps 10 and 20 only (rl.probe_every 10), the same 1.113, 0.382 and 0.100: the
+# 0.100, a fall of 91%; probed after steps 10 and 20 only (rl.probe.every 10), the same 1.113, 0.382 and 0.100: the
 # probe's episodes have seeds of their own and move no training. The floor asks for a fall of half: an OPD that moves
 # the student half as far fails.
 KL_FALL = 0.5
@@ -424,12 +430,11 @@ def test_twenty_opd_steps_reduce_the_reverse_kl_on_held_out_prompts_and_the_prob
     cut it by KL_FALL."""
     student = teach_answers(tiny_model_dir, tmp_path / "student")
     teacher = HFBackend(str(teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))), dtype="float32")
-    still = run(student, rl_config(steps=2, objective="opd", lr=0.0, probe_prompts=8, dynamic_sampling=True, checkpoint_every=0),
+    still = run(student, rl_config(steps=2, lr=0.0, checkpoint_every=0, loss={"objective": "opd"}, probe={"prompts": 8}, rollout={"dynamic_sampling": True}),
                 tmp_path, "still", rows=make_rows(12), teacher=teacher)
     assert still[0]["probe_kl_start"] == still[0]["probe_kl"] == still[1]["probe_kl"] and still[0]["probe_tokens"] > 0
-    records = run(student, rl_config(steps=20, objective="opd", probe_prompts=8, probe_every=10, dynamic_sampling=True,
-                                     checkpoint_every=0), tmp_path, "trained", rows=make_rows(12), teacher=teacher)
-    assert [r["step"] for r in records if "probe_kl" in r] == [10, 20]  # rl.probe_every: after steps 10 and 20 only
+    records = run(student, rl_config(steps=20, checkpoint_every=0, loss={"objective": "opd"}, probe={"prompts": 8, "every": 10}, rollout={"dynamic_sampling": True}), tmp_path, "trained", rows=make_rows(12), teacher=teacher)
+    assert [r["step"] for r in records if "probe_kl" in r] == [10, 20]  # rl.probe.every: after steps 10 and 20 only
     curve = [records[0]["probe_kl_start"]] + [r["probe_kl"] for r in records if "probe_kl" in r]
     print("probe KL:", " ".join(f"{v:.3f}" for v in curve))
     assert curve[0] == still[0]["probe_kl_start"]  # the same policy, the same prompts, the same seeds
@@ -445,8 +450,7 @@ def test_the_probes_sampled_reverse_kl_estimates_trls_full_vocabulary_reverse_kl
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.gkd import GKDTrainer
 
-    from unison.train.opd import span_kls
-    from unison.train.rl import probe_samples
+    from unison.train.probe import probe_samples, span_kls
     from unison.train.rollout import make_rollout_backend
 
     from .test_rl import rl_setup
@@ -456,7 +460,7 @@ def test_the_probes_sampled_reverse_kl_estimates_trls_full_vocabulary_reverse_kl
     tok = AutoTokenizer.from_pretrained(student_dir)
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
-    setup = rl_setup(rl_config(group_size=16, objective="opd"), teacher=HFBackend(model=teacher, tokenizer=tok))
+    setup = rl_setup(rl_config(rollout={"group_size": 16}, loss={"objective": "opd"}), tok, teacher=HFBackend(model=teacher, tokenizer=tok))
     backend = make_rollout_backend("transformers", student, tok, str(student_dir), setup.llm, 0)
     samples = probe_samples(make_rows(4), backend, student, tok, setup, tok.eos_token_id, torch.device("cpu"), "fp32")
     assert len(samples) == 64

@@ -1,10 +1,10 @@
-"""bench/opd_decisions: which episodes it reads as looping, which answers it takes as written before training, and the
+"""research/opd_decisions: which episodes it reads as looping, which answers it takes as written before training, and the
 turn log-prob it compares (a tiny random model)."""
 from __future__ import annotations
 
 import torch
 
-from bench.opd_decisions import first_answers, looping, turn_logps
+from research.opd_decisions import first_answers, looping, turn_logps
 
 
 def row(qid: str, roles: list[str], finish: str) -> dict:

@@ -84,7 +84,8 @@ def test_student_rollouts_on_a_real_model_are_k_labeled_seeded_samples(tiny_mode
     all_params = Params(generate=GenerateConfig(max_turns=2, max_tokens_per_turn=12))
     backend = HFBackend(str(tiny_model_dir), dtype="float32")
     questions = QUESTIONS[:2]
-    workbench = Workbench(all_params.system_settings(), backend, Toolbox(CorpusRetriever()))
+    workbench = Workbench(all_params.system_settings(), backend, Toolbox(CorpusRetriever()),
+                          tool_format=all_params.student.tool_format)
     runs = [student_rollouts(questions, 3, workbench, 1.0, all_params.label) for _ in range(2)]
     rows = runs[0]
     assert [(r["question_id"], r["sample"]) for r in rows] == [(q, s) for q in ("q0", "q1") for s in range(3)]

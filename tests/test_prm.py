@@ -159,10 +159,12 @@ def test_disabled_stage_writes_a_marker_and_the_stages_that_read_it_refuse(tmp_p
     prm.main()  # no labeled data needed: nothing is trained
     assert json.loads(Path("models/prm/prm.json").read_text()) == {"enabled": False} == json.loads(Path("reports/prm.json").read_text())
     assert Path("reports/prm_loss.csv").read_text().strip() == "step,epoch,loss,lr,grad_norm,elapsed_s"
-    for run_stage, (section, key, value) in ((rl.main, ("rl", "prm_weight", 1.0)),
-                                             (lambda: evaluate.main("prm_rerank"), ("evaluate", "rerank_samples", 4))):
-        (tmp_path / "params.yaml").write_text(yaml.safe_dump({**params, section: {**params[section], key: value}}))
-        with pytest.raises(ValueError, match=f"params.yaml {section}.{key} .* prm.enabled is false"):  # when params load
+    rl_prm = {**params["rl"], "reward": {**params["rl"]["reward"], "prm_weight": 1.0}}
+    for run_stage, key, changed in ((rl.main, "rl.reward.prm_weight", {"rl": rl_prm}),
+                                    (lambda: evaluate.main("prm_rerank"), "evaluate.rerank_samples",
+                                     {"evaluate": {**params["evaluate"], "rerank_samples": 4}})):
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump({**params, **changed}))
+        with pytest.raises(ValueError, match=f"params.yaml {key} .* prm.enabled is false"):  # when params load
             run_stage()
 
 

@@ -58,34 +58,38 @@ def test_tiny_runs_on_builtin_data_and_model_with_the_teacher_scaffolded(name, d
     assert (ROOT / tiny["generate"]["demonstrations"]).is_file()  # worked examples for the teacher, in its method's format
     assert tiny["label"]["judge"] == "rule" and tiny["prm"]["epochs"] == 1 and tiny["sft"]["epochs"] == 1
     for p in (paper, tiny):  # a recipe that reads models/prm trains one
-        assert p["prm"]["enabled"] or (p["rl"]["prm_weight"] == 0 and p["evaluate"]["rerank_samples"] == 1), name
-    assert tiny["rl"]["steps"] == 1 and tiny["rl"]["group_size"] * tiny["rl"]["prompts_per_step"] <= 4
+        assert p["prm"]["enabled"] or (p["rl"]["reward"]["prm_weight"] == 0 and p["evaluate"]["rerank_samples"] == 1), name
+    assert tiny["rl"]["steps"] == 1 and tiny["rl"]["rollout"]["group_size"] * tiny["rl"]["rollout"]["prompts_per_step"] <= 4
     assert tiny["evaluate"]["max_questions"] <= 4
     # the system itself is kept: teacher method, estimator, reward weights and step labels are the paper's
-    for section, key in [("generate", "method"), ("rl", "estimator"), ("rl", "prm_weight"), ("rl", "efficiency_weight"),
-                         ("rl", "format_weight"), ("label", "step_labels"), ("dpo", "enabled"), ("prm", "enabled")]:
-        assert tiny[section][key] == paper[section][key], (name, section, key)
+    for section, key in [("generate", "method"), ("rl", "loss"), ("rl", "reward"), ("label", "step_labels"), ("dpo", "enabled"),
+                         ("prm", "enabled")]:
+        if key in ("loss", "reward"):  # the estimator and the reward weights
+            fields = ("estimator",) if key == "loss" else ("prm_weight", "efficiency_weight", "format_weight")
+            assert [tiny[section][key][f] for f in fields] == [paper[section][key][f] for f in fields], (name, key)
+        else:
+            assert tiny[section][key] == paper[section][key], (name, section, key)
 
 
 SEED_FACTS = {  # docs/seeds.md, section by section
     "agentark": {"generate.method": "debate", "generate.debate.agents": 3, "generate.debate.rounds": 2, "label.step_labels": "agent",
-                 "label.judge": "llm", "prm.separator": "\n", "prm.lr": 1e-4, "rl.estimator": "rloo", "rl.prm_weight": 1.0,
-                 "rl.prm_temperature": 0.1, "rl.prm_baseline": "token", "rl.lr": 5e-7, "rl.kl_coef": 0.001, "rl.group_size": 8,
-                 "rl.temperature": 0.5},
+                 "label.judge": "llm", "prm.separator": "\n", "prm.lr": 1e-4, "rl.loss.estimator": "rloo", "rl.reward.prm_weight": 1.0,
+                 "rl.reward.prm_temperature": 0.1, "rl.reward.prm_baseline": "token", "rl.lr": 5e-7, "rl.loss.kl_coef": 0.001, "rl.rollout.group_size": 8,
+                 "rl.rollout.temperature": 0.5},
     "afm": {"generate.method": "chain_of_agents", "generate.chain_of_agents.accept_score": 3, "dpo.enabled": True, "dpo.lr": 1e-6,
-            "dpo.epochs": 4, "rl.estimator": "grpo", "label.qa_metric": "em", "label.first_only": False, "rl.format_weight": 0.0,
+            "dpo.epochs": 4, "rl.loss.estimator": "grpo", "label.qa_metric": "em", "label.first_only": False, "rl.reward.format_weight": 0.0,
             "tools.search_topk": 3, "index.encoder": "intfloat/e5-base-v2"},
     "et_agent": {"generate.method": "single", "pareto.k": 8, "pareto.counts": 8000, "pareto.qa_threshold": 0.75, "pareto.levels": 3,
-                 "pareto.min_groups": 0, "rl.efficiency_weight": 1.0, "rl.format_weight": 1.0, "rl.verifiable_weight": 1.0,
-                 "rl.sigma_tool": 0.2, "rl.sigma_len": 0.5, "rl.sigma_decay": True, "rl.group_size": 16, "rl.kl_coef": 0.0,
+                 "pareto.min_groups": 0, "rl.reward.efficiency_weight": 1.0, "rl.reward.format_weight": 1.0, "rl.reward.verifiable_weight": 1.0,
+                 "rl.reward.sigma_tool": 0.2, "rl.reward.sigma_len": 0.5, "rl.reward.sigma_decay": True, "rl.rollout.group_size": 16, "rl.loss.kl_coef": 0.0,
                  "sft.lr": 5e-6, "sft.max_length": 10000, "tools.search_topk": 4, "tools.search_max_chars": 1200},
     "gap": {"generate.method": "gap", "student.model": "hf:Qwen/Qwen2.5-3B-Instruct", "label.qa_metric": "em", "label.first_only": False,
-            "evaluate.first_only": True, "rl.estimator": "grpo", "rl.dynamic_sampling": True, "rl.clip_low": 0.2, "rl.clip_high": 0.28, "rl.dual_clip": 10.0,
-            "rl.kl_coef": 0.0, "rl.group_size": 8, "rl.prompts_per_step": 32, "rl.steps": 200, "rl.lr": 1e-6, "rl.warmup_ratio": 0.015,
-            "rl.format_weight": 0.0, "generate.max_turns": 8, "sft.epochs": 4, "sft.lr": 1e-5, "sft.max_length": 5120},
-    "agentflow": {"generate.method": "agentflow", "generate.agentflow.max_steps": 3, "rl.estimator": "flow_grpo", "rl.lr": 1e-6,
-                  "rl.kl_coef": 0.001, "rl.clip_low": 0.2, "rl.clip_high": 0.3, "rl.group_size": 8, "rl.prompts_per_step": 32,
-                  "rl.temperature": 0.7, "rl.prm_weight": 0.0, "evaluate.temperature": 0.0},
+            "evaluate.first_only": True, "rl.loss.estimator": "grpo", "rl.rollout.dynamic_sampling": True, "rl.loss.clip_low": 0.2, "rl.loss.clip_high": 0.28, "rl.loss.dual_clip": 10.0,
+            "rl.loss.kl_coef": 0.0, "rl.rollout.group_size": 8, "rl.rollout.prompts_per_step": 32, "rl.steps": 200, "rl.lr": 1e-6, "rl.warmup_ratio": 0.015,
+            "rl.reward.format_weight": 0.0, "generate.max_turns": 8, "sft.epochs": 4, "sft.lr": 1e-5, "sft.max_length": 5120},
+    "agentflow": {"generate.method": "agentflow", "generate.agentflow.max_steps": 3, "rl.loss.estimator": "flow_grpo", "rl.lr": 1e-6,
+                  "rl.loss.kl_coef": 0.001, "rl.loss.clip_low": 0.2, "rl.loss.clip_high": 0.3, "rl.rollout.group_size": 8, "rl.rollout.prompts_per_step": 32,
+                  "rl.rollout.temperature": 0.7, "rl.reward.prm_weight": 0.0, "evaluate.temperature": 0.0},
 }
 
 
@@ -170,7 +174,7 @@ def test_cli_writes_the_merged_params_and_refuses_to_stack_a_recipe_on_a_recipe(
     shutil.copy(ROOT / "params.yaml", base)
     main(["afm", "--tiny", "--base", str(base), "--out", str(base)])
     out = capsys.readouterr().out
-    assert "rl.estimator" not in out and "generate.method: 'single' -> 'chain_of_agents'" in out and "dpo.enabled: False -> True" in out
+    assert "rl.loss.estimator" not in out and "generate.method: 'single' -> 'chain_of_agents'" in out and "dpo.enabled: False -> True" in out
     text = base.read_text()
     assert text.startswith("# unison recipe: afm (tiny)")
     assert yaml.safe_load(text) == recipe_params("afm", tiny=True, base=default)

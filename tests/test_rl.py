@@ -18,25 +18,25 @@ from unison.agents.toolbox import Toolbox
 from unison.config import LabelConfig, LLMConfig
 from unison.data.schemas import RL_ROW, DataError, write_table
 from unison.protocol import chat_prompt, question_messages
+from unison.tool_format import TagFormat
 from unison.tools.registry import SYSTEM_PROMPT
 from unison.train.pareto import rl_rows
 from unison.train.policy_loss import token_logprobs
+from unison.train.batches import collate, logprobs_of
 from unison.train.rl import (
     RLConfig,
     RLSetup,
     batch_loss,
     build_samples,
-    collate,
     collect_step,
     load_rl_data,
-    logprobs_of,
     needs_old_logp,
     score_episodes,
     step_prompts,
     train_on,
     train_rl,
 )
-from unison.train.rollout import episode_view
+from unison.train.rollout import SoloRollout, episode_view
 
 LABEL = LabelConfig(qa_metric="subem", f1_threshold=0.8, first_only=False, math_timeout_s=5)
 QUESTION = "What is the capital of France?"
@@ -86,19 +86,26 @@ def taught(model_dir: str, answers: tuple[str, ...]):
 
 
 def rl_config(**kw) -> RLConfig:
-    base = dict(estimator="grpo", group_size=4, prompts_per_step=2, steps=1, lr=2e-3, warmup_ratio=1.0, weight_decay=0.0, temperature=1.0,
-                max_turns=2, max_tokens_per_turn=12, dynamic_sampling=False, rollout_backend="transformers", micro_batch_size=3,
-                checkpoint_every=1, seed=0)
-    return RLConfig(**{**base, **kw})
+    """These tests' settings, with `kw` over them (a group's keys, e.g. rollout={...}, over the group's)."""
+    base = dict(steps=1, lr=2e-3, warmup_ratio=1.0, weight_decay=0.0, micro_batch_size=3, checkpoint_every=1, seed=0,
+                loss={"estimator": "grpo"},
+                rollout={"group_size": 4, "prompts_per_step": 2, "temperature": 1.0, "max_turns": 2,
+                         "max_tokens_per_turn": 12, "dynamic_sampling": False, "backend": "transformers"})
+    return RLConfig(**{**base, **{k: {**base.get(k, {}), **v} if isinstance(v, dict) else v for k, v in kw.items()}})
 
 
-def rl_setup(cfg, **kw) -> RLSetup:
-    """The bundle these tests run RL with: both tools, no retriever, 512-token episodes."""
-    return RLSetup(cfg, LABEL, LLMConfig(max_model_len=512), ("search", "python"), toolbox=Toolbox(), **kw)
+def rl_setup(cfg, tok, **kw) -> RLSetup:
+    """The bundle these tests run RL with: both tools in the tag protocol (`tok`'s), no retriever, 512-token
+    episodes."""
+    return RLSetup(cfg, LABEL, LLMConfig(max_model_len=512), ("search", "python"),
+                   acting=SoloRollout(Toolbox(), ("search", "python"), TagFormat(tok)), **kw)
 
 
 def run(model_dir, cfg, tmp_path, name, rows=None, on_step=None, teacher=None):
-    return train_rl(str(model_dir), rows or make_rows(), rl_setup(cfg, teacher=teacher), str(tmp_path / name / "out"),
+    from transformers import AutoTokenizer
+
+    setup = rl_setup(cfg, AutoTokenizer.from_pretrained(model_dir), teacher=teacher)
+    return train_rl(str(model_dir), rows or make_rows(), setup, str(tmp_path / name / "out"),
                     str(tmp_path / name / "ckpt"), on_step=on_step)
 
 
@@ -121,7 +128,7 @@ def p_paris(model_dir) -> float:
 
 
 def test_one_step_moves_the_policy_toward_the_rewarded_answer(answerer, tmp_path):
-    records = run(answerer, rl_config(format_weight=0.0, lr=1e-4), tmp_path, "one")  # reward: 1 for Paris, else 0; a small
+    records = run(answerer, rl_config(lr=1e-4, reward={"format_weight": 0.0}), tmp_path, "one")  # reward: 1 for Paris, else 0; a small
     # step (Adam moves every weight by ~lr at once: 1e-3 overshoots on this tiny model)
     rec = records[0]
     assert rec["episodes"] == 8 and 0 < rec["accuracy"] < 1, rec  # mixed outcomes: something to learn
@@ -160,7 +167,7 @@ def test_resume_after_a_kill_gives_the_same_weights(answerer, tmp_path):
 
 
 def episode(prompt, parts, answer_key="e") -> Episode:
-    e = Episode(key=answer_key, prompt_ids=prompt, seed=0)
+    e = Episode(key=answer_key, prompt_ids=prompt, seed=0, format=TagFormat(None))  # a view's episode: never run
     for kind, text, ids in parts:
         e.segments.append(Segment(kind, text, ids))
     return e
@@ -193,7 +200,7 @@ def test_tool_observations_get_no_gradient_but_later_tokens_keep_the_advantage()
     assert loss_without.item() == pytest.approx(loss.item(), abs=1e-7) and metrics["approx_kl"] == 0.0
     assert torch.allclose(on_policy.grad, logits.grad, atol=1e-7)
     assert not needs_old_logp(rl_config()) and needs_old_logp(rl_config(ppo_epochs=2)) and needs_old_logp(rl_config(mini_batches=2))
-    assert not needs_old_logp(rl_config(objective="opd"))  # its teacher term reads the loss's own log-probs too
+    assert not needs_old_logp(rl_config(loss={"objective": "opd"}))  # its teacher term reads the loss's own log-probs too
 
 
 def test_padding_never_counts(tiny_model_dir):
@@ -210,7 +217,7 @@ def test_padding_never_counts(tiny_model_dir):
     def loss_of(batch_samples, pad_id):
         batch = collate(batch_samples, pad_id)
         with torch.no_grad():
-            _, logits = logprobs_of(model, batch, cfg.temperature)
+            _, logits = logprobs_of(model, batch, cfg.rollout.temperature)
             return batch_loss(logits, batch, cfg)[0].item()
 
     together = loss_of(samples, 0)
@@ -223,7 +230,7 @@ def test_flow_grpo_makes_one_sample_per_turn():
     e1 = episode([1, 2], [("gen", "", [10, 11]), ("obs", "", [20]), ("gen", "", [12])])
     e2 = episode([1, 2], [("gen", "", [13, 14, 15])])
     samples, _ = build_samples([episode_view(e1), episode_view(e2)], {"groups": ["q", "q"], "total": [1.0, 0.0]},
-                               rl_config(estimator="flow_grpo"))
+                               rl_config(loss={"estimator": "flow_grpo"}))
     # turn rewards [1, 1, 0]: mean 2/3, unbiased std sqrt((1/9 + 1/9 + 4/9) / 2) = 0.57735 -> 0.57735, 0.57735, -1.1547
     assert [s["ids"] for s in samples] == [[1, 2, 10, 11], [1, 2, 10, 11, 20, 12], [1, 2, 13, 14, 15]]
     assert [s["loss_mask"] for s in samples] == [[0, 1, 1], [0, 0, 0, 0, 1], [0, 1, 1, 1]]
@@ -234,16 +241,16 @@ def test_flow_grpo_makes_one_sample_per_turn():
 
 def test_dynamic_sampling_drops_groups_without_signal():
     views = [episode_view(episode([1], [("gen", "", [5, 6])])) for _ in range(4)]
-    samples, kept = build_samples(views, {"groups": [0, 0, 1, 1], "total": [1.0, 1.0, 1.0, 0.0]}, rl_config(dynamic_sampling=True))
+    samples, kept = build_samples(views, {"groups": [0, 0, 1, 1], "total": [1.0, 1.0, 1.0, 0.0]}, rl_config(rollout={"dynamic_sampling": True}))
     assert len(samples) == 2 and kept == 0.5
 
 
 def test_dynamic_sampling_trims_to_the_first_groups_with_signal():
     views = [episode_view(episode([1], [("gen", "", [5, 6 + i])])) for i in range(6)]
     rewards = {"groups": [0, 0, 1, 1, 2, 2], "total": [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]}
-    samples, kept = build_samples(views, rewards, rl_config(dynamic_sampling=True), max_groups=1)
+    samples, kept = build_samples(views, rewards, rl_config(rollout={"dynamic_sampling": True}), max_groups=1)
     assert kept == pytest.approx(2 / 3) and [s["ids"][-1] for s in samples] == [8, 9]  # group 1 only; group 2 trimmed
-    assert build_samples(views, rewards, rl_config(dynamic_sampling=True), max_groups=0)[0] == []
+    assert build_samples(views, rewards, rl_config(rollout={"dynamic_sampling": True}), max_groups=0)[0] == []
 
 
 def test_dynamic_sampling_refills_until_enough_groups_keep_a_reward_spread(answerer):
@@ -254,8 +261,9 @@ def test_dynamic_sampling_refills_until_enough_groups_keep_a_reward_spread(answe
     backend = HFBackend(model=AutoModelForCausalLM.from_pretrained(answerer), tokenizer=AutoTokenizer.from_pretrained(answerer))
     rows = make_rows(6)
 
-    def collect(**kw):
-        return collect_step(0, 0, rows, backend, rl_setup(rl_config(dynamic_sampling=True, group_size=2, format_weight=0.0, **kw)))
+    def collect(max_refills):
+        cfg = rl_config(rollout={"dynamic_sampling": True, "group_size": 2, "max_refills": max_refills}, reward={"format_weight": 0.0})
+        return collect_step(0, 0, rows, backend, rl_setup(cfg, backend.tokenizer))
 
     got = collect(max_refills=4)
     rounds, rewards = got.rounds, got.rewards
@@ -279,8 +287,7 @@ def test_rewards_are_combined_as_configured(tiny_model_dir):
     eps = [good, wrong, broken]
     views = [episode_view(e) for e in eps]
     rows = make_rows(1)
-    cfg = rl_config(verifiable_weight=1.0, format_weight=0.5, efficiency_weight=1.0, sigma_tool=0.2, sigma_len=0.5, sigma_decay=False,
-                    group_size=3, prm_weight=1.0)
+    cfg = rl_config(reward={"verifiable_weight": 1.0, "format_weight": 0.5, "efficiency_weight": 1.0, "sigma_tool": 0.2, "sigma_len": 0.5, "sigma_decay": False, "prm_weight": 1.0}, rollout={"group_size": 3})
     prm = build_prm(tiny_model_dir, "\n", seed=0)  # an untrained head: scores are arbitrary but fixed
     r = score_episodes(eps, rows, views, RLSetup(cfg, LABEL, LLMConfig(), tools, prm=prm), step=1)
     assert r["verifiable"] == [1.0, 0.0, 1.0] and r["format"] == [0.0, 0.0, -1.0] and r["tool_calls"] == [1, 0, 0]
@@ -341,7 +348,7 @@ def test_the_loss_rl_records_is_the_token_mean_of_the_policy_loss_and_kl_on_mask
     from unison.train.loop import Trainer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    cfg = rl_config(micro_batch_size=1, kl_coef=0.5, precision="fp32")
+    cfg = rl_config(micro_batch_size=1, precision="fp32", loss={"kl_coef": 0.5})
     ref = -11.0  # about log(1 / 49,152): the reference's log-prob of every target token
     samples = [{"ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 1, 0, 1], "advantages": [0.9, 1.0, 0.5, 0.7, -1.0]},
                {"ids": [11, 12, 13], "loss_mask": [0, 1], "advantages": [2.0, -0.5]}]

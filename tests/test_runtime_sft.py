@@ -13,6 +13,7 @@ from unison.config import DebateConfig
 from unison.llm.hf_backend import HFBackend
 from unison.protocol import parse_tool_call, split_queries
 from unison.token_view import retokenization_drift, token_view
+from unison.tool_format import TagFormat
 from unison.tools.registry import BUILTIN
 from unison.train.sft import SFTConfig, build_examples, select_trajectories, target_nll, train_sft
 
@@ -48,7 +49,7 @@ def test_majority_vote_normalises_and_breaks_ties_by_first_agent():
 @pytest.mark.slow
 def test_scaffolded_episodes_are_token_in_token_out(smol):
     tok = smol.tokenizer
-    eps = [start_episode(tok, f"q{i}", "In which city was Zorvan Kelt born?", seed=i, scaffold=["search", "answer"]) for i in range(3)]
+    eps = [start_episode(TagFormat(tok), f"q{i}", "In which city was Zorvan Kelt born?", seed=i, scaffold=["search", "answer"]) for i in range(3)]
     run_episodes(eps, smol, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.0, max_tokens_per_turn=24, max_turns=4))
     for e in eps:
         assert e.finish_reason in ("answer", "length", "max_turns")
@@ -136,12 +137,21 @@ def test_sft_trains_saves_and_reduces_loss(tiny_model_dir, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [_row("a", i, True, f"<search>Zorvan Kelt</search><answer>Tarsk {i}</answer>") for i in range(4)]
-    examples, stats = build_examples(tok, rows, max_length=128)
+    examples, stats = build_examples(TagFormat(tok), rows, max_length=128)
     assert stats["examples"] == 4 and stats["train_tokens"] > 0
     out = tmp_path / "sft"
     recs = train_sft(str(tiny_model_dir), examples, SFTConfig(epochs=8, lr=3e-3, batch_size=4, warmup_ratio=0.0), str(out))
     assert len(recs) == 8 and recs[-1]["loss"] < recs[0]["loss"]
-    assert AutoModelForCausalLM.from_pretrained(out) is not None
+
+    def nll(model_dir) -> float:
+        """The mean loss of the examples' trained tokens under the model saved in `model_dir`."""
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        ids, mask = (torch.tensor([ex[k] for ex in examples]) for k in (0, 1))  # 4 rows of one length: no padding
+        with torch.no_grad():
+            return target_nll(model(ids).logits[:, :-1], ids[:, 1:], mask[:, 1:]).item()
+
+    assert nll(tiny_model_dir) == pytest.approx(recs[0]["loss"], rel=1e-3)  # the first step's loss: the base weights'
+    assert nll(out) < recs[-1]["loss"]  # the saved weights are those after the last update
 
 
 def test_hf_backend_logprobs_only_when_asked_and_one_stop_criteria_per_stop_set(tiny_model_dir):
@@ -162,19 +172,21 @@ def test_an_episode_without_room_for_a_turn_ends_with_context_and_is_never_sent(
     tok = backend.tokenizer
     cfg = EpisodeSettings(temperature=0.0, max_tokens_per_turn=4, max_turns=2, max_model_len=300)
     long_question = " ".join(["word"] * 400)  # its prompt alone exceeds max_model_len
-    short, long = (start_episode(tok, k, q, seed=0, scaffold=["answer"]) for k, q in (("s", "Hi?"), ("l", long_question)))
+    short, long = (start_episode(TagFormat(tok), k, q, seed=0, scaffold=["answer"]) for k, q in (("s", "Hi?"), ("l", long_question)))
     assert len(long.prompt_ids) > cfg.max_model_len
     run_episodes([short, long], backend, Toolbox(), cfg)
     assert long.finish_reason == "context" and long.n_llm_calls == 0 and long.segments == []
-    assert short.n_llm_calls >= 1 and short.finish_reason is not None
+    # the short one was sent: one forced answer turn of at most max_tokens_per_turn tokens ended it
+    assert short.n_llm_calls == 1 and short.finish_reason == "answer" and 0 < short.n_tokens <= cfg.max_tokens_per_turn
+    assert [s.kind for s in short.segments] == ["gen"] and short.segments[0].text.startswith("<answer>")
 
 
 def test_a_scaffolded_thought_is_followed_by_the_next_tag_react(tiny_model_dir):
     backend = HFBackend(str(tiny_model_dir), dtype="float32")
     tok = backend.tokenizer
     question = "In which city was Zorvan Kelt born?"
-    react = start_episode(tok, "r", question, seed=0, scaffold=["think", "search", "think", "answer"])
-    thought_only = start_episode(tok, "t", question, seed=1, scaffold=["think"])  # a one-turn role (Chain-of-Agents)
+    react = start_episode(TagFormat(tok), "r", question, seed=0, scaffold=["think", "search", "think", "answer"])
+    thought_only = start_episode(TagFormat(tok), "t", question, seed=1, scaffold=["think"])  # a one-turn role (Chain-of-Agents)
     run_episodes([react, thought_only], backend, Toolbox(CorpusRetriever()), EpisodeSettings(temperature=0.0, max_tokens_per_turn=6, max_turns=4))
     kinds = [(s.kind, s.text[: s.text.find(">") + 1] if s.kind == "gen" else "") for s in react.segments]
     assert kinds == [("gen", "<think>"), ("gen", "<search>"), ("obs", ""), ("gen", "<think>"), ("gen", "<answer>")]

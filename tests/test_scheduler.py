@@ -12,6 +12,7 @@ from unison.agents.scheduler import run_flows
 from unison.agents.toolbox import Toolbox
 from unison.config import ToolsConfig
 from unison.llm.hf_backend import HFBackend
+from unison.tool_format import TagFormat
 
 CFG = EpisodeSettings(temperature=0.0, max_tokens_per_turn=3, max_turns=4)
 
@@ -33,7 +34,7 @@ def tiny(tiny_model_dir):
 
 
 def episode(tok, seed: int, scaffold: list[str]):
-    return start_episode(tok, f"e{seed}", f"Question {seed}?", seed, scaffold)
+    return start_episode(TagFormat(tok), f"e{seed}", f"Question {seed}?", seed, scaffold)
 
 
 def two_flows(backend, log: list):

@@ -33,7 +33,7 @@ SERVED = {
     "sft": {"epochs": 1, "batch_size": 4, "max_per_question": 1},
     "prm": {"enabled": False},
     "pareto": {"k": 2, "min_groups": 2},
-    "rl": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens_per_turn": 48, "rollout_backend": "transformers"},
+    "rl": {"steps": 1, "rollout": {"prompts_per_step": 2, "group_size": 2, "max_tokens_per_turn": 48, "backend": "transformers"}},
     "evaluate": {"rerank_samples": 1},
     "flywheel": {"rounds": 0},  # its rounds run students locally; tests/test_e2e.py covers them
 }
@@ -185,14 +185,14 @@ def test_a_chat_teacher_on_vllms_chat_server_named_tool_calls_then_auto_and_a_fo
 @pytest.mark.nightly  # ~4 min: label, sft, pareto and rl on the real model; the server's scores are checked in make test above
 @pytest.mark.timeout(1800)
 def test_on_policy_distillation_scores_the_students_tokens_on_the_served_teacher_through_dvc_repro(served):
-    """`dvc repro rl` with rl.objective opd and the served teacher on /completions: the rl stage asks the server for the
+    """`dvc repro rl` with rl.loss.objective opd and the served teacher on /completions: the rl stage asks the server for the
     log-probs of every sampled token (prompt_logprobs) and logs the reverse KL; the stage's requests reach the server."""
     import csv
 
     project, url = served
     scaffold = yaml.safe_load((ROOT / "params.yaml").read_text())["generate"]["scaffold"]  # SFT needs some correct answers
     set_params(project, {"teacher": {"api": "completions", "llm": {"vllm_extensions": True}}, "generate": {"scaffold": scaffold},
-                         "rl": {"objective": "opd", "outcome_weight": 0.0}})
+                         "rl": {"loss": {"objective": "opd"}, "opd": {"outcome_weight": 0.0}}})
     run(project, "dvc", "repro", "prm", "sft", "pareto", "export")  # everything rl reads
     before = served_requests(url)
     stages = ran(run(project, "dvc", "repro", "rl"))

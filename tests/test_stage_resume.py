@@ -64,8 +64,7 @@ def tiny_params(model: Path) -> dict:
         "sft": {"epochs": 2, "batch_size": 2, "max_length": 256, "checkpoint_every": 1, "kd_weight": 0.5},
         "pareto": {"k": 2, "min_groups": 2},
         "dpo": {"enabled": True, "epochs": 1, "batch_size": 2, "max_length": 256},
-        "rl": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_turns": 2, "max_tokens_per_turn": 12, "rollout_backend": "transformers",
-               "dynamic_sampling": False, "prm_weight": 0.5},  # PRM step rewards: the random policy's rollouts get unequal rewards
+        "rl": {"steps": 2, "rollout": {"prompts_per_step": 2, "group_size": 2, "max_turns": 2, "max_tokens_per_turn": 12, "backend": "transformers", "dynamic_sampling": False}, "reward": {"prm_weight": 0.5}},  # PRM step rewards: the random policy's rollouts get unequal rewards
         "evaluate": {"max_questions": 2, "bootstrap": 50, "rerank_samples": 2},
         "flywheel": {"rounds": 0},  # a round needs a teacher that gets answers right; tests/test_e2e.py kills real rounds
     }

@@ -118,13 +118,14 @@ def test_teacher_trajectories_are_re_rendered_under_the_student_template_with_ex
 
     from unison.protocol import chat_prompt
     from unison.token_view import generated_by, token_view, tokenizer_fingerprint
+    from unison.tool_format import TagFormat
     from unison.train.sft import build_examples
 
     rows, teacher_tok = teacher_rows
     student_tok = AutoTokenizer.from_pretrained(base_model_dir)
     assert {r["tokenizer"] for r in rows} == {tokenizer_fingerprint(teacher_tok)} != {tokenizer_fingerprint(student_tok)}
     assert not any(generated_by(student_tok, r) for r in rows) and all(generated_by(teacher_tok, r) for r in rows)
-    examples, _ = build_examples(student_tok, rows, max_length=4096)
+    examples, _ = build_examples(TagFormat(student_tok), rows, max_length=4096)
     for r, (ids, mask) in zip(rows, examples):
         turns = r["student"][2:]
         assert any(m["token_ids"] for m in turns)  # the teacher's own ids are stored, and are not the student's

@@ -11,6 +11,7 @@ import torch
 from unison.data.schemas import DataError, read_table, write_table
 from unison.teacher_topk import TEACHER_TOPK, capture_topk, topk_arrays, topk_for
 from unison.token_view import token_view, tokenizer_fingerprint
+from unison.tool_format import TagFormat
 from unison.train.sft import SFTConfig, build_examples, distill_loss, train_sft
 
 
@@ -69,7 +70,7 @@ def test_capture_keeps_the_teachers_top_k_at_every_assistant_token_and_nowhere_e
         topk_for(tok, rows, [{**r, "tokenizer": "0" * 16} for r in back], path=str(path))
     arrays = topk_for(tok, rows, back)
     with pytest.raises(ValueError, match=r"trajectory q0/single/0: \d+ tokens have the teacher's top-k, \d+ are assistant tokens"):
-        build_examples(tok, rows, 128, [(a[:-1], b[:-1]) for a, b in arrays])
+        build_examples(TagFormat(tok), rows, 128, [(a[:-1], b[:-1]) for a, b in arrays])
 
 
 def test_divergences_equal_the_hand_computed_ones_and_vanish_when_student_equals_teacher():
@@ -95,7 +96,7 @@ def test_sft_records_cross_entropy_plus_the_weighted_divergence_computed_by_hand
 
     tok, rows, k, weight = teacher.tokenizer, rows_for(teacher.tokenizer), 4, 0.5
     stored, _ = capture_topk(teacher, rows, k, progress=lambda _: None)
-    examples, _ = build_examples(tok, rows, 128, topk_for(tok, rows, stored))
+    examples, _ = build_examples(TagFormat(tok), rows, 128, topk_for(tok, rows, stored))
     cfg = SFTConfig(epochs=1, batch_size=len(rows), lr=1e-3, warmup_ratio=0.0, kd_weight=weight, packing=packing, max_length=512)
     first = train_sft(str(tiny_model_dir), examples, cfg, str(tmp_path / "out"))[0]  # step 1's loss: the untrained student's
 
@@ -243,7 +244,7 @@ def test_a_chat_teachers_top_k_is_kept_beside_the_shard_and_sft_distils_only_the
             assert top_ids[j, :len(w)].tolist() == [i for i, _ in w] and top_logps[j, :len(w)] == pytest.approx([lp for _, lp in w], abs=2e-3)
             assert not np.isfinite(top_logps[j, len(w):]).any()  # the slots past its alternatives hold no token
 
-    examples, _ = build_examples(tok, [{**r, "correct": True} for r in rows], 1024, topk_for(tok, rows, table))
+    examples, _ = build_examples(TagFormat(tok), [{**r, "correct": True} for r in rows], 1024, topk_for(tok, rows, table))
     weight = 0.5
     cfg = SFTConfig(epochs=1, batch_size=len(rows), lr=1e-3, warmup_ratio=0.0, kd_weight=weight, max_length=512, precision="fp32")
     first = train_sft(str(tiny_model_dir), examples, cfg, str(tmp_path / "out"))[0]

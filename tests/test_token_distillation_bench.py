@@ -1,4 +1,4 @@
-"""bench/token_distillation's reading of an rl run's reports, the rl params of each row, and a stopped row going on where
+"""research/token_distillation's reading of an rl run's reports, the rl params of each row, and a stopped row going on where
 it stopped."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.token_distillation import rl_figures
+from research.token_distillation import rl_figures
 
 
 def write_run(project, steps: int, probe_every: int, start: float) -> None:
@@ -52,7 +52,7 @@ def write_eval(project) -> None:
 
 
 def test_endings_count_the_episodes_whose_last_turn_writes_a_tool_result_itself():
-    from bench.token_distillation import endings
+    from research.token_distillation import endings
 
     rows = [episode("<search>x</search>", "doc", "<answer>y</answer>"),
             episode("<search>x</search>", "doc", "<tool_response>\ndoc", finish="length"),
@@ -65,16 +65,16 @@ def test_endings_count_the_episodes_whose_last_turn_writes_a_tool_result_itself(
 def fake_demo(root):
     for folder in ("data/raw", "models/base", "models/sft", "models/rl", "models/teacher", "reports"):
         (root / folder).mkdir(parents=True)
-    (root / "params.yaml").write_text("rl: {steps: 1}\n")
+    (root / "params.yaml").write_text("rl: {steps: 1, loss: {}, opd: {}}\n")
     (root / "teacher").mkdir()
     return root
 
 
 def test_a_row_stopped_part_way_goes_on_in_its_copy_and_a_finished_row_is_read_back_for_the_same_setup_only(tmp_path, monkeypatch):
-    """The stages are stood in for (bench.token_distillation.run): the first rl run dies part-way, as a killed stage
+    """The stages are stood in for (research.token_distillation.run): the first rl run dies part-way, as a killed stage
     does; the same command again keeps the copy (what the stopped run left in it stays) and runs rl again there; a
     third time nothing runs; another --set starts a new copy."""
-    import bench.token_distillation as td
+    import research.token_distillation as td
 
     demo, work = fake_demo(tmp_path / "demo"), tmp_path / "work"
     calls = []
@@ -110,14 +110,14 @@ def test_an_opd_row_has_no_outcome_term_unless_set_and_the_opd_rl_row_runs_opd_t
     stood in for): `--set` wins over the row's own settings; OPD -> RL is one run, its first half OPD."""
     import yaml
 
-    import bench.token_distillation as td
+    import research.token_distillation as td
 
     demo, seen = fake_demo(tmp_path / "demo"), []
 
     def stage(project, *cmd):
         if cmd[-1] == "stages.rl":
             rl = yaml.safe_load((project / "params.yaml").read_text())["rl"]
-            seen.append((rl["objective"], rl.get("outcome_weight"), rl["steps"], rl.get("opd_steps")))
+            seen.append((rl["loss"]["objective"], rl["opd"].get("outcome_weight"), rl["steps"], rl["opd"].get("steps")))
             (project / "models/rl").mkdir(exist_ok=True)
             write_run(project, steps=rl["steps"], probe_every=1, start=1.0)
         else:
@@ -127,15 +127,15 @@ def test_an_opd_row_has_no_outcome_term_unless_set_and_the_opd_rl_row_runs_opd_t
     monkeypatch.setattr(td, "run", stage)
     args = (demo, tmp_path / "work", demo / "teacher", 4, 0.5, 8)
     td.row("sft_opd", *args, {}, False)
-    td.row("base_opd", *args, {"rl.outcome_weight": 1.0}, False)
-    td.row("sft_opd_rl", *args, {"rl.outcome_weight": 0.5}, False)
+    td.row("base_opd", *args, {"rl.opd.outcome_weight": 1.0}, False)
+    td.row("sft_opd_rl", *args, {"rl.opd.outcome_weight": 0.5}, False)
     assert seen == [("opd", 0.0, 4, None), ("opd", 1.0, 4, None), ("reward", 0.5, 4, 2)]
     with pytest.raises(SystemExit, match="needs a budget of 2 steps or more"):
         td.row("sft_opd_rl", demo, tmp_path / "work", demo / "teacher", 1, 0.5, 8, {}, False)
 
 
 def test_each_methods_em_line_runs_over_its_budgets_from_the_student_it_starts_from_at_zero_seconds():
-    from bench.token_distillation import em_lines
+    from research.token_distillation import em_lines
 
     def scored(em, train_s=None):
         return {"em": em, "em_lo": em - 0.1, "em_hi": em + 0.1, **({} if train_s is None else {"train_s": train_s})}
@@ -152,7 +152,7 @@ def test_each_methods_em_line_runs_over_its_budgets_from_the_student_it_starts_f
 def test_a_seeded_row_trains_in_its_own_copy_with_that_seed(tmp_path, monkeypatch):
     import yaml
 
-    import bench.token_distillation as td
+    import research.token_distillation as td
 
     demo, seen = fake_demo(tmp_path / "demo"), []
 
@@ -174,7 +174,7 @@ def test_a_seeded_row_trains_in_its_own_copy_with_that_seed(tmp_path, monkeypatc
 
 
 def test_rows_over_seeds_give_each_methods_spread_and_its_paired_difference_from_rl():
-    from bench.token_distillation import across_seeds, em_lines
+    from research.token_distillation import across_seeds, em_lines
 
     def scored(em, train_s=100.0):
         return {"em": em, "em_lo": em - 0.1, "em_hi": em + 0.1, "train_s": train_s}

@@ -1,10 +1,14 @@
 """The native tool format (unison/tool_format.py): for every conversation shape the pipeline trains on, the ids and mask
 the trainer uses equal apply_chat_template of the same messages and tools, and equal what the runtime builds while the
-student acts; under unison's ChatML fallback (SmolLM2) and under a Qwen2.5-style template with tools that this test
-writes. Turns read back: calls, parallel calls, answers and every malformed call."""
+student acts; under unison's ChatML fallback (SmolLM2) and under two Qwen2.5-style templates with tools written for
+the tests (the second, tests/fixtures/qwen_style_tools.jinja, returns results in user turns as Qwen2.5's does), whose
+prompts vLLM's server renders to the same ids. Turns read back: calls, parallel calls, answers and every malformed
+call."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -13,8 +17,8 @@ from unison.agents.runtime import Episode, EpisodeSettings, run_episodes
 from unison.agents.toolbox import Toolbox
 from unison.llm.base import Completion
 from unison.protocol import observation
-from unison.tool_format import NativeFormat, native_system_prompt, with_tool_template
-from unison.tools.registry import SYSTEM_PROMPT
+from unison.tool_format import NativeFormat, TagFormat, format_class, native_system_prompt, student_format, with_tool_template
+from unison.tools.registry import SYSTEM_PROMPT, system_prompt
 from unison.train.rollout import episode_view
 
 TOOLS = ("search", "python")
@@ -79,11 +83,18 @@ class Scripted:
         return out
 
 
-@pytest.fixture(scope="module", params=["chatml_fallback", "qwen_style"])
+# Qwen2.5's own layout: the schemas in a <tools> block, each call a <tool_call> of the assistant turn, the results of
+# consecutive tool messages <tool_response> blocks of one user turn
+QWEN_TOOL_RESPONSES = Path(__file__).parent / "fixtures" / "qwen_style_tools.jinja"
+
+
+@pytest.fixture(scope="module", params=["chatml_fallback", "qwen_style", "qwen_tool_responses"])
 def native(request, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # SmolLM2's tokenizer: its template renders no tools
     if request.param == "qwen_style":
         tok.chat_template = QWEN_STYLE
+    if request.param == "qwen_tool_responses":
+        tok.chat_template = QWEN_TOOL_RESPONSES.read_text()
     return NativeFormat(tok, TOOLS, native_system_prompt())
 
 
@@ -113,7 +124,7 @@ def test_trainer_ids_equal_the_chat_template_and_the_runtimes_episode(native, sh
     turns = served_turns(native, messages)
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "".join(t + tok.eos_token for t in turns)  # assistant turns alone
 
-    episode = Episode(key="q/0", prompt_ids=native.prompt_ids(messages[:2]), seed=0, scaffold=[], tools=TOOLS, native=native)
+    episode = Episode(key="q/0", prompt_ids=native.prompt_ids(messages[:2]), seed=0, scaffold=[], tools=TOOLS, format=native)
     run_episodes([episode], Scripted(tok, turns), Toolbox(KeltRetriever()), EpisodeSettings(temperature=0.0, max_turns=4))
     view, n = episode_view(episode), len(episode.ids)
     assert (view.ids, view.loss_mask[1:]) == (ids[:n], mask[1:n])  # the first token is never a target
@@ -132,7 +143,7 @@ def test_a_parallel_call_runs_each_query_and_renders_one_tool_message_each(nativ
 @pytest.mark.parametrize("text, error", [
     ('<tool_call>\n{"name": "search", "arguments": {"query": "x"}', "without its </tool_call>"),
     ("<tool_call>\nnot json\n</tool_call>", "not a JSON object"),
-    ("<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>", "not a JSON object"),
+    ("<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>", "JSON nested more than 33 deep"),
     ('<tool_call>\n{"name": "delete_files", "arguments": {}}\n</tool_call>', "function 'delete_files' has no tool"),
     ('<tool_call>\n{"name": "crawl", "arguments": {"url": "http://x"}}\n</tool_call>', "crawl is not a tool of this turn"),
     ('<tool_call>{"name": "search", "arguments": {"query": "a"}}</tool_call><tool_call>{"name": "python", "arguments": '
@@ -143,6 +154,31 @@ def test_a_parallel_call_runs_each_query_and_renders_one_tool_message_each(nativ
 def test_a_malformed_native_call_is_an_error_the_model_sees(native, text, error):
     turn = native.read(text, finished=True)
     assert turn.calls == [] and error in turn.error and turn.text == text
+
+
+DEEP_QUERY = '{"query": ' + "[" * 1500 + '"Zorvan Kelt"' + "]" * 1500 + "}"  # about 3 KB
+DEEP_CALLS = {"arguments as a JSON string": '<tool_call>\n{"name": "search", "arguments": ' + json.dumps(DEEP_QUERY) + "}\n</tool_call>",
+              "arguments as an object": '<tool_call>\n{"name": "search", "arguments": ' + DEEP_QUERY + "}\n</tool_call>"}
+
+
+@pytest.mark.parametrize("form", list(DEEP_CALLS))
+def test_a_native_call_nested_deep_is_a_counted_malformed_call_and_never_searched(native, form):
+    searched = []
+
+    class RecordingRetriever:
+        def search(self, queries):
+            searched.extend(queries)
+            return [[{"title": q[:20], "text": "Tarsk"}] for q in queries]
+
+    turn = native.read(DEEP_CALLS[form], finished=True)
+    assert turn.calls == [] and "nested more than" in turn.error
+    prompt = native.prompt_ids(native.messages(student_view("no_call"))[:2])
+    episode = Episode(key="q/0", prompt_ids=prompt, seed=0, scaffold=[], tools=TOOLS, format=native)
+    run_episodes([episode], Scripted(native.tok, [DEEP_CALLS[form], "Tarsk"]), Toolbox(RecordingRetriever()),
+                 EpisodeSettings(temperature=0.0, max_turns=4))
+    assert searched == [] and episode.tool_stats == {"tool_call": {"calls": 1, "errors": 1, "malformed": 1}}
+    assert "error: an unusable tool call: JSON nested more than" in episode.segments[1].text
+    assert episode.finish_reason == "answer" and episode.segments[-1].text == "<answer>Tarsk</answer>"
 
 
 def test_native_turns_read_back_as_the_tag_protocol(native):
@@ -176,7 +212,7 @@ def test_the_scaffold_prefills_the_native_calls_opening_and_closes_what_the_mode
     to its argument's string, the model writes the query, the runtime closes the call and the turn."""
     tok = native.tok
     messages = native.messages(student_view("one_call"))
-    episode = Episode(key="q/0", prompt_ids=native.prompt_ids(messages[:2]), seed=0, scaffold=["search", "answer"], tools=TOOLS, native=native)
+    episode = Episode(key="q/0", prompt_ids=native.prompt_ids(messages[:2]), seed=0, scaffold=["search", "answer"], tools=TOOLS, format=native)
     backend = Scripted(tok, ['Zorvan Kelt" and more', "Tarsk\n\nand more"])
     run_episodes([episode], backend, Toolbox(KeltRetriever()), EpisodeSettings(temperature=0.0, max_turns=4))
     opening = native.scaffold("search")[0]
@@ -209,10 +245,10 @@ def test_sft_refuses_a_max_length_that_leaves_no_trained_token(native):
     from unison.train.sft import build_examples
 
     row = {"id": "q/0", "student": student_view("one_call"), "tokenizer": ""}
-    examples, _ = build_examples(native.tok, [row], max_length=4096, native=native)
+    examples, _ = build_examples(native, [row], max_length=4096)
     assert sum(examples[0][1]) > 0
     with pytest.raises(ValueError, match="sft.max_length 64 cuts every example before its first trained token"):
-        build_examples(native.tok, [row], max_length=64, native=native)
+        build_examples(native, [row], max_length=64)
 
 
 def test_unisons_template_renders_the_same_prompt_whatever_order_and_flags_a_client_sends_the_tools_with(tiny_model_dir):
@@ -229,3 +265,103 @@ def test_unisons_template_renders_the_same_prompt_whatever_order_and_flags_a_cli
     render = lambda tools: tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert render(as_an_sdk_sends) == render(trained)
     assert render(trained).index('"name": "python"') < render(trained).index('"name": "search"') and "strict" not in render(trained)
+
+
+def openai_messages(messages: list[dict]) -> list[dict]:
+    """Chat messages as the openai client sends them: each call with an id and its arguments as a JSON string, each
+    tool message naming the call it answers."""
+    out, unanswered = [], []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{"id": f"call_{len(out)}_{k}", "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+                for k, c in enumerate(m["tool_calls"])]}
+            unanswered = [c["id"] for c in m["tool_calls"]]
+        if m["role"] == "tool":
+            m = {**m, "tool_call_id": unanswered.pop(0) if unanswered else "call_unknown"}
+        out.append(m)
+    return out
+
+
+@pytest.mark.slow  # a vLLM server on the tiny model (~1 min on 2 cores)
+@pytest.mark.timeout(900)
+def test_vllm_renders_a_qwen_style_template_with_tool_responses_as_the_trainer_and_the_runtime_do(
+        tiny_model_dir, tmp_path):
+    """`unison serve` on a folder whose own template renders the tools, Qwen2.5's way (tests/fixtures): vLLM's server,
+    sent each conversation shape as the openai client sends it, renders the ids the trainer trains on
+    (NativeFormat.render), and each prompt the student answers in it (the conversation up to each assistant turn, open)
+    as the runtime's NativeFormat.prompt_ids. test_e2e.py compares the same under unison's ChatML fallback."""
+    import requests
+
+    from unison.config import ROOT
+    from unison.serve import serving
+    from unison.tool_format import renders_tools, serving_info
+
+    from .local_http import free_port
+
+    folder = tmp_path / "student"
+    shutil.copytree(tiny_model_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = QWEN_TOOL_RESPONSES.read_text()
+    tok.save_pretrained(folder)  # its chat_template.jinja, which unison serve hands vLLM
+    native = NativeFormat(AutoTokenizer.from_pretrained(folder), TOOLS, native_system_prompt())
+    assert renders_tools(native.tok) and native.tok.chat_template == QWEN_TOOL_RESPONSES.read_text()
+    assert serving_info(folder)["chat_template"] == "chat_template.jinja"
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    with serving(folder, free_port(), tmp_path / "served.log", args=("--kv-cache-gb", "0.5"), cwd=tmp_path) as url:
+        def served(messages: list[dict], generation: bool) -> list[int]:
+            reply = requests.post(url.removesuffix("/v1") + "/tokenize", timeout=60, json={
+                "model": "unison-student", "messages": openai_messages(messages), "tools": native.schemas,
+                "add_generation_prompt": generation})
+            assert reply.status_code == 200, reply.text
+            return reply.json()["tokens"]
+
+        for shape in SHAPES:
+            messages = native.messages(student_view(shape))
+            ids, _ = native.render(messages)
+            assert served(messages, False) == ids, shape
+            assert "<tool_response>" in native.tok.decode(ids) or shape == "no_call"
+            for k, m in enumerate(messages):
+                if m["role"] == "assistant":
+                    assert served(messages[:k], True) == native.prompt_ids(messages[:k]), (shape, k)
+
+
+def test_the_tag_and_native_formats_are_objects_with_one_interface(native):
+    """student.tool_format chooses an object either way (student_format), and the runtime, trainers and exports call the
+    same methods on both, never asking which it is."""
+    import inspect
+
+    tags = student_format("tags", native.tok, TOOLS, "gap")
+    assert isinstance(tags, TagFormat) and tags.system == system_prompt(TOOLS, "gap")
+    assert isinstance(student_format("native", native.tok, TOOLS), NativeFormat)
+    for name in ("for_student", "install", "with_system", "prompt_ids", "prompt_messages", "scaffold", "stops", "completed",
+                 "observation_ids", "view", "messages"):
+        assert list(inspect.signature(getattr(tags, name)).parameters) == list(inspect.signature(getattr(native, name)).parameters), name
+    for fmt in (tags, native):
+        assert {"name", "parser", "tag_tokens", "tok", "system", "schemas"} <= set(dir(fmt))
+        assert format_class(fmt.name) is type(fmt) and fmt.with_system("S").system == "S" != fmt.system
+    assert (tags.parser, native.parser, tags.schemas, TagFormat.install("any folder")) == ("", "hermes", [], {})
+
+
+def test_a_tag_format_episode_is_the_chat_prompt_with_each_turns_ids_as_generated(tiny_model_dir):
+    """The tag protocol's object keeps its rendering: the prompt is protocol.chat_prompt of the system prompt and the
+    question, each turn its ids as generated (the eos closing the answer), each observation its text's ids as plain
+    text, the row's token view the episode's ids, and its messages the turns joined as exports write them."""
+    from unison.agents.episodes import start_episode, student_messages
+    from unison.protocol import chat_prompt, question_messages
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tags = student_format("tags", tok, TOOLS)
+    episode = start_episode(tags, "q/0", QUESTION, 0, [], TOOLS)
+    assert episode.prompt_ids == chat_prompt(tok, question_messages(QUESTION, system_prompt(TOOLS)))
+    turns = [text for role, text in SHAPES["parallel_calls"] if role == "assistant"]
+    run_episodes([episode], Scripted(tok, turns), Toolbox(KeltRetriever()), EpisodeSettings(temperature=0.0, max_turns=4))
+    assert [s.text for s in episode.segments] == [text for _, text in SHAPES["parallel_calls"]] and episode.finish_reason == "answer"
+    call, result, answer = episode.segments
+    assert call.ids == tok(turns[0], add_special_tokens=False)["input_ids"]
+    assert answer.ids == tok(turns[1], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert result.ids == tok(result.text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    student = student_messages(QUESTION, episode.segments, system_prompt(TOOLS))
+    ids, mask = tags.view({"student": student, "tokenizer": ""})
+    assert ids == episode.ids and mask == [0] * len(episode.prompt_ids) + [1] * len(call.ids) + [0] * len(result.ids) + [1] * len(answer.ids)
+    assert [m["role"] for m in tags.messages(student)] == ["system", "user", "assistant", "tool", "assistant"]

@@ -1,4 +1,4 @@
-"""The one set of training settings (unison/config.py TrainingSettings) that sft, dpo, prm and rl hand the Trainer
+"""The one set of training settings (unison/config/train.py TrainingSettings) that sft, dpo, prm and rl hand the Trainer
 whole: the lr schedules they gave before it existed, its rules, and a resume of the trainers that gained checkpoints."""
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ def test_the_settings_rules_live_in_the_model():
     with pytest.raises(ValidationError, match="trainer verl.*schedule: constant"):
         RLConfig(trainer="verl", schedule="linear")
     assert PRMConfig(max_grad_norm=None, checkpoint_every=2).checkpoint_every == 2
-    with pytest.raises(ValidationError, match="rl.prm_weight > 0 needs a sequence estimator"):  # rules once in library code
-        RLConfig(prm_weight=1.0, estimator="flow_grpo")
-    with pytest.raises(ValidationError, match="rl.dual_clip: verl always applies dual clip"):
-        RLConfig(trainer="verl", dual_clip=None)
+    with pytest.raises(ValidationError, match="rl.reward.prm_weight > 0 needs a sequence estimator"):  # rules once in library code
+        RLConfig(reward={"prm_weight": 1.0}, loss={"estimator": "flow_grpo"})
+    with pytest.raises(ValidationError, match="rl.loss.dual_clip: verl always applies dual clip"):
+        RLConfig(trainer="verl", loss={"dual_clip": None})
 
 
 def test_sft_prm_and_dpo_resume_from_their_checkpoint_after_a_kill(tiny_model_dir, tmp_path):
@@ -49,14 +49,15 @@ def test_sft_prm_and_dpo_resume_from_their_checkpoint_after_a_kill(tiny_model_di
     run never killed, with 2 steps fewer done."""
     from transformers import AutoTokenizer
 
+    from unison.tool_format import TagFormat
     from unison.train.dpo import pair_views, train_dpo
     from unison.train.prm import train_prm
     from unison.train.sft import build_examples, train_sft
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     pairs = [(labeled(q, 0, True, "Tarsk"), labeled(q, 1, False, "Velmora")) for q in "abcd"]
-    views, _ = pair_views(tok, pairs, max_length=256)
-    examples, _ = build_examples(tok, [labeled(q, 0, True, "Tarsk") for q in "abcd"], max_length=256)
+    views, _ = pair_views(TagFormat(tok), pairs, max_length=256)
+    examples, _ = build_examples(TagFormat(tok), [labeled(q, 0, True, "Tarsk") for q in "abcd"], max_length=256)
     runs = {"sft": lambda cfg, **kw: train_sft(str(tiny_model_dir), examples, cfg, str(tmp_path / "sft-out"), **kw),
             "prm": lambda cfg, **kw: train_prm(str(tiny_model_dir), prm_rows(), cfg, **kw)[1],
             "dpo": lambda cfg, **kw: train_dpo(str(tiny_model_dir), views, cfg, str(tmp_path / "dpo-out"), **kw)}

@@ -52,8 +52,12 @@ RESPONSES = {  # question -> responses of one group, as the student writes them 
 
 
 def verl_params(project_dir: Path, search_url: str = "http://127.0.0.1:9", **rl):
+    """params.yaml for rl.trainer verl, with `rl`'s settings over rl's (a group's keys, e.g. loss={...}, over the group's)."""
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    raw["rl"].update({"trainer": "verl", "verifiable_weight": 2.0, "format_weight": 0.5, **rl})
+    raw["rl"]["trainer"] = "verl"
+    raw["rl"]["reward"] |= {"verifiable_weight": 2.0, "format_weight": 0.5}
+    for key, value in rl.items():
+        raw["rl"][key] = raw["rl"][key] | value if isinstance(value, dict) else value
     raw["label"]["qa_metric"] = "f1"
     raw["tools"]["search_url"] = search_url
     raw["export"]["verl_agent"] = "unison_agent"
@@ -72,7 +76,7 @@ def parsed(overrides: list[str]) -> dict:
 
 
 def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_cannot_do(exported):
-    params = verl_params(exported.parent.parent, verl_nnodes=2, verl_gpus_per_node=4, estimator="dr_grpo", kl_coef=0.001)
+    params = verl_params(exported.parent.parent, verl={"nnodes": 2, "gpus_per_node": 4}, loss={"estimator": "dr_grpo", "kl_coef": 0.001})
     files = [str(p) for p in sorted((exported / "verl").glob("level*.parquet"))]
     overrides = parsed(write_verl_config(*verl_sections(params), files, "models/sft", "work", DEFAULT_TOOLS))
     unknown = [k for k in overrides if not k.startswith("+") and k not in VERL_KEYS]
@@ -86,9 +90,9 @@ def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_canno
                                       "trainer.total_training_steps", "trainer.nnodes", "trainer.n_gpus_per_node",
                                       "reward.custom_reward_function.name", "actor_rollout_ref.rollout.multi_turn.enable"]} == {
         "data.train_files": files, "actor_rollout_ref.model.path": "models/sft", "actor_rollout_ref.rollout.name": "vllm",
-        "actor_rollout_ref.rollout.n": rl.group_size, "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False,
-        "actor_rollout_ref.actor.optim.lr": rl.lr, "actor_rollout_ref.actor.clip_ratio_low": rl.clip_low,
-        "actor_rollout_ref.actor.clip_ratio_high": rl.clip_high, "actor_rollout_ref.actor.kl_loss_coef": 0.001,
+        "actor_rollout_ref.rollout.n": rl.rollout.group_size, "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False,
+        "actor_rollout_ref.actor.optim.lr": rl.lr, "actor_rollout_ref.actor.clip_ratio_low": rl.loss.clip_low,
+        "actor_rollout_ref.actor.clip_ratio_high": rl.loss.clip_high, "actor_rollout_ref.actor.kl_loss_coef": 0.001,
         "actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
         "trainer.total_training_steps": rl.steps, "trainer.nnodes": 2, "trainer.n_gpus_per_node": 4,
         "reward.custom_reward_function.name": "compute_score", "actor_rollout_ref.rollout.multi_turn.enable": True}
@@ -105,11 +109,11 @@ def test_verl_config_sets_only_verl_keys_from_params_and_refuses_what_verl_canno
     assert [e["tool_schema"]["function"]["parameters"]["required"] for e in entries] == [["query"], ["code"]]
     (loop,) = OmegaConf.load(overrides["actor_rollout_ref.rollout.agent.agent_loop_config_path"])  # as verl's worker loads it
     module, _, cls = loop["_target_"].rpartition(".")
-    assert loop["name"] == "unison_agent" and loop["max_tokens_per_turn"] == rl.max_tokens_per_turn
+    assert loop["name"] == "unison_agent" and loop["max_tokens_per_turn"] == rl.rollout.max_tokens_per_turn
     assert hasattr(importlib.import_module(module), cls) == VERL  # the class exists where verl does
 
-    for bad, key in [({"estimator": "flow_grpo"}, "rl.estimator"), ({"efficiency_weight": 1.0}, "rl.efficiency_weight"),
-                     ({"dual_clip": None}, "rl.dual_clip"), ({"mini_batches": 3}, "rl.mini_batches")]:
+    for bad, key in [({"loss": {"estimator": "flow_grpo"}}, "rl.loss.estimator"), ({"reward": {"efficiency_weight": 1.0}}, "rl.reward.efficiency_weight"),
+                     ({"loss": {"dual_clip": None}}, "rl.loss.dual_clip"), ({"mini_batches": 3}, "rl.mini_batches")]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             verl_params(exported.parent.parent, **bad)  # refused when params load
     verl_params(exported.parent.parent)  # back to settings verl can run
@@ -147,7 +151,7 @@ def test_the_verl_reward_on_verls_call_signature_equals_the_in_house_reward(expo
                           extra_info=dict(row["extra_info"]), **kwargs) for text in responses]
         episodes = [SimpleNamespace(text=t, answer=final_answer(t)) for t in responses]
         views = [View([0] * len(t), [1] * len(t), []) for t in responses]
-        setup = RLSetup(params.rl.model_copy(update={"group_size": len(responses)}), params.label, params.llm, DEFAULT_TOOLS)
+        setup = RLSetup(params.rl.model_copy(update={"rollout": params.rl.rollout.model_copy(update={"group_size": len(responses)})}), params.label, params.llm, DEFAULT_TOOLS)
         theirs = score_episodes(episodes, [in_house[qid]], views, setup, step=1)
         assert [r["score"] for r in ours] == theirs["total"]
         assert [r["format"] for r in ours] == theirs["format"] and [r["verifiable"] for r in ours] == theirs["verifiable"]

@@ -158,12 +158,13 @@ def test_episode_calls_web_search_through_the_toolbox(server, base_model_dir, tm
     from unison.agents.episodes import start_episode
     from unison.agents.runtime import EpisodeSettings, run_episodes
     from unison.llm.hf_backend import HFBackend
+    from unison.tool_format import TagFormat
 
     tools_cfg = _tools(server.url, web_search_url=server.url + "/search", web_topk=2)
     tools = enabled_tools(tools_cfg)
     smol = HFBackend(str(base_model_dir), dtype="float32")
-    e = start_episode(smol.tokenizer, "q0", "In which country is Tarsk?", seed=0, scaffold=["web_search", "answer"],
-                      system=system_prompt(tools), tools=tools)
+    e = start_episode(TagFormat(smol.tokenizer, system_prompt(tools)), "q0", "In which country is Tarsk?", seed=0,
+                      scaffold=["web_search", "answer"], tools=tools)
     run_episodes([e], smol, make_toolbox(tools_cfg, web_cache_dir=tmp_path), EpisodeSettings(temperature=0.0, max_tokens_per_turn=16))
     assert e.segments[0].text.startswith("<web_search>") and e.segments[0].text.endswith("</web_search>")
     assert e.segments[1].kind == "obs" and "Doc 1 (Title: " in e.segments[1].text and "(https://example.org/1)" in e.segments[1].text

@@ -24,7 +24,7 @@ SCRIPT = """
 import json, pathlib, sys
 from tests.test_rl import rl_config, run
 args = json.loads(sys.argv[1])
-run(pathlib.Path(args["model"]), rl_config(format_weight=0.0, lr=1e-4, deepspeed_config=args["config"]), pathlib.Path(args["tmp"]), "zero2")
+run(pathlib.Path(args["model"]), rl_config(lr=1e-4, deepspeed_config=args["config"], reward={"format_weight": 0.0}), pathlib.Path(args["tmp"]), "zero2")
 """
 
 SFT_SCRIPT = """
@@ -53,7 +53,7 @@ def distributed_env() -> dict:
 @pytest.mark.nightly  # ZeRO-2 through a training loop stays in make test (the SFT test below)
 def test_zero2_step_on_cpu_matches_a_plain_step(answerer, tmp_path):  # noqa: F811
     import deepspeed  # noqa: F401  (in the lock: a broken install fails here, never skips)
-    run(answerer, rl_config(format_weight=0.0, lr=1e-4), tmp_path, "plain")
+    run(answerer, rl_config(lr=1e-4, reward={"format_weight": 0.0}), tmp_path, "plain")
     args = json.dumps({"model": str(answerer), "config": str(ROOT / "configs/deepspeed/zero2.json"), "tmp": str(tmp_path)})
     proc = subprocess.run([sys.executable, "-c", SCRIPT, args], cwd=ROOT, env=distributed_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -14,7 +14,7 @@
 
 The conversations are the student renderings `sft` trains on (sft.select_trajectories, same settings), in the
 student's tool format (student.tool_format). Native: LLaMA-Factory's sharegpt gets the tools' schemas in its `tools`
-column, each call a `function_call` turn and its results an `observation` turn (llamafactory_native); TRL's
+column, each call a `function_call` turn and its results an `observation` turn (llamafactory_sft); TRL's
 conversational file gets `tools` beside messages whose assistant turns carry `tool_calls` and whose results are `tool`
 messages, and TRL's SFTTrainer applying the student's chat template to it builds exactly sft_tokenized.jsonl's ids.
 Tags: tool calls stay the tags the student writes (<search>q</search>), each observation a turn of the consumer's tool
@@ -42,6 +42,7 @@ import pyarrow as pa
 from . import layout
 from .config import DPOConfig, ExportConfig, SFTConfig
 from .data.schemas import RL_ROW, DataError, read_table, write_json, write_jsonl, write_table
+from .tool_format import NativeFormat, TagFormat
 from .tools.search import SEPARATOR
 from .train.dpo import build_pairs
 from .train.sft import build_examples, select_trajectories
@@ -56,32 +57,42 @@ def student_turns(row: dict, path: str | Path) -> list[dict]:
     if [m["role"] for m in student[:2]] != ["system", "user"]:
         raise DataError(path, f"trajectory {row['id']}: the student rendering must open with system and user",
                         field="student")
-    turns: list[dict] = []
-    for m in student[2:]:
-        if m["role"] not in ("assistant", "tool"):
-            raise DataError(path, f"trajectory {row['id']}: unexpected role {m['role']!r} after the question",
-                            field="student")
-        if turns and turns[-1]["role"] == m["role"]:
-            turns[-1]["content"] += m["content"]
-        else:
-            turns.append({"role": m["role"], "content": m["content"]})
-    if turns and turns[-1]["role"] == "tool":
-        turns.pop()
+    stray = next((m["role"] for m in student[2:] if m["role"] not in ("assistant", "tool")), None)
+    if stray:
+        raise DataError(path, f"trajectory {row['id']}: unexpected role {stray!r} after the question", field="student")
+    turns = TagFormat.messages(student)[2:]
     if not turns or turns[0]["role"] != "assistant":
         raise DataError(path, f"trajectory {row['id']}: no assistant turn after the question", field="student")
     return turns
 
 
-def chat(row: dict, path: str | Path) -> list[dict]:
-    """System, user, then the student's turns."""
-    head = [{"role": m["role"], "content": m["content"]} for m in row["student"][:2]]
-    return head + student_turns(row, path)
+def chat(row: dict, format: NativeFormat | TagFormat, path: str | Path) -> list[dict]:
+    """A chosen row's conversation as the student's `format` writes it (its rendering checked: student_turns)."""
+    student_turns(row, path)
+    return format.messages(row["student"])
 
 
-def llamafactory_sft(rows: list[dict], path: str | Path) -> list[dict]:
-    return [{"system": r["student"][0]["content"],
-             "conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in chat(r, path)[1:]]}
-            for r in rows]
+def llamafactory_sft(rows: list[dict], format: NativeFormat | TagFormat, path: str | Path) -> list[dict]:
+    """The student's conversations in LLaMA-Factory's sharegpt: its system prompt, each turn one of its `from` roles
+    (a native call a `function_call` turn ({name, arguments}, a list for parallel calls), its results one
+    `observation` turn, parallel results joined as search joins them), and a native format's tools' schemas (the
+    `tools` column, a JSON string). Text an assistant writes before a native call has no place in a function_call turn
+    and is left out."""
+    out = []
+    for r in rows:
+        messages, conversations = chat(r, format, path), []
+        for m in messages[1:]:
+            if m["role"] == "tool" and conversations[-1]["from"] == "observation":
+                conversations[-1]["value"] += SEPARATOR + m["content"]
+            elif m.get("tool_calls"):
+                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                         for c in m["tool_calls"]]
+                conversations.append({"from": "function_call",
+                                      "value": json.dumps(calls[0] if len(calls) == 1 else calls)})
+            else:
+                conversations.append({"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]})
+        out.append({"system": messages[0]["content"], **tools_column(format), "conversations": conversations})
+    return out
 
 
 def llamafactory_dpo(pairs: list[tuple[dict, dict]], path: str | Path) -> list[dict]:
@@ -93,37 +104,21 @@ def llamafactory_dpo(pairs: list[tuple[dict, dict]], path: str | Path) -> list[d
              "chosen": completion(chosen), "rejected": completion(rejected)} for chosen, rejected in pairs]
 
 
-def llamafactory_native(rows: list[dict], native) -> list[dict]:
-    """A native student's conversations in LLaMA-Factory's sharegpt with tools: its system prompt, the tools' schemas
-    (the `tools` column, a JSON string), each call a `function_call` turn ({name, arguments}, a list for parallel
-    calls), its results one `observation` turn (parallel results joined as search joins them). Text an assistant
-    writes before a call has no place in a function_call turn and is left out."""
-    out = []
-    for r in rows:
-        messages, conversations = native.messages(r["student"]), []
-        for m in messages[1:]:
-            if m["role"] == "tool" and conversations[-1]["from"] == "observation":
-                conversations[-1]["value"] += SEPARATOR + m["content"]
-            elif m.get("tool_calls"):
-                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                         for c in m["tool_calls"]]
-                conversations.append({"from": "function_call",
-                                      "value": json.dumps(calls[0] if len(calls) == 1 else calls)})
-            else:
-                conversations.append({"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]})
-        out.append({"system": messages[0]["content"], "tools": json.dumps(native.schemas),
-                    "conversations": conversations})
-    return out
-
-
-def trl_native(row: dict, native) -> dict:
-    """A native student's conversation for TRL: messages with tool_calls whose arguments are JSON strings and `tools` a
-    JSON string, as OpenAI's API writes them (TRL parses a string `tools`; a JSON loader would otherwise merge every
-    row's schemas and arguments into one struct, each with the others' keys as nulls)."""
+def trl_sft(row: dict, format: NativeFormat | TagFormat, path: str | Path) -> dict:
+    """The student's conversation for TRL: its messages, a native format's with tool_calls whose arguments are JSON
+    strings and `tools` a JSON string, as OpenAI's API writes them (TRL parses a string `tools`; a JSON loader would
+    otherwise merge every row's schemas and arguments into one struct, each with the others' keys as nulls)."""
     messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
                     c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
-                if m.get("tool_calls") else m for m in native.messages(row["student"])]
-    return {"messages": messages, "tools": json.dumps(native.schemas)}
+                if m.get("tool_calls") else m for m in chat(row, format, path)]
+    return {"messages": messages, **tools_column(format)}
+
+
+def tools_column(format: NativeFormat | TagFormat) -> dict:
+    """A format's tools' schemas as a `tools` column (a JSON string); none for the tag protocol, whose system prompt
+    teaches them (a `tools` column would make LLaMA-Factory's template announce a JSON call format it never
+    writes)."""
+    return {"tools": json.dumps(format.schemas)} if format.schemas else {}
 
 
 def dataset_info(name: str, with_pairs: bool, tools: bool = False) -> dict:
@@ -170,23 +165,22 @@ def read_rl_prompts(rl_dir: str | Path) -> list[dict]:
 
 
 def write_export(out_dir: str | Path, labeled: list[dict], rl: list[dict], export: ExportConfig, sft: SFTConfig,
-                 dpo: DPOConfig, tools: tuple[str, ...], tok, path: str | Path = layout.LABELED, native=None) -> dict:
-    """Write every format under `out_dir` (module docstring), token views under the student's tokenizer `tok` (a
-    `native` student's: its chat template with the tools); counts of what was written. `path` names `labeled` in
-    errors."""
+                 dpo: DPOConfig, tools: tuple[str, ...], format: NativeFormat | TagFormat,
+                 path: str | Path = layout.LABELED) -> dict:
+    """Write every format under `out_dir` (module docstring), the conversations and token views in the student's
+    `format` (student.tool_format, in its tokenizer's chat template); counts of what was written. `path` names
+    `labeled` in errors."""
     out = Path(out_dir)
     chosen = select_trajectories(labeled, sft.max_per_question, sft.dedupe)
     if not chosen:
         raise DataError(path, "no correct trajectories to export", field="correct")
     pairs = build_pairs(labeled, dpo.max_pairs_per_question)
-    write_jsonl(llamafactory_native(chosen, native) if native else llamafactory_sft(chosen, path),
-                out / "llamafactory/sft.jsonl")
+    write_jsonl(llamafactory_sft(chosen, format, path), out / "llamafactory/sft.jsonl")
     if pairs:
         write_jsonl(llamafactory_dpo(pairs, path), out / "llamafactory/dpo.jsonl")
-    write_json(dataset_info(export.name, bool(pairs), native is not None), out / "llamafactory/dataset_info.json")
-    write_jsonl([trl_native(r, native) if native else {"messages": chat(r, path)} for r in chosen],
-                out / "trl/sft.jsonl")
-    examples, _ = build_examples(tok, chosen, sft.max_length, native=native)
+    write_json(dataset_info(export.name, bool(pairs), bool(format.schemas)), out / "llamafactory/dataset_info.json")
+    write_jsonl([trl_sft(r, format, path) for r in chosen], out / "trl/sft.jsonl")
+    examples, _ = build_examples(format, chosen, sft.max_length)
     write_jsonl([{"input_ids": ids, "assistant_masks": mask} for ids, mask in examples],
                 out / "trl/sft_tokenized.jsonl")
     levels = sorted({r["level"] for r in rl})

@@ -50,11 +50,12 @@ DATA, MODELS = Path(layout.FLYWHEEL_DATA), Path(layout.FLYWHEEL)
 KEPT = ("em", "em_lo", "em_hi", "subem", "tokens_per_question", "questions")
 
 
-def cache_dir(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig,
+def cache_dir(flywheel: FlywheelConfig, system: SystemSettings, tool_format: str, label: LabelConfig, sft: SFTConfig,
               evaluate: EvaluateConfig) -> Path:
     """Finished rounds are valid only for the same settings and the same first student, base model and questions."""
     sections = (flywheel, system, label, sft, evaluate)
-    digest = hashlib.sha256(json.dumps([section.model_dump() for section in sections], sort_keys=True).encode())
+    digest = hashlib.sha256(json.dumps([section.model_dump() for section in sections] + [tool_format],
+                                       sort_keys=True).encode())
     # the teacher's worked examples: the file's text, not only its name
     digest.update(demonstrations(system.generate).encode())
     files = [layout.RAW_TRAIN, layout.RAW_TEST, *sorted(map(str, Path(layout.BASE).glob("*.safetensors"))),
@@ -79,10 +80,10 @@ def judged(workbench: Workbench, questions: list[dict], samples: int, teacher: b
     return label_rows(rows, label, judge), time.perf_counter() - t0
 
 
-def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig,
-              sft: SFTConfig, evaluate: EvaluateConfig, toolbox, judge, work: Path) -> dict:
-    """Round k in `work` (trajectories, student, round.json written last as the round's completion mark); its report
-    row."""
+def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: SystemSettings, tool_format: str,
+              label: LabelConfig, sft: SFTConfig, evaluate: EvaluateConfig, toolbox, judge, work: Path) -> dict:
+    """Round k in `work` (trajectories, student, round.json written last as the round's completion mark), its teacher
+    and student acting in `tool_format` (student.tool_format); its report row."""
     generate, seed = system.generate, system.seed
     round_sft = sft.model_copy(update={"epochs": flywheel.sft_epochs or sft.epochs})
     train, test = read_table(layout.RAW_TRAIN, QUESTION), read_table(layout.RAW_TEST, QUESTION)
@@ -92,7 +93,7 @@ def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: System
           flush=True)
     # one engine for the teacher's train answers and its test score; the pipeline's own weights, so they act in
     # student.tool_format
-    teacher = Workbench(system, student_backend(teacher_dir, system), toolbox, student_weights=True)
+    teacher = Workbench(system, student_backend(teacher_dir, system), toolbox, tool_format=tool_format)
     stop = (StopWhenVerified(partial(verifies, label), generate.stop_at_verified) if generate.stop_at_verified
             else None)  # the round's teacher samples as generate's does
     rows, _ = judged(teacher, train, generate.samples, True, teacher_dir, generate.temperature, label, judge, stop)
@@ -107,11 +108,11 @@ def run_round(k: int, teacher_dir: str, flywheel: FlywheelConfig, system: System
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(layout.BASE)
-    native = student_format(system.student_format, tok, enabled_tools(system.tools), generate.method)
-    examples, _ = build_examples(tok, chosen, round_sft.max_length, native=native)
+    examples, _ = build_examples(student_format(tool_format, tok, enabled_tools(system.tools), generate.method),
+                                 chosen, round_sft.max_length)
     student_dir = str(work / "student")
     records = train_sft(layout.BASE, examples, round_sft, student_dir)
-    student = Workbench(system, student_backend(student_dir, system), toolbox)
+    student = Workbench(system, student_backend(student_dir, system), toolbox, tool_format=tool_format)
     student_rows, student_s = judged(student, test, 1, False, student_dir, evaluate.temperature, eval_label, judge)
     del student
     gc.collect()
@@ -158,7 +159,7 @@ def plot(rounds: list[dict], base: dict, path: Path) -> None:
     write_figure(fig, path, dpi=110)
 
 
-def run_rounds(flywheel: FlywheelConfig, system: SystemSettings, label: LabelConfig, sft: SFTConfig,
+def run_rounds(flywheel: FlywheelConfig, system: SystemSettings, tool_format: str, label: LabelConfig, sft: SFTConfig,
                evaluate: EvaluateConfig, work: Path | None) -> Iterator[dict]:
     """Rounds 1..flywheel.rounds in `work` (a finished round is reused), each one's report row as it finishes."""
     if not flywheel.rounds:  # no toolbox: loading the search encoder costs seconds
@@ -172,7 +173,8 @@ def run_rounds(flywheel: FlywheelConfig, system: SystemSettings, label: LabelCon
         else:
             (work / f"round-{k}").mkdir(parents=True, exist_ok=True)
             teacher_dir = FIRST_STUDENT if k == 1 else str(work / f"round-{k - 1}" / "student")
-            yield run_round(k, teacher_dir, flywheel, system, label, sft, evaluate, toolbox, judge, work / f"round-{k}")
+            yield run_round(k, teacher_dir, flywheel, system, tool_format, label, sft, evaluate, toolbox, judge,
+                            work / f"round-{k}")
 
 
 def publish_rounds(work: Path | None, n: int) -> None:

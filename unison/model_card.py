@@ -16,8 +16,8 @@ from pathlib import Path
 import yaml
 
 from .data.schemas import write_text
-from .tool_format import PARSER, native_system_prompt, serving_info
-from .tools.registry import enabled_tools, schemas, system_prompt
+from .tool_format import format_class, serving_info
+from .tools.registry import enabled_tools, schemas
 
 CARD, TOOLS, SYSTEM = "README.md", "tools.json", "system_prompt.txt"
 TRAINED_BY = {"sft": "supervised fine-tuning on the teacher's verified trajectories (tool output masked)",
@@ -39,14 +39,15 @@ def facts(params, student: str, data: list[str | Path], training: dict) -> dict:
     from . import track
     from .stage_clock import machine
 
-    tools, native = enabled_tools(params.tools), params.student.tool_format == "native"
+    tools = enabled_tools(params.tools)
     pipeline, git = track.pipeline_params(), track.git_tags()
     return {"name": f"unison-{pipeline.get('recipe', 'default')}-{student}",
             "student": student, "base_model": params.student.model, "teacher": params.teacher.model,
             "teacher_method": params.generate.method, "trained_by": TRAINED_BY.get(student, student),
             "data": [str(p) for p in data], "data_sha256": data_hash(data), "tools": list(tools),
             "tool_format": params.student.tool_format,
-            "tool_parser": PARSER if native else "", "params_hash": pipeline.get("params_hash", ""),
+            "tool_parser": format_class(params.student.tool_format).parser,
+            "params_hash": pipeline.get("params_hash", ""),
             **{k: git.get(k, "") for k in ("git_commit", "git_dirty")}, "training": training,
             "trained_on": machine()["cpu_kind"], "date": datetime.now(timezone.utc).date().isoformat()}
 
@@ -63,8 +64,7 @@ def write_card(model_dir: str | Path, card: dict, evaluation: dict | None = None
     """README.md, tools.json and system_prompt.txt into `model_dir`, each replaced whole (a new file, never written
     through: a registered copy's files are hard links to DVC's cache)."""
     folder = Path(model_dir)
-    native = card["tool_format"] == "native"
-    system = native_system_prompt(card["teacher_method"]) if native else system_prompt(tuple(card["tools"]))
+    system = format_class(card["tool_format"]).student_system(tuple(card["tools"]), card["teacher_method"])
     texts = {CARD: render(card, evaluation, serving_info(folder)), TOOLS: json.dumps(schemas(tuple(card["tools"])),
                                                                                      indent=2) + "\n",
              SYSTEM: system}
@@ -112,8 +112,8 @@ def render(card: dict, evaluation: dict | None, serving: dict) -> str:
                  "weights in this folder, in process (vLLM)")
     else:
         score = ("Not scored in this folder: `evaluate` scores these weights and writes the scored card (EM, its "
-                 "interval, the CPU kind, the date) to the registry's version of it (`python -m unison.registry`), "
-                 "and reports/metrics.json.")
+                 "interval, the CPU kind, the date) to the registry's version of it "
+                 "(`python -m unison.model_registry`), and reports/metrics.json.")
     return "\n".join([
         "---", yaml.safe_dump(meta, sort_keys=False, width=1000).strip(), "---",
         f"# {card['name']}", "",

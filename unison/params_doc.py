@@ -1,4 +1,4 @@
-"""One description per setting: params.yaml's comment on each setting is its Field description in unison/config.py,
+"""One description per setting: params.yaml's comment on each setting is its Field description in unison/config,
 wrapped. `sync(text)` rewrites those comments and keeps everything else (values, section comments, the comments of
 free-form maps' entries); `python -m unison.params_doc` rewrites params.yaml; a test checks the file is in sync."""
 from __future__ import annotations
@@ -77,7 +77,7 @@ def sync(text: str) -> str:
 def main() -> None:
     path = Path(sys.argv[1] if len(sys.argv) > 1 else "params.yaml")
     path.write_text(sync(path.read_text()))
-    print(f"{path}: comments synced from unison/config.py's descriptions")
+    print(f"{path}: comments synced from unison/config's descriptions")
 
 
 if __name__ == "__main__":

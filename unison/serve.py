@@ -36,7 +36,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 def default_model() -> tuple[str, str]:
     """(folder, served name): the registry champion of this project's recipe, else models/rl."""
     from . import track
-    from .registry import CHAMPION, local_dir, model_name
+    from .model_registry import CHAMPION, local_dir, model_name
 
     name = model_name(track.pipeline_params().get("recipe", "default"))
     try:

@@ -56,12 +56,9 @@ def turn_ids(tok, student: list[dict], as_generated: bool = True) -> list[tuple[
     return out
 
 
-def row_view(tok, row: dict, native=None) -> tuple[list[int], list[int]]:
-    """The token view of a trajectory row under `tok`: as generated when its ids are tok's, else re-rendered; for a
-    `native` student (tool_format.NativeFormat) always rendered by its chat template with the tools, so it trains on
-    exactly what its template, and vLLM serving it, render."""
-    if native is not None:
-        return native.render(native.messages(row["student"]))
+def row_view(tok, row: dict) -> tuple[list[int], list[int]]:
+    """The token view of a trajectory row under `tok` in the tag protocol: as generated when its ids are tok's, else
+    re-rendered (a native student's: tool_format.NativeFormat.view)."""
     return token_view(tok, row["student"], generated_by(tok, row))
 
 

@@ -9,30 +9,39 @@
           saved with the model, so `vllm serve` renders what the student was trained on.
 
 The tag protocol stays the canonical text of a turn (Segment.text, a trajectory's student rendering, rewards, labels,
-reports): a native turn's text is the tag text of what it did, its ids the tokens it was written in. `NativeFormat`
-renders a canonical student rendering as the template's ids with the loss mask, and reads the model's native turns back.
+reports): a native turn's text is the tag text of what it did, its ids the tokens it was written in. Each format is an
+object with one interface, `TagFormat` and `NativeFormat`: a conversation's prompt ids, a forced tag's scaffold, a
+turn's stop strings, a generated turn read back (`completed`: its canonical text and ids, the calls to run or an error),
+an observation's ids, a trajectory's token view with its loss mask (`view`), the messages exports write, the system
+prompt. `student_format` chooses the student's once, where a stage reads student.tool_format; teachers act in tags.
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .protocol import final_answer, parse_tool_call
+from .protocol import ROLE_TAGS, chat_prompt, final_answer, observation, parse_tool_call, stops_for
+from .token_view import row_view
 from .tools.registry import (
     INTRO,
     SCAFFOLD,
     STUDENT_RULES,
+    SYSTEM_PROMPT,
     TOOLS,
     call_argument,
     call_arguments,
     calls_as_tag,
     scaffold_key,
     schemas,
+    system_prompt,
     tag_arguments,
 )
 from .tools.search import SEPARATOR
+from .tools.tool import MAX_ARGUMENT_DEPTH, json_arguments
 
 TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 PARSER = "hermes"  # the vLLM tool parser that reads the calls NativeFormat writes and reads
@@ -57,20 +66,16 @@ def native_system_prompt(method: str = "") -> str:
     return " ".join([INTRO, NATIVE_OUTRO] + ([STUDENT_RULES[method]] if method in STUDENT_RULES else []))
 
 
-def student_format(tool_format: str, tok, tools: tuple[str, ...], method: str = "") -> NativeFormat | None:
-    """The student's NativeFormat under `student.tool_format` (None: the tag protocol); `method`, the teacher's, for
-    the role tags its students write."""
-    return NativeFormat(tok, tools, native_system_prompt(method)) if tool_format == "native" else None
+def student_format(tool_format: str, tok, tools: tuple[str, ...], method: str = "") -> NativeFormat | TagFormat:
+    """The student's format under `student.tool_format`, in `tok`'s chat template with `tools`; `method`, the
+    teacher's, for the role tags its students write."""
+    return format_class(tool_format).for_student(tok, tools, method)
 
 
-def install_template(model_dir) -> dict:
-    """Give a model folder's tokenizer the native format's chat template (`with_tool_template`, saved beside it), so
-    training, evaluation and `vllm serve` render the same; what serving it needs, for its info."""
-    from transformers import AutoTokenizer
-
-    tok = with_tool_template(AutoTokenizer.from_pretrained(model_dir))
-    tok.save_pretrained(model_dir)
-    return {"tool_format": "native", "tool_parser": PARSER}
+def format_class(tool_format: str) -> type[NativeFormat | TagFormat]:
+    """The class of `student.tool_format`'s format: what it asks of a model folder and of serving, with no
+    tokenizer."""
+    return {"native": NativeFormat, "tags": TagFormat}[tool_format]
 
 
 def serving_info(model_dir) -> dict[str, str]:
@@ -120,15 +125,86 @@ class Turn:
     error: str | None = None
 
 
+@dataclass
+class Generated:
+    """A generated turn read back for the runtime: its segment's canonical text and ids (the scaffold's prefill and
+    closing included), its text as written, the teacher's top log-probs by id, and what follows it: the calls to run
+    (`called`: it wrote a call of a tool, which counts against generate.max_tool_calls), an error the model is shown
+    (counted as `error_kind` of `error_tool`), a scaffolded thought (the scaffold's next tag, if any, opens the next
+    turn), or how the episode ends (`end`: answer, refusal, eos, or cut at its length or context)."""
+    text: str
+    ids: list[int]
+    written: str
+    top: list | None = None
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    called: bool = False
+    error: str | None = None
+    error_tool: str = "tool_call"
+    error_kind: str = "malformed"
+    thought: bool = False
+    end: str | None = None
+
+
+def closing(text: str, stop: str | None, close: str) -> str:
+    """What the scaffold appends to close a forced tag after a turn that ended at `stop`: the rest of `close` after what
+    the model already wrote of it (its last token may carry past the stop, `"}` where the stop is `"`), else all of
+    it."""
+    tail = text[text.rfind(stop):] if stop and stop in text else ""
+    return close[len(tail):] if tail and close.startswith(tail) else close
+
+
 class NativeFormat:
     """The student's chat template with tools: prompts, turns read back, observations, and whole renderings with
     masks."""
+
+    name, parser = "native", PARSER
+    tag_tokens = False  # its token views are the template's renderings, not the tokens generate kept top-k on
 
     def __init__(self, tok, tools: tuple[str, ...], system: str | None = None):
         self.tok, self.tools = with_tool_template(tok), tuple(tools)
         self.schemas = schemas(self.tools)
         self.system = system if system is not None else native_system_prompt()
         self.eos = tok.eos_token
+
+    @classmethod
+    def for_student(cls, tok, tools: tuple[str, ...], method: str = "") -> NativeFormat:
+        """The native student's format: `tools` in its template, a system prompt that says only how to end."""
+        return cls(tok, tools, cls.student_system(tools, method))
+
+    @staticmethod
+    def student_system(tools: tuple[str, ...], method: str = "") -> str:
+        """The native student's system prompt: the tools come with their schemas, so it says only how to end."""
+        return native_system_prompt(method)
+
+    @staticmethod
+    def install(model_dir) -> dict:
+        """Give a model folder's tokenizer this format's chat template (`with_tool_template`, saved beside it), so
+        training, evaluation and `vllm serve` render the same; what serving it needs, for its info."""
+        from transformers import AutoTokenizer
+
+        tok = with_tool_template(AutoTokenizer.from_pretrained(model_dir))
+        tok.save_pretrained(model_dir)
+        return {"tool_format": "native", "tool_parser": PARSER}
+
+    def with_system(self, system: str) -> NativeFormat:
+        """This format under another system prompt (an acting agent's, with the teacher's worked examples)."""
+        out = copy.copy(self)
+        out.system = system
+        return out
+
+    def prompt_messages(self, messages: list[dict]) -> list[dict]:
+        """A prompt's messages under this format's own system prompt (the tools come with their schemas, not as the
+        tag protocol's sentences)."""
+        return [{**m, "content": self.system} if m["role"] == "system" else m for m in messages]
+
+    def stops(self, tools: tuple[str, ...]) -> list[str]:
+        """An unforced turn's stop strings: none, a native turn ends at its end-of-turn token."""
+        return []
+
+    def view(self, row: dict) -> tuple[list[int], list[int]]:
+        """(ids, loss mask) of a trajectory row as the student trains on it: always rendered by the template with the
+        tools, so it trains on exactly what its template, and vLLM serving it, render."""
+        return self.render(self.messages(row["student"]))
 
     # ------------------------------------------------------------------------------------------------ rendering
 
@@ -189,9 +265,17 @@ class NativeFormat:
             mask += [int(any(s <= a and b <= e for s, e in spans))] * len(piece)
         return ids, mask
 
-    def observation_ids(self, assistant: dict, results: list[dict]) -> list[int]:
-        """The ids after an assistant turn that called tools (its end-of-turn token included in the turn): the
-        template's rendering of the tool messages `results`, then the next assistant turn's opening."""
+    def observation_ids(self, text: str, said: str = "", calls: Sequence[tuple[str, str]] = (),
+                        results: Sequence[str] = ()) -> list[int]:
+        """The ids after a turn that said `said` and called `calls` (its end-of-turn token included in the turn): each
+        of `results` a tool message of the template, then the next assistant turn's opening (`text`, the observation's
+        canonical text, is the tag protocol's)."""
+        return self._results_ids(self.assistant_message(said, list(calls)),
+                                 [{"role": "tool", "content": r} for r in results])
+
+    def _results_ids(self, assistant: dict, results: list[dict]) -> list[int]:
+        """The ids after an assistant turn that called tools: the template's rendering of the tool messages
+        `results`, then the next assistant turn's opening."""
         head = [{"role": "user", "content": "u"}, assistant]
         before = self._text(head, False)
         held, contents = self._placeheld(results, first=len(head))
@@ -221,6 +305,31 @@ class NativeFormat:
 
     # ------------------------------------------------------------------------------------------ reading turns
 
+    def completed(self, c, scaffold: tuple, tools: tuple[str, ...]) -> Generated:
+        """A generated turn (`c`, a Completion after the scaffold's (prefill, prefill ids, close)) read back: a forced
+        answer cut at its blank line, a call the model left open closed, the end-of-turn token ending a finished turn,
+        its calls read by `read` (of the template's tools, which are the episode's `tools`); a role tag's turn a
+        thought."""
+        prefill, prefill_ids, close = scaffold
+        text, ids, eos = prefill + c.text, prefill_ids + list(c.token_ids), self.tok.eos_token_id
+        if close is not None and close.startswith("</") and close[2:-1] in ROLE_TAGS:
+            return Generated(text, ids, text, thought=True)  # the next tag opens the next turn, in the same message
+        # a forced answer cut at its blank line: the reply ends before it
+        if close is None and c.stop and text.endswith(c.stop):
+            text = text[: -len(c.stop)]
+            ids = prefill_ids + self.tok(c.text[: -len(c.stop)], add_special_tokens=False)["input_ids"]
+        # the scaffold closes the call the model left open (its stop opens the close)
+        if close and c.stop != close:
+            rest = closing(c.text, c.stop, close)
+            text += rest
+            ids += self.tok(rest, add_special_tokens=False)["input_ids"]
+        finished = c.finish_reason == "stop" or close is not None
+        if finished and (not ids or ids[-1] != eos):
+            ids.append(eos)  # the turn ends as the template ends it
+        turn = self.read(text, finished)
+        return Generated(turn.text, ids, text, calls=turn.calls, called=bool(turn.calls), error=turn.error,
+                         end=None if turn.calls or turn.error else "answer" if finished else "cut")
+
     def read(self, text: str, finished: bool) -> Turn:
         """A native assistant turn (decoded, end-of-turn token excluded) as canonical text and calls. Calls of several
         tools in one turn, or of a tool outside this episode's, are an error the model is shown, as a tag call would be.
@@ -244,8 +353,8 @@ class NativeFormat:
     @staticmethod
     def _call(block: str) -> tuple[str, object]:
         try:
-            call = json.loads(block)
-        except (json.JSONDecodeError, RecursionError):
+            call = json_arguments(block, MAX_ARGUMENT_DEPTH + 1)  # the arguments nest inside the call's object
+        except json.JSONDecodeError:
             raise ValueError(f"not a JSON object: {block.strip()[:80]!r}") from None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ValueError(f'expected {{"name": ..., "arguments": {{...}}}}, got {block.strip()[:80]!r}')
@@ -293,3 +402,106 @@ class NativeFormat:
                                                      flags=re.DOTALL).strip(), []))
         return out
 
+
+class TagFormat:
+    """The tag protocol in the model's chat template: prompts under a system prompt that teaches the tags, turns that
+    stop at a tag's close, each observation inline in the assistant's turn, and token views as generated."""
+
+    name, parser = "tags", ""  # no tool parser outside unison reads it
+    tag_tokens = True  # its token views are the tokens generate wrote, which it kept a chat teacher's top-k on
+
+    def __init__(self, tok, system: str | None = SYSTEM_PROMPT):
+        self.tok, self.system = tok, system
+        self.schemas: list[dict] = []  # the system prompt teaches the tools: no schemas beside the messages
+
+    @classmethod
+    def for_student(cls, tok, tools: tuple[str, ...], method: str = "") -> TagFormat:
+        """The tag student's format: a system prompt teaching `tools`' tags and the role tags students of `method`
+        write."""
+        return cls(tok, cls.student_system(tools, method))
+
+    @staticmethod
+    def student_system(tools: tuple[str, ...], method: str = "") -> str:
+        """The tag student's system prompt: `tools`' tags and the role tags students of `method` write."""
+        return system_prompt(tools, method)
+
+    @staticmethod
+    def install(model_dir) -> dict:
+        """Nothing: the tag protocol asks nothing of a model folder's chat template."""
+        return {}
+
+    def with_system(self, system: str | None) -> TagFormat:
+        """This format under another system prompt (a role's own, or an acting agent's with worked examples)."""
+        return TagFormat(self.tok, system)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """A conversation's ids up to the open assistant turn (protocol.chat_prompt)."""
+        return chat_prompt(self.tok, messages)
+
+    def prompt_messages(self, messages: list[dict]) -> list[dict]:
+        """A prompt's messages as they are: their system prompt, if any, is the tag protocol's already."""
+        return messages
+
+    def scaffold(self, tag: str) -> tuple[str, str | None, str]:
+        """A forced tag's (prefill, close, end): the tag opened, its content ended at `end`, then closed."""
+        return SCAFFOLD[tag]
+
+    def stops(self, tools: tuple[str, ...]) -> list[str]:
+        """An unforced turn's stop strings: the close of each tool's tag, and of the answer."""
+        return stops_for(tools)
+
+    def completed(self, c, scaffold: tuple, tools: tuple[str, ...]) -> Generated:
+        """A generated turn (`c`, a Completion after the scaffold's (prefill, prefill ids, close)) read back: a forced
+        tag the model left open closed, then what its closing tag says: the answer, a call of one of `tools` (or an
+        unparsable one), a scaffolded thought, else the model's own end; a backend's error (a chat teacher's malformed
+        call) is shown to the model."""
+        prefill, prefill_ids, close = scaffold
+        text, ids, stop = prefill + c.text, prefill_ids + c.token_ids, c.stop
+        if close and stop != close:  # the scaffold closes the tag the model left open (after the stop that opens it)
+            rest = closing(c.text, stop, close)
+            text += rest
+            ids += self.tok(rest, add_special_tokens=False)["input_ids"]
+            stop = close
+        turn = Generated(text, ids, text, [None] * len(prefill_ids) + c.top if c.top else None)
+        # a custom tool's close is "}</name>
+        tool = stop[stop.rindex("</") + 2:-1] if stop and "</" in stop and stop != "</answer>" else None
+        if c.error:  # the backend could not use the answer (a malformed tool call): the model is told
+            turn.error, turn.error_tool = c.error, tool or "tool_call"
+        elif stop == "</answer>":
+            turn.end = "answer"
+        elif tool in tools:
+            turn.called, call = True, parse_tool_call(text, tools)
+            if call:
+                turn.calls = [call]
+            else:
+                turn.error, turn.error_tool, turn.error_kind = "could not parse the tool call", tool, "unparsable"
+        else:
+            turn.thought = tool in ROLE_TAGS and stop == close  # a scaffolded thought (ReAct)
+            # a hosted model declined: a finish of its own in the row, never a silent empty answer
+            turn.end = "refusal" if c.finish_reason == "refusal" else "eos" if c.finish_reason == "stop" else "cut"
+        return turn
+
+    def observation_ids(self, text: str, said: str = "", calls: Sequence[tuple[str, str]] = (),
+                        results: Sequence[str] = ()) -> list[int]:
+        """A tool's observation `text` in the token stream, inline in the assistant's turn; what the tool returned is
+        text, never a special token ("<|im_end|>" in a page cannot end the turn and open a system one)."""
+        return self.tok(observation(text), add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def view(self, row: dict) -> tuple[list[int], list[int]]:
+        """(ids, loss mask) of a trajectory row as the student trains on it (token_view.row_view)."""
+        return row_view(self.tok, row)
+
+    @staticmethod
+    def messages(student: list[dict]) -> list[dict]:
+        """A canonical student rendering as chat messages: its system and user messages, then its turns, consecutive
+        segments of one role one turn (the runtime generated them as one token stream), an observation nothing answers
+        dropped."""
+        out = [{"role": m["role"], "content": m["content"]} for m in student[:2]]
+        for m in student[2:]:
+            if len(out) > 2 and out[-1]["role"] == m["role"]:
+                out[-1]["content"] += m["content"]
+            else:
+                out.append({"role": m["role"], "content": m["content"]})
+        if len(out) > 2 and out[-1]["role"] == "tool":
+            out.pop()
+        return out

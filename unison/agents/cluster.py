@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..config import ROOT, ClusterConfig, SystemSettings
-from ..tool_format import NativeFormat, native_system_prompt
+from ..tool_format import student_format
 from ..tools.registry import enabled_tools
 from .methods import MethodContext, run_method
 from .wiring import demonstrations, episode_settings, make_role_backends, make_toolbox, remote_counters
@@ -29,40 +29,38 @@ from .wiring import demonstrations, episode_settings, make_role_backends, make_t
 @dataclass
 class Workbench:
     """What a system runs on: one model's backend, the tools, and (the teacher) its roles' own backends.
-    `student_weights`: whether the backend holds weights the pipeline trained, which act in student.tool_format (None: a
-    student's do, the teacher's not; the flywheel's teacher is a trained student)."""
+    `tool_format`: the tool format its model acts in, student.tool_format for weights the pipeline trained (the
+    flywheel's teacher among them), the tag protocol for the `teacher` block's."""
     settings: SystemSettings
     backend: object
     toolbox: object
     roles: dict = field(default_factory=dict)
-    student_weights: bool | None = None
+    tool_format: str = "tags"
 
 
-def load_workbench(s: SystemSettings, model_dir: str, teacher: bool = False, toolbox=None) -> Workbench:
-    """The teacher (the `teacher` block) or the student trained into `model_dir`, with `toolbox` (default: new
-    tools)."""
+def load_workbench(s: SystemSettings, model_dir: str, teacher: bool = False, toolbox=None,
+                   tool_format: str = "tags") -> Workbench:
+    """The teacher (the `teacher` block, acting in the tag protocol) or the student trained into `model_dir`, acting
+    in `tool_format` (student.tool_format), with `toolbox` (default: new tools)."""
     from ..llm import student_backend, teacher_backend
 
     backend = teacher_backend(s) if teacher else student_backend(model_dir, s)
     roles = make_role_backends(s.generate.roles, s.teacher_engine, s.seed) if teacher else {}
-    return Workbench(s, backend, toolbox or make_toolbox(s.tools), roles)
+    return Workbench(s, backend, toolbox or make_toolbox(s.tools), roles, "tags" if teacher else tool_format)
 
 
 def system_context(s: SystemSettings, backend, toolbox, teacher: bool, model_id: str, temperature: float,
-                   roles: dict | None = None, top_logprobs: int = 0,
-                   student_weights: bool | None = None) -> MethodContext:
+                   roles: dict | None = None, top_logprobs: int = 0, tool_format: str = "tags") -> MethodContext:
     """The teacher runs generate.method with its scaffold, method settings, roles and worked examples; a student runs
     `single`, unscaffolded, without them. `top_logprobs`: a chat teacher's top log-probs kept with each trajectory.
-    Weights the pipeline trained (`student_weights`, by default the student) act in student.tool_format."""
+    Its agents act in `tool_format` (the Workbench's: student.tool_format for weights the pipeline trained)."""
     g, tools = s.generate, enabled_tools(s.tools)
-    native = None
-    if (not teacher if student_weights is None else student_weights) and s.student_format == "native":
-        native = NativeFormat(backend.tokenizer, tools, native_system_prompt(g.method))
     return MethodContext(backend, toolbox,
                          episode_settings(g, s.student_engine.max_model_len, temperature, top_logprobs),
                          teacher=model_id, scaffold=g.scaffold if teacher else {},
                          params=getattr(g, g.method, None) if teacher else None, role_backends=roles or {}, tools=tools,
-                         taught_by=g.method, demonstrations=demonstrations(g) if teacher else "", native=native)
+                         taught_by=g.method, demonstrations=demonstrations(g) if teacher else "",
+                         format=student_format(tool_format, backend.tokenizer, tools, g.method))
 
 
 def run_system(workbench: Workbench, questions: list[dict], samples: int, teacher: bool, model_id: str,
@@ -71,7 +69,7 @@ def run_system(workbench: Workbench, questions: list[dict], samples: int, teache
     `stop` (methods.StopWhenVerified) ends a question's sampling early."""
     generate, networked = workbench.settings.generate, {"teacher": workbench.backend, **workbench.roles}
     ctx = system_context(workbench.settings, workbench.backend, workbench.toolbox, teacher, model_id, temperature,
-                         workbench.roles, top_logprobs, workbench.student_weights)
+                         workbench.roles, top_logprobs, workbench.tool_format)
     before = remote_counters(networked, workbench.toolbox)
     rows = run_method(generate.method if teacher else "single", questions, samples, ctx, generate.episodes_in_flight,
                       stop=stop)
@@ -189,12 +187,13 @@ class Replicas:
         self.close()
 
 
-def workbench_or_replicas(s: SystemSettings, cluster: ClusterConfig, model_dir: str,
-                          teacher: bool = False) -> Workbench | Replicas:
-    """The system's Workbench in this process (cluster.address "") or its replicas on the cluster."""
+def workbench_or_replicas(s: SystemSettings, cluster: ClusterConfig, model_dir: str, teacher: bool = False,
+                          tool_format: str = "tags") -> Workbench | Replicas:
+    """The system's Workbench in this process (cluster.address "") or its replicas on the cluster (load_workbench)."""
     if not cluster.address:
-        return load_workbench(s, model_dir, teacher)
-    return Replicas(cluster, s.student_engine.tensor_parallel_size, load_workbench, s, model_dir, teacher)
+        return load_workbench(s, model_dir, teacher, None, tool_format)
+    return Replicas(cluster, s.student_engine.tensor_parallel_size, load_workbench, s, model_dir, teacher, None,
+                    tool_format)
 
 
 def rollouts(where: Workbench | Replicas, questions: list[dict], samples: int, teacher: bool, model_id: str,

@@ -5,8 +5,8 @@ import hashlib
 import json
 
 from ..config import CONVERSING_METHODS, METHODS
-from ..protocol import chat_prompt, question_messages
-from ..tool_format import NativeFormat
+from ..protocol import question_messages
+from ..tool_format import NativeFormat, TagFormat
 from ..tools.registry import DEFAULT_TOOLS, SYSTEM_PROMPT
 from .runtime import REQUEST_FAILED, Episode, Segment
 
@@ -18,13 +18,12 @@ def stable_seed(*parts) -> int:
     return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:8], 16)
 
 
-def start_episode(tok, key: str, question: str, seed: int, scaffold: list[str], system: str | None = SYSTEM_PROMPT,
-                  tools: tuple[str, ...] = DEFAULT_TOOLS, native: NativeFormat | None = None) -> Episode:
-    """A fresh episode: `system` (the student protocol unless a role has its own) and one user turn; a `native` one
-    in its chat template with the tools, under its own system prompt."""
-    prompt = (native.prompt_ids(question_messages(question, native.system)) if native else
-              chat_prompt(tok, question_messages(question, system)))
-    return Episode(key=key, prompt_ids=prompt, seed=seed, scaffold=list(scaffold), tools=tuple(tools), native=native)
+def start_episode(format: NativeFormat | TagFormat, key: str, question: str, seed: int, scaffold: list[str],
+                  tools: tuple[str, ...] = DEFAULT_TOOLS) -> Episode:
+    """A fresh episode in `format` (the tag protocol, or the student's chat template with the tools): its system prompt
+    (the student protocol's unless a role has its own) and one user turn."""
+    return Episode(key=key, prompt_ids=format.prompt_ids(question_messages(question, format.system)), seed=seed,
+                   scaffold=list(scaffold), tools=tuple(tools), format=format)
 
 
 def continuation_ids(tok, user_text: str) -> list[int]:
@@ -44,12 +43,13 @@ def continuation_ids(tok, user_text: str) -> list[int]:
 
 def continue_episode(tok, prev: Episode, key: str, user_text: str, seed: int, scaffold: list[str],
                      tools: tuple[str, ...] | None = None) -> Episode:
-    """A new episode whose prompt is `prev`'s whole conversation plus one more user turn (multi-turn agent context)."""
+    """A new episode whose prompt is `prev`'s whole conversation plus one more user turn (multi-turn agent context),
+    in the tag protocol."""
     ids = prev.ids
     if not ids or ids[-1] != tok.eos_token_id:
         ids = ids + [tok.eos_token_id]
     return Episode(key=key, prompt_ids=ids + continuation_ids(tok, user_text), seed=seed, scaffold=list(scaffold),
-                   tools=prev.tools if tools is None else tuple(tools))
+                   tools=prev.tools if tools is None else tuple(tools), format=TagFormat(tok))
 
 
 def merge_tool_stats(episodes: list[Episode]) -> dict[str, dict[str, int]]:

@@ -181,7 +181,7 @@ def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, d
     counters of the pieces behind a network (also on the error, when a server fails for good)."""
     g = s.generate
     ctx = system_context(s, workbench.backend, workbench.toolbox, True, teacher_id(s), g.temperature, workbench.roles,
-                         s.chat_top_logprobs)
+                         s.chat_top_logprobs, workbench.tool_format)
     models = [workbench.backend, *workbench.roles.values()]
     failures.last_failure = lambda: next((m.last_failure for m in models if getattr(m, "last_failure", "")), "")
     try:

@@ -19,10 +19,10 @@ from tqdm import tqdm
 
 from ..config import GenerateConfig, LLMConfig
 from ..llm import Sampling
-from ..protocol import ROLE_TAGS, final_answer, observation, parse_tool_call, stops_for
-from ..tool_format import NativeFormat
+from ..protocol import final_answer, observation
+from ..tool_format import NativeFormat, TagFormat
 from ..tools.mcp_servers import ToolServerGone
-from ..tools.registry import DEFAULT_TOOLS, SCAFFOLD
+from ..tools.registry import DEFAULT_TOOLS
 from ..tools.search import SEPARATOR
 from .toolbox import Toolbox
 
@@ -44,8 +44,9 @@ class Episode:
     # forced tag per turn: "search" | "python" | "answer" | "think" ...
     scaffold: list[str] = field(default_factory=list)
     tools: tuple[str, ...] = DEFAULT_TOOLS  # tools this episode may call; () = a role that only writes (critic, ranker)
-    # the student's chat template with tools (tool_format.py); None = the tag protocol
-    native: NativeFormat | None = None
+    # how the agent writes tool calls and reads their results (tool_format.py): the tag protocol, or the student's chat
+    # template with the tools
+    format: NativeFormat | TagFormat = field(kw_only=True)
     segments: list[Segment] = field(default_factory=list)
     finish_reason: str | None = None
     n_llm_calls: int = 0
@@ -140,7 +141,7 @@ class ToolCall:
     tool: str
     arg: str
     toolbox: Toolbox
-    parts: list[str] | None = None  # a native turn's several calls of the tool, each run on its own
+    parts: list[str] | None = None  # a turn's several calls of the tool (a native one's), each run on its own
     future: Future | None = None
     pool: ThreadPoolExecutor | None = None
     started: float | None = None  # time.monotonic() when a pool thread took it
@@ -215,8 +216,7 @@ class EngineLoop:
                 _finish(e, REQUEST_FAILED)
                 call = None
             else:
-                call = (_apply_native(e, c, scaffold, self.tok, cfg, step_s) if e.native else
-                        _apply_completion(e, c, scaffold, self.tok, cfg, step_s))
+                call = _apply_completion(e, c, scaffold, self.tok.eos_token_id, cfg, step_s)
             if call:
                 self.calls.append(ToolCall(e, call[0], call[1], toolbox, *call[2:]))
                 started.append(self._run_tool(self.calls[-1]))
@@ -234,7 +234,7 @@ class EngineLoop:
             e.count_tool(call.tool, err)
             e.events.append({"type": "tool", "tool": call.tool, "input": call.arg, "output": text, "error": err,
                              "latency_s": secs})
-            e.segments.append(_native_obs(call, text) if e.native else _obs(self.tok, text))
+            e.segments.append(_observation(call, text))
             if e.finish_reason is None:
                 again.append(e)
             else:
@@ -339,13 +339,12 @@ def _turn_request(e: Episode, tok, cfg: EpisodeSettings,
     """The next turn's (prompt, sampling), with the scaffold's prefill for this turn, and the scaffold. A backend that
     cannot prefill (`prefills` False: a chat API) is told the tag instead (`Sampling.forced`) and writes it itself."""
     tag = e.scaffold[e.turn] if e.turn < len(e.scaffold) else None
-    prefill, close, end = (e.native.scaffold(tag) if e.native else SCAFFOLD[tag]) if tag else ("", None, None)
+    prefill, close, end = e.format.scaffold(tag) if tag else ("", None, None)
     if not prefills:
         prefill = ""
     prefill_ids = tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []
     budget = cfg.max_model_len - len(e.ids) - len(prefill_ids)
-    # a native turn ends at eos
-    stop = [s for s in (close, end) if s] if tag else [] if e.native else stops_for(e.tools)
+    stop = [s for s in (close, end) if s] if tag else e.format.stops(e.tools)
     sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
                         max_tokens=max(1, min(cfg.max_tokens_per_turn, budget - 1)), stop=stop,
                         seed=e.seed * 1009 + e.turn, forced="" if prefills else tag or "",
@@ -353,124 +352,55 @@ def _turn_request(e: Episode, tok, cfg: EpisodeSettings,
     return (e.ids + prefill_ids, sampling), (prefill, prefill_ids, close)
 
 
-def _apply_completion(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings,
-                      step_s: float) -> tuple[str, str] | None:
-    """Append the generated segment and decide what happens next: the tool call to run and/or the episode's end."""
-    prefill, prefill_ids, close = scaffold
-    seg = Segment("gen", prefill + c.text, prefill_ids + c.token_ids, len(prefill_ids),
-                  [None] * len(prefill_ids) + c.top if c.top else None)
-    stop = c.stop
-    if close and stop != close:  # the scaffold closes the tag the model left open (after the stop that opens the close)
-        rest = closing(c.text, stop, close)
-        seg.text += rest
-        seg.ids += tok(rest, add_special_tokens=False)["input_ids"]
-        stop = close
-    _record(e, seg, c, step_s)
-    # a custom tool's close is "}</name>
-    tool = stop[stop.rindex("</") + 2:-1] if stop and "</" in stop and stop != "</answer>" else None
+def _apply_completion(e: Episode, c, scaffold: tuple, eos_id: int | None, cfg: EpisodeSettings,
+                      step_s: float) -> tuple | None:
+    """Append the generated segment, read back in the episode's format, and decide what happens next: the tool call to
+    run (several calls of a parallel tool one call of parts) and/or the episode's end."""
+    turn = e.format.completed(c, scaffold, e.tools)
+    _record(e, Segment("gen", turn.text, turn.ids, len(scaffold[1]), turn.top), c, step_s, turn.written)
     call = None
-    # the backend could not use the answer (a malformed tool call): the model is told, as for an unparsable call
-    if c.error:
-        e.count_tool(tool or "tool_call", "malformed")
-        e.segments.append(_obs(tok, f"error: {c.error}"))
-    elif stop == "</answer>":
-        _finish(e, "answer", tok.eos_token_id)
-    elif tool in e.tools:
-        call = parse_tool_call(seg.text, e.tools)
-        if e.n_tool_calls >= cfg.max_tool_calls:
-            _finish(e, "max_tool_calls")
-            call = None
-        elif call is None:
-            e.count_tool(tool, "unparsable")
-            e.segments.append(_obs(tok, "error: could not parse the tool call"))
-    elif tool in ROLE_TAGS and stop == close and e.turn < len(e.scaffold):
-        pass  # a scaffolded thought (ReAct): the scaffold's next tag opens the next turn
-    # a hosted model declined: a finish of its own in the row, never a silent empty answer
-    elif c.finish_reason == "refusal":
-        _finish(e, "refusal")
-    elif c.finish_reason == "stop":
-        _finish(e, "eos")
-    elif len(e.ids) >= cfg.max_model_len - 1:
-        _finish(e, "context")
-    else:
-        _finish(e, "length")
+    if turn.thought and e.turn < len(e.scaffold):
+        pass  # a scaffolded thought: the scaffold's next tag opens the next turn
+    elif turn.called and e.n_tool_calls >= cfg.max_tool_calls:
+        _finish(e, "max_tool_calls")
+    elif turn.error:
+        e.count_tool(turn.error_tool, turn.error_kind)
+        error = f"error: {turn.error}"
+        e.segments.append(Segment("obs", observation(error),
+                                  e.format.observation_ids(error, turn.written, [], [error])))
+    elif turn.calls:
+        tool, args = turn.calls[0][0], [a for _, a in turn.calls]
+        call = (tool, " | ".join(args), args if len(args) > 1 else None)
+    elif turn.end == "answer":
+        _finish(e, "answer", eos_id)
+    elif turn.end in ("refusal", "eos"):
+        _finish(e, turn.end)
+    elif turn.end == "cut":
+        _finish(e, "context" if len(e.ids) >= cfg.max_model_len - 1 else "length")
     if e.finish_reason is None and e.turn >= cfg.max_turns:
         _finish(e, "max_turns")  # a call of the last turn still runs: a one-turn role's observation is its output
     return call
 
 
-def _record(e: Episode, seg: Segment, c, step_s: float, completion: str | None = None) -> None:
-    """Append a generated segment and count its LLM call (`completion`: the text as written, when it is not
-    seg.text)."""
+def _record(e: Episode, seg: Segment, c, step_s: float, completion: str) -> None:
+    """Append a generated segment and count its LLM call (`completion`: the text as written; a native turn's segment
+    holds its canonical text)."""
     e.segments.append(seg)
     if c.model:
         e.served_models.add(c.model)
     e.n_llm_calls += 1
     e.n_tokens += len(c.token_ids)
-    e.events.append({"type": "llm", "turn": e.turn, "completion": seg.text if completion is None else completion,
+    e.events.append({"type": "llm", "turn": e.turn, "completion": completion,
                      "n_tokens": len(c.token_ids), "latency_s": step_s})
 
 
-def _apply_native(e: Episode, c, scaffold: tuple, tok, cfg: EpisodeSettings, step_s: float) -> tuple | None:
-    """`_apply_completion` for a native episode: the turn read back (NativeFormat.read) into its canonical text, its
-    calls to run (several calls of a parallel tool become one call of parts), or the episode's end."""
-    prefill, prefill_ids, close = scaffold
-    text, ids, eos = prefill + c.text, prefill_ids + list(c.token_ids), tok.eos_token_id
-    role = close is not None and close.startswith("</") and close[2:-1] in ROLE_TAGS
-    # a forced answer cut at its blank line: the reply ends before it
-    if close is None and c.stop and text.endswith(c.stop):
-        text = text[: -len(c.stop)]
-        ids = prefill_ids + tok(c.text[: -len(c.stop)], add_special_tokens=False)["input_ids"]
-    # the scaffold closes the call the model left open (its stop opens the close)
-    if close and not role and c.stop != close:
-        rest = closing(c.text, c.stop, close)
-        text += rest
-        ids += tok(rest, add_special_tokens=False)["input_ids"]
-    finished = not role and (c.finish_reason == "stop" or close is not None)
-    if finished and (not ids or ids[-1] != eos):
-        ids.append(eos)  # the turn ends as the template ends it
-    turn = e.native.read(text, finished) if not role else None
-    _record(e, Segment("gen", turn.text if turn else text, ids, len(prefill_ids)), c, step_s, text)
-    call = None
-    if role:
-        pass  # a scaffolded thought: the scaffold's next tag opens the next turn, in the same assistant message
-    elif turn.error:
-        e.count_tool("tool_call", "malformed")
-        e.segments.append(Segment("obs", observation(f"error: {turn.error}"), e.native.observation_ids(
-            e.native.assistant_message(text, []), [{"role": "tool", "content": f"error: {turn.error}"}])))
-    elif turn.calls:
-        if e.n_tool_calls >= cfg.max_tool_calls:
-            _finish(e, "max_tool_calls")
-        else:
-            tool, args = turn.calls[0][0], [a for _, a in turn.calls]
-            call = (tool, " | ".join(args), args if len(args) > 1 else None)
-    elif finished:
-        _finish(e, "answer", eos)
-    elif len(e.ids) >= cfg.max_model_len - 1:
-        _finish(e, "context")
-    else:
-        _finish(e, "length")
-    if e.finish_reason is None and e.turn >= cfg.max_turns:
-        _finish(e, "max_turns")
-    return call
-
-
-def _native_obs(call: ToolCall, text: str) -> Segment:
-    """A native call's observation: each part's result a tool message of the template, the canonical text as the tag
-    protocol's block."""
+def _observation(call: ToolCall, text: str) -> Segment:
+    """A call's observation: the canonical text the tag protocol's block, its ids the episode's format's (a native
+    one's: each part's result a tool message of the template)."""
     e, parts = call.episode, call.parts or [call.arg]
     results = call.results if call.results and len(call.results) == len(parts) else [text] * len(parts)
-    assistant = e.native.assistant_message("", [(call.tool, p) for p in parts])
     return Segment("obs", observation(text),
-                   e.native.observation_ids(assistant, [{"role": "tool", "content": r} for r in results]))
-
-
-def closing(text: str, stop: str | None, close: str) -> str:
-    """What the scaffold appends to close a forced tag after a turn that ended at `stop`: the rest of `close` after what
-    the model already wrote of it (its last token may carry past the stop, `"}` where the stop is `"`), else all of
-    it."""
-    tail = text[text.rfind(stop):] if stop and stop in text else ""
-    return close[len(tail):] if tail and close.startswith(tail) else close
+                   e.format.observation_ids(text, "", [(call.tool, p) for p in parts], results))
 
 
 def timed_call(toolbox: Toolbox, tool: str, arg: str) -> tuple[str, str | None, float]:
@@ -490,9 +420,3 @@ def timed_out(toolbox: Toolbox, tool: str) -> tuple[str, str, float]:
     deadline_s = toolbox.deadline_for(tool)
     return f"error: {tool} gave no answer within {deadline_s:g} s (tools.call_deadline_s)", "timeout", deadline_s
 
-
-def _obs(tok, text: str) -> Segment:
-    """A tool's observation in the token stream; what the tool returned is text, never a special token ("<|im_end|>" in
-    a page cannot end the turn and open a system one)."""
-    t = observation(text)
-    return Segment("obs", t, tok(t, add_special_tokens=False, split_special_tokens=True)["input_ids"])

@@ -100,18 +100,19 @@ def engine_groups(systems: list[tuple[str, str, float]]) -> list[list[tuple[str,
     return groups
 
 
-def evaluate_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluster: ClusterConfig,
-                     systems: list[tuple[str, str, float]], questions: list[dict],
+def evaluate_systems(s: SystemSettings, tool_format: str, p: EvaluateConfig, label: LabelConfig,
+                     cluster: ClusterConfig, systems: list[tuple[str, str, float]], questions: list[dict],
                      load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
-    """Each system run on `questions` and judged by `label` (evaluate's scoring, metrics.scoring_label), one engine at a
-    time (or one set of Ray replicas on cluster.address):
+    """Each system run on `questions` (the students acting in `tool_format`, student.tool_format; the teacher in the tag
+    protocol) and judged by `label` (evaluate's scoring, metrics.scoring_label), one engine at a time (or one set of
+    Ray replicas on cluster.address):
     (system, labeled rows, metrics) as each finishes. The judge runs here. With evaluate.engine_per_process each engine
     lives in its own spawned process, which gives all its memory back when it exits; `load_prm` must then be picklable
     (a module-level function or a partial of one). `load_prm()` gives the PRM that prm_rerank scores with (loaded only
     when that system's turn comes)."""
     import torch
 
-    settings = (s, p, label, cluster)
+    settings = (s, tool_format, p, label, cluster)
     if cluster.address or not engine_per_process(p.engine_per_process, torch.cuda.is_available()):
         yield from run_systems(*settings, systems, questions, load_prm)
         return
@@ -138,7 +139,7 @@ def evaluate_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, c
 
 def send_systems(send, settings: tuple, systems: list[tuple[str, str, float]], questions: list[dict],
                  load_prm: Callable) -> None:
-    """A child process of evaluate_systems: run_systems whole (`settings`: its first four arguments), sent back as
+    """A child process of evaluate_systems: run_systems whole (`settings`: its first five arguments), sent back as
     (True, results) or (False, the traceback)."""
     import traceback
 
@@ -149,7 +150,7 @@ def send_systems(send, settings: tuple, systems: list[tuple[str, str, float]], q
         raise
 
 
-def run_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluster: ClusterConfig,
+def run_systems(s: SystemSettings, tool_format: str, p: EvaluateConfig, label: LabelConfig, cluster: ClusterConfig,
                 systems: list[tuple[str, str, float]], questions: list[dict],
                 load_prm: Callable) -> Iterator[tuple[str, list[dict], dict]]:
     """evaluate_systems in this process."""
@@ -164,8 +165,8 @@ def run_systems(s: SystemSettings, p: EvaluateConfig, label: LabelConfig, cluste
                     engine.close()
                 engine = None  # free the engine before the next one starts
                 gc.collect()
-                engine = (workbench_or_replicas(s, cluster, model_dir, teacher) if toolbox is None else
-                          load_workbench(s, model_dir, teacher, toolbox))
+                engine = (workbench_or_replicas(s, cluster, model_dir, teacher, tool_format) if toolbox is None else
+                          load_workbench(s, model_dir, teacher, toolbox, tool_format))
                 loaded = model_dir
             print(f"evaluate: {name} ({s.generate.method if teacher else 'single'}, {model_dir}) on "
                   f"{len(questions)} questions", flush=True)

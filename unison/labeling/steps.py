@@ -114,15 +114,17 @@ def montecarlo_answers(workbench, rows: list[dict], cfg, rollouts: int, seed: in
     from ..agents.episodes import stable_seed
     from ..agents.runtime import Episode, run_episodes
     from ..token_view import generated_by
+    from ..tool_format import TagFormat
 
     tok = workbench.backend.tokenizer
-    episodes, owners = [], []
+    format, episodes, owners = TagFormat(tok), [], []
     for i, r in enumerate(rows):
         for k, prefix in enumerate(step_prefixes(tok, r["student"], generated_by(tok, r))[:-1]):
             follow = scaffold.get(r["task"], [])[k + 1:]
             for j in range(rollouts):
                 episodes.append(Episode(key=f"{r['id']}/step{k}/mc{j}", prompt_ids=prefix,
-                                        seed=stable_seed(seed, r["id"], k, j), scaffold=list(follow), tools=tools))
+                                        seed=stable_seed(seed, r["id"], k, j), scaffold=list(follow), tools=tools,
+                                        format=format))
                 owners.append((i, k))
     run_episodes(episodes, workbench.backend, workbench.toolbox, cfg, desc="montecarlo")
     return [(i, k, e.answer) for (i, k), e in zip(owners, episodes)]

@@ -16,7 +16,7 @@ import json
 import re
 
 from ..config import ToolsConfig
-from .tool import Tool
+from .tool import Tool, json_arguments
 
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")  # a name that is a tag and a function name everywhere
 _loaded: dict = {"key": None, "tools": [], "closers": []}
@@ -49,13 +49,12 @@ def checked(name: str, parameters: dict, settings: ToolsConfig, run):
                     f"{settings.custom_max_argument_chars} allowed (tools.custom_max_argument_chars)",
                     "argument_too_long")
         try:
-            arguments = json.loads(arg) if arg.strip() else {}
-        except (json.JSONDecodeError, RecursionError) as e:
+            arguments = json_arguments(arg) if arg.strip() else {}
+        except json.JSONDecodeError as e:
             return f"error: the arguments of {name} are not a JSON object: {e}", "invalid_arguments"
-        try:
-            problem = min(validator.iter_errors(arguments), key=lambda e: list(map(str, e.absolute_path)), default=None)
-        except RecursionError:
-            return f"error: the arguments of {name} are nested too deeply", "invalid_arguments"
+        except ValueError as e:
+            return f"error: the arguments of {name} are {e}", "invalid_arguments"
+        problem = min(validator.iter_errors(arguments), key=lambda e: list(map(str, e.absolute_path)), default=None)
         if problem is not None:
             at = "/".join(map(str, problem.absolute_path)) or "the arguments"
             return (f"error: invalid arguments for {name} at {at}: {problem.message[:300]}; expected "

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..config import ToolsConfig
 from ..protocol import ROLE_TAGS, split_queries
 from .custom import custom_tools
-from .tool import Tool
+from .tool import Tool, json_arguments
 
 
 def _builtin() -> dict[str, Tool]:
@@ -100,13 +100,13 @@ def schemas(tools: tuple[str, ...]) -> list[dict]:
 def call_argument(arguments, tool: str = "") -> str:
     """A function call's argument as the tag holds it, from its JSON-string or mapping `arguments`: a custom tool's
     arguments as one JSON object (checked when it runs); a built-in tool's one argument (query, code or url; a list of
-    queries joined by " | "), ValueError when there is not exactly one usable argument."""
+    queries joined by " | "), ValueError when there is not exactly one usable argument or its JSON nests too deep."""
     if tool in TOOLS and TOOLS[tool].structured:
         return arguments.strip() if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
+            parsed = json_arguments(arguments)
+        except json.JSONDecodeError:  # text, not JSON: the argument as written
             parsed = None
         if isinstance(parsed, str) and parsed.strip():  # a JSON string (vLLM's hermes parser on a small model)
             return parsed.strip()
@@ -146,8 +146,8 @@ def call_arguments(tool: str, arg: str):
     if not TOOLS[tool].structured:
         return {TOOLS[tool].argument: arg}
     try:
-        parsed = json.loads(arg)
-    except (json.JSONDecodeError, RecursionError):
+        parsed = json_arguments(arg)
+    except ValueError:
         return arg
     return parsed if isinstance(parsed, dict) else arg
 

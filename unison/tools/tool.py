@@ -2,12 +2,36 @@
 the built-in ones."""
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import ToolsConfig
 
 Handler = Callable[[str], tuple[str, "str | None"]]  # the call's one argument -> (observation, error kind or None)
+MAX_ARGUMENT_DEPTH = 32  # a call's JSON arguments nested deeper than this are unusable: no tool's parameters need more
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')  # a string (skipped whole) or a bracket
+
+
+def nesting_depth(text: str) -> int:
+    """How deep the brackets of JSON text nest outside its strings, read without recursion whatever the depth."""
+    depth = deepest = 0
+    for token in _JSON_TOKEN.findall(text):
+        if token in ("[", "{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in ("]", "}"):
+            depth -= 1
+    return deepest
+
+
+def json_arguments(text: str, max_depth: int = MAX_ARGUMENT_DEPTH):
+    """A call's JSON arguments parsed: ValueError when they nest deeper than `max_depth` (checked before parsing),
+    json.JSONDecodeError (a ValueError) when they are no JSON."""
+    if nesting_depth(text) > max_depth:
+        raise ValueError(f"JSON nested more than {max_depth} deep")
+    return json.loads(text)
 
 
 @dataclass(frozen=True)

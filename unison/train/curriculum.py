@@ -93,11 +93,12 @@ def plot_front(groups: list[dict], path: str = PLOT) -> None:
     write_figure(fig, path, dpi=100)
 
 
-def rl_curriculum(p: ParetoConfig, s: SystemSettings, label: LabelConfig, cluster: ClusterConfig,
+def rl_curriculum(p: ParetoConfig, s: SystemSettings, tool_format: str, label: LabelConfig, cluster: ClusterConfig,
                   questions: list[dict]) -> tuple[list[dict], list[dict], dict]:
-    """The student's rollouts on `questions` (written to ROLLOUTS before build_rl can refuse them), judged by `label`,
-    then build_rl; (RL rows, groups, metrics with the rollouts' wall seconds)."""
-    where = workbench_or_replicas(s, cluster, STUDENT)
+    """The student's rollouts on `questions`, acting in `tool_format` (student.tool_format; written to ROLLOUTS before
+    build_rl can refuse them), judged by `label`, then build_rl; (RL rows, groups, metrics with the rollouts' wall
+    seconds)."""
+    where = workbench_or_replicas(s, cluster, STUDENT, tool_format=tool_format)
     print(f"pareto: {p.k} rollouts x {len(questions)} questions with {STUDENT} at temperature {p.temperature}",
           flush=True)
     t0 = time.perf_counter()

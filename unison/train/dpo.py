@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from ..config import DPOConfig
 from ..data.schemas import LABELED, DataError, read_table
-from ..token_view import row_view
 from .loop import Trainer, autocast, epoch_batches, fit, split_batch
 from .sft import collate, load_student, save_model, target_logits
 
@@ -51,14 +50,14 @@ def load_pairs(path: str, max_per_question: int) -> list[tuple[dict, dict]]:
     return pairs
 
 
-def pair_views(tok, pairs: list[tuple[dict, dict]], max_length: int, native=None) -> tuple[list[tuple], dict]:
-    """Token views ((ids, mask) chosen, (ids, mask) rejected) of every pair (a `native` student's in its chat template),
-    cut to `max_length`, and counts."""
+def pair_views(format, pairs: list[tuple[dict, dict]], max_length: int) -> tuple[list[tuple], dict]:
+    """Token views ((ids, mask) chosen, (ids, mask) rejected) of every pair in the student's `format` (tool_format.py:
+    its `view`), cut to `max_length`, and counts."""
     views, truncated = [], 0
     for chosen, rejected in pairs:
         pair = []
         for r in (chosen, rejected):
-            ids, mask = row_view(tok, r, native)
+            ids, mask = format.view(r)
             truncated += len(ids) > max_length
             pair.append((ids[:max_length], mask[:max_length]))
         views.append(tuple(pair))

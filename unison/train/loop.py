@@ -333,7 +333,7 @@ def checkpoint_path(stage: str, settings: dict, files: Iterable[Path]) -> str:
 
 def write_records_csv(records: list[dict], path: str | Path, fields: list[str] | None = None) -> None:
     """Step records as a CSV (atomically): `fields`, else every key of the records in the order first seen (a key only
-    some steps have, such as rl.probe_every's probe, leaves the other rows' cells empty)."""
+    some steps have, such as rl.probe.every's probe, leaves the other rows' cells empty)."""
     path = Path(path)
     tmp = atomic_path(path)
     with open(tmp, "w", newline="") as f:

@@ -1,11 +1,13 @@
-"""On-policy distillation (rl.objective: opd, or the first rl.opd_steps steps of an RL run): the student rolls out as in
-RL, the teacher scores every token the student sampled, and the per-token reverse KL is the advantage (discount 0):
+"""On-policy distillation (rl.loss.objective: opd, or the first rl.opd.steps steps of an RL run): the student rolls out
+as in RL, the teacher scores every token the student sampled, and the per-token reverse KL is the advantage
+(discount 0):
 
     A_t = log p_teacher(y_t | y_<t) - log p_student(y_t | y_<t)      on the student's sampled tokens (loss_mask 1)
 
-plus `rl.outcome_weight` times the configured estimator's sequence advantage of the verifiable reward (build_samples).
-Both log-probs are at temperature 1, whatever rl.temperature samples at: the teacher scores at 1 (a server's prompt
-log-probs are the raw model's), so a student equal to its teacher gets A_t = 0 at any sampling temperature.
+plus `rl.opd.outcome_weight` times the configured estimator's sequence advantage of the verifiable reward
+(rl.build_samples). Both log-probs are at temperature 1, whatever rl.rollout.temperature samples at: the teacher scores
+at 1 (a server's prompt log-probs are the raw model's), so a student equal to its teacher gets A_t = 0 at any sampling
+temperature.
 Prompt and tool-observation tokens have loss_mask 0: no advantage, no gradient. A teacher of the student's vocabulary
 scores the student's own tokens, each a span of its own; a teacher of another tokenizer scores the student's text after
 its own rendering of the prompt, sampled segment by sampled segment (token_alignment.py), and a span of several student
@@ -15,18 +17,23 @@ computed from a log-prob of 0.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..protocol import chat_prompt
 from ..token_alignment import score_across
+from .policy_loss import token_logprobs
+from .sft import distill_loss
 
 
 def attach_teacher_logps(samples: list[dict], teacher_logps: list[list[float]], span_ids: list[list[int]],
                          straddling: int = 0, tops: list[list[tuple[list[int], list[float]]]] | None = None) -> dict:
     """Each sample's teacher log-probs as `teacher_logp` and spans as `teacher_span` (0 outside its loss_mask and where
-    the teacher gave no score); the loss adds the teacher term there (teacher_term). With `tops` (rl.kd_weight), each
-    target's top-k ids and log-probs as `teacher_top`, empty where the span is 0. Returns the number of sampled tokens
-    with a teacher score and of teacher tokens straddling a student token boundary (a teacher of another tokenizer)."""
+    the teacher gave no score); the loss adds the teacher term there (teacher_term). With `tops` (rl.opd.kd_weight),
+    each target's top-k ids and log-probs as `teacher_top`, empty where the span is 0. Returns the number of sampled
+    tokens with a teacher score and of teacher tokens straddling a student token boundary (a teacher of another
+    tokenizer)."""
     n = 0
     for i, (s, teacher, spans) in enumerate(zip(samples, teacher_logps, span_ids)):
         if len(teacher) != len(s["loss_mask"]) or len(spans) != len(s["loss_mask"]):
@@ -54,35 +61,6 @@ def teacher_term(advantages: torch.Tensor, teacher_logp: torch.Tensor, teacher_s
     return advantages + per_span.gather(1, span) * scored, (student - teacher).sum() / scored.sum().clamp(min=1)
 
 
-def span_kls(samples: list[dict]) -> tuple[list[float], int]:
-    """Per teacher span of each sample (a token of its own for a teacher of the student's vocabulary): the student's
-    log-prob (`logp_t1`, temperature 1) minus the teacher's, summed over the span; and how many student tokens the spans
-    cover. Their sum over the tokens is the one-sample estimate of the reverse KL that teacher_term reports."""
-    values, tokens = [], 0
-    for s in samples:
-        per_span: dict[int, float] = {}
-        for student, teacher, span in zip(s["logp_t1"], s["teacher_logp"], s["teacher_span"]):
-            if span:
-                per_span[span] = per_span.get(span, 0.0) + student - teacher
-                tokens += 1
-        values += per_span.values()
-    return values, tokens
-
-
-def probe_figures(samples: list[dict]) -> dict:
-    """The KL probe's figures (rl.probe_prompts): the reverse KL to the teacher in nats per scored student token, the
-    10th, 50th and 90th percentiles of the per-span values (the histogram's shape), the share of spans over 1 nat, and
-    the tokens scored."""
-    values, tokens = span_kls(samples)
-    if not values:
-        return {"probe_kl": 0.0, "probe_kl_p10": 0.0, "probe_kl_p50": 0.0, "probe_kl_p90": 0.0, "probe_over_1nat": 0.0,
-                "probe_tokens": 0}
-    ranked = sorted(values)
-    at = lambda q: ranked[min(len(ranked) - 1, int(q * len(ranked)))]
-    return {"probe_kl": sum(values) / tokens, "probe_kl_p10": at(0.1), "probe_kl_p50": at(0.5), "probe_kl_p90": at(0.9),
-            "probe_over_1nat": sum(v > 1.0 for v in values) / len(values), "probe_tokens": tokens}
-
-
 def own_spans(loss_mask: list[int]) -> list[int]:
     """Spans of a teacher of the student's vocabulary: each sampled token its own."""
     return [t + 1 if m else 0 for t, m in enumerate(loss_mask)]
@@ -92,15 +70,15 @@ def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: st
                   top_k: int = 0) -> tuple[list[list[float]], list[list[int]], int, list | None]:
     """The teacher's log-prob of each sample's every target token (position t scores token t+1, as loss_mask is
     aligned), each target's span (0: no teacher score), how many teacher tokens straddled a student token boundary,
-    and with `top_k` (rl.kd_weight) each target's k likeliest teacher tokens as (ids, log-probs), else None.
+    and with `top_k` (rl.opd.kd_weight) each target's k likeliest teacher tokens as (ids, log-probs), else None.
     A teacher of the student's vocabulary scores the very tokens: after the sequence's first token when it reads the
     student's own prompt, else after its own rendering of the prompt with `worked_examples` after the system prompt
-    (rl.teacher_context); a teacher of another tokenizer scores the student's text after that rendering
+    (rl.opd.teacher_context); a teacher of another tokenizer scores the student's text after that rendering
     (token_alignment.py), and has no top-k over the student's vocabulary."""
     same_vocab = teacher.tokenizer.get_vocab() == student_tok.get_vocab()
     if top_k and not same_vocab:
-        raise ValueError("rl.kd_weight > 0 distils the teacher's top-k tokens into the student's distribution, but "
-                         "the teacher's vocabulary is not the student's: set rl.kd_weight: 0 (the teacher term "
+        raise ValueError("rl.opd.kd_weight > 0 distils the teacher's top-k tokens into the student's distribution, but "
+                         "the teacher's vocabulary is not the student's: set rl.opd.kd_weight: 0 (the teacher term "
                          "scores across tokenizers)")
     tops = lambda scores, first: ([[([], [])] * first + list(zip(sc.top_ids, sc.top_logprobs))
                                    for first, sc in zip(first, scores)] if top_k else None)
@@ -143,3 +121,43 @@ def length_collapse(history: list[dict]) -> str | None:
                 f"{now['response_tokens']:.1f} tokens) while the KL to the teacher rose ({before['kl_teacher']:.4f} -> "
                 f"{now['kl_teacher']:.4f}): teacher and student may stop differently (check their end-of-turn tokens)")
     return None
+
+
+def unscaled_logp(logits: torch.Tensor, logp: torch.Tensor, batch: dict, temperature: float) -> torch.Tensor:
+    """The sampling policy's log-probs at temperature 1 (the teacher term's): stored with the policy before the update
+    (`old_logp_t1`), else the loss's own (`logp` from `logits` scaled by 1/temperature), detached."""
+    if "old_logp_t1" in batch:
+        return batch["old_logp_t1"]
+    return (logp if temperature == 1 else token_logprobs(logits * temperature, batch["targets"])).detach()
+
+
+def with_teacher_term(advantages: torch.Tensor, logits: torch.Tensor, logp: torch.Tensor, batch: dict,
+                      temperature: float) -> tuple[torch.Tensor, dict]:
+    """A scored batch's advantages plus the teacher term, and its reverse KL to the teacher (`kl_teacher`)."""
+    student = unscaled_logp(logits, logp, batch, temperature)
+    advantages, kl = teacher_term(advantages, batch["teacher_logp"], batch["teacher_span"], student)
+    return advantages, {"kl_teacher": kl.item()}
+
+
+def top_k_term(logits: torch.Tensor, batch: dict, opd, temperature: float) -> tuple[torch.Tensor, dict]:
+    """rl.opd.kd_weight x the divergence of the student's distribution at temperature 1 from the teacher's top-k, on
+    the tokens the teacher scored; and its value (`kd_teacher`)."""
+    kd = distill_loss(logits * temperature, batch["teacher_top_ids"], batch["teacher_top_logp"],
+                      batch["teacher_span"] > 0, opd.kd_loss)
+    return opd.kd_weight * kd, {"kd_teacher": kd.item()}
+
+
+def score_with_teacher(samples: list[dict], setup, tok, trainer) -> dict:
+    """The teacher's log-probs (and, with rl.opd.kd_weight, its top-k) on every sample's sampled tokens, scored on rank
+    0 and handed to every process; the figures of the scoring and its time (`teacher_s`)."""
+    t0 = time.perf_counter()
+    opd = setup.rl.opd
+    top_k = opd.kd_topk if opd.kd_weight > 0 else 0
+    scored = teacher_logps(setup.teacher, samples, tok, setup.worked_examples, top_k) if trainer.is_main else None
+    return {**attach_teacher_logps(samples, *trainer.from_main(scored)), "teacher_s": time.perf_counter() - t0}
+
+
+def restart_step(rl) -> int:
+    """The step at which an RL run that began with rl.opd.steps of distillation starts its RL part as a second run
+    would (fresh AdamW moments, the lr schedule again: rl.opd.switch restart); 0 = never."""
+    return rl.opd.steps if rl.opd.steps > 0 and rl.opd.switch == "restart" else 0

@@ -23,17 +23,16 @@ import torch
 
 from .. import layout
 from ..agents.runtime import Episode, EpisodeSettings
-from ..agents.toolbox import Toolbox
-from ..config import AgentFlowConfig, LabelConfig, LLMConfig, RLConfig
+from ..config import LabelConfig, LLMConfig, RLConfig
 from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
-from ..teacher_topk import MISSING
-from ..tool_format import NativeFormat
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
-from .loop import Trainer, autocast
-from .opd import attach_teacher_logps, length_collapse, probe_figures, teacher_logps, teacher_term
+from .batches import attach_logprobs, collate, logprobs_of, make_sample, padded, scored_batch, scored_columns
+from .loop import Trainer
+from .opd import length_collapse, restart_step, score_with_teacher, top_k_term, with_teacher_term
 from .policy_loss import policy_loss, token_logprobs
 from .prm import PRM
+from .probe import kl_probe, split_probe
 from .rewards import (
     efficiency_rewards,
     judge_response,
@@ -43,47 +42,43 @@ from .rewards import (
     sigma_factor,
 )
 from .rollout import (
+    PlannerRollout,
+    SoloRollout,
     View,
     check_colocated_memory,
     engine_sleeps,
-    episode_view,
     make_rollout_backend,
-    planner_rollout,
-    rollout,
     turn_views,
 )
-from .sft import distill_loss, logits_at, save_model
+from .sft import save_model
 
 # ------------------------------------------------------------------------------------------------------- the setup
 
 @dataclass(frozen=True)
 class RLSetup:
     """What an RL run needs beside the model and the prompts, built once by the stage. Every process: the rl, label and
-    llm sections and the enabled tools. Rank 0 alone, which rolls out and scores (None elsewhere): the toolbox; the PRM
-    (rl.prm_weight > 0); the teacher (rl.objective opd: a backend whose `score` gives its log-probs of the student's
-    tokens, read after `worked_examples` when given, rl.teacher_context worked_examples); for rl.student_role
-    agentflow_planner, the fixed modules' backends by role (`roles`) and the flow's settings (`agentflow`), both or
-    neither. `native`: the student acts in its chat template's tool calls (tool_format.NativeFormat); None: the tags."""
+    llm sections and the enabled tools. Rank 0 alone, which rolls out and scores (None elsewhere): how the student's
+    episodes are rolled out (`acting`: alone with its toolbox, or as AgentFlow's planner); the PRM
+    (rl.reward.prm_weight > 0); the teacher (on-policy distillation and the probe: a backend whose `score` gives its
+    log-probs of the student's tokens, read after `worked_examples` when given, rl.opd.teacher_context
+    worked_examples)."""
     rl: RLConfig
     label: LabelConfig
     llm: LLMConfig
     tools: tuple[str, ...]
-    toolbox: Toolbox | None = None
-    native: NativeFormat | None = None
+    acting: SoloRollout | PlannerRollout | None = None
     prm: PRM | None = None
     teacher: Any = None
     worked_examples: str = ""
-    roles: dict | None = None
-    agentflow: AgentFlowConfig | None = None
     gradient_checkpointing: bool = False
 
     @property
     def episode(self) -> EpisodeSettings:
         """How a rollout samples and how long it may run: rl's temperature, top_p and budgets within
         llm.max_model_len."""
-        rl = self.rl
-        return EpisodeSettings(temperature=rl.temperature, top_p=rl.top_p, max_turns=rl.max_turns,
-                               max_tokens_per_turn=rl.max_tokens_per_turn, max_tool_calls=rl.max_tool_calls,
+        ro = self.rl.rollout
+        return EpisodeSettings(temperature=ro.temperature, top_p=ro.top_p, max_turns=ro.max_turns,
+                               max_tokens_per_turn=ro.max_tokens_per_turn, max_tool_calls=ro.max_tool_calls,
                                max_model_len=self.llm.max_model_len)
 
 
@@ -136,19 +131,6 @@ def step_prompts(rows: list[dict], start: int, n: int, seed: int) -> list[dict]:
     return out
 
 
-def split_probe(rows: list[dict], n: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(the curriculum without its `n` probe prompts, the probe prompts): drawn with the seed, in curriculum order."""
-    if not n:
-        return rows, []
-    if n >= len(rows):
-        raise ValueError(f"rl.probe_prompts {n}: the curriculum (data/rl) has {len(rows)} prompts; hold out fewer")
-    held = set(random.Random(f"{seed}/probe").sample(range(len(rows)), n))
-    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
-
-
-PROBE_ROUND = -1  # the probe's episodes' seeds (rollout's step): the same at every probe, so only the policy differs
-
-
 # --------------------------------------------------------------------------------------------------------- rewards
 
 def episode_steps(e) -> list[str]:
@@ -164,22 +146,23 @@ def episode_steps(e) -> list[str]:
 
 
 def score_episodes(episodes, rows: list[dict], views: list[View], setup: RLSetup, step: int) -> dict:
-    """Every reward component per episode (rl.group_size of them per row) and the scalar reward
+    """Every reward component per episode (rl.rollout.group_size of them per row) and the scalar reward
     r = w_v*s + w_f*f_fmt + w_e*s*(f_tool*f_len - 1); with a PRM, its step rewards (`prm_steps`).
 
     The efficiency term makes w = 1 everywhere ET-Agent's r = s*f_tool*f_len + f_fmt; the PRM adds token rewards.
     """
     rl = setup.rl
-    groups = [i // rl.group_size for i in range(len(episodes))]
+    groups = [i // rl.rollout.group_size for i in range(len(episodes))]
     judged = [judge_response(rows[g]["ability"], e.text, rows[g]["reward_model"]["ground_truth"], setup.label,
                              setup.tools)
               for e, g in zip(episodes, groups)]
     s, fmt, calls = ([j[k] for j in judged] for k in ("verifiable", "format", "tool_calls"))
     lengths = [v.sampled for v in views]
-    factor = sigma_factor(step, rl.steps) if rl.sigma_decay else 1.0
-    eff = efficiency_rewards(s, calls, lengths, fmt, groups, rl.sigma_tool * factor, rl.sigma_len * factor)
+    weights = rl.reward
+    factor = sigma_factor(step, rl.steps) if weights.sigma_decay else 1.0
+    eff = efficiency_rewards(s, calls, lengths, fmt, groups, weights.sigma_tool * factor, weights.sigma_len * factor)
     efficiency = [si * (ft * fl - 1) for si, ft, fl in zip(s, eff["f_tool"], eff["f_len"])]
-    total = [rl.verifiable_weight * si + rl.format_weight * fi + rl.efficiency_weight * ei
+    total = [weights.verifiable_weight * si + weights.format_weight * fi + weights.efficiency_weight * ei
              for si, fi, ei in zip(s, fmt, efficiency)]
     out = {"groups": groups, "correct": [j["correct"] for j in judged], "verifiable": s, "format": fmt,
            "efficiency": efficiency, "total": total, "tool_calls": calls, "lengths": lengths, "f_tool": eff["f_tool"],
@@ -187,13 +170,6 @@ def score_episodes(episodes, rows: list[dict], views: list[View], setup: RLSetup
     if setup.prm is not None:
         out["prm_steps"] = prm_step_rewards(setup.prm.step_scores([rows[g]["extra_info"]["question"] for g in groups],
                                                                   [episode_steps(e) for e in episodes]))
-    return out
-
-
-def padded(rows: list[list[float]], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
     return out
 
 
@@ -207,7 +183,8 @@ def build_samples(views: list[View], rewards: dict, rl: RLConfig,
     Flow-GRPO: every turn is a sample with its rollout's reward, normalised over all turns of the question's rollouts.
     """
     groups, total = rewards["groups"], rewards["total"]
-    spread_only = rl.dynamic_sampling and rl.objective == "reward"  # opd: every group carries the teacher's signal
+    # opd: every group carries the teacher's signal
+    spread_only = rl.rollout.dynamic_sampling and rl.loss.objective == "reward"
     keep = dynamic_sampling_keep(total, groups) if spread_only else torch.ones(len(views), dtype=torch.bool)
     kept = [i for i in range(len(views)) if keep[i]]
     kept_frac = len({groups[i] for i in kept}) / max(1, len(set(groups)))
@@ -217,14 +194,14 @@ def build_samples(views: list[View], rewards: dict, rl: RLConfig,
     if not kept:
         return [], kept_frac
     samples = []
-    if rl.estimator == "flow_grpo":
+    if rl.loss.estimator == "flow_grpo":
         per_turn = [turn_views(views[i]) for i in kept]
         adv, owner = flow_grpo([groups[i] for i in kept], [total[i] for i in kept], [len(t) for t in per_turn])
         flat = [t for ts in per_turn for t in ts]
         for v, a in zip(flat, adv.tolist()):
-            samples.append(_sample(v.ids, v.loss_mask, [a * m for m in v.loss_mask], v.messages))
+            samples.append(make_sample(v.ids, v.loss_mask, [a * m for m in v.loss_mask], v.messages))
         return samples, kept_frac
-    seq_adv = ESTIMATORS[rl.estimator]([total[i] for i in kept], [groups[i] for i in kept])
+    seq_adv = ESTIMATORS[rl.loss.estimator]([total[i] for i in kept], [groups[i] for i in kept])
     width = max(len(views[i].ids) for i in kept)
     mask = padded([views[i].loss_mask for i in kept], width)
     token_r = torch.zeros_like(mask)
@@ -236,89 +213,29 @@ def build_samples(views: list[View], rewards: dict, rl: RLConfig,
                 ends[row, end - 1] = True
         steps = [rewards["prm_steps"][i] for i in kept]
         step_r = padded(steps, max(1, max(map(len, steps))))
-        token_r += rl.prm_weight * prmvr_token_rewards(step_r, ends, mask, [0.0] * len(kept), [groups[i] for i in kept],
-                                                       mode="PRM", baseline=rl.prm_baseline,
-                                                       temperature=rl.prm_temperature)
-    outcome = rl.outcome_weight if rl.objective == "opd" else 1.0  # opd: the loss adds the teacher's token term
+        token_r += rl.reward.prm_weight * prmvr_token_rewards(step_r, ends, mask, [0.0] * len(kept),
+                                                              [groups[i] for i in kept], mode="PRM",
+                                                              baseline=rl.reward.prm_baseline,
+                                                              temperature=rl.reward.prm_temperature)
+    # opd: the loss adds the teacher's token term
+    outcome = rl.opd.outcome_weight if rl.loss.objective == "opd" else 1.0
     for row, k in enumerate(last):
         if k >= 0:
             token_r[row, k] += outcome * float(seq_adv[row])
     _, adv = returns_to_go(token_r, mask)
     for row, i in enumerate(kept):
         n = len(views[i].ids)
-        samples.append(_sample(views[i].ids, views[i].loss_mask, adv[row, :n].tolist(), views[i].messages))
+        samples.append(make_sample(views[i].ids, views[i].loss_mask, adv[row, :n].tolist(), views[i].messages))
     return samples, kept_frac
-
-
-def _sample(ids: list[int], loss_mask: list[int], adv: list[float], messages: list[dict]) -> dict:
-    """`messages`: the prompt's, for a teacher of another tokenizer to render in its own template (rl.objective opd)."""
-    return {"ids": ids, "loss_mask": loss_mask[1:], "advantages": adv[1:], "messages": messages}
 
 
 # ------------------------------------------------------------------------------------------------------------ loss
 
-def collate(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch; target-aligned fields (width - 1) are 0 on padding, so padding never counts."""
-    width = max(len(s["ids"]) for s in samples)
-    batch = {"input_ids": torch.full((len(samples), width), pad_id, dtype=torch.long),
-             "attention_mask": torch.zeros((len(samples), width), dtype=torch.long)}
-    for r, s in enumerate(samples):
-        batch["input_ids"][r, : len(s["ids"])] = torch.tensor(s["ids"])
-        batch["attention_mask"][r, : len(s["ids"])] = 1
-    for key in ("loss_mask", "advantages", "old_logp", "old_logp_t1", "ref_logp", "teacher_logp", "teacher_span"):
-        if key in samples[0]:
-            batch[key] = padded([list(s[key]) for s in samples], width - 1)
-    if "teacher_top" in samples[0]:
-        tops = [s["teacher_top"] for s in samples]
-        batch["teacher_top_ids"], batch["teacher_top_logp"] = padded_tops(tops, width - 1)
-    return batch
-
-
-def padded_tops(rows: list[list[tuple[list[int], list[float]]]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's top-k per target, [batch, width, k]: ids (0 where none) and log-probs (MISSING where none, which
-    distill_loss leaves out)."""
-    k = max((len(ids) for row in rows for ids, _ in row), default=1)
-    ids_out = torch.zeros(len(rows), width, k, dtype=torch.long)
-    logp_out = torch.full((len(rows), width, k), MISSING)
-    for i, row in enumerate(rows):
-        for t, (ids, logps) in enumerate(row):
-            ids_out[i, t, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            logp_out[i, t, : len(logps)] = torch.tensor(logps, dtype=torch.float32)
-    return ids_out, logp_out
-
-
-TOKEN_FIELDS = ("loss_mask", "advantages", "old_logp", "old_logp_t1", "ref_logp", "teacher_logp", "teacher_span",
-                "teacher_top_ids", "teacher_top_logp")  # collate's target-aligned fields, [batch, width - 1, ...]
-
-
-def scored_columns(batch: dict) -> torch.Tensor:
-    """The target positions that are a loss-mask token in some row (the teacher scores only those too): the LM head and
-    the log-softmax over the vocabulary run nowhere else. In a rollout the prompt, the tools' schemas and their results
-    are most of the tokens, and the head is a fifth of a 135M model's compute plus a [batch, width, vocab] fp32
-    tensor."""
-    return (batch["loss_mask"] > 0).any(0).nonzero().squeeze(-1)
-
-
-def scored_batch(batch: dict, columns: torch.Tensor) -> dict:
-    """The batch's target-aligned fields cut to `columns`, with the next tokens there as `targets`."""
-    return {**{k: v[:, columns] if k in TOKEN_FIELDS else v for k, v in batch.items()},
-            "targets": batch["input_ids"][:, 1:][:, columns]}
-
-
-def logprobs_of(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs of each next token, temperature-scaled logits) under `model` (the sampling distribution), at the
-    batch's scored_columns only."""
-    columns = scored_columns(batch)
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    logits = logits_at(model, inputs, columns).float() / temperature  # a group's shared prompt runs once
-    return token_logprobs(logits, batch["input_ids"][:, 1:][:, columns]), logits
-
-
 def batch_loss(logits: torch.Tensor, batch: dict, rl: RLConfig,
                max_len: int | None = None) -> tuple[torch.Tensor, dict]:
     """policy_loss of a collated batch from its (scaled) logits: clipped PG on loss_mask tokens, + k3 KL if configured;
-    with the teacher's log-probs in the batch (rl.objective opd) the advantages gain the teacher term (teacher_term, on
-    the sampling policy's log-probs at temperature 1), and the metrics the batch's reverse KL to the teacher
+    with the teacher's log-probs in the batch (on-policy distillation) the advantages gain the teacher term (on the
+    sampling policy's log-probs at temperature 1), and the metrics the batch's reverse KL to the teacher
     (`kl_teacher`). `logits`: at the batch's scored_columns (logprobs_of), or at every target position (cut to them
     here: the other positions count in no row)."""
     columns = scored_columns(batch)
@@ -329,25 +246,16 @@ def batch_loss(logits: torch.Tensor, batch: dict, rl: RLConfig,
     # one update: the sampling policy is this one
     old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
     advantages, extra = batch["advantages"], {}
-    if "teacher_logp" in batch:
-        student = unscaled_logp(logits, logp, batch, rl.temperature)
-        advantages, kl = teacher_term(advantages, batch["teacher_logp"], batch["teacher_span"], student)
-        extra = {"kl_teacher": kl.item()}
-    loss, metrics = policy_loss(logp, old_logp, advantages, batch["loss_mask"], rl.clip_low, rl.clip_high,
-                                rl.dual_clip, batch.get("ref_logp"), rl.kl_coef, rl.loss_agg, max_len, logits=logits)
-    if "teacher_top_ids" in batch:  # rl.kd_weight: the teacher's top-k against the student's at temperature 1
-        kd = distill_loss(logits * rl.temperature, batch["teacher_top_ids"], batch["teacher_top_logp"],
-                          batch["teacher_span"] > 0, rl.kd_loss)
-        loss, extra = loss + rl.kd_weight * kd, {**extra, "kd_teacher": kd.item()}
+    if "teacher_logp" in batch:  # on-policy distillation (opd.py)
+        advantages, extra = with_teacher_term(advantages, logits, logp, batch, rl.rollout.temperature)
+    loss_cfg = rl.loss
+    loss, metrics = policy_loss(logp, old_logp, advantages, batch["loss_mask"], loss_cfg.clip_low, loss_cfg.clip_high,
+                                loss_cfg.dual_clip, batch.get("ref_logp"), loss_cfg.kl_coef, loss_cfg.agg, max_len,
+                                logits=logits)
+    if "teacher_top_ids" in batch:  # rl.opd.kd_weight
+        kd, kd_metrics = top_k_term(logits, batch, rl.opd, rl.rollout.temperature)
+        loss, extra = loss + kd, {**extra, **kd_metrics}
     return loss, {**metrics, **extra}
-
-
-def unscaled_logp(logits: torch.Tensor, logp: torch.Tensor, batch: dict, temperature: float) -> torch.Tensor:
-    """The sampling policy's log-probs at temperature 1 (OPD's teacher term): stored with the policy before the update
-    (`old_logp_t1`), else the loss's own (`logp` from `logits` scaled by 1/temperature), detached."""
-    if "old_logp_t1" in batch:
-        return batch["old_logp_t1"]
-    return (logp if temperature == 1 else token_logprobs(logits * temperature, batch["targets"])).detach()
 
 
 def needs_old_logp(rl: RLConfig) -> bool:
@@ -356,28 +264,6 @@ def needs_old_logp(rl: RLConfig) -> bool:
     the loss's own, detached (TRL's num_iterations == 1), OPD's teacher term included: a quarter of the step's compute
     saved."""
     return rl.ppo_epochs > 1 or rl.mini_batches > 1
-
-
-@torch.no_grad()
-def attach_logprobs(model, samples: list[dict], key: str, rl: RLConfig, pad_id: int, device, precision: str,
-                    unscaled_key: str | None = None) -> None:
-    """Each sample's per-token log-probs under `model` (in the training precision, at rl.temperature) as
-    samples[i][key], and at temperature 1 as samples[i][unscaled_key] when given; 0 at the positions that count in no
-    sample of its micro-batch (scored_columns), which no loss reads."""
-    for i in range(0, len(samples), rl.micro_batch_size):
-        chunk = samples[i : i + rl.micro_batch_size]
-        batch = {n: t.to(device) for n, t in collate(chunk, pad_id).items()}
-        columns = scored_columns(batch)
-        with autocast(precision, device.type):
-            logp, logits = logprobs_of(model, batch, rl.temperature)
-            unscaled = (token_logprobs(logits * rl.temperature, batch["input_ids"][:, 1:][:, columns])
-                        if unscaled_key else None)
-        for name, values in ((key, logp), (unscaled_key, unscaled)):
-            if name:
-                full = torch.zeros(len(chunk), batch["input_ids"].shape[1] - 1)
-                full[:, columns] = values.float().cpu()
-                for r, s in enumerate(chunk):
-                    s[name] = full[r, : len(s["ids"]) - 1].tolist()
 
 
 def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, rng: random.Random) -> dict:
@@ -389,7 +275,7 @@ def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, r
         rng.shuffle(order)
         size = math.ceil(len(order) / rl.mini_batches)
         for mb in (order[i : i + size] for i in range(0, len(order), size)):
-            units = {i: sum(samples[i]["loss_mask"]) if rl.loss_agg == "token_mean" else
+            units = {i: sum(samples[i]["loss_mask"]) if rl.loss.agg == "token_mean" else
                      float(any(samples[i]["loss_mask"])) for i in mb}
             max_len = max(len(samples[i]["ids"]) for i in mb) - 1
             micros = [mb[i : i + rl.micro_batch_size] for i in range(0, len(mb), rl.micro_batch_size)]
@@ -397,35 +283,13 @@ def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, r
 
             def loss_fn(micro):
                 batch = {n: t.to(trainer.device) for n, t in collate([samples[i] for i in micro], pad_id).items()}
-                _, logits = logprobs_of(trainer.model, batch, rl.temperature)
+                _, logits = logprobs_of(trainer.model, batch, rl.rollout.temperature)
                 return batch_loss(logits, batch, rl, max_len)
 
             for name, v in trainer.step(micros, loss_fn, weights).items():
                 sums[name] = sums.get(name, 0.0) + v
             n_steps += 1
     return {name: v / max(1, n_steps) for name, v in sums.items()}
-
-
-@torch.no_grad()
-def probe_samples(probe_rows: list[dict], backend, model, tok, setup: RLSetup, pad_id: int, device,
-                  precision: str) -> list[dict]:
-    """The probe's samples (rl.probe_prompts): group_size episodes of each held-out prompt, sampled as in training with
-    the same seeds at every probe, each with the student's log-probs at temperature 1 (`logp_t1`) and the teacher's
-    (`teacher_logp`, `teacher_span`) on its sampled tokens."""
-    rl = setup.rl
-    episodes = rollout(probe_rows, rl.group_size, backend, setup.toolbox, setup.episode, setup.tools, rl.seed,
-                       PROBE_ROUND, setup.native)
-    views = [episode_view(e, probe_rows[i // rl.group_size]["prompt"]) for i, e in enumerate(episodes)]
-    samples = [_sample(v.ids, v.loss_mask, [0.0] * len(v.ids), v.messages) for v in views if any(v.loss_mask)]
-    if samples:
-        attach_logprobs(model, samples, "logp", rl, pad_id, device, precision, unscaled_key="logp_t1")
-        attach_teacher_logps(samples, *teacher_logps(setup.teacher, samples, tok, setup.worked_examples))
-    return samples
-
-
-def kl_probe(probe_rows: list[dict], backend, model, tok, setup: RLSetup, pad_id: int, device, precision: str) -> dict:
-    """The reverse KL to the teacher on the held-out probe prompts (probe_figures of probe_samples)."""
-    return probe_figures(probe_samples(probe_rows, backend, model, tok, setup, pad_id, device, precision))
 
 
 # ------------------------------------------------------------------------------------------------------------ loop
@@ -445,11 +309,11 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if rl.kl_coef > 0 else None
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if rl.loss.kl_coef > 0 else None
     updates = rl.ppo_epochs * rl.mini_batches  # optimiser steps a step
-    restarts = rl.opd_steps > 0 and rl.opd_switch == "restart"
+    restart = restart_step(rl)  # after rl.opd.steps of distillation, the RL part as a second run would start
     trainer = Trainer("rl", model, rl.steps * updates, rl, gradient_checkpointing=setup.gradient_checkpointing,
-                      on_step=on_step, restart_at=rl.opd_steps * updates if restarts else 0)
+                      on_step=on_step, restart_at=restart * updates)
     if trainer.zero_stage == 3 and trainer.acc.num_processes > 1:
         raise ValueError("params.yaml rl.deepspeed_config: ZeRO-3 shards the policy, but rank 0 rolls "
                          "out with the whole policy; use configs/deepspeed/zero2.json")
@@ -458,27 +322,27 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
     saved = trainer.load_checkpoint(checkpoint_dir)
     start, pos = (saved["rl_step"], saved["pos"]) if saved else (0, 0)  # pos: prompts of the curriculum drawn so far
     policy = trainer.unwrapped()
-    sleeps = trainer.is_main and engine_sleeps(rl.colocate, rl.rollout_backend, torch.cuda.is_available())
+    sleeps = trainer.is_main and engine_sleeps(rl.rollout.colocate, rl.rollout.backend, torch.cuda.is_available())
     if sleeps and not rl.deepspeed_config:
         check_colocated_memory(sum(p.numel() for p in policy.parameters()), setup.llm.gpu_memory_utilization,
                                torch.cuda.get_device_properties(trainer.device).total_memory, reference=ref is not None)
-    backend = make_rollout_backend(rl.rollout_backend, policy, tok, model_dir, setup.llm, rl.seed,
-                                   rl.rollout_batch_size, sleep_mode=sleeps) if trainer.is_main else None
-    if start and rl.rollout_backend == "vllm" and trainer.is_main:
+    backend = make_rollout_backend(rl.rollout.backend, policy, tok, model_dir, setup.llm, rl.seed,
+                                   rl.rollout.batch_size, sleep_mode=sleeps) if trainer.is_main else None
+    if start and rl.rollout.backend == "vllm" and trainer.is_main:
         backend.sync(policy)
-    rows, probe_rows = split_probe(rows, rl.probe_prompts, rl.seed)
+    rows, probe_rows = split_probe(rows, rl.probe.prompts, rl.seed)
     probe = (lambda: kl_probe(probe_rows, backend, policy, tok, setup, pad_id, trainer.device, trainer.precision)
              ) if probe_rows and trainer.is_main else None
     probed_start = {f"{k}_start": v for k, v in probe().items()} if probe and start == 0 else {}
     for step in range(start, rl.steps):
-        now = rl.at_step(step)  # rl.opd_steps: the first steps distil
-        if restarts and step == rl.opd_steps:
+        now = rl.at_step(step)  # rl.opd.steps: the first steps distil
+        if restart and step == restart:
             trainer.forget_moments()
         trainer.model.eval()
         collected = trainer.from_main(collect_step(step, pos, rows, backend, replace(setup, rl=now)) if trainer.is_main
                                       else None)
         samples, times = collected.samples, collected.times
-        pos += collected.rounds * rl.prompts_per_step
+        pos += collected.rounds * rl.rollout.prompts_per_step
         t2 = time.perf_counter()
         metrics = {}
         if sleeps:
@@ -486,30 +350,25 @@ def train_rl(model_dir: str, rows: list[dict], setup: RLSetup, out_dir: str, che
         if samples:
             if needs_old_logp(rl):
                 attach_logprobs(trainer.model, samples, "old_logp", rl, pad_id, trainer.device, trainer.precision,
-                                unscaled_key="old_logp_t1" if now.objective == "opd" else None)
-            if now.objective == "opd":
-                t_teacher = time.perf_counter()
-                top_k = rl.kd_topk if rl.kd_weight > 0 else 0
-                scored = (teacher_logps(setup.teacher, samples, tok, setup.worked_examples, top_k) if trainer.is_main
-                          else None)
-                metrics |= attach_teacher_logps(samples, *trainer.from_main(scored))
-                metrics["teacher_s"] = time.perf_counter() - t_teacher
+                                unscaled_key="old_logp_t1" if now.loss.objective == "opd" else None)
+            if now.loss.objective == "opd":
+                metrics |= score_with_teacher(samples, setup, tok, trainer)
             if ref is not None:
                 attach_logprobs(ref, samples, "ref_logp", rl, pad_id, trainer.device, trainer.precision)
             trainer.model.train()
             metrics |= train_on(trainer, samples, now, pad_id, random.Random(f"{rl.seed}/{step}"))
         if sleeps:
             backend.wake_up(policy if samples else None)
-        elif samples and rl.rollout_backend == "vllm" and trainer.is_main:
+        elif samples and rl.rollout.backend == "vllm" and trainer.is_main:
             backend.sync(policy)
         times["train_s"] = time.perf_counter() - t2
-        if probe and ((step + 1) % rl.probe_every == 0 or step + 1 == rl.steps):
+        if probe and ((step + 1) % rl.probe.every == 0 or step + 1 == rl.steps):
             t_probe = time.perf_counter()
             metrics |= probe()
             times["probe_s"] = time.perf_counter() - t_probe
         metrics, probed_start = metrics | probed_start, {}
         trainer.log(step_record(step + 1, collected, metrics, trainer.sched.get_last_lr()[0]))
-        if (now.objective == "opd" and trainer.is_main
+        if (now.loss.objective == "opd" and trainer.is_main
                 and (warning := length_collapse([r for r in trainer.records if "kl_teacher" in r]))):
             print(warning, flush=True)
         if trainer.checkpoint_due((step + 1) * updates):
@@ -526,19 +385,14 @@ def collect_step(step: int, pos: int, rows: list[dict], backend, setup: RLSetup)
     more while fewer than prompts_per_step groups keep a reward spread. The samples are those of the first
     prompts_per_step kept groups."""
     rl, episode = setup.rl, setup.episode
-    per_step, samples, rows_seen, episodes, merged, kept_groups = rl.prompts_per_step, [], [], [], {}, 0
+    per_step, samples, rows_seen, episodes, merged, kept_groups = rl.rollout.prompts_per_step, [], [], [], {}, 0
     times = {"rollout_s": 0.0, "reward_s": 0.0}
     rounds = 0
-    while rounds == 0 or (rl.dynamic_sampling and kept_groups < per_step and rounds <= rl.max_refills):
+    while rounds == 0 or (rl.rollout.dynamic_sampling and kept_groups < per_step and rounds <= rl.rollout.max_refills):
         t0 = time.perf_counter()
         batch_rows = step_prompts(rows, pos + rounds * per_step, per_step, rl.seed)
-        if setup.agentflow is not None:
-            eps, views = planner_rollout(batch_rows, rl.group_size, backend, setup.roles, setup.toolbox, episode,
-                                         setup.tools, rl.seed, pos // per_step + rounds, setup.agentflow)
-        else:
-            eps = rollout(batch_rows, rl.group_size, backend, setup.toolbox, episode, setup.tools, rl.seed,
-                          pos // per_step + rounds, setup.native)
-            views = [episode_view(e, batch_rows[i // rl.group_size]["prompt"]) for i, e in enumerate(eps)]
+        eps, views = setup.acting(batch_rows, rl.rollout.group_size, backend, episode, rl.seed,
+                                  pos // per_step + rounds)
         t1 = time.perf_counter()
         rewards = score_episodes(eps, batch_rows, views, setup, step + 1)
         new, kept_frac = build_samples(views, rewards, rl, max_groups=max(0, per_step - kept_groups))
@@ -569,8 +423,8 @@ def step_record(step: int, collected: Collected, metrics: dict, lr: float) -> di
            "response_tokens": mean(rewards["lengths"]), "kept_groups": collected.kept_share, "lr": lr}
     for key in ("pg_loss", "loss", "clip_frac", "approx_kl", "kl_ref", "entropy", "grad_norm"):
         rec[key] = metrics.get(key, 0.0)
-    # rl.objective opd
+    # rl.loss.objective opd
     rec |= {key: metrics[key] for key in ("kl_teacher", "kd_teacher", "teacher_tokens", "teacher_straddling",
                                           "teacher_s") if key in metrics}
-    rec |= {key: v for key, v in metrics.items() if key.startswith("probe_")}  # rl.probe_prompts
+    rec |= {key: v for key, v in metrics.items() if key.startswith("probe_")}  # rl.probe.prompts
     return {**rec, **times, "step_s": sum(times.values()), "rollout_rounds": collected.rounds}

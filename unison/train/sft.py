@@ -11,7 +11,7 @@ import torch
 
 from ..config import SFTConfig
 from ..data.schemas import atomic_dir
-from ..token_view import retokenization_drift, row_view
+from ..token_view import retokenization_drift
 from .loop import Trainer, epoch_batches, fit, resolve_precision
 
 
@@ -32,22 +32,21 @@ def select_trajectories(rows: list[dict], max_per_question: int, dedupe: bool) -
     return kept
 
 
-def build_examples(tok, rows: list[dict], max_length: int, topk: list | None = None,
-                   native=None) -> tuple[list[tuple], dict]:
-    """Token views (ids, mask) of the selected rows (too long ones truncated) and drift statistics; with `topk` (the
-    teacher's top-k ids and log-probs of each row's assistant tokens, `teacher_topk.topk_for`) each example carries
-    them as a third item, one row per mask-1 token; a `native` student's in its chat template (token_view.row_view)."""
-    if native is not None and topk is not None:
+def build_examples(format, rows: list[dict], max_length: int, topk: list | None = None) -> tuple[list[tuple], dict]:
+    """Token views (ids, mask) of the selected rows in the student's `format` (tool_format.py: its `view`; too long
+    ones truncated) and drift statistics; with `topk` (the teacher's top-k ids and log-probs of each row's assistant
+    tokens, `teacher_topk.topk_for`) each example carries them as a third item, one row per mask-1 token."""
+    if topk is not None and not format.tag_tokens:
         raise ValueError("sft.kd_weight > 0 with student.tool_format native: the teacher's top-k are kept on the tag "
                          "protocol's tokens, not the native template's; set sft.kd_weight: 0 or "
                          "student.tool_format: tags")
     examples, drifted, drift_tokens, truncated, n_tokens = [], 0, 0, 0, 0
     for k, r in enumerate(rows):
-        ids, mask = row_view(tok, r, native)
+        ids, mask = format.view(r)
         if topk is not None and len(topk[k][0]) != sum(mask):
             raise ValueError(f"trajectory {r['id']}: {len(topk[k][0])} tokens have the teacher's top-k, {sum(mask)} "
                              "are assistant tokens")
-        d = retokenization_drift(tok, ids)
+        d = retokenization_drift(format.tok, ids)
         drifted += d > 0
         drift_tokens += d
         n_tokens += len(ids)

@@ -7,8 +7,8 @@ reward_model.ground_truth and extra_info (unison's verl export puts the task in 
 `reward.custom_reward_function.reward_kwargs` as keyword arguments: the weights and judge settings that stages/rl.py
 copies from params.yaml. The reward is the in-house loop's r = verifiable_weight * s + format_weight * f_fmt
 (unison.train.rl.score_episodes) for the same response. The ET-Agent efficiency term and the PRM are relative to a
-response's group, which a per-response call does not see, so stages/rl.py refuses rl.efficiency_weight or rl.prm_weight
-> 0 with rl.trainer verl.
+response's group, which a per-response call does not see, so stages/rl.py refuses rl.reward.efficiency_weight or
+rl.reward.prm_weight > 0 with rl.trainer verl.
 """
 from __future__ import annotations
 

@@ -57,48 +57,50 @@ def verl_overrides(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, verl_agent
                    tools: tuple[str, ...]) -> list[str]:
     """main_ppo's overrides for params.yaml's rl section (and llm's engine memory, label's judge settings, export's
     agent loop)."""
-    estimator, norm_by_std = ESTIMATORS[cfg.estimator]
+    ro, loss, reward, verl = cfg.rollout, cfg.loss, cfg.reward, cfg.verl
+    estimator, norm_by_std = ESTIMATORS[loss.estimator]
     settings = {
         "data.train_files": list(train_files), "data.val_files": list(train_files), "data.prompt_key": "prompt",
-        "data.train_batch_size": cfg.prompts_per_step, "data.max_prompt_length": cfg.verl_max_prompt_length,
-        "data.max_response_length": cfg.verl_max_response_length, "data.seed": cfg.seed, "data.return_raw_chat": True,
+        "data.train_batch_size": ro.prompts_per_step, "data.max_prompt_length": verl.max_prompt_length,
+        "data.max_response_length": verl.max_response_length, "data.seed": cfg.seed, "data.return_raw_chat": True,
         "actor_rollout_ref.model.path": model_dir,
         "actor_rollout_ref.actor.optim.lr": cfg.lr, "actor_rollout_ref.actor.optim.weight_decay": cfg.weight_decay,
         "actor_rollout_ref.actor.optim.lr_warmup_steps": cfg.warmup_steps(cfg.steps),
         "actor_rollout_ref.actor.optim.clip_grad": cfg.max_grad_norm,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": cfg.prompts_per_step // cfg.mini_batches,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": ro.prompts_per_step // cfg.mini_batches,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "actor_rollout_ref.actor.ppo_epochs": cfg.ppo_epochs, "actor_rollout_ref.actor.clip_ratio_low": cfg.clip_low,
-        "actor_rollout_ref.actor.clip_ratio_high": cfg.clip_high, "actor_rollout_ref.actor.clip_ratio_c": cfg.dual_clip,
-        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG[cfg.loss_agg],
-        "actor_rollout_ref.actor.use_kl_loss": cfg.kl_coef > 0, "actor_rollout_ref.actor.kl_loss_coef": cfg.kl_coef,
+        "actor_rollout_ref.actor.ppo_epochs": cfg.ppo_epochs, "actor_rollout_ref.actor.clip_ratio_low": loss.clip_low,
+        "actor_rollout_ref.actor.clip_ratio_high": loss.clip_high,
+        "actor_rollout_ref.actor.clip_ratio_c": loss.dual_clip,
+        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG[loss.agg],
+        "actor_rollout_ref.actor.use_kl_loss": loss.kl_coef > 0, "actor_rollout_ref.actor.kl_loss_coef": loss.kl_coef,
         "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",  # k3, the in-house loop's KL
         "actor_rollout_ref.actor.checkpoint.save_contents": ["model", "optimizer", "extra", "hf_model"],
         "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.mode": "async",
-        "actor_rollout_ref.rollout.n": cfg.group_size, "actor_rollout_ref.rollout.temperature": cfg.temperature,
-        "actor_rollout_ref.rollout.top_p": cfg.top_p, "actor_rollout_ref.rollout.seed": cfg.seed,
+        "actor_rollout_ref.rollout.n": ro.group_size, "actor_rollout_ref.rollout.temperature": ro.temperature,
+        "actor_rollout_ref.rollout.top_p": ro.top_p, "actor_rollout_ref.rollout.seed": cfg.seed,
         "actor_rollout_ref.rollout.gpu_memory_utilization": llm.gpu_memory_utilization,
         "actor_rollout_ref.rollout.tensor_model_parallel_size": llm.tensor_parallel_size,
         "actor_rollout_ref.rollout.multi_turn.enable": True,
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": cfg.max_turns,
-        "actor_rollout_ref.rollout.multi_turn.max_user_turns": cfg.max_tool_calls,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": ro.max_turns,
+        "actor_rollout_ref.rollout.multi_turn.max_user_turns": ro.max_tool_calls,
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": tool_config_path,
         "actor_rollout_ref.rollout.agent.default_agent_loop": verl_agent,
         "actor_rollout_ref.rollout.agent.agent_loop_config_path": agent_loop_path,
         "algorithm.adv_estimator": estimator, "algorithm.norm_adv_by_std_in_grpo": norm_by_std,
         "algorithm.use_kl_in_reward": False,
-        "algorithm.filter_groups.enable": cfg.dynamic_sampling, "algorithm.filter_groups.metric": "reward",
+        "algorithm.filter_groups.enable": ro.dynamic_sampling, "algorithm.filter_groups.metric": "reward",
         "reward.custom_reward_function.path": "pkg://unison.train.verl_reward",
         "reward.custom_reward_function.name": "compute_score",
         "trainer.total_training_steps": cfg.steps, "trainer.save_freq": cfg.steps, "trainer.test_freq": -1,
         "trainer.val_before_train": False, "trainer.logger": ["console", "file"],
         "trainer.project_name": "unison", "trainer.experiment_name": "rl",
-        "trainer.nnodes": cfg.verl_nnodes, "trainer.n_gpus_per_node": cfg.verl_gpus_per_node,
+        "trainer.nnodes": verl.nnodes, "trainer.n_gpus_per_node": verl.gpus_per_node,
         "trainer.default_local_dir": checkpoint_dir, "trainer.resume_mode": "auto",
     }
     if llm.max_num_seqs:
         settings["actor_rollout_ref.rollout.max_num_seqs"] = llm.max_num_seqs
-    reward_kwargs = {"verifiable_weight": cfg.verifiable_weight, "format_weight": cfg.format_weight,
+    reward_kwargs = {"verifiable_weight": reward.verifiable_weight, "format_weight": reward.format_weight,
                      "label": label.model_dump(), "tools": list(tools)}
     return ([f"{k}={hydra_value(v)}" for k, v in settings.items()]
             + [f"+reward.custom_reward_function.reward_kwargs={hydra_value(reward_kwargs)}"])
@@ -112,7 +114,7 @@ def write_verl_config(cfg: RLConfig, llm: LLMConfig, label: LabelConfig, t: Tool
     out.mkdir(parents=True, exist_ok=True)
     (out / "tool_config.yaml").write_text(yaml.safe_dump(tool_config(tools, t), sort_keys=False))
     loop = {"name": AGENT_LOOP, "_target_": "unison.train.verl_agent.UnisonAgentLoop",
-            "max_tokens_per_turn": cfg.max_tokens_per_turn}
+            "max_tokens_per_turn": cfg.rollout.max_tokens_per_turn}
     (out / "agent_loops.yaml").write_text(yaml.safe_dump([loop], sort_keys=False))
     overrides = verl_overrides(cfg, llm, label, verl_agent, train_files, model_dir,
                                str((out / "tool_config.yaml").resolve()), str((out / "agent_loops.yaml").resolve()),

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from ...config import METHODS  # the methods' names, one per module here; generate.method's Literal reads the same tuple
 from ...teacher_topk import generated_row
 from ...token_view import tokenizer_fingerprint
-from ...tool_format import NativeFormat
+from ...tool_format import NativeFormat, TagFormat
 from ...tools.registry import DEFAULT_TOOLS, SCAFFOLD, system_prompt
 from ..episodes import start_episode
 from ..runtime import Episode, EpisodeSettings
@@ -33,7 +33,9 @@ class MethodContext:
     taught_by: str = ""  # the teacher method whose students this context prompts (generate.method): their role tags
     # worked examples the acting agents see after the system prompt; never in the student rendering
     demonstrations: str = ""
-    native: NativeFormat | None = None  # acting agents write the student's chat template's tool calls (tool_format.py)
+    # how acting agents write tool calls (tool_format.py): the student's format, by default the tag protocol under
+    # `system`
+    format: NativeFormat | TagFormat | None = None
 
     def __post_init__(self):
         for task, tags in self.scaffold.items():
@@ -41,6 +43,8 @@ class MethodContext:
             if unknown:
                 raise ValueError(f"params.yaml generate.scaffold.{task}: unknown tag(s) {unknown} (one of "
                                  f"{sorted(SCAFFOLD)})")
+        if self.format is None:
+            self.format = TagFormat(self.backend.tokenizer, self.system)
 
     def scaffold_for(self, task: str) -> list[str]:
         return self.scaffold.get(task, [])
@@ -56,13 +60,10 @@ class MethodContext:
         return f"{system}\n\n{self.demonstrations}" if self.demonstrations else system
 
     def solver_episode(self, key: str, question: str, seed: int, task: str) -> Episode:
-        """An agent acting on the student protocol: this context's tools, the scaffold for the question's task, and the
-        teacher's demonstrations after the system prompt."""
-        native = self.native
-        if native is not None and self.demonstrations:
-            native = NativeFormat(native.tok, native.tools, self.with_demonstrations(native.system))
-        return start_episode(self.backend.tokenizer, key, question, seed, self.scaffold_for(task),
-                             system=self.with_demonstrations(self.system), tools=self.tools, native=native)
+        """An agent acting on the student protocol in this context's format: its tools, the scaffold for the question's
+        task, and the teacher's demonstrations after the system prompt."""
+        return start_episode(self.format.with_system(self.with_demonstrations(self.format.system)), key, question,
+                             seed, self.scaffold_for(task), self.tools)
 
     def backend_for(self, role: str):
         return self.role_backends.get(role, self.backend)

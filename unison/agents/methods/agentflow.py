@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ...config import AgentFlowConfig
+from ...tool_format import TagFormat
 from ...tools.registry import SCAFFOLD
 from ..episodes import agent_messages, stable_seed, start_episode, student_messages, trajectory_row
 from ..runtime import Episode, Segment, run_episodes
@@ -94,8 +95,9 @@ def phase(flows: list[Flow], role: str, prompts: list[str], step: str, ctx, syst
     episodes."""
     tok = ctx.backend_for(role).tokenizer
     systems = system if isinstance(system, list) else [system] * len(flows)
-    eps = [start_episode(tok, f"{f.q['id']}/{f.sample}/{step}", p, stable_seed(f.q["id"], f.sample, step),
-                         scaffolds[i] if scaffolds else [], system=systems[i], tools=tools[i] if tools else ())
+    eps = [start_episode(TagFormat(tok, systems[i]), f"{f.q['id']}/{f.sample}/{step}", p,
+                         stable_seed(f.q["id"], f.sample, step), scaffolds[i] if scaffolds else [],
+                         tools=tools[i] if tools else ())
            for i, (f, p) in enumerate(zip(flows, prompts))]
     run_episodes(eps, ctx.backend_for(role), ctx.toolbox, replace(ctx.settings, max_turns=1), desc=f"agentflow {step}")
     for f, e in zip(flows, eps):

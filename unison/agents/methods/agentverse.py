@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from ...config import AgentVerseConfig
+from ...tool_format import TagFormat
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
 from .common import response, student_rendering
@@ -86,8 +87,8 @@ def run(questions: list[dict], samples: range, ctx) -> list[dict]:
 
     def judge(g: int, name: str, key: str, prompt: str, system: str, backend) -> tuple[int, str, str, Episode]:
         (q, s) = groups[g]
-        return g, name, prompt, start_episode(backend.tokenizer, f"{q['id']}/{s}/{key}", prompt,
-                                              stable_seed(q["id"], s, key), [], system=system, tools=())
+        return g, name, prompt, start_episode(TagFormat(backend.tokenizer, system), f"{q['id']}/{s}/{key}", prompt,
+                                              stable_seed(q["id"], s, key), [], tools=())
 
     phase([(g, "solver", None,
             ctx.solver_episode(f"{q['id']}/{s}/solve0", q["question"], stable_seed(q["id"], s, "solve0"), q["task"]))

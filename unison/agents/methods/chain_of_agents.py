@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from ...config import ChainOfAgentsConfig
 from ...protocol import chat_prompt, question_messages
+from ...tool_format import TagFormat
 from ...tools.registry import system_prompt
 from ..episodes import agent_messages, merge_tool_stats, stable_seed, student_messages, trajectory_row
 from ..runtime import Episode, run_episodes
@@ -36,7 +37,7 @@ class Chain(Episode):
 
 def new_chain(tok, key: str, question: str, system: str) -> Chain:
     return Chain(key, chat_prompt(tok, question_messages(question, system)), stable_seed(key),
-                 messages=[{"role": "user", "name": None, "content": question}])
+                 messages=[{"role": "user", "name": None, "content": question}], format=TagFormat(tok, system))
 
 
 def extend(chains: list[Chain], tags, ctx, role: str, step: str, tools: tuple[str, ...] = ()) -> list[str]:
@@ -50,7 +51,7 @@ def extend(chains: list[Chain], tags, ctx, role: str, step: str, tools: tuple[st
             c.finish_reason = "context"
         if c.finish_reason is None:
             turns[c.key] = (c, Episode(f"{c.key}/{step}", c.ids, stable_seed(c.key, step), [tag] if tag else [],
-                                       tuple(tools)))
+                                       tuple(tools), format=TagFormat(ctx.backend_for(role).tokenizer)))
     run_episodes([e for _, e in turns.values()], ctx.backend_for(role), ctx.toolbox, cfg, desc=step)
     for c, e in turns.values():
         absorb(c, e, role, ctx.backend.tokenizer.eos_token_id)

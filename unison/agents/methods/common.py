@@ -1,11 +1,14 @@
 """What several teacher methods share: reading an agent's response, the debate update prompt, majority votes, the LLM
-aggregator role, and the student rendering of one agent closed by the team's answer."""
+aggregator role and the transcript's end it writes, and the student rendering of one agent closed by the team's
+answer."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from ...protocol import normalize_answer
-from ..episodes import stable_seed, start_episode, student_messages
+from ...tool_format import TagFormat
+from ..episodes import agent_messages, stable_seed, start_episode, student_messages
 from ..runtime import Episode, Segment, run_episodes
 
 END = "----- END OF THE AGENT RESPONSE -----"
@@ -33,10 +36,24 @@ def aggregate_prompt(question: str, finals: list[Episode]) -> str:
 def aggregate(groups: list[tuple[dict, int]], prompts: list[str], ctx, desc: str) -> list[Episode]:
     """One LLM aggregator per (question, sample), a judging role: on the `aggregator` role's backend, without tools."""
     backend = ctx.backend_for("aggregator")
-    episodes = [start_episode(backend.tokenizer, f"{q['id']}/{s}/agg", prompt, stable_seed(q["id"], s, "agg"),
-                              ["answer"] if ctx.scaffold else [], system=AGGREGATOR_SYSTEM, tools=())
+    episodes = [start_episode(TagFormat(backend.tokenizer, AGGREGATOR_SYSTEM), f"{q['id']}/{s}/agg", prompt,
+                              stable_seed(q["id"], s, "agg"), ["answer"] if ctx.scaffold else [], tools=())
                 for (q, s), prompt in zip(groups, prompts)]
     return run_episodes(episodes, backend, ctx.toolbox, ctx.settings, desc=desc)
+
+
+def aggregated(question: str, agents: list[Episode], agg: Episode | None, prompt: Callable[[str, list[Episode]], str],
+               aggregator: str) -> tuple[str | None, list[dict]]:
+    """The team's final answer (the LLM aggregator's `agg`, else the agents' majority vote) and the messages that end
+    its transcript: the aggregator's `prompt` and turns where it ran, then the final answer in `aggregator`'s name."""
+    final = (agg.answer if agg is not None else None) or majority([e.answer for e in agents])
+    messages = []
+    if agg is not None:
+        messages += ([{"role": "user", "name": "aggregator", "content": prompt(question, agents)}]
+                     + agent_messages(agg, "aggregator"))
+    messages.append({"role": "assistant", "name": f"aggregator({aggregator})",
+                     "content": f"<answer>{final or ''}</answer>"})
+    return final, messages
 
 
 def majority(answers: list[str | None]) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...config import DebateConfig
 from ..episodes import agent_messages, continue_episode, stable_seed, trajectory_row
 from ..runtime import Episode, run_episodes
-from .common import aggregate, aggregate_prompt, majority, student_rendering, update_prompt
+from .common import aggregate, aggregate_prompt, aggregated, student_rendering, update_prompt
 
 
 def run(questions: list[dict], samples: range, ctx) -> list[dict]:
@@ -40,7 +40,7 @@ def run(questions: list[dict], samples: range, ctx) -> list[dict]:
     for g, (q, s) in enumerate(groups):
         last = [rounds[-1][g][a] for a in range(n_agents)]
         agg = aggregators[g]
-        final = (agg.answer if agg is not None else None) or majority([e.answer for e in last])
+        final, ending = aggregated(q["question"], last, agg, aggregate_prompt, aggregator)
         messages = [{"role": "user", "name": None, "content": q["question"]}]
         for r, rnd in enumerate(rounds):
             for a, e in enumerate(rnd[g]):
@@ -49,11 +49,7 @@ def run(questions: list[dict], samples: range, ctx) -> list[dict]:
                     messages.append({"role": "user", "name": "moderator",
                                      "content": update_prompt(q["question"], prev[:a] + prev[a + 1:])})
                 messages += agent_messages(e, f"agent{a}")
-        if agg is not None:
-            messages += ([{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], last)}]
-                         + agent_messages(agg, "aggregator"))
-        messages.append({"role": "assistant", "name": f"aggregator({aggregator})",
-                         "content": f"<answer>{final or ''}</answer>"})
+        messages += ending
         episodes = [e for rnd in rounds for e in rnd[g]] + ([agg] if agg is not None else [])
         rows.append(trajectory_row(q, s, "debate", ctx.teacher, messages,
                                    student_rendering(q["question"], rounds[0][g], last, final, ctx.system), final,

@@ -15,6 +15,7 @@ from collections import Counter
 
 from ...config import DylanConfig
 from ...protocol import normalize_answer
+from ...tool_format import TagFormat
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
 from .common import majority, response, student_rendering, update_prompt
@@ -61,9 +62,9 @@ def run(questions: list[dict], samples: range, ctx) -> list[dict]:
         if r >= 2 and live:
             for g in live:
                 (q, s), prev = groups[g], list(layers[g][-1].values())
-                rankers[g, r] = start_episode(ranker.tokenizer, f"{q['id']}/{s}/rank/r{r}",
+                rankers[g, r] = start_episode(TagFormat(ranker.tokenizer, RANKER_SYSTEM), f"{q['id']}/{s}/rank/r{r}",
                                               rank_prompt(q["question"], prev, top_k),
-                                              stable_seed(q["id"], s, "rank", r), [], system=RANKER_SYSTEM, tools=())
+                                              stable_seed(q["id"], s, "rank", r), [], tools=())
             run_episodes([rankers[g, r] for g in live], ranker, ctx.toolbox, ctx.settings, desc=f"dylan rank r{r + 1}")
             keep = {g: [keep[g][i] for i in parse_ranks(rankers[g, r].text, len(keep[g]), top_k)] for g in live}
         for g in live:

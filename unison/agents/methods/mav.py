@@ -10,6 +10,7 @@ import re
 from dataclasses import replace
 
 from ...config import MAVConfig
+from ...tool_format import TagFormat
 from ..episodes import agent_messages, continue_episode, stable_seed, start_episode, trajectory_row
 from ..runtime import Episode, run_episodes
 from .common import response, student_rendering
@@ -60,9 +61,9 @@ def run(questions: list[dict], samples: range, ctx) -> list[dict]:
                                 stable_seed(q["id"], s, "sol", k), q["task"])
              for k in range(n_solutions)] for q, s in groups]
     run_episodes([e for g in sols for e in g], ctx.backend, ctx.toolbox, ctx.settings, desc="mav generate")
-    checks = [[(k, aspect, start_episode(verifier.tokenizer, f"{q['id']}/{s}/sol{k}/{aspect}",
-                                         verify_prompt(q["question"], e), stable_seed(q["id"], s, k, aspect), [],
-                                         system=VERIFIER_SYSTEM.format(ASPECTS[aspect]), tools=()))
+    checks = [[(k, aspect, start_episode(TagFormat(verifier.tokenizer, VERIFIER_SYSTEM.format(ASPECTS[aspect])),
+                                         f"{q['id']}/{s}/sol{k}/{aspect}", verify_prompt(q["question"], e),
+                                         stable_seed(q["id"], s, k, aspect), [], tools=()))
                for k, e in enumerate(g) for aspect in aspects_for(q["id"], n_verifiers)]
               for (q, s), g in zip(groups, sols)]
     run_episodes([e for g in checks for *_, e in g], verifier, ctx.toolbox, vcfg, desc="mav verify")

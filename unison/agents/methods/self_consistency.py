@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...config import SelfConsistencyConfig
 from ..episodes import agent_messages, stable_seed, trajectory_row
 from ..runtime import Episode, run_episodes
-from .common import aggregate, majority, response, student_rendering
+from .common import aggregate, aggregated, response, student_rendering
 
 
 def aggregate_prompt(question: str, paths: list[Episode]) -> str:
@@ -32,15 +32,11 @@ def run(questions: list[dict], samples: range, ctx) -> list[dict]:
 
     rows = []
     for (q, s), g, agg in zip(groups, paths, aggs):
-        final = (agg.answer if agg is not None else None) or majority([e.answer for e in g])
+        final, ending = aggregated(q["question"], g, agg, aggregate_prompt, aggregator)
         messages = [{"role": "user", "name": None, "content": q["question"]}]
         for k, e in enumerate(g):
             messages += agent_messages(e, f"agent{k}")
-        if agg is not None:
-            messages += ([{"role": "user", "name": "aggregator", "content": aggregate_prompt(q["question"], g)}]
-                         + agent_messages(agg, "aggregator"))
-        messages.append({"role": "assistant", "name": f"aggregator({aggregator})",
-                         "content": f"<answer>{final or ''}</answer>"})
+        messages += ending
         rows.append(trajectory_row(q, s, "self_consistency", ctx.teacher, messages,
                                    student_rendering(q["question"], g, g, final, ctx.system), final,
                                    g + ([agg] if agg is not None else []), "answer" if final else "no_answer"))

@@ -12,8 +12,8 @@ writes in place (stages swap in a new folder), so a version costs no disk. MLflo
 per SmolLM2-135M student (1.2 s with the write to disk), two or three students per pipeline run plus one per flywheel
 round. Another store (a tracking server, S3) gets an upload.
 
-    python -m unison.registry  # the local folder of this recipe's champion (stdout), what it is (stderr)
-    python -m unison.registry --model unison-afm-tiny --alias champion
+    python -m unison.model_registry  # the local folder of this recipe's champion (stdout), what it is (stderr)
+    python -m unison.model_registry --model unison-afm-tiny --alias champion
     unison serve                # the champion behind vLLM's OpenAI-compatible server (unison/serve.py)
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def local_dir(name: str, alias: str = CHAMPION) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m unison.registry", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m unison.model_registry", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="registered model (default: unison-<recipe of ./params.yaml>)")
     ap.add_argument("--alias", default=CHAMPION)
     args = ap.parse_args(argv)
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         version = client.get_model_version_by_alias(name, args.alias)
     except MlflowException as e:
-        sys.exit(f"python -m unison.registry: no {name}@{args.alias} in {redact(track.tracking_uri())}: {e.message}")
+        sys.exit(f"python -m unison.model_registry: no {name}@{args.alias} in {redact(track.tracking_uri())}: "
+                 f"{e.message}")
     tags = version.tags
     print(f"{name}@{args.alias}: version {version.version}, {tags.get('student')} (EM {tags.get('em')}), "
           f"commit {tags.get('git_commit', '?')[:10]}, params {tags.get('params_hash')}", file=sys.stderr)

@@ -2,15 +2,15 @@
 strong.
 
 A clone of this checkout's commit runs `dvc repro <until>` with this checkout's params.yaml, the `--set` changes, and
-the teacher block pointed at the scripted expert of the builtin world (bench/expert.py: OpenAI's chat API with native
+the teacher block pointed at the scripted expert of the builtin world (research/expert.py: OpenAI's chat API with native
 tool calls on 127.0.0.1, one `single` episode a question, unscaffolded). The expert solves every question with the
 tools, so SFT sees a correct trajectory for each train question where the team's vote gives it a few. With `--project`
 (a finished demo), the demo's own rows (its team teacher) are printed beside the expert's. Figures merge into
 reports/bench.json under "expert_demo" (or `--key`).
 
-    python -m bench.expert_demo [--project /path/to/demo] [--work DIR] [--until evaluate] [--set KEY=VALUE ...]
+    python -m research.expert_demo [--project /path/to/demo] [--work DIR] [--until evaluate] [--set KEY=VALUE ...]
 
-bench/token_distillation.py --make-teacher trains its token-level teacher this way (`expert_pipeline`).
+research/token_distillation.py --make-teacher trains its token-level teacher this way (`expert_pipeline`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from bench.bench_rollout import git_commit, save_report
-from bench.expert import ExpertStats, expert_server
+from research.expert import ExpertStats, expert_server
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT_TEACHING = {"generate.method": "single", "generate.samples": 1, "generate.scaffold": {}}
@@ -59,7 +59,7 @@ def expert_pipeline(work: Path, overrides: dict, until: str = "evaluate", keep: 
         (work / ".dvc/config.local").write_text("[cache]\n    type = hardlink,copy\n")
     params = set_dotted(yaml.safe_load((ROOT / "params.yaml").read_text()), {**EXPERT_TEACHING, **overrides})
     if params["download"]["dataset"] != "builtin":
-        raise SystemExit("bench.expert_demo: the scripted expert knows the builtin world only (download.dataset builtin)")
+        raise SystemExit("research.expert_demo: the scripted expert knows the builtin world only (download.dataset builtin)")
     _, train, test = generate_world(BuiltinWorldConfig(**params["download"]["builtin"]), params["seed"])  # as download makes them
     stats = ExpertStats()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1",

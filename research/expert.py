@@ -1,6 +1,6 @@
 """A scripted expert of the builtin world (unison/data/builtin.py) behind OpenAI's chat completions API on 127.0.0.1: a
 teacher that knows how every question is solved, so what a student absorbs from it can be measured against what it was
-shown (bench/expert_demo.py, bench/token_distillation.py --make-teacher) and held to a floor in the tests, where it stands
+shown (research/expert_demo.py, research/token_distillation.py --make-teacher) and held to a floor in the tests, where it stands
 in for a hosted API.
 
 The expert speaks OpenAI's chat completions with native tool calls: `tools` in the request, `tool_calls` with

@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from unison import registry, track
+from unison import model_registry, track
 from unison.config import ROOT
 from unison.data.schemas import atomic_dir
 from unison.recipes import MARKER, recipe_of
@@ -54,8 +54,8 @@ def test_students_are_tagged_versions_and_the_best_em_is_champion_loaded_back_by
     sft, rl = train(project / "models/sft", 1), train(project / "models/rl", 2)
     (project / "models/rl/chat_template.jinja").write_text(TEMPLATE.read_text())  # a native student's template with tools
     with track.stage_run("evaluate", {}) as run:
-        first = registry.register_student(run, "sft", "models/sft", scores(0.30), "builtin")
-        second = registry.register_student(run, "rl", "models/rl", scores(0.45), "builtin")
+        first = model_registry.register_student(run, "sft", "models/sft", scores(0.30), "builtin")
+        second = model_registry.register_student(run, "rl", "models/rl", scores(0.45), "builtin")
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     assert client.get_registered_model("unison-default").aliases == {"champion": second.version}
     tags = client.get_model_version("unison-default", second.version).tags
@@ -74,7 +74,7 @@ def test_students_are_tagged_versions_and_the_best_em_is_champion_loaded_back_by
     stored = project / "mlruns" / run.run_id / "artifacts" / "students" / "rl" / "model.safetensors"
     assert os.stat(stored).st_ino == os.stat(project / "models/rl/model.safetensors").st_ino
     train(project / "models/rl", 3)
-    loaded = AutoModelForCausalLM.from_pretrained(registry.local_dir("unison-default", "champion")).state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(model_registry.local_dir("unison-default", "champion")).state_dict()
     assert same_weights(loaded, rl) and not same_weights(loaded, sft)
     downloaded = mlflow.artifacts.download_artifacts("models:/unison-default@champion", dst_path=str(project / "served"),
                                                      tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
@@ -84,14 +84,14 @@ def test_students_are_tagged_versions_and_the_best_em_is_champion_loaded_back_by
     train(project / "models/flywheel/round-1", 4)
     flywheel = train(project / "models/flywheel/round-2", 5)
     with track.stage_run("flywheel", {}) as run:
-        tie = registry.register_student(run, "flywheel-round-1", "models/flywheel/round-1", scores(0.45), "builtin")
+        tie = model_registry.register_student(run, "flywheel-round-1", "models/flywheel/round-1", scores(0.45), "builtin")
         assert client.get_registered_model("unison-default").aliases == {"champion": second.version}
-        best = registry.register_student(run, "flywheel-round-2", "models/flywheel/round-2", scores(0.52), "builtin")
+        best = model_registry.register_student(run, "flywheel-round-2", "models/flywheel/round-2", scores(0.52), "builtin")
     assert int(tie.version) == int(second.version) + 1
     assert client.get_registered_model("unison-default").aliases == {"champion": best.version}
 
     capsys.readouterr()
-    registry.main([])  # the folder `unison serve` serves by default
+    model_registry.main([])  # the folder `unison serve` serves by default
     out = capsys.readouterr()
     assert same_weights(AutoModelForCausalLM.from_pretrained(out.out.strip()).state_dict(), flywheel)
     assert f"unison-default@champion: version {best.version}, flywheel-round-2 (EM 0.52), commit {commit[:10]}" in out.err
@@ -102,7 +102,7 @@ def test_one_registered_model_per_recipe(project):
                                          + (project / "params.yaml").read_text())
     train(project / "models/sft", 1)
     with track.stage_run("evaluate", {}) as run:
-        version = registry.register_student(run, "sft", "models/sft", scores(0.1), "builtin")
+        version = model_registry.register_student(run, "sft", "models/sft", scores(0.1), "builtin")
     assert version.name == "unison-gap-tiny"
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_registered_model("unison-gap-tiny").aliases == {"champion": version.version}
     assert [recipe_of(f"{MARKER} {label} -- x\nseed: 0") for label in ("afm", "afm (tiny)", "configs/recipes/gap.yaml")] == [
@@ -112,7 +112,7 @@ def test_one_registered_model_per_recipe(project):
 
 def test_no_champion_is_a_clear_error(project):
     with pytest.raises(SystemExit, match="no unison-nothing@champion in sqlite:"):
-        registry.main(["--model", "unison-nothing"])
+        model_registry.main(["--model", "unison-nothing"])
 
 
 def test_a_trained_folder_carries_its_card_and_the_registered_version_the_scored_one(project):
@@ -143,7 +143,7 @@ def test_a_trained_folder_carries_its_card_and_the_registered_version_the_scored
     assert (project / "models/rl/system_prompt.txt").read_text() == native_system_prompt(params.generate.method)
 
     with track.stage_run("evaluate", {}) as run:
-        version = registry.register_student(run, "rl", "models/rl", scores(0.45), "builtin")
+        version = model_registry.register_student(run, "rl", "models/rl", scores(0.45), "builtin")
     stored = project / "mlruns" / run.run_id / "artifacts" / "students" / "rl"
     scored = (stored / "README.md").read_text()
     assert "**EM 45.0%** (95% Wilson interval 35.0-55.0) on 200 test questions of builtin" in scored
@@ -154,3 +154,24 @@ def test_a_trained_folder_carries_its_card_and_the_registered_version_the_scored
     assert os.stat(stored / "model.safetensors").st_ino == os.stat(project / "models/rl/model.safetensors").st_ino
     description = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_model_version("unison-default", version.version).description
     assert "**EM 45.0%**" in description and "tools.json" in description
+
+
+
+@pytest.mark.parametrize("tool_format", ["native", "tags"])
+def test_a_cards_system_prompt_is_the_one_its_student_was_trained_under(tmp_path, base_model_dir, tool_format):
+    """system_prompt.txt is the student's format's own system prompt, the teacher method's rules included: a tag
+    student of gap was trained to plan in <plan>, which its card's prompt must ask for as its training prompt did."""
+    from transformers import AutoTokenizer
+
+    from unison.model_card import write_card
+    from unison.tool_format import student_format
+    from unison.tools.registry import STUDENT_RULES
+
+    tools = ("search", "python")
+    card = {"name": "unison-default-rl", "student": "rl", "tool_format": tool_format, "teacher_method": "gap",
+            "tools": list(tools), "tool_parser": "", "data": [], "data_sha256": "", "params_hash": "", "git_commit": "",
+            "git_dirty": "", "training": {}, "trained_on": "", "date": "", "base_model": "", "teacher": "",
+            "trained_by": "rl"}
+    write_card(tmp_path, card)
+    trained_under = student_format(tool_format, AutoTokenizer.from_pretrained(base_model_dir), tools, "gap").system
+    assert (tmp_path / "system_prompt.txt").read_text() == trained_under and STUDENT_RULES["gap"] in trained_under

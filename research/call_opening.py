@@ -2,11 +2,11 @@
 open a tool call, and, once the turn has begun the way a call and a tool's result both begin (`<tool_` in the ChatML
 template), to go on with the call (`call`) or to write the tool's result itself (`response`), which only the runtime
 writes. The same two figures in the first turn are the control. Read from any rows with a first tool result (evaluate's
-reports/eval/<system>.parquet, pareto's reports/pareto_rollouts.parquet, bench.token_distillation's
+reports/eval/<system>.parquet, pareto's reports/pareto_rollouts.parquet, research.token_distillation's
 reports/bench_eval.parquet): the context is each row's prompt, first call and result, rendered as the student's format
 renders them.
 
-    python -m bench.call_opening --project DIR [--rows reports/pareto_rollouts.parquet] [--model NAME=DIR ...]
+    python -m research.call_opening --project DIR [--rows reports/pareto_rollouts.parquet] [--model NAME=DIR ...]
         [--episodes 64]
 
 Run in a project (its params.yaml gives the student's format; default models: models/teacher, models/sft and
@@ -62,14 +62,14 @@ def call_opening(rows_path: str, models: dict[str, str], episodes: int) -> dict:
 
     params = load_params()
     if params.student.tool_format != "native":
-        raise SystemExit("bench.call_opening: the tag protocol has no tool-result block a student could write; "
+        raise SystemExit("research.call_opening: the tag protocol has no tool-result block a student could write; "
                          "it reads native students (student.tool_format: native)")
     tok = AutoTokenizer.from_pretrained(next(iter(models.values())))
     native = student_format("native", tok, enabled_tools(params.tools), params.generate.method)
     shared, call, result = branch_tokens(tok, CALL_OPEN, "<tool_response>")
     chosen = with_first_result(pq.read_table(rows_path, columns=["student"]).to_pylist())[:episodes]
     if not chosen:
-        raise SystemExit(f"bench.call_opening: no row of {rows_path} holds a first tool call and its result")
+        raise SystemExit(f"research.call_opening: no row of {rows_path} holds a first tool call and its result")
     contexts = []
     for r in chosen:
         messages = native.messages(r["student"][:4])  # system, user, the first call, its result(s)

@@ -1,6 +1,6 @@
 """Where a distilled student's episodes loop: at the first turn after its first tool result, how likely the teacher,
 the student before training and the student after find calling a tool again against answering. Read from the trained
-student's evaluation rows (bench.token_distillation's reports/bench_eval.parquet, or evaluate's reports/eval/<system>
+student's evaluation rows (research.token_distillation's reports/bench_eval.parquet, or evaluate's reports/eval/<system>
 .parquet): the episodes that ended at the tool-call limit (finish reason max_tool_calls) and called a tool again right
 after their first result. For each, the log-prob of three turns after the same context (the student's own prompt,
 first call and result, rendered as the student's format renders them), summed over the turn's tokens and at its first
@@ -8,7 +8,7 @@ token, under each model: the repeated call; an answer turn with the gold answer;
 before training, when `--before-rows` (its evaluation rows) show it answering the same question right after its first
 result.
 
-    python -m bench.opd_decisions --project DIR [--rows reports/bench_eval.parquet] [--before models/sft]
+    python -m research.opd_decisions --project DIR [--rows reports/bench_eval.parquet] [--before models/sft]
         [--after models/rl] [--before-rows DIR/reports/eval/sft.parquet] [--episodes 32]
 
 Run in a project copy (its params.yaml gives the student's format, its models/teacher the teacher). Prints a line per
@@ -61,20 +61,17 @@ def decisions(rows_path: str, models: dict[str, str], episodes: int, before_rows
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from unison.config import load_params
-    from unison.token_view import token_view
     from unison.tool_format import student_format
     from unison.tools.registry import enabled_tools
 
     params = load_params()
     tok = AutoTokenizer.from_pretrained(models["after"])
-    native = student_format(params.student.tool_format, tok, enabled_tools(params.tools), params.generate.method)
-    render = (lambda student: native.render(native.messages(student))) if native else (
-        lambda student: token_view(tok, student, as_generated=False))
+    format = student_format(params.student.tool_format, tok, enabled_tools(params.tools), params.generate.method)
     loaded = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() for name, path in models.items()}
     chosen = looping(pq.read_table(rows_path).to_pylist())[:episodes]
     answered_before = first_answers(pq.read_table(before_rows).to_pylist()) if before_rows else {}
     if not chosen:
-        raise SystemExit(f"bench.opd_decisions: no episode of {rows_path} ended at the tool-call limit after calling a "
+        raise SystemExit(f"research.opd_decisions: no episode of {rows_path} ended at the tool-call limit after calling a "
                          "tool again right after its first result")
     per_episode = []
     for r in chosen:
@@ -83,7 +80,9 @@ def decisions(rows_path: str, models: dict[str, str], episodes: int, before_rows
                  "answer": head + [{"role": "assistant", "content": f"<answer>{r['answers'][0]}</answer>", "token_ids": []}]}
         if r["question_id"] in answered_before:
             turns["own"] = head + [{"role": "assistant", "content": answered_before[r["question_id"]], "token_ids": []}]
-        rendered = {kind: render(student) for kind, student in turns.items()}
+        # each rendering's text alone in the student's format (its stored ids dropped)
+        rendered = {kind: format.view({"student": [{**m, "token_ids": []} for m in student]})
+                    for kind, student in turns.items()}
         start = next(k for k, (a, b) in enumerate(zip(rendered["repeat"][0], rendered["answer"][0])) if a != b)
         figures = {"question": r["question"], "answer": r["answers"][0], "own": answered_before.get(r["question_id"])}
         for name, model in loaded.items():

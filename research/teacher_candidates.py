@@ -2,7 +2,7 @@
 greedy) on a finished demo's 200 test questions, in each context OPD can score it in, and once more with generate's
 scaffold for comparison with the demo's teacher team.
 
-Contexts (rl.teacher_context):
+Contexts (rl.opd.teacher_context):
   student          the student's own prompt: the system prompt and the question
   worked_examples  that prompt with generate.demonstrations after the system prompt (context distillation)
   scaffolded       worked_examples with generate.scaffold's prefilled tags (how generate's teacher acts; OPD's teacher
@@ -10,10 +10,10 @@ Contexts (rl.teacher_context):
 
 A model without a chat template (a base model such as builtin:gemma3-270m) reads the messages as paragraphs after its
 BOS token, as OPD's scoring renders them (protocol.chat_prompt). Each candidate runs in its own copy of the demo (the
-token_distillation bench's copy), so the demo is never touched. Figures merge into reports/bench.json under
+token_distillation study's copy), so the demo is never touched. Figures merge into reports/bench.json under
 "teacher_candidates".
 
-    python -m bench.teacher_candidates --project /path/to/demo --model gemma3-270m=/path/to/gemma [--model ...]
+    python -m research.teacher_candidates --project /path/to/demo --model gemma3-270m=/path/to/gemma [--model ...]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench.bench_rollout import git_commit, save_report
-from bench.token_distillation import copy_project, run, set_params
+from research.token_distillation import copy_project, run, set_params
 
 CONTEXTS = ("student", "worked_examples", "scaffolded")
 
@@ -56,7 +56,7 @@ def main() -> None:
             project = copy_project(demo, args.work.resolve() / f"{name}-{context}", model_dir)
             set_params(project, {**context_params(context, demo_params), "evaluate.max_questions": args.max_questions})
             wall = run(project, sys.executable, "-c",
-                       "from bench.token_distillation import evaluate_system; evaluate_system('teacher', 'models/teacher')")
+                       "from research.token_distillation import evaluate_system; evaluate_system('teacher', 'models/teacher')")
             m = json.loads((project / "reports/bench_eval.json").read_text())
             key = f"{name}/{context}"
             results[key] = {k: m[k] for k in ("em", "em_lo", "em_hi", "questions", "accuracy_qa", "accuracy_math", "answered_rate",

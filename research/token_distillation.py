@@ -4,20 +4,20 @@ the same prompts, on the demo's 200 test questions, at one or more step budgets.
 Rows (each trained in its own copy of the demo project: data and models hard-linked, this checkout's code):
   sft_rl       SFT -> RL: the demo's own run (its reports; nothing re-run), or, with `--set`/`--budgets`, RL re-run there
   base_rl      RL from the base student
-  sft_opd      SFT -> OPD (rl.objective opd, outcome_weight 0 unless `--set` gives one, the demo's rl settings otherwise)
+  sft_opd      SFT -> OPD (rl.loss.objective opd, outcome_weight 0 unless `--set` gives one, the demo's rl settings otherwise)
   base_opd     OPD from the base student
   sft_kd_opd   SFT with logit KD (the teacher's top-k on the demo's trajectories, sft.kd_weight) -> OPD
-  sft_opd_rl   SFT -> OPD for half the budget, then RL for the other half, in one run (rl.opd_steps)
+  sft_opd_rl   SFT -> OPD for half the budget, then RL for the other half, in one run (rl.opd.steps)
   base_opd_rl  the same from the base student
 The token-level teacher is `--teacher` (a model folder), or `--make-teacher N`: a SmolLM2 student that the pipeline
-trains (dvc repro sft, one epoch, bench/expert_demo.py) on the scripted expert's trajectories of N train questions of
+trains (dvc repro sft, one epoch, research/expert_demo.py) on the scripted expert's trajectories of N train questions of
 another world of the generated benchmark (seed 1: no entity, passage or question of the demo's world), reported first as
 its own row (`teacher`) on the demo's test questions; a build stopped part-way goes on from where it stopped (its SFT
 from its checkpoint) when the command is run again. Default: the demo's RL student.
 
 `--prompts all` trains on every train question (data/rl rewritten as one level) instead of the demo's Pareto
-curriculum. `--set rl.probe_prompts=K` holds K of them out and measures the reverse KL to the teacher there before
-the first step and after every `rl.probe_every`-th (the curve that shows whether OPD reduces its own objective; a
+curriculum. `--set rl.probe.prompts=K` holds K of them out and measures the reverse KL to the teacher there before
+the first step and after every `rl.probe.every`-th (the curve that shows whether OPD reduces its own objective; a
 probe costs group_size episodes a held-out prompt, so a long run probes every few steps). Each row: EM with its
 Wilson 95% interval, training seconds (the rl stage's rollout, reward and update time, without the probe), student
 tokens sampled, teacher tokens scored, the reverse KL of the training batches and of the probe per step; the student
@@ -26,11 +26,11 @@ reports/token_distillation.png (the probe's KL per step) and reports/token_disti
 seconds, one line per row over the budgets). Figures merge into reports/bench.json under "token_distillation", one
 entry per row and budget, so runs of a few rows at a time add up.
 
-    python -m bench.token_distillation --project /path/to/demo [--make-teacher 400 | --teacher DIR] [--rows sft_opd,base_opd]
-        [--budgets 8,32,64] [--prompts all] [--work DIR] [--set rl.probe_prompts=16 ...]
+    python -m research.token_distillation --project /path/to/demo [--make-teacher 400 | --teacher DIR] [--rows sft_opd,base_opd]
+        [--budgets 8,32,64] [--prompts all] [--work DIR] [--set rl.probe.prompts=16 ...]
 
 `--set` changes a param of every row, sft_rl's included, which is then trained in a copy like the others: the same
-budget for every row. It wins over a row's own settings: `--set rl.outcome_weight=1` gives the OPD rows an outcome term
+budget for every row. It wins over a row's own settings: `--set rl.opd.outcome_weight=1` gives the OPD rows an outcome term
 beside the teacher's.
 
 `--seeds 0,1,2` trains each row once per seed (the params' top-level seed in its copy: the rl run's prompt order,
@@ -55,14 +55,14 @@ import time
 from pathlib import Path
 
 from bench.bench_rollout import git_commit, save_report
-from bench.expert_demo import set_dotted
+from research.expert_demo import set_dotted
 from unison.data.schemas import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("unison", "stages", "configs", "bench")  # this checkout's, linked into each copy
+CODE = ("unison", "stages", "configs", "bench", "research")  # this checkout's, linked into each copy
 ROWS = ("sft_rl", "base_rl", "sft_opd", "base_opd", "sft_kd_opd", "sft_opd_rl", "base_opd_rl")
 DEFAULT_ROWS = ("sft_rl", "sft_opd", "sft_kd_opd", "base_opd")
-OPD = {"rl.objective": "opd", "rl.outcome_weight": 0.0}
+OPD = {"rl.loss.objective": "opd", "rl.opd.outcome_weight": 0.0}
 
 
 def copy_project(demo: Path, dst: Path, teacher: Path) -> Path:
@@ -124,7 +124,7 @@ def evaluate_system(system: str, model_dir: str) -> None:
     params = load_params()
     temperature = params.generate.temperature if system == "teacher" else params.evaluate.temperature
     questions = read_table(layout.RAW_TEST, QUESTION)[: params.evaluate.max_questions or None]
-    [(_, rows, metrics)] = list(evaluate_systems(params.system_settings(), params.evaluate, scoring_label(params.label, params.evaluate),
+    [(_, rows, metrics)] = list(evaluate_systems(params.system_settings(), params.student.tool_format, params.evaluate, scoring_label(params.label, params.evaluate),
                                                 params.cluster, [(system, model_dir, temperature)], questions, load_prm=None))
     write_table(rows, "reports/bench_eval.parquet", LABELED)
     write_json(metrics, "reports/bench_eval.json")
@@ -153,7 +153,7 @@ def write_all_train_prompts() -> None:
 def rl_figures(project: Path) -> dict:
     """From an rl run's reports: training seconds (rollouts, rewards and updates; not the probe), student tokens sampled,
     teacher tokens scored, the reverse KL of each step's batch, and the probe's as [step, KL] pairs (step 0: before the
-    first step; then after every rl.probe_every-th step and the last)."""
+    first step; then after every rl.probe.every-th step and the last)."""
     with open(project / "reports/rl_curve.csv") as f:
         curve = list(csv.DictReader(f))
     report = json.loads((project / "reports/rl.json").read_text())
@@ -188,12 +188,12 @@ def endings(rows: list[dict]) -> dict:
 
 
 def method_params(method: str, steps: int) -> dict:
-    """The rl params a row's method sets for a budget of `steps`: OPD, OPD for the first half then RL (rl.opd_steps,
+    """The rl params a row's method sets for a budget of `steps`: OPD, OPD for the first half then RL (rl.opd.steps,
     one run), or RL (the demo's)."""
     if method == "opd_rl":
         if steps < 2:
             raise SystemExit(f"token_distillation: an OPD -> RL row needs a budget of 2 steps or more, got {steps}")
-        return {"rl.objective": "reward", "rl.opd_steps": steps // 2, "rl.outcome_weight": 0.0}
+        return {"rl.loss.objective": "reward", "rl.opd.steps": steps // 2, "rl.opd.outcome_weight": 0.0}
     return OPD if method in ("opd", "kd_opd") else {}
 
 
@@ -219,7 +219,7 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
         fresh_copy(demo, project, teacher, setup)  # else a copy stopped part-way: the steps below repeat; its stages resume
     py = sys.executable
     if all_prompts:
-        run(project, py, "-c", "from bench.token_distillation import write_all_train_prompts; write_all_train_prompts()")
+        run(project, py, "-c", "from research.token_distillation import write_all_train_prompts; write_all_train_prompts()")
     set_params(project, overrides)
     import yaml
 
@@ -230,14 +230,14 @@ def row(name: str, demo: Path, work: Path, teacher: Path, steps: int | None, kd_
         shutil.copytree(project / "models/base", project / "models/sft", copy_function=os.link)
     if method == "kd_opd":
         set_params(project, {"generate.topk": topk, "sft.kd_weight": kd_weight})
-        pre_s += run(project, py, "-c", f"from bench.token_distillation import capture_teacher_topk; capture_teacher_topk({topk})")
+        pre_s += run(project, py, "-c", f"from research.token_distillation import capture_teacher_topk; capture_teacher_topk({topk})")
         pre_s += run(project, py, "-m", "stages.sft")
-        run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/sft')")
+        run(project, py, "-c", "from research.token_distillation import evaluate_system; evaluate_system('student', 'models/sft')")
         sft = json.loads((project / "reports/bench_eval.json").read_text())
         extra = {"sft_kd_em": sft["em"], "sft_kd_em_lo": sft["em_lo"], "sft_kd_em_hi": sft["em_hi"], "sft_kd_s": pre_s}
     set_params(project, {**method_params(method, steps), **overrides, "rl.steps": steps})
     run(project, py, "-m", "stages.rl")
-    run(project, py, "-c", "from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/rl')")
+    run(project, py, "-c", "from research.token_distillation import evaluate_system; evaluate_system('student', 'models/rl')")
     figures = rl_figures(project)
     result = {**measured(project), **figures, "train_s": figures["train_s"] + pre_s, "budget": steps, **extra}
     write_json(result, project / "bench_row.json")
@@ -267,7 +267,7 @@ def make_teacher(work: Path, train_questions: int) -> Path:
     """A SmolLM2 student trained by the pipeline (through sft, one epoch) on the scripted expert's trajectories of
     `train_questions` questions of another generated world (seed 1); its model folder. A run stopped part-way goes on
     from where it stopped."""
-    from bench.expert_demo import expert_pipeline
+    from research.expert_demo import expert_pipeline
 
     overrides = {"seed": 1, "download.builtin.train_size": train_questions, "sft.epochs": 1}
     project = expert_pipeline(work / "made_teacher", overrides, until="sft", keep=True)
@@ -281,7 +281,7 @@ def model_row(demo: Path, work: Path, teacher: Path, name: str) -> dict:
     if (done := finished(project, setup)) is not None:
         return done
     fresh_copy(demo, project, teacher, setup)
-    run(project, sys.executable, "-c", f"from bench.token_distillation import evaluate_system; evaluate_system('student', 'models/{name}')")
+    run(project, sys.executable, "-c", f"from research.token_distillation import evaluate_system; evaluate_system('student', 'models/{name}')")
     result = measured(project)
     write_json(result, project / "bench_row.json")
     return result

@@ -1,14 +1,14 @@
 """OPD's probe against a reference implementation, on a real student and teacher: TRL's GKD loss at beta 1
 (`GKDTrainer.generalized_jsd_loss`, the reverse KL summed over the whole vocabulary at every scored position) against
 the probe's one-sample estimate (the student's log-prob of each sampled token minus the teacher's), on the very same
-episodes: the held-out probe prompts of the project's params (rl.probe_prompts, rl.seed), rolled out by the student
-with the probe's seeds on transformers (the rl stage rolls out on rl.rollout_backend, so its episodes may differ). The
+episodes: the held-out probe prompts of the project's params (rl.probe.prompts, rl.seed), rolled out by the student
+with the probe's seeds on transformers (the rl stage rolls out on rl.rollout.backend, so its episodes may differ). The
 two measure the same quantity, so they should agree within the estimate's standard error; the teacher's log-probs the
 probe used are checked against TRL's teacher logits too.
 
-Run in a project whose rl stage has run (a bench.token_distillation copy, for example), for one or more students:
+Run in a project whose rl stage has run (a research.token_distillation copy, for example), for one or more students:
 
-    python -m bench.opd_reference --project DIR [--student models/sft --student models/rl] [--micro-batch 4]
+    python -m research.opd_reference --project DIR [--student models/sft --student models/rl] [--micro-batch 4]
 
 Same vocabulary only (a teacher of another tokenizer has no logits over the student's vocabulary). Figures merge into
 reports/bench.json under "opd_reference".
@@ -38,26 +38,28 @@ def compare(student_dir: str, micro_batch: int) -> dict:
     from unison.llm.hf_backend import HFBackend
     from unison.tool_format import student_format
     from unison.tools.registry import enabled_tools
-    from unison.train.opd import span_kls
-    from unison.train.rl import RLSetup, collate, load_rl_data, probe_samples, split_probe
-    from unison.train.rollout import make_rollout_backend
+    from unison.train.batches import collate
+    from unison.train.probe import probe_samples, span_kls, split_probe
+    from unison.train.rl import RLSetup, load_rl_data
+    from unison.train.rollout import SoloRollout, make_rollout_backend
 
     params = load_params()
     rl = params.rl
-    if not rl.probe_prompts:
-        raise SystemExit("bench.opd_reference: set rl.probe_prompts in params.yaml (the held-out prompts to compare on)")
-    if rl.teacher_context != "student":
-        raise SystemExit("bench.opd_reference: the teacher reads the student's prompt here (rl.teacher_context student)")
+    if not rl.probe.prompts:
+        raise SystemExit("research.opd_reference: set rl.probe.prompts in params.yaml (the held-out prompts to compare on)")
+    if rl.opd.teacher_context != "student":
+        raise SystemExit("research.opd_reference: the teacher reads the student's prompt here (rl.opd.teacher_context student)")
     tok = AutoTokenizer.from_pretrained(student_dir)
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
     teacher = AutoModelForCausalLM.from_pretrained(layout.TEACHER, dtype=torch.float32).eval()
     if teacher.config.vocab_size != student.config.vocab_size:
-        raise SystemExit("bench.opd_reference: the teacher's vocabulary is not the student's; TRL's loss needs the same one")
+        raise SystemExit("research.opd_reference: the teacher's vocabulary is not the student's; TRL's loss needs the same one")
     tools = enabled_tools(params.tools)  # the rl stage's setup, with the teacher on transformers (TRL reads its logits)
-    setup = RLSetup(rl=rl, label=params.label, llm=params.llm, tools=tools, toolbox=make_toolbox(params.tools),
-                    native=student_format(params.student.tool_format, tok, tools, params.generate.method),
+    acting = SoloRollout(make_toolbox(params.tools), tools,
+                         student_format(params.student.tool_format, tok, tools, params.generate.method))
+    setup = RLSetup(rl=rl, label=params.label, llm=params.llm, tools=tools, acting=acting,
                     teacher=HFBackend(model=teacher, tokenizer=tok))
-    _, probe_rows = split_probe(load_rl_data(sorted(Path(layout.RL_DATA).glob("level*.parquet"))), rl.probe_prompts, rl.seed)
+    _, probe_rows = split_probe(load_rl_data(sorted(Path(layout.RL_DATA).glob("level*.parquet"))), rl.probe.prompts, rl.seed)
     t0 = time.perf_counter()
     backend = make_rollout_backend("transformers", student, tok, student_dir, setup.llm, 0)
     samples = probe_samples(probe_rows, backend, student, tok, setup, tok.eos_token_id, torch.device("cpu"), "fp32")
@@ -83,7 +85,7 @@ def compare(student_dir: str, micro_batch: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--project", required=True, type=Path, help="a project whose rl stage has run (params with rl.probe_prompts)")
+    ap.add_argument("--project", required=True, type=Path, help="a project whose rl stage has run (params with rl.probe.prompts)")
     ap.add_argument("--student", action="append", help="a student's model folder in the project (default: models/sft, models/rl)")
     ap.add_argument("--micro-batch", type=int, default=4)
     args = ap.parse_args()

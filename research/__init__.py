@@ -1,0 +1,2 @@
+"""Method studies beside the product: what the pipeline's methods do, measured on a finished demo
+(research/README.md)."""

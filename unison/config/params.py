@@ -1,0 +1,215 @@
+"""`Params`: the sections composed, the rules across them, and params.yaml loaded and validated."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .base import ParamsError, Section
+from .cluster import ClusterConfig
+from .download import DownloadConfig
+from .evaluate import EvaluateConfig
+from .export import ExportConfig
+from .flywheel import FlywheelConfig
+from .generate import FIXED_MODULES, GenerateConfig
+from .index import IndexConfig
+from .label import LabelConfig
+from .llm import CHAT_TOP_LOGPROBS, EngineConfig, LLMConfig, check_llm_overrides
+from .models import StudentConfig, TeacherConfig
+from .pareto import ParetoConfig
+from .rl import VERL_AGENT_LOOP, RLConfig
+from .storage import StorageConfig
+from .tools import ToolsConfig
+from .train import DPOConfig, PRMConfig, SFTConfig, TrainConfig
+
+
+class Params(Section):
+    seed: int = Field(0)
+    download: DownloadConfig = Field(default_factory=DownloadConfig)
+    student: StudentConfig = Field(default_factory=StudentConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    llm: LLMConfig = Field(default_factory=LLMConfig, description='the local engine (students; a local teacher unless '
+                           'teacher.llm overrides it)')
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    label: LabelConfig = Field(default_factory=LabelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig, description='how sft, dpo, prm and rl train: processes '
+                               '(accelerate launch / DeepSpeed), machines, gradient checkpointing')
+    prm: PRMConfig = Field(default_factory=PRMConfig, description='AgentArk prm/finetune2.py: backbone + 2-class head '
+                           'on a separator token after each step')
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    pareto: ParetoConfig = Field(default_factory=ParetoConfig, description='ET-Agent direct rollout + group-wise '
+                                 'Pareto sampling (docs/seeds.md#et-agent)')
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description='AFM DPO (docs/seeds.md#afm): chosen = correct, '
+                           'rejected = wrong rendering of one question')
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    rl: RLConfig = Field(default_factory=RLConfig, description='GRPO family on live multi-turn tool rollouts of the '
+                         'SFT student (docs/seeds.md)')
+    flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="ET-Agent's data flywheel / STaR "
+                                     "rounds after the pipeline (round 0 = teacher -> SFT -> RL)")
+    export: ExportConfig = Field(default_factory=ExportConfig, description='the SFT conversations, DPO pairs and RL '
+                                 'prompts in LLaMA-Factory, verl and TRL formats (data/export)')
+    storage: StorageConfig = Field(default_factory=StorageConfig, description='where DVC data is shared between '
+                                   'machines (unison/storage.py); no stage depends on it')
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description='Ray for rollouts and evaluation '
+                                   '(docs/scale.md); same seeds and order as in process')
+
+    @model_validator(mode="after")
+    def _seeds(self):
+        for name in ("prm", "sft", "dpo", "rl"):
+            section = getattr(self, name)
+            if "seed" in section.model_fields_set:
+                raise ValueError(f"{name}.seed: set the top-level seed (one seed for every stage)")
+            object.__setattr__(section, "seed", self.seed)
+        check_llm_overrides(self.label.llm, "label.llm", allow_backend=True)
+        for role, spec in self.generate.roles.items():
+            check_llm_overrides(spec, f"generate.roles.{role}", allow_backend=True)
+        return self
+
+    @model_validator(mode="after")
+    def _across_sections(self):
+        if not self.prm.enabled and self.rl.reward.prm_weight > 0:
+            raise ValueError("rl.reward.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
+        if not self.prm.enabled and self.evaluate.rerank_samples > 1:
+            raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
+        chat_teacher = self.teacher_engine().chat
+        if self.rl.scores_with_teacher and chat_teacher:
+            raise ValueError(f"rl.loss.objective opd, rl.opd.steps or rl.probe.prompts: the teacher "
+                             f"({self.teacher.model}) "
+                             "must score given tokens, and teacher.api chat cannot (a chat API returns no log-probs of "
+                             "given tokens): set teacher.api: completions with a vLLM server, or a local teacher "
+                             "(teacher.backend vllm | transformers)")
+        if self.generate.topk and chat_teacher and self.generate.source:
+            raise ValueError("generate.topk with imported trajectories (generate.source) needs a teacher that "
+                             "scores them, and teacher.api chat cannot: a chat API's top log-probs come only with what "
+                             "it generates itself")
+        if self.generate.topk > CHAT_TOP_LOGPROBS and chat_teacher:
+            raise ValueError(f"generate.topk {self.generate.topk}: a chat API teacher returns at most "
+                             f"{CHAT_TOP_LOGPROBS} top log-probs a token (OpenAI's top_logprobs limit)")
+        if (self.rl.scores_with_teacher and self.rl.opd.teacher_context == "worked_examples"
+                and not self.generate.demonstrations):
+            raise ValueError("rl.opd.teacher_context worked_examples puts generate.demonstrations in the "
+                             "teacher's prompt, but generate.demonstrations is \"\": name the worked examples' file, "
+                             "or set rl.opd.teacher_context: student")
+        if (self.rl.student_role == "agentflow_planner"
+                and (missing := [r for r in FIXED_MODULES if r not in self.generate.roles])):
+            raise ValueError(f"rl.student_role agentflow_planner: generate.roles has no {', '.join(missing)}: name "
+                             "the fixed modules that play them (e.g. {model: gpt-4o-mini, backend: openai, api: chat, "
+                             "base_url: ...}); without them the student would play them too")
+        if self.sft.kd_weight > 0 and not self.generate.topk:
+            raise ValueError("sft.kd_weight > 0 distils the teacher's top-k log-probs, but generate.topk is 0: "
+                             "set generate.topk (e.g. 8) so generate keeps them")
+        if self.generate.stop_at_verified and self.label.judge != "rule":
+            raise ValueError("generate.stop_at_verified verifies each trajectory as it is generated, with label's "
+                             f"rule judge, but label.judge is {self.label.judge}: set label.judge: rule or "
+                             "generate.stop_at_verified: 0")
+        if self.generate.stop_at_verified > self.generate.samples:
+            raise ValueError(f"generate.stop_at_verified {self.generate.stop_at_verified} is more than "
+                             f"generate.samples {self.generate.samples}: no question could stop early")
+        if self.rl.trainer == "verl" and self.export.verl_agent != VERL_AGENT_LOOP:
+            raise ValueError(f"export.verl_agent must be {VERL_AGENT_LOOP} with rl.trainer verl: unison's student "
+                             f"writes tag tool calls (<search>q</search>), which verl's {self.export.verl_agent!r} "
+                             "loop does not parse")
+        return self
+
+    @model_validator(mode="after")
+    def _local_files_in_inputs(self):
+        """DVC sees the local files the pipeline takes in only through download.inputs (a dependency of download and
+        generate in dvc.yaml): a file elsewhere could change unseen."""
+        d, source = self.download, self.generate.source
+        kind, _, dataset = d.dataset.partition(":")
+        local = (([("download.dataset", dataset)] if kind == "local" else [])
+                 + ([("download.corpus", d.corpus)] if d.corpus else []))
+        if source:
+            kind, _, path = source.partition(":")
+            if kind != "local":
+                raise ValueError(f"generate.source: {source!r} is not local:<file> (a file under "
+                                 f"download.inputs, {d.inputs}/)")
+            local.append(("generate.source", path))
+        root = os.path.abspath(d.inputs)
+        for key, path in local:
+            if os.path.commonpath([root, os.path.abspath(path)]) != root:
+                raise ValueError(f"{key}: {path} is outside download.inputs ({d.inputs}), the folder DVC watches "
+                                 "for the files the pipeline takes in; move it there or set download.inputs to a "
+                                 "folder holding it")
+        return self
+
+    def stage(self, name: str) -> BaseModel:
+        """One stage's section (e.g. params.stage("sft") is params.sft)."""
+        return getattr(self, name)
+
+    def teacher_engine(self) -> EngineConfig:
+        """The teacher's engine: the shared llm.* settings, the teacher's overrides, its backend and server."""
+        t = self.teacher
+        return EngineConfig(**{**self.llm.model_dump(), **t.llm, "backend": t.backend, "base_url": t.base_url,
+                               "api": t.api, "api_model": t.served_name or t.model.partition(":")[2],
+                               "api_key_env": t.api_key_env})
+
+    def system_settings(self) -> SystemSettings:
+        """What running a system needs, taken out of these params (stages call this; the library never sees Params)."""
+        return SystemSettings(generate=self.generate, tools=self.tools,
+                              student_engine=EngineConfig(**self.llm.model_dump()),
+                              teacher_engine=self.teacher_engine(), teacher_model=self.teacher.model, seed=self.seed)
+
+
+class SystemSettings(BaseModel):
+    """What running a system needs, the teacher's method with its roles or a student alone: the generate and tools
+    sections, both engines, the teacher's model spec and the seed. Built by `Params.system_settings()` in a stage;
+    picklable, so Ray replicas build their Workbench from it."""
+    model_config = ConfigDict(frozen=True)
+    generate: GenerateConfig
+    tools: ToolsConfig
+    student_engine: EngineConfig
+    teacher_engine: EngineConfig
+    teacher_model: str
+    seed: int
+
+    @property
+    def chat_top_logprobs(self) -> int:
+        """generate.topk for a chat API teacher, which returns its top log-probs as it generates (0 for a teacher that
+        scores the trajectories afterwards, teacher_topk.capture_topk)."""
+        return self.generate.topk if self.teacher_engine.chat else 0
+
+
+def load_params(path: str | os.PathLike | None = None) -> Params:
+    """All settings from params.yaml (in the working directory unless `path`), validated."""
+    path = Path(path or "params.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: no such file (run from the project root)") from None
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML ({e})") from None
+    return validate_params(raw, path)
+
+
+def validate_params(raw: dict, where: str | os.PathLike = "params.yaml") -> Params:
+    """`raw` (a parsed params file or overlay) as Params; ParamsError naming `where` and the key otherwise."""
+    for block in ("teacher", "student"):
+        if not isinstance((raw or {}).get(block), dict):
+            raise ParamsError(f"{where}: missing the `{block}` block (teacher and student are separate, "
+                              "explicit settings)")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        raise ParamsError("\n".join(map(lambda err: describe_error(err, where), e.errors()))) from None
+
+
+def describe_error(err: dict, where) -> str:
+    """One validation error as `<file> <key>: <what is wrong>`; a refused value gets the field's own description."""
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "value_error":  # our validators name the key themselves
+        return f"{where} {err['msg'].removeprefix('Value error, ')}"
+    if err["type"] == "extra_forbidden":
+        return f"{where} {key}: unknown key"
+    model, field = Params, None
+    for part in err["loc"]:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            break
+        model = field.annotation
+    hint = f"; {field.description}" if field is not None and field.description else ""
+    return f"{where} {key}: {err['msg']} (got {err['input']!r}){hint}"
