@@ -153,6 +153,15 @@ def closing(text: str, stop: str | None, close: str) -> str:
     return close[len(tail):] if tail and close.startswith(tail) else close
 
 
+def closed(tok, c, close: str | None, text: str, ids: list[int]) -> tuple[str, list[int]]:
+    """A turn's (text, ids) with what the scaffold appends when the model stopped before a forced tag's `close`
+    (`closing`, tokenised by `tok`); as they are otherwise."""
+    if not close or c.stop == close:
+        return text, ids
+    rest = closing(c.text, c.stop, close)
+    return text + rest, ids + tok(rest, add_special_tokens=False)["input_ids"]
+
+
 class NativeFormat:
     """The student's chat template with tools: prompts, turns read back, observations, and whole renderings with
     masks."""
@@ -318,11 +327,7 @@ class NativeFormat:
         if close is None and c.stop and text.endswith(c.stop):
             text = text[: -len(c.stop)]
             ids = prefill_ids + self.tok(c.text[: -len(c.stop)], add_special_tokens=False)["input_ids"]
-        # the scaffold closes the call the model left open (its stop opens the close)
-        if close and c.stop != close:
-            rest = closing(c.text, c.stop, close)
-            text += rest
-            ids += self.tok(rest, add_special_tokens=False)["input_ids"]
+        text, ids = closed(self.tok, c, close, text, ids)  # the call the model left open, closed
         finished = c.finish_reason == "stop" or close is not None
         if finished and (not ids or ids[-1] != eos):
             ids.append(eos)  # the turn ends as the template ends it
@@ -456,12 +461,8 @@ class TagFormat:
         unparsable one), a scaffolded thought, else the model's own end; a backend's error (a chat teacher's malformed
         call) is shown to the model."""
         prefill, prefill_ids, close = scaffold
-        text, ids, stop = prefill + c.text, prefill_ids + c.token_ids, c.stop
-        if close and stop != close:  # the scaffold closes the tag the model left open (after the stop that opens it)
-            rest = closing(c.text, stop, close)
-            text += rest
-            ids += self.tok(rest, add_special_tokens=False)["input_ids"]
-            stop = close
+        text, ids = closed(self.tok, c, close, prefill + c.text, prefill_ids + c.token_ids)  # the tag left open, closed
+        stop = close or c.stop
         turn = Generated(text, ids, text, [None] * len(prefill_ids) + c.top if c.top else None)
         # a custom tool's close is "}</name>
         tool = stop[stop.rindex("</") + 2:-1] if stop and "</" in stop and stop != "</answer>" else None

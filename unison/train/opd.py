@@ -160,4 +160,4 @@ def score_with_teacher(samples: list[dict], setup, tok, trainer) -> dict:
 def restart_step(rl) -> int:
     """The step at which an RL run that began with rl.opd.steps of distillation starts its RL part as a second run
     would (fresh AdamW moments, the lr schedule again: rl.opd.switch restart); 0 = never."""
-    return rl.opd.steps if rl.opd.steps > 0 and rl.opd.switch == "restart" else 0
+    return rl.opd.steps if rl.opd.switch == "restart" else 0
