@@ -29,10 +29,11 @@ MODEL = "scripted-expert"
 @dataclass
 class ExpertStats:
     """What the fake expert did: answers read from tool results, answers taken from the row (the fallback), requests
-    about questions it does not know."""
+    about questions it does not know, and questions of a task it does not teach, on which it abstained."""
     from_tools: int = 0
     from_record: int = 0
     unknown_questions: int = 0
+    declined: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, name: str) -> None:
@@ -64,10 +65,12 @@ def estimated_tokens(text: str) -> int:
     return max(1, len(text) // 4)
 
 
-def expert_chat_api(questions: list[dict], stats: ExpertStats):
+def expert_chat_api(questions: list[dict], stats: ExpertStats, tasks: tuple[str, ...] = ("qa", "math")):
     """respond(request) -> (status, body, headers): POST /v1/chat/completions answered by the expert of `questions`
-    (question rows), whose doings are counted in `stats`; request = {"json": the body}."""
-    by_text = {q["question"]: q for q in questions}
+    (question rows) of the kinds in `tasks` (a lookup expert, an arithmetic one): it abstains, with an empty answer, on
+    a question of another task; its doings are counted in `stats`; request = {"json": the body}."""
+    by_text = {q["question"]: q for q in questions if q["task"] in tasks}
+    others = {q["question"] for q in questions if q["task"] not in tasks}
 
     def respond(req):
         body = req["json"]
@@ -77,7 +80,10 @@ def expert_chat_api(questions: list[dict], stats: ExpertStats):
         results = [m["content"] for m in msgs if m["role"] == "tool"]
         offered = {t["function"]["name"] for t in body.get("tools") or []} if body.get("tool_choice") != "none" else set()
         remaining = plan(row)[len(results):] if row else []
-        if row is None:
+        if question in others:
+            stats.count("declined")
+            message, finish = {"role": "assistant", "content": ""}, "stop"
+        elif row is None:
             stats.count("unknown_questions")
             message, finish = {"role": "assistant", "content": "I do not know."}, "stop"
         elif remaining and remaining[0][0] in offered:
@@ -100,9 +106,10 @@ def expert_chat_api(questions: list[dict], stats: ExpertStats):
 
 
 @contextmanager
-def expert_server(questions: list[dict], stats: ExpertStats):
-    """The expert of `questions` serving /v1/chat/completions on 127.0.0.1 in a thread; yields its base URL (…/v1)."""
-    respond = expert_chat_api(questions, stats)
+def expert_server(questions: list[dict], stats: ExpertStats, tasks: tuple[str, ...] = ("qa", "math")):
+    """The expert of `questions` (of the kinds in `tasks`) serving /v1/chat/completions on 127.0.0.1 in a thread;
+    yields its base URL (…/v1)."""
+    respond = expert_chat_api(questions, stats, tasks)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):

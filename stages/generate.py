@@ -1,8 +1,10 @@
 """Stage `generate`: the teacher's trajectories with tools on the train questions (N samples each), or imported ones.
 
-It runs the configured multi-agent teacher or, with `generate.source` set, imports SFT trajectories from that file
-instead (unison/agents/imports.py); with generate.topk > 0 the teacher then scores every trajectory's assistant tokens
-(unison/teacher_topk.py), or, a chat API teacher, keeps the top log-probs it returned as it generated."""
+It runs the configured multi-agent teacher (each of several teachers on the questions generate.route sends it, or in
+turn as generate.cascade orders them: agents/generation.py generate_by_teacher) or, with `generate.source` set,
+imports SFT trajectories from that file instead (unison/agents/imports.py); with generate.topk > 0 the teacher then
+scores every trajectory's assistant tokens (unison/teacher_topk.py), or, a chat API teacher, keeps the top log-probs
+it returned as it generated."""
 from __future__ import annotations
 
 import gc
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from unison import layout, track
 from unison.agents.episode_traces import sample_traces
-from unison.agents.generation import generate_trajectories, shard_dir
+from unison.agents.generation import generate_by_teacher
 from unison.agents.imports import import_trajectories
 from unison.agents.methods import StopWhenVerified
 from unison.cli import stage_main
@@ -22,6 +24,7 @@ from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, wr
 from unison.judge import verifies
 from unison.llm import teacher_backend
 from unison.teacher_topk import TEACHER_TOPK, capture_topk, generated_figures
+from unison.teams import flat_teachers
 from unison.tools.registry import enabled_tools, toolset
 
 OUT = Path(layout.TRAJECTORIES)
@@ -36,16 +39,17 @@ def main() -> None:
     verifier = params.label.model_dump(include=VERIFIER) if stop else None
     with track.stage_run("generate",
                          {**g.model_dump(), **({"verifier": verifier} if stop else {}),
-                          **params.model_dump(include={"seed", "llm", "teacher", "tools", "cluster"})}) as run:
-        shards = None
+                          **params.model_dump(include={"seed", "llm", "teacher", "teachers", "tools",
+                                                       "cluster"})}) as run:
+        shards = []
         if g.source:
             t0 = time.perf_counter()
             rows, metrics = import_trajectories(g, enabled_tools(params.tools), params.download.dataset, questions)
             metrics["wall_s"] = time.perf_counter() - t0
         else:
-            shards = shard_dir(systems, questions, verifier)
             try:
-                rows, metrics = generate_trajectories(systems, params.cluster, questions, shards, stop)
+                rows, metrics, shards = generate_by_teacher(params.system_settings, params.cluster, questions, g.route,
+                                                            g.cascade, partial(verifies, params.label), stop, verifier)
             except Exception as error:  # a server gone for good: its retries and failures still reach MLflow
                 run.log_metrics(getattr(error, "counters", {}))
                 raise
@@ -68,13 +72,18 @@ def main() -> None:
               f"{sum(bool(r['final_answer']) for r in rows) / n:.0%} answered; per trajectory "
               f"{sum(r['n_tool_calls'] for r in rows) / n:.1f} tool calls, "
               f"{sum(r['n_tokens'] for r in rows) / n:.0f} tokens", flush=True)
+        for name, figures in metrics.get("teachers", {}).items():
+            if len(metrics["teachers"]) > 1:
+                print(f"generate: teacher {name}: {figures['questions']} questions, {figures['verified_questions']} "
+                      f"verified, {figures['generated_tokens']} tokens generated"
+                      + (f", ${figures['cost_usd']:.4f} paid" if figures["cost_usd"] else ""), flush=True)
         write_json(metrics, layout.report("generate"))
-        run.log_metrics(metrics)
+        run.log_metrics(flat_teachers(metrics))
         for ep in sample_traces(rows, n=3, seed=params.seed):
             track.trace_episode(ep)
         run.log_dict(rows[:5], "samples/trajectories.json")
-    if shards is not None:
-        shutil.rmtree(shards)
+    for folder in shards:
+        shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ from unison import layout, track
 from unison.agents.wiring import demonstrations, make_role_backends, make_toolbox
 from unison.cli import stage_main
 from unison.config import load_params
-from unison.data.schemas import write_json
+from unison.data.schemas import LABELED, QUESTION, read_table, write_json
 from unison.model_card import facts, write_card
+from unison.teams import routed_teacher
 from unison.tool_format import student_format
 from unison.tools.registry import check_toolset, enabled_tools
 from unison.train.launch import is_main_process, run_distributed
 from unison.train.loop import checkpoint_path, run_key, write_records_csv
+from unison.train.opd import TeacherTeam, prompt_key
 from unison.train.prm import load_prm
 from unison.train.rl import RLSetup, load_rl_data, train_rl
 from unison.train.rollout import PlannerRollout, SoloRollout
@@ -41,13 +43,19 @@ def main() -> None:
                 "tool_format": params.student.tool_format}
     if rl.student_role == "agentflow_planner":  # the fixed modules and the flow change what the planner learns
         settings |= {"roles": params.generate.roles, "agentflow": params.generate.agentflow.model_dump()}
+    several = rl.scores_with_teacher and params.generating_teachers() != ["teacher"]
+    if several:  # which teacher scores which prompt
+        settings |= {"teachers": {n: params.teacher_block(n).model_dump() for n in params.generating_teachers()},
+                     "route": params.generate.route.model_dump(), "cascade": params.generate.cascade}
     with track.stage_run("rl", settings) as run:
         paths = sorted(Path(layout.RL_DATA).glob("level*.parquet"),
                        key=lambda q: int(q.stem[5:]) if q.stem[5:].isdigit() else 0)
         rows = load_rl_data(paths)
         model_dirs = ([layout.SFT] + ([layout.PRM] if rl.reward.prm_weight > 0 else [])
-                      + ([layout.TEACHER] if rl.scores_with_teacher else []))
-        inputs = paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
+                      + ([layout.teacher_dir(n) for n in params.generating_teachers()] if rl.scores_with_teacher
+                         else []))
+        inputs = (paths + sorted(q for d in model_dirs for q in Path(d).iterdir() if q.is_file())
+                  + ([Path(layout.RAW_TRAIN), Path(layout.LABELED)] if several else []))
         print(f"rl: {len(rows)} prompts in {len(paths)} level file(s), {rl.steps} steps x "
               f"{rl.rollout.prompts_per_step} prompts x {rl.rollout.group_size} rollouts, objective {rl.loss.objective}"
               + (f" after {rl.opd.steps} OPD steps" if rl.opd.steps else "") + ", estimator "
@@ -55,7 +63,7 @@ def main() -> None:
               + (f", the student as AgentFlow's planner beside {sorted(params.generate.roles)}"
                  if rl.student_role == "agentflow_planner" else ""),
               flush=True)
-        setup = rl_setup(params)
+        setup = rl_setup(params, rows)
         records = train_rl(layout.SFT, rows, setup, layout.RL,
                            checkpoint_path("rl", {**settings, "worked_examples": setup.worked_examples}, inputs),
                            on_step=lambda record: run.log_metrics(record, step=record["step"]))
@@ -73,7 +81,9 @@ def main() -> None:
                        "teacher_tokens_total": sum(r["teacher_tokens"] for r in distilled)}
                       if distilled else {}),
                    **({"probe_kl_start": first["probe_kl_start"], "final_probe_kl": last["probe_kl"]}
-                      if "probe_kl_start" in first else {})}
+                      if "probe_kl_start" in first else {}),
+                   # several teachers: the probe's KL to each (teacher.<name>.probe_kl_start, .probe_kl)
+                   **{k: v for record in (first, last) for k, v in record.items() if k.startswith("teacher.")}}
         write_json(metrics, layout.report("rl"))
         write_card(layout.RL, facts(params, "rl", paths, {
             "objective": rl.loss.objective, "estimator": rl.loss.estimator, "steps": len(records),
@@ -81,7 +91,7 @@ def main() -> None:
         run.log_metrics(metrics)
 
 
-def rl_setup(params) -> RLSetup:
+def rl_setup(params, rows: list[dict]) -> RLSetup:
     """The run's settings as one bundle; rank 0, which rolls out and scores, also gets how the student acts (alone
     with its toolbox, or as AgentFlow's planner beside its fixed modules: rl.student_role), the PRM
     (rl.reward.prm_weight > 0) and the teacher (on-policy distillation, the probe)."""
@@ -90,7 +100,7 @@ def rl_setup(params) -> RLSetup:
     return RLSetup(
         rl=rl, label=params.label, llm=params.llm, tools=tools, acting=student_acting(params, tools) if rank0 else None,
         prm=load_prm(layout.PRM, params.prm.precision) if rl.reward.prm_weight > 0 and rank0 else None,
-        teacher=opd_teacher(params) if rl.scores_with_teacher and rank0 else None,
+        teacher=opd_teacher(params, rows) if rl.scores_with_teacher and rank0 else None,
         worked_examples=(demonstrations(params.generate)
                          if rl.scores_with_teacher and rl.opd.teacher_context == "worked_examples" else ""),
         gradient_checkpointing=params.train.gradient_checkpointing)
@@ -107,13 +117,32 @@ def student_acting(params, tools: tuple[str, ...]) -> SoloRollout | PlannerRollo
                                                       params.generate.method))
 
 
-def opd_teacher(params):
-    """The teacher block's backend, which scores the student's tokens (on-policy distillation, the probe): the very
-    tokens when it has the student's vocabulary, else the student's text through the character alignment
-    (unison/token_alignment.py)."""
+def opd_teacher(params, rows: list[dict]):
+    """What scores the student's tokens (on-policy distillation, the probe): the teacher block's backend, or, where
+    several teachers teach, a TeacherTeam sending each RL prompt to its question's teacher (question_teachers). Each
+    scores the very tokens when it has the student's vocabulary, else the student's text through the character
+    alignment (unison/token_alignment.py)."""
     from unison.llm import teacher_backend
 
-    return teacher_backend(params.system_settings())
+    names = params.generating_teachers()
+    if names == ["teacher"]:
+        return teacher_backend(params.system_settings())
+    of_question = question_teachers(params)
+    routes = {prompt_key(r["prompt"]): of_question[r["extra_info"]["question_id"]] for r in rows}
+    print("rl: on-policy distillation from " + ", ".join(f"{n} ({sum(v == n for v in routes.values())} prompts)"
+                                                         for n in names), flush=True)
+    return TeacherTeam({name: teacher_backend(params.system_settings(name)) for name in names}, routes)
+
+
+def question_teachers(params) -> dict[str, str]:
+    """Each train question's teacher: the one generate.route sends it to; in a cascade, the first whose trajectory of
+    it verified (data/labeled), else the cascade's last."""
+    questions = read_table(layout.RAW_TRAIN, QUESTION)
+    cascade = params.generate.cascade
+    if not cascade:
+        return {q["id"]: routed_teacher(q, params.generate.route) for q in questions}
+    verified = {(r["question_id"], r["teacher_name"]) for r in read_table(layout.LABELED, LABELED) if r["correct"]}
+    return {q["id"]: next((n for n in cascade if (q["id"], n) in verified), cascade[-1]) for q in questions}
 
 
 def main_verl(params) -> None:

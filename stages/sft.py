@@ -14,6 +14,7 @@ from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
 from unison.model_card import facts, write_card
 from unison.teacher_topk import TEACHER_TOPK, topk_for
+from unison.teams import counted_by_teacher, flat_teachers
 from unison.tool_format import student_format
 from unison.tools.registry import check_toolset, enabled_tools
 from unison.train.launch import is_main_process, run_distributed
@@ -60,14 +61,15 @@ def main() -> None:
                    "row_tokens": sum(r["row_tokens"] for r in records),
                    **({f"{when}_{k}": records[i][k] for when, i in (("first", 0), ("final", -1)) for k in KD_FIELDS}
                       if cfg.kd_weight else {}),
-                   "precision": resolve_precision(cfg.precision, "sft.precision")}
+                   "precision": resolve_precision(cfg.precision, "sft.precision"),
+                   "teachers": counted_by_teacher(chosen, "selected")}
         print(f"sft: {len(examples)} examples, {len(records)} steps in {metrics['train_s']:.0f} s "
               f"({metrics['precision']}), loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}", flush=True)
         write_json(metrics, layout.report("sft"))
         write_card(layout.SFT, facts(params, "sft", [layout.LABELED], {
             "examples": len(examples), "epochs": cfg.epochs, "steps": len(records), "precision": metrics["precision"],
             "final loss": round(metrics["final_loss"], 4)}))
-        run.log_metrics(metrics)
+        run.log_metrics(flat_teachers(metrics))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ FLYWHEEL_DATA = "data/flywheel"
 # models
 BASE = "models/base"
 TEACHER = "models/teacher"
+TEACHERS = "models/teachers"  # teacher: the named teachers besides the `teacher` block (params `teachers`)
 PRM = "models/prm"
 SFT = "models/sft"
 DPO = "models/dpo"
@@ -29,6 +30,7 @@ FLYWHEEL = "models/flywheel"
 
 # reports
 SYSTEMS = ("base", "teacher", "sft", "prm_rerank", "dpo", "rl")  # evaluate's rows, one stage each, in this order
+TEACHER_EVALS = "reports/eval/teachers"  # evaluate_teacher: each teacher's own row, where several teach
 METRICS = "reports/metrics.json"  # evaluate: every row's metrics
 PAIRED = "reports/paired.json"  # evaluate: the systems compared question by question (exact McNemar on EM)
 SFT_LOSS = "reports/sft_loss.csv"
@@ -44,6 +46,21 @@ SUMMARY = "reports/summary.md"
 PLOTS = "reports/plots"
 STAGE_TIMES = "reports/stage_times.json"  # make demo's clock; not a DVC output
 STAGE_REPORTS = ("download", "index", "generate", "label", "prm", "sft", "pareto", "export", "dpo", "rl")
+
+
+def teacher_dir(name: str) -> str:
+    """Where stage teacher puts a teacher: models/teacher for the `teacher` block, models/teachers/<name> for the
+    others."""
+    return TEACHER if name == "teacher" else f"{TEACHERS}/{name}"
+
+
+def teacher_rows(name: str) -> str:
+    """evaluate_teacher: one teacher's labeled test episodes, where several teach (the team's are eval_rows)."""
+    return f"{TEACHER_EVALS}/{name}.parquet"
+
+
+def teacher_metrics(name: str) -> str:
+    return f"{TEACHER_EVALS}/{name}.json"
 
 
 def eval_rows(system: str) -> str:

@@ -45,7 +45,7 @@ def load_workbench(s: SystemSettings, model_dir: str, teacher: bool = False, too
     from ..llm import student_backend, teacher_backend
 
     backend = teacher_backend(s) if teacher else student_backend(model_dir, s)
-    roles = make_role_backends(s.generate.roles, s.teacher_engine, s.seed) if teacher else {}
+    roles = make_role_backends(s.generate.roles, s.teacher_engine, s.seed, s.teacher_dir) if teacher else {}
     return Workbench(s, backend, toolbox or make_toolbox(s.tools), roles, "tags" if teacher else tool_format)
 
 
@@ -57,7 +57,8 @@ def system_context(s: SystemSettings, backend, toolbox, teacher: bool, model_id:
     g, tools = s.generate, enabled_tools(s.tools)
     return MethodContext(backend, toolbox,
                          episode_settings(g, s.student_engine.max_model_len, temperature, top_logprobs),
-                         teacher=model_id, scaffold=g.scaffold if teacher else {},
+                         teacher=model_id, teacher_name=s.teacher_name if teacher else "",
+                         scaffold=g.scaffold if teacher else {},
                          params=getattr(g, g.method, None) if teacher else None, role_backends=roles or {}, tools=tools,
                          taught_by=g.method, demonstrations=demonstrations(g) if teacher else "",
                          format=student_format(tool_format, backend.tokenizer, tools, g.method))

@@ -106,6 +106,7 @@ def trajectory_row(q: dict, sample: int, method: str, teacher: str, messages: li
         "sample": sample,
         "method": method,
         "teacher": teacher_as_served(teacher, episodes),
+        "teacher_name": "",  # run_method stamps the name of the teacher that ran it
         "question": q["question"],
         "answers": list(q["answers"]),
         "task": q["task"],

@@ -17,14 +17,16 @@ import hashlib
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import layout
-from ..config import SPENDING_LIMITS, ClusterConfig, SystemSettings
+from ..config import SPENDING_LIMITS, ClusterConfig, RouteConfig, SystemSettings
 from ..data.digest import file_digests
 from ..data.schemas import TRAJECTORY, read_table, write_table
 from ..llm import teacher_id
 from ..teacher_topk import TEACHER_TOPK
+from ..teams import by_teacher
 from .cluster import Replicas, Workbench, run_system, sum_counters, system_context, workbench_or_replicas
 from .episodes import tool_totals
 from .methods import StopWhenVerified, run_method
@@ -54,7 +56,7 @@ def shard_dir(s: SystemSettings, questions: list[dict], verifier: dict | None = 
     key += demonstrations(s.generate)  # the teacher's worked examples: the file's text, not only its name
     code = sorted(PACKAGE.rglob("*.py"))
     roles = [str(spec["model"]) for spec in s.generate.roles.values() if Path(str(spec.get("model", ""))).is_dir()]
-    data = [f for d in dict.fromkeys([layout.INDEX, layout.TEACHER, *roles]) for f in sorted(Path(d).rglob("*"))
+    data = [f for d in dict.fromkeys([layout.INDEX, s.teacher_dir, *roles]) for f in sorted(Path(d).rglob("*"))
             if f.is_file()]
     names = [str(f.relative_to(PACKAGE.parent)) for f in code] + [str(f) for f in data]
     key += json.dumps(dict(zip(names, file_digests(code + data))))
@@ -152,7 +154,7 @@ def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: 
             todo.append(k)
     counters, wall_s = fault_counters({}, None), 0.0  # the same keys whether this run generated or only reused shards
     if todo:  # start the engine only if some shard is left to do
-        where = workbench_or_replicas(s, cluster, layout.TEACHER, teacher=True)
+        where = workbench_or_replicas(s, cluster, s.teacher_dir, teacher=True)
         pending = [(k, q) for k in todo for q in chunks[k]]
         print(f"generate: {len(pending)} questions in {len(todo)} shards x {g.samples} samples"
               + (f" (a question stops at {stop.enough} verified)" if stop else "")
@@ -173,6 +175,50 @@ def generate_trajectories(s: SystemSettings, cluster: ClusterConfig, questions: 
     rows = [r for path in paths for r in read_shard(path)]
     # timings live in the report, never in the data; a resumed run's report has the keys of an unkilled one's
     return rows, {**summarize(rows), "wall_s": wall_s, **counters}
+
+
+def teacher_figures(asked: list[dict], rows: list[dict], counters: dict, verified: Callable[[dict], bool]) -> dict:
+    """What one teacher answered and cost in generate: the questions it was asked, its trajectories, the questions it
+    verified, the tokens it generated (its trajectories') and, served, the tokens and dollars this run paid for (0 for
+    answers replayed from the response cache)."""
+    correct = {r["question_id"] for r in rows if verified(r)}
+    return {"questions": len(asked), "trajectories": len(rows), "verified_questions": len(correct),
+            "verified_trajectories": sum(map(verified, rows)),
+            "answered": sum(bool(r["final_answer"]) for r in rows),
+            "generated_tokens": sum(r["n_tokens"] for r in rows),
+            **{key: float(counters.get(f"backend.teacher.{key}", 0.0))
+               for key in ("prompt_tokens", "completion_tokens", "cost_usd")}}
+
+
+def generate_by_teacher(settings_of: Callable[[str], SystemSettings], cluster: ClusterConfig, questions: list[dict],
+                        route: RouteConfig, cascade: list[str], verified: Callable[[dict], bool], stop=None,
+                        verifier: dict | None = None) -> tuple[list[dict], dict, list[Path]]:
+    """Every train question's trajectories from the teacher its route names, or from each teacher of `cascade` in turn
+    until one verifies it; (rows in teacher then question order, metrics with each teacher's figures under
+    "teachers", the shard folders to remove once the output is written). `settings_of(name)`: a teacher's
+    SystemSettings."""
+    rows, metrics, counters, shards, wall_s = [], {"teachers": {}}, [], [], 0.0
+    left = list(questions)
+    plan = ([(name, None) for name in cascade] if cascade else
+            list(by_teacher(questions, route, list(dict.fromkeys([route.default, *route.to.values()]))).items()))
+    for name, asked in plan:
+        asked = left if asked is None else asked
+        if not asked:
+            metrics["teachers"][name] = teacher_figures([], [], {}, verified)
+            continue
+        s = settings_of(name)
+        folder = shard_dir(s, asked, verifier)
+        print(f"generate: teacher {name} on {len(asked)} questions", flush=True)
+        got, m = generate_trajectories(s, cluster, asked, folder, stop)
+        shards.append(folder)
+        rows += got
+        counters.append({k: v for k, v in m.items() if k.startswith(("backend.", "teacher_", "search_", "web_"))})
+        wall_s += m["wall_s"]
+        metrics["teachers"][name] = teacher_figures(asked, got, m, verified)
+        if cascade:
+            done = {r["question_id"] for r in got if verified(r)}
+            left = [q for q in asked if q["id"] not in done]
+    return rows, {**summarize(rows), "wall_s": wall_s, **sum_counters(counters), **metrics}, shards
 
 
 def run_here(s: SystemSettings, workbench: Workbench, pending: list[tuple[int, dict]], paths: list[Path],

@@ -39,20 +39,21 @@ def episode_settings(g: GenerateConfig, max_model_len: int, temperature: float,
                            max_model_len=max_model_len, top_logprobs=top_logprobs)
 
 
-def make_role_backends(roles: dict, teacher: EngineConfig, seed: int) -> dict:
+def make_role_backends(roles: dict, teacher: EngineConfig, seed: int, teacher_dir: str = layout.TEACHER) -> dict:
     """generate.roles: {role: {model: <dir or served name>, backend: ..., <llm overrides>}} -> {role: backend}.
 
-    Roles naming the same model and settings share one backend; a role without `model` runs the teacher's."""
+    Roles naming the same model and settings share one backend; a role without `model` runs the teacher's (in
+    `teacher_dir`)."""
     from ..llm import make_backend
 
     built, out = {}, {}
     for role, spec in roles.items():
         spec = dict(spec)
-        model = spec.pop("model", layout.TEACHER)
+        model = spec.pop("model", teacher_dir)
         key = repr((model, sorted(spec.items())))
         if key not in built:
             base = teacher
-            if model != layout.TEACHER:  # a role's own served model is named by its `model`
+            if model != teacher_dir:  # a role's own served model is named by its `model`
                 base = engine_with(base, {"api_model": "", "tokenizer": ""})
             built[key] = make_backend(model, engine_with(base, spec), seed=seed)
         out[role] = built[key]

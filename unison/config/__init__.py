@@ -28,6 +28,7 @@ from .generate import (
     GAPConfig,
     GenerateConfig,
     MAVConfig,
+    RouteConfig,
     SelfConsistencyConfig,
 )
 from .index import IndexConfig
@@ -65,7 +66,8 @@ __all__ = [
     "MODEL_KINDS", "ROOT", "ParamsError", "Precision", "Section", "check_model_spec", "ClusterConfig",
     "BuiltinWorldConfig", "DownloadConfig", "EvaluateConfig", "ExportConfig", "FlywheelConfig", "CONVERSING_METHODS",
     "FIXED_MODULES", "METHODS", "AgentFlowConfig", "AgentVerseConfig", "ChainOfAgentsConfig", "DebateConfig",
-    "DylanConfig", "GAPConfig", "GenerateConfig", "MAVConfig", "SelfConsistencyConfig", "IndexConfig", "LabelConfig",
+    "DylanConfig", "GAPConfig", "GenerateConfig", "MAVConfig", "RouteConfig", "SelfConsistencyConfig", "IndexConfig",
+    "LabelConfig",
     "CHAT_TOP_LOGPROBS", "LOCAL_BACKENDS", "SPENDING_LIMITS", "EngineConfig", "LLMConfig", "check_base_url",
     "check_llm_overrides", "engine_with", "StudentConfig", "TeacherConfig", "ParetoConfig", "Params",
     "SystemSettings", "describe_error", "load_params", "validate_params", "RL_ESTIMATORS", "SEQUENCE_ESTIMATORS",

@@ -63,6 +63,14 @@ class GAPConfig(Section):
     max_parallel: int = Field(4)
 
 
+class RouteConfig(Section):
+    by: str = Field('', description='"" = no routing | task | source | meta.<key>: the question field whose value '
+                    'picks the teacher (docs/guide.md, "Several teachers")')
+    to: dict[str, str] = Field(default_factory=dict, description="the field's value -> the name of its teacher (a key "
+                               "of `teachers`, or teacher for the `teacher` block)")
+    default: str = Field('teacher', description="the teacher of a question whose value `to` does not name")
+
+
 class GenerateConfig(Section):
     method: Literal[METHODS] = Field('single', description=f"{' | '.join(METHODS)}  (defaults below from the "
                                      "seed systems, docs/seeds.md)")
@@ -95,6 +103,10 @@ class GenerateConfig(Section):
     roles: dict[str, dict] = Field(default_factory=dict, description="role -> its own model, e.g. {aggregator: {model: "
                                    "Qwen/Qwen2.5-7B-Instruct, backend: openai}}; other keys override the teacher's "
                                    "llm.*; {} = every role on the teacher")
+    route: RouteConfig = Field(default_factory=RouteConfig, description="each train question to the teacher its "
+                               "field names (teachers: the named ones besides `teacher`)")
+    cascade: list[str] = Field(default_factory=list, description="[cheap, strong, ...]: each teacher in turn on the "
+                               "questions none before it verified (label's rule judge); [] = no cascade")
     self_consistency: SelfConsistencyConfig = Field(default_factory=SelfConsistencyConfig,
                                                     description='AgentArk self_consistency: parallel paths, '
                                                     'then an aggregator')

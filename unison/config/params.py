@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..layout import teacher_dir
 from .base import ParamsError, Section
 from .cluster import ClusterConfig
 from .download import DownloadConfig
@@ -24,12 +26,18 @@ from .storage import StorageConfig
 from .tools import ToolsConfig
 from .train import DPOConfig, PRMConfig, SFTConfig, TrainConfig
 
+TEACHER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+ROUTE_FIELDS = ("task", "source")  # a question's own fields a route may read, besides meta.<key>
+
 
 class Params(Section):
     seed: int = Field(0)
     download: DownloadConfig = Field(default_factory=DownloadConfig)
     student: StudentConfig = Field(default_factory=StudentConfig)
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    teachers: dict[str, TeacherConfig] = Field(default_factory=dict, description="more teachers, by name, each a block "
+                                               "like `teacher` (known by the name teacher); generate.route or "
+                                               "generate.cascade says which teaches what")
     index: IndexConfig = Field(default_factory=IndexConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig, description='the local engine (students; a local teacher unless '
@@ -76,12 +84,14 @@ class Params(Section):
         if not self.prm.enabled and self.evaluate.rerank_samples > 1:
             raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
         chat_teacher = self.teacher_engine().chat
-        if self.rl.scores_with_teacher and chat_teacher:
-            raise ValueError(f"rl.loss.objective opd, rl.opd.steps or rl.probe.prompts: the teacher "
-                             f"({self.teacher.model}) "
-                             "must score given tokens, and teacher.api chat cannot (a chat API returns no log-probs of "
-                             "given tokens): set teacher.api: completions with a vLLM server, or a local teacher "
-                             "(teacher.backend vllm | transformers)")
+        for name in self.generating_teachers() if self.rl.scores_with_teacher else []:
+            if self.teacher_engine(name).chat:
+                key = "teacher" if name == "teacher" else f"teachers.{name}"
+                raise ValueError(f"rl.loss.objective opd, rl.opd.steps or rl.probe.prompts: the teacher "
+                                 f"({self.teacher_block(name).model}) must score given tokens, and {key}.api chat "
+                                 "cannot (a chat API returns no log-probs of given tokens): set "
+                                 f"{key}.api: completions with a vLLM server, or a local teacher "
+                                 f"({key}.backend vllm | transformers)")
         if self.generate.topk and chat_teacher and self.generate.source:
             raise ValueError("generate.topk with imported trajectories (generate.source) needs a teacher that "
                              "scores them, and teacher.api chat cannot: a chat API's top log-probs come only with what "
@@ -116,6 +126,44 @@ class Params(Section):
         return self
 
     @model_validator(mode="after")
+    def _teachers(self):
+        names = set(self.teacher_names)
+        for name in self.teachers:
+            if name == "teacher" or not TEACHER_NAME.fullmatch(name):
+                raise ValueError(f"teachers.{name}: a teacher's name is lower-case letters, digits, _ and - (and not "
+                                 "teacher, the `teacher` block's own)")
+        route, cascade = self.generate.route, self.generate.cascade
+        named = [("generate.route.default", route.default),
+                 *((f"generate.route.to.{value}", name) for value, name in route.to.items()),
+                 *((f"generate.cascade[{i}]", name) for i, name in enumerate(cascade))]
+        for key, name in named:
+            if name not in names:
+                raise ValueError(f"{key}: no teacher named {name!r} (teachers: {', '.join(sorted(names))})")
+        if route.by and not (route.by in ROUTE_FIELDS or route.by.startswith("meta.") and route.by != "meta."):
+            raise ValueError(f"generate.route.by: {route.by!r} is not a question field ({' | '.join(ROUTE_FIELDS)} | "
+                             "meta.<key>)")
+        if route.to and not route.by:
+            raise ValueError("generate.route.to names teachers by a field's value, but generate.route.by is \"\": "
+                             "name the field (task, source or meta.<key>)")
+        if cascade and route.by:
+            raise ValueError("generate.route and generate.cascade: choose one (a route sends each question to one "
+                             "teacher; a cascade tries them in turn)")
+        if len(cascade) == 1 or len(set(cascade)) != len(cascade):
+            raise ValueError(f"generate.cascade {cascade}: two teachers or more, each once")
+        if cascade and self.label.judge != "rule":
+            raise ValueError("generate.cascade passes a question on where its trajectories do not verify, with label's "
+                             f"rule judge, but label.judge is {self.label.judge}: set label.judge: rule")
+        if self.generate.topk and len(self.generating_teachers()) > 1:
+            raise ValueError("generate.topk keeps one teacher's top-k log-probs for sft.kd_weight; with several "
+                             "teachers (generate.route, generate.cascade) set generate.topk: 0 and distil them "
+                             "token by token in rl (rl.loss.objective opd, which scores each episode with its "
+                             "question's teacher)")
+        if self.generate.source and (route.by or cascade):
+            raise ValueError("generate.source imports trajectories instead of running teachers: generate.route and "
+                             "generate.cascade have nothing to route")
+        return self
+
+    @model_validator(mode="after")
     def _local_files_in_inputs(self):
         """DVC sees the local files the pipeline takes in only through download.inputs (a dependency of download and
         generate in dvc.yaml): a file elsewhere could change unseen."""
@@ -141,18 +189,38 @@ class Params(Section):
         """One stage's section (e.g. params.stage("sft") is params.sft)."""
         return getattr(self, name)
 
-    def teacher_engine(self) -> EngineConfig:
-        """The teacher's engine: the shared llm.* settings, the teacher's overrides, its backend and server."""
-        t = self.teacher
+    @property
+    def teacher_names(self) -> list[str]:
+        """Every teacher's name: teacher (the `teacher` block), then the `teachers` in their order."""
+        return ["teacher", *self.teachers]
+
+    def teacher_block(self, name: str = "teacher") -> TeacherConfig:
+        return self.teacher if name == "teacher" else self.teachers[name]
+
+    def generating_teachers(self) -> list[str]:
+        """The teachers generate runs: the cascade's in its order, the route's, or the `teacher` block alone."""
+        route = self.generate.route
+        if self.generate.cascade:
+            return list(self.generate.cascade)
+        if route.by:
+            return [n for n in self.teacher_names if n == route.default or n in route.to.values()]
+        return ["teacher"]
+
+    def teacher_engine(self, name: str = "teacher") -> EngineConfig:
+        """A teacher's engine: the shared llm.* settings, the teacher's overrides, its backend and server."""
+        t = self.teacher_block(name)
         return EngineConfig(**{**self.llm.model_dump(), **t.llm, "backend": t.backend, "base_url": t.base_url,
                                "api": t.api, "api_model": t.served_name or t.model.partition(":")[2],
                                "api_key_env": t.api_key_env})
 
-    def system_settings(self) -> SystemSettings:
-        """What running a system needs, taken out of these params (stages call this; the library never sees Params)."""
+    def system_settings(self, teacher: str = "teacher") -> SystemSettings:
+        """What running a system needs, taken out of these params, with `teacher` as the teacher (stages call this;
+        the library never sees Params)."""
         return SystemSettings(generate=self.generate, tools=self.tools,
                               student_engine=EngineConfig(**self.llm.model_dump()),
-                              teacher_engine=self.teacher_engine(), teacher_model=self.teacher.model, seed=self.seed)
+                              teacher_engine=self.teacher_engine(teacher),
+                              teacher_model=self.teacher_block(teacher).model, teacher_name=teacher,
+                              teacher_dir=teacher_dir(teacher), seed=self.seed)
 
 
 class SystemSettings(BaseModel):
@@ -166,6 +234,8 @@ class SystemSettings(BaseModel):
     teacher_engine: EngineConfig
     teacher_model: str
     seed: int
+    teacher_name: str = "teacher"  # which of params' teachers this is: recorded with each trajectory it makes
+    teacher_dir: str = "models/teacher"  # its folder: weights, or a served teacher's tokenizer (stage teacher)
 
     @property
     def chat_top_logprobs(self) -> int:
@@ -202,7 +272,10 @@ def describe_error(err: dict, where) -> str:
     """One validation error as `<file> <key>: <what is wrong>`; a refused value gets the field's own description."""
     key = ".".join(str(p) for p in err["loc"])
     if err["type"] == "value_error":  # our validators name the key themselves
-        return f"{where} {err['msg'].removeprefix('Value error, ')}"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["loc"][:1] == ("teachers",) and len(err["loc"]) > 1:  # TeacherConfig's own rules name `teacher.`
+            message = message.replace("teacher.", f"teachers.{err['loc'][1]}.")
+        return f"{where} {message}"
     if err["type"] == "extra_forbidden":
         return f"{where} {key}: unknown key"
     model, field = Params, None

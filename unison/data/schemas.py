@@ -60,6 +60,7 @@ TRAJECTORY = pa.schema(
         ("sample", pa.int32()),
         ("method", pa.string()),
         ("teacher", pa.string()),
+        ("teacher_name", pa.string()),  # which of params' teachers made it (teacher, or a key of `teachers`); "" = none
         ("question", pa.string()),
         ("answers", pa.list_(pa.string())),
         ("task", pa.string()),

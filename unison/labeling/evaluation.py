@@ -67,6 +67,16 @@ def prm_rerank(rows: list[dict], prm) -> tuple[list[dict], dict]:
                                            [r["correct"] for g in groups.values() for r, _ in g])}
 
 
+def spent(counters: dict, rows: list[dict]) -> dict:
+    """What a served teacher cost on the test questions, as this run paid it (an answer replayed from the response
+    cache costs nothing): prompt and completion tokens as the server counted them, and dollars at llm's prices, in all
+    and per correct answer."""
+    paid = {key: float(counters.get(f"backend.teacher.{key}", 0.0))
+            for key in ("prompt_tokens", "completion_tokens", "cost_usd")}
+    correct = sum(bool(r["correct"]) for r in rows)
+    return {**paid, "cost_usd_per_correct": paid["cost_usd"] / correct if correct else None}
+
+
 def systems_to_evaluate(p: EvaluateConfig, teacher_temperature: float, dpo: bool) -> list[tuple[str, str, float]]:
     """(system, model dir, temperature) in evaluation order; systems sharing a model share one engine. Only the teacher
     runs on the teacher block (models/teacher or its server), at `teacher_temperature` (generate's); every student is
@@ -181,7 +191,8 @@ def run_systems(s: SystemSettings, tool_format: str, p: EvaluateConfig, label: L
             wall = time.perf_counter() - t0
             # this system's, the toolbox's included
             faults = {k: counters.get(k, 0.0) for k in fault_counters({}, None)}
-            yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, s.seed), **extra, **faults}
+            yield name, rows, {**system_metrics(rows, wall, label, p.bootstrap, s.seed), **extra, **faults,
+                               **(spent(counters, rows) if teacher else {})}
     finally:
         if isinstance(engine, Replicas):
             engine.close()

@@ -73,6 +73,7 @@ def served_episode(client, model: str, q: dict, tools: tuple[str, ...], toolbox,
         student += [{"role": "assistant", "content": said, "token_ids": []},
                     {"role": "tool", "content": observation(SEPARATOR.join(results)), "token_ids": []}]
     return {"id": f"{q['id']}/served/0", "question_id": q["id"], "sample": 0, "method": "served", "teacher": model,
+            "teacher_name": "",
             "question": q["question"], "answers": list(q["answers"]), "task": q["task"],
             "messages": [{"role": m["role"], "name": None,
                           "content": m.get("content") or json.dumps(m.get("tool_calls"))} for m in messages],

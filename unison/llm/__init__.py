@@ -35,8 +35,11 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
     if not engine.base_url:
         raise ValueError("params.yaml teacher.base_url: the openai backend needs the server's URL, e.g. "
                          "http://127.0.0.1:8000/v1")
-    # chat: the transcript's, kept there
-    tokenizer = engine.tokenizer or (layout.TEACHER if engine.api == "chat" else str(model_dir))
+    # chat: the transcript's, kept in the teacher's folder (a role's own served model: the `teacher` block's)
+    from pathlib import Path
+
+    transcript = str(model_dir) if Path(model_dir).is_dir() else layout.TEACHER
+    tokenizer = engine.tokenizer or (transcript if engine.api == "chat" else str(model_dir))
     return OpenAIBackend(engine.base_url, engine.api_model or str(model_dir), tokenizer=tokenizer,
                          max_concurrency=engine.max_concurrency, timeout_s=engine.timeout_s,
                          max_retries=engine.max_retries, api_key_env=engine.api_key_env,
@@ -52,9 +55,9 @@ def make_backend(model_dir: str, engine: EngineConfig, seed: int = 0, sleep_mode
 
 
 def teacher_backend(s: SystemSettings):
-    """The teacher of the `teacher` block: models/teacher on this machine, or its server (tokenizer from
-    models/teacher)."""
-    return make_backend(layout.TEACHER, s.teacher_engine, seed=s.seed)
+    """The settings' teacher (the `teacher` block unless they name another): its folder on this machine
+    (models/teacher, models/teachers/<name>), or its server (tokenizer from that folder)."""
+    return make_backend(s.teacher_dir, s.teacher_engine, seed=s.seed)
 
 
 def teacher_id(s: SystemSettings) -> str:

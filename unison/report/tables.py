@@ -54,7 +54,7 @@ def headline_rows(metrics: dict) -> list[dict]:
 def final_student(metrics: dict) -> str | None:
     """The system the pipeline ends with: the RL student (picking the best on the test split would flatter it), else the
     last student evaluated."""
-    students = [n for n, m in metrics.items() if n != "teacher" and m.get("em") is not None]
+    students = [n for n, m in metrics.items() if n.partition(":")[0] != "teacher" and m.get("em") is not None]
     return "rl" if "rl" in students else (students[-1] if students else None)
 
 

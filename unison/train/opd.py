@@ -17,7 +17,10 @@ computed from a log-prob of 0.
 """
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -101,6 +104,45 @@ def teacher_logps(teacher, samples: list[dict], student_tok, worked_examples: st
             [[0] * first + a.span_ids for first, a in zip(firsts, aligned)], sum(a.straddling for a in aligned), None)
 
 
+@dataclass(frozen=True)
+class TeacherTeam:
+    """Several teachers scoring the student (on-policy distillation, the probe), each sample by the teacher of its
+    prompt's question: `backends` by name; `routes` from a prompt (prompt_key of its messages) to a name, a prompt not
+    listed going to `default`."""
+    backends: dict[str, Any]
+    routes: dict[str, str] = field(default_factory=dict)
+    default: str = "teacher"
+
+    def name_of(self, sample: dict) -> str:
+        return self.routes.get(prompt_key(sample["messages"]), self.default)
+
+
+def prompt_key(messages: list[dict]) -> str:
+    """A prompt as the team looks its teacher up: its messages' roles and texts."""
+    return json.dumps([[m["role"], m["content"]] for m in messages])
+
+
+def scored_by_teachers(teacher, samples: list[dict], student_tok, worked_examples: str = "",
+                       top_k: int = 0) -> tuple[list[list[float]], list[list[int]], int, list | None]:
+    """teacher_logps by each sample's own teacher: one backend scores them all; a TeacherTeam gives each sample to the
+    teacher its prompt routes to (each with its own tokenizer: the very tokens or the character alignment), and marks
+    the sample with its name (`teacher_name`, which the probe's figures split by)."""
+    if not isinstance(teacher, TeacherTeam):
+        return teacher_logps(teacher, samples, student_tok, worked_examples, top_k)
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        s["teacher_name"] = teacher.name_of(s)
+        groups.setdefault(s["teacher_name"], []).append(i)
+    logps, spans, tops, straddling = [None] * len(samples), [None] * len(samples), [None] * len(samples), 0
+    for name, at in groups.items():
+        lp, sp, n, tp = teacher_logps(teacher.backends[name], [samples[i] for i in at], student_tok, worked_examples,
+                                      top_k)
+        straddling += n
+        for j, i in enumerate(at):
+            logps[i], spans[i], tops[i] = lp[j], sp[j], tp[j] if tp is not None else None
+    return logps, spans, straddling, tops if top_k else None
+
+
 def teacher_messages(messages: list[dict], worked_examples: str) -> list[dict]:
     """The prompt's messages with `worked_examples` after the system prompt (as generate's acting agents read them)."""
     if not worked_examples:
@@ -153,7 +195,8 @@ def score_with_teacher(samples: list[dict], setup, tok, trainer) -> dict:
     t0 = time.perf_counter()
     opd = setup.rl.opd
     top_k = opd.kd_topk if opd.kd_weight > 0 else 0
-    scored = teacher_logps(setup.teacher, samples, tok, setup.worked_examples, top_k) if trainer.is_main else None
+    scored = (scored_by_teachers(setup.teacher, samples, tok, setup.worked_examples, top_k) if trainer.is_main
+              else None)
     return {**attach_teacher_logps(samples, *trainer.from_main(scored)), "teacher_s": time.perf_counter() - t0}
 
 

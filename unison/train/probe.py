@@ -8,7 +8,7 @@ import random
 import torch
 
 from .batches import attach_logprobs, make_sample
-from .opd import attach_teacher_logps, teacher_logps
+from .opd import attach_teacher_logps, scored_by_teachers
 
 PROBE_ROUND = -1  # the probe's episodes' seeds (rollout's step): the same at every probe, so only the policy differs
 
@@ -34,7 +34,7 @@ def probe_samples(probe_rows: list[dict], backend, model, tok, setup, pad_id: in
     samples = [make_sample(v.ids, v.loss_mask, [0.0] * len(v.ids), v.messages) for v in views if any(v.loss_mask)]
     if samples:
         attach_logprobs(model, samples, "logp", rl, pad_id, device, precision, unscaled_key="logp_t1")
-        attach_teacher_logps(samples, *teacher_logps(setup.teacher, samples, tok, setup.worked_examples))
+        attach_teacher_logps(samples, *scored_by_teachers(setup.teacher, samples, tok, setup.worked_examples))
     return samples
 
 
@@ -60,7 +60,19 @@ def span_kls(samples: list[dict]) -> tuple[list[float], int]:
 
 def probe_figures(samples: list[dict]) -> dict:
     """The probe's figures: the reverse KL to the teacher in nats per scored student token, the 10th, 50th and 90th
-    percentiles of the per-span values (the histogram's shape), the share of spans over 1 nat, and the tokens scored."""
+    percentiles of the per-span values (the histogram's shape), the share of spans over 1 nat, and the tokens scored;
+    with several teachers, the KL and tokens of each one's samples too (teacher.<name>.probe_kl, .probe_tokens)."""
+    names = sorted({s["teacher_name"] for s in samples if "teacher_name" in s})
+    per_teacher = {}
+    for name in names if len(names) > 1 else []:
+        values, tokens = span_kls([s for s in samples if s["teacher_name"] == name])
+        per_teacher |= {f"teacher.{name}.probe_kl": sum(values) / tokens if tokens else 0.0,
+                        f"teacher.{name}.probe_tokens": tokens}
+    return {**whole_figures(samples), **per_teacher}
+
+
+def whole_figures(samples: list[dict]) -> dict:
+    """probe_figures over all the samples."""
     values, tokens = span_kls(samples)
     if not values:
         return {"probe_kl": 0.0, "probe_kl_p10": 0.0, "probe_kl_p50": 0.0, "probe_kl_p90": 0.0, "probe_over_1nat": 0.0,

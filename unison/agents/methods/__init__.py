@@ -24,6 +24,7 @@ class MethodContext:
     toolbox: Toolbox
     settings: EpisodeSettings  # sampling and per-episode budgets (turns, tokens, tool calls)
     teacher: str  # model id recorded in each trajectory
+    teacher_name: str = ""  # which of params' teachers runs (teacher, or a key of `teachers`); "" = a student
     scaffold: dict[str, list[str]] = field(default_factory=dict)  # task -> forced tag per turn; {} = unscaffolded
     params: BaseModel | None = None  # the method's own settings (e.g. generate.debate); None = its defaults
     # role -> backend, for roles with their own model (generate.roles)
@@ -114,11 +115,19 @@ def run_method(name: str, questions: list[dict], samples: int, ctx: MethodContex
     tok, k = ctx.backend.tokenizer, ctx.settings.top_logprobs
     fingerprint = tokenizer_fingerprint(tok)
 
+    def named(row: dict) -> dict:
+        """The teacher's name; a named teacher's own ids, so that a question two teachers answer (a cascade) keeps
+        both."""
+        name = ctx.teacher_name
+        if name in ("", "teacher"):
+            return {"teacher_name": name}
+        return {"teacher_name": name, "id": f"{row['question_id']}/{row['method']}/{name}/{row['sample']}"}
+
     def flow(i: int, q: dict) -> list[dict]:
         rows, verified = [], 0
         for wave in sample_waves(samples, stop.enough if stop else 0):
             drawn = run([q], wave, ctx)
-            rows += [{**r, "tokenizer": fingerprint} for r in drawn]
+            rows += [{**r, "tokenizer": fingerprint, **named(r)} for r in drawn]
             if stop:
                 verified += sum(map(stop.check, drawn))
                 if verified >= stop.enough:
