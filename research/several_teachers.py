@@ -119,7 +119,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in results if results[r].get("sft_em") is not None]
+    runs = [r for r in RUNS if results.get(r, {}).get("sft_em") is not None]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for k, task in enumerate(("qa", "math")):
         ax.bar([i + 0.38 * k for i in range(len(runs))], [results[r][f"sft_accuracy_{task}"] or 0 for r in runs],
@@ -127,8 +127,8 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xticks([i + 0.19 for i in range(len(runs))],
                   [f"{r}\n${results[r]['generate_cost_usd']:.3f} to teach" for r in runs])
     ax.set_ylabel("SFT student accuracy")
-    ax.set_ylim(0, 1)
-    ax.legend()
+    ax.set_ylim(0, 1.2)
+    ax.legend(loc="upper center", ncol=2)
     ax.set_title("Who taught what: each student's accuracy by kind of question")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,9 @@ from unison import layout, model_registry, track
 from unison.cli import stage_main
 from unison.config import load_params
 from unison.data.schemas import LABELED, QUESTION, read_table, write_json, write_table
-from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate
+from unison.labeling.evaluation import evaluate_systems, systems_to_evaluate, team_cost, team_rows
 from unison.labeling.metrics import paired_em, scoring_label, system_metrics
 from unison.report.tables import headline_metrics
-from unison.teams import team_cost, team_rows
 from unison.tools.registry import check_toolset
 
 # the comparisons the report makes, (first, second): the first's EM against the second's on the same questions

@@ -24,7 +24,6 @@ from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, wr
 from unison.judge import verifies
 from unison.llm import teacher_backend
 from unison.teacher_topk import TEACHER_TOPK, capture_topk, generated_figures
-from unison.teams import flat_teachers
 from unison.tools.registry import enabled_tools, toolset
 
 OUT = Path(layout.TRAJECTORIES)
@@ -78,7 +77,7 @@ def main() -> None:
                       f"verified, {figures['generated_tokens']} tokens generated"
                       + (f", ${figures['cost_usd']:.4f} paid" if figures["cost_usd"] else ""), flush=True)
         write_json(metrics, layout.report("generate"))
-        run.log_metrics(flat_teachers(metrics))
+        run.log_metrics(metrics)
         for ep in sample_traces(rows, n=3, seed=params.seed):
             track.trace_episode(ep)
         run.log_dict(rows[:5], "samples/trajectories.json")

@@ -7,7 +7,7 @@ from unison.config import load_params
 from unison.data.schemas import LABELED, TRAJECTORY, read_table, write_json, write_table
 from unison.labeling.judging import make_judge
 from unison.labeling.labels import check_step_labels, judge_identity, label_metrics, label_trajectories
-from unison.teams import counted_by_teacher, flat_teachers
+from unison.teams import counted_by_teacher
 from unison.tools.registry import check_toolset
 
 IN, OUT = layout.TRAJECTORIES, layout.LABELED
@@ -31,7 +31,7 @@ def main() -> None:
         print(f"label: {len(rows)} trajectories, accuracy {metrics['accuracy']:.3f} ({tasks}) by the {p.judge} judge; "
               f"{metrics['steps']} step labels ({p.step_labels}), mean {metrics['step_label_mean']:.3f}", flush=True)
         write_json({**metrics, **judged_by, "judge": p.judge, "step_labels": p.step_labels}, layout.report("label"))
-        run.log_metrics(flat_teachers(metrics))
+        run.log_metrics(metrics)
 
 
 if __name__ == "__main__":

@@ -82,8 +82,8 @@ def main() -> None:
                       if distilled else {}),
                    **({"probe_kl_start": first["probe_kl_start"], "final_probe_kl": last["probe_kl"]}
                       if "probe_kl_start" in first else {}),
-                   # several teachers: the probe's KL to each (teacher.<name>.probe_kl_start, .probe_kl)
-                   **{k: v for record in (first, last) for k, v in record.items() if k.startswith("teacher.")}}
+                   # several teachers: the probe's KL to each (teachers.<name>.probe_kl_start, .probe_kl)
+                   **{k: v for record in (first, last) for k, v in record.items() if k.startswith("teachers.")}}
         write_json(metrics, layout.report("rl"))
         write_card(layout.RL, facts(params, "rl", paths, {
             "objective": rl.loss.objective, "estimator": rl.loss.estimator, "steps": len(records),

@@ -14,7 +14,7 @@ from unison.config import load_params
 from unison.data.schemas import LABELED, DataError, read_table, write_json
 from unison.model_card import facts, write_card
 from unison.teacher_topk import TEACHER_TOPK, topk_for
-from unison.teams import counted_by_teacher, flat_teachers
+from unison.teams import counted_by_teacher
 from unison.tool_format import student_format
 from unison.tools.registry import check_toolset, enabled_tools
 from unison.train.launch import is_main_process, run_distributed
@@ -69,7 +69,7 @@ def main() -> None:
         write_card(layout.SFT, facts(params, "sft", [layout.LABELED], {
             "examples": len(examples), "epochs": cfg.epochs, "steps": len(records), "precision": metrics["precision"],
             "final loss": round(metrics["final_loss"], 4)}))
-        run.log_metrics(flat_teachers(metrics))
+        run.log_metrics(metrics)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""Stage `teacher`: materialise the teacher named by the `teacher` block into models/teacher, and each of `teachers`
-into models/teachers/<name>.
+"""Stage `teacher`: materialise every teacher, the `teacher` block in models/teacher and the others in models/teachers.
 
 A local teacher (teacher.backend vllm | transformers) gets its weights and tokenizer there. A served teacher
 (teacher.backend openai) gets only the tokenizer that renders its prompts (teacher.tokenizer, else teacher.model's; with
@@ -68,7 +67,7 @@ def main() -> None:
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
         for name, t in params.teachers.items():
             info = materialize(name, t, params.student.model)
-            run.log_metrics({f"teacher.{name}.parameters": float(info["n_parameters"])})
+            run.log_metrics({f"teachers.{name}.parameters": float(info["n_parameters"])})
         # the folder exists, and says which teachers it holds, whether or not there are any
         write_json(sorted(params.teachers), NAMES)
 

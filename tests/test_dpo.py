@@ -28,7 +28,7 @@ def student(answer: str, observation: str = "Zorvan Kelt is a chemist born in Ta
 def labeled(qid: str, sample: int, correct: bool, answer: str) -> dict:
     """A complete LABELED row."""
     msgs = student(answer)
-    return {"id": f"{qid}/single/{sample}", "question_id": qid, "sample": sample, "method": "single", "teacher": "t",
+    return {"id": f"{qid}/single/{sample}", "question_id": qid, "sample": sample, "method": "single", "teacher": "t", "teacher_name": "teacher",
             "question": msgs[1]["content"], "answers": ["Tarsk"], "task": "qa",
             "messages": [{"role": m["role"], "name": None, "content": m["content"]} for m in msgs], "student": msgs,
             "final_answer": answer, "n_llm_calls": 2, "n_tool_calls": 1, "n_tokens": 10, "tool_errors": 0, "tool_stats": "{}",

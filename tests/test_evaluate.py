@@ -121,15 +121,18 @@ def test_a_system_turned_off_writes_a_row_saying_so_and_the_metrics_gather_the_r
     empty = pq.read_table(layout.eval_rows("dpo"))
     assert empty.num_rows == 0 and empty.schema.names == LABELED.names
     assert json.loads(Path(layout.eval_metrics("dpo")).read_text()) == {"evaluated": False, "why": "dpo.enabled is false"}
-    right = {"rl": range(0, 12), "teacher": range(0, 3), "sft": range(2, 6), "base": range(0)}  # questions answered Tarsk
+    right = {"rl": range(0, 12), "teacher": range(0, 3), "sft": range(2, 6), "base": range(0), "calc": range(0, 6)}  # answered Tarsk
+
+    def rows_of(system: str) -> list[dict]:
+        return [{**row(f"q{i}", 0, "Tarsk" if i in right[system] else "Velmora", i in right[system], 10), "method": "single",
+                 "teacher": system, "teacher_name": "", "messages": [], "finish_reason": "answer", "tokenizer": "", "score": 0.0,
+                 "judge": "rule", "steps": [], "step_labels": []} for i in range(20)]
     for k, system in enumerate(("rl", "teacher", "sft", "base")):
         metrics = {"em": k / 10, "tokens_per_question": 40.0 + k, "evaluated": True}
         Path(layout.eval_metrics(system)).write_text(json.dumps(metrics))
-        rows = [{**row(f"q{i}", 0, "Tarsk" if i in right[system] else "Velmora", i in right[system], 10), "method": "single",
-                 "teacher": system, "messages": [], "finish_reason": "answer", "tokenizer": "", "score": 0.0, "judge": "rule",
-                 "steps": [], "step_labels": []} for i in range(20)]
-        write_table(rows[::-1] if system == "sft" else rows, layout.eval_rows(system), LABELED)  # joined by question, not order
+        write_table(rows_of(system)[::-1] if system == "sft" else rows_of(system), layout.eval_rows(system), LABELED)  # joined by question, not order
     Path(layout.eval_metrics("prm_rerank")).write_text(json.dumps({"evaluated": False, "why": "off"}))
+    evaluate.keep_teacher_rows([])  # one teacher: evaluate_teacher writes no row of its own
     evaluate.main()
     metrics = json.loads(Path(layout.METRICS).read_text())
     assert set(metrics) == {"base", "teacher", "sft", "rl"} and metrics["rl"] == {"em": 0.0, "tokens_per_question": 40.0}
@@ -138,3 +141,12 @@ def test_a_system_turned_off_writes_a_row_saying_so_and_the_metrics_gather_the_r
     assert paired["rl_vs_sft"] == {"questions": 20, "em_first": 0.6, "em_second": 0.2, "difference": 0.4, "only_first": 8,
                                    "only_second": 0, "p_mcnemar": pytest.approx(2 / 256)}
     assert (paired["sft_vs_teacher"]["only_first"], paired["sft_vs_teacher"]["only_second"]) == (3, 2)
+    # several teachers: each one's own row joins the metrics, and the team and the students are compared with it
+    write_table(rows_of("calc"), layout.teacher_rows("calc"), LABELED)
+    Path(layout.teacher_metrics("calc")).write_text(json.dumps({"em": 0.3}))
+    evaluate.keep_teacher_rows(["calc"])
+    evaluate.main()
+    assert json.loads(Path(layout.METRICS).read_text())["teacher:calc"] == {"em": 0.3}
+    paired = json.loads(Path(layout.PAIRED).read_text())
+    assert {k for k in paired if k.endswith(":calc")} == {"teacher_vs_teacher:calc", "sft_vs_teacher:calc", "rl_vs_teacher:calc"}
+    assert (paired["teacher_vs_teacher:calc"]["only_first"], paired["teacher_vs_teacher:calc"]["only_second"]) == (0, 3)

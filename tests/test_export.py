@@ -44,7 +44,7 @@ def labeled_row(qid: str, sample: int, correct: bool, turns: list[tuple[str, str
     question, answer = QUESTIONS[qid]
     student = [{"role": "system", "content": SYSTEM, "token_ids": []}, {"role": "user", "content": question, "token_ids": []}]
     student += [{"role": role, "content": text, "token_ids": []} for role, text in turns]
-    return {"id": f"{qid}/single/{sample}", "question_id": qid, "sample": sample, "method": "single", "teacher": "builtin:t",
+    return {"id": f"{qid}/single/{sample}", "question_id": qid, "sample": sample, "method": "single", "teacher": "builtin:t", "teacher_name": "teacher",
             "question": question, "answers": [answer], "task": "math" if qid == "q2" else "qa",
             "messages": [{"role": "user", "name": None, "content": question}], "student": student, "final_answer": "",
             "n_llm_calls": 1, "n_tool_calls": 1, "n_tokens": 9, "tool_errors": 0, "tool_stats": "{}", "finish_reason": "answer",

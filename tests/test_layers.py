@@ -11,7 +11,7 @@ FLOORS = [
     ("data and schemas", ("unison.config", "unison.params_doc", "unison.layout", "unison.data", "unison.http_client", "unison.redaction", "unison.quiet")),
     ("protocol and token views", ("unison.protocol", "unison.token_view", "unison.token_alignment", "unison.teacher_topk")),
     ("llm backends and tools", ("unison.llm", "unison.tools", "unison.tool_format")),
-    ("agents and methods", ("unison.agents",)),
+    ("agents and methods", ("unison.agents", "unison.teams")),
     ("judges", ("unison.judge",)),
     ("labelling and evaluation", ("unison.labeling",)),
     ("training", ("unison.train",)),

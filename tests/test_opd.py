@@ -495,3 +495,32 @@ def test_a_steps_record_keeps_the_teacher_terms_figures_the_kd_term_included():
     collected = Collected([], [{"level": 1}], [SimpleNamespace(turn=1)], rewards, 1.0, 1, {"rollout_s": 1.0})
     record = step_record(1, collected, {"loss": 0.3, "kl_teacher": 0.2, "kd_teacher": 0.25, "teacher_tokens": 9}, 1e-5)
     assert (record["kl_teacher"], record["kd_teacher"], record["teacher_tokens"]) == (0.2, 0.25, 9)
+
+
+def test_opd_from_two_teachers_scores_each_prompt_with_its_own_and_the_probe_reports_the_kl_to_each(tiny_model_dir, tmp_path):
+    """A TeacherTeam as the stage builds it where several teachers teach: the France prompts go to a teacher taught
+    Paris, the arithmetic ones to another (the random tiny model). One OPD step with a probe of four held-out prompts:
+    every scored token is scored, and the probe reports the KL to each teacher beside the whole."""
+    from unison.train.pareto import rl_rows
+    from unison.train.opd import TeacherTeam, prompt_key
+
+    student = teach_answers(tiny_model_dir, tmp_path / "student")
+    paris = HFBackend(str(teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))), dtype="float32")
+    other = HFBackend(str(tiny_model_dir), dtype="float32")
+    texts = {f"q{i}": "What is the capital of France?" if i % 2 == 0 else "What is 6 times 7?" for i in range(8)}
+    groups = [{"question_id": q, "task": "qa", "tool_calls": [0, 1], "correctness": [0.0, 1.0], "score_tool": 0.25,
+               "score_corr": 0.25, "front": 0, "crowding": 1.0} for q in texts]
+    rows = rl_rows(groups, [1] * len(groups), {q: {"id": q, "source": "test", "task": "qa", "question": t,
+                                                   "answers": ["Paris" if "France" in t else "42"]} for q, t in texts.items()})
+    team = TeacherTeam({"teacher": paris, "calc": other},
+                       {prompt_key(r["prompt"]): "calc" for r in rows if "times" in r["extra_info"]["question"]})
+    records = run(student, rl_config(checkpoint_every=0, loss={"objective": "opd"}, probe={"prompts": 4}), tmp_path, "team",
+                  rows=rows, teacher=team)
+    first = records[0]
+    assert first["teacher_tokens"] > 0 and "kl_teacher" in first
+    assert first["teachers.teacher.probe_tokens"] > 0 and first["teachers.calc.probe_tokens"] > 0
+    assert first["teachers.teacher.probe_tokens"] + first["teachers.calc.probe_tokens"] == first["probe_tokens"]
+    whole = (first["teachers.teacher.probe_kl"] * first["teachers.teacher.probe_tokens"]
+             + first["teachers.calc.probe_kl"] * first["teachers.calc.probe_tokens"]) / first["probe_tokens"]
+    assert whole == pytest.approx(first["probe_kl"])  # the two teachers' shares make the whole
+    assert first["teachers.teacher.probe_kl_start"] != first["teachers.calc.probe_kl_start"]

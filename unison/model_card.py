@@ -34,6 +34,15 @@ def data_hash(paths: list[str | Path]) -> str:
     return h.hexdigest()[:12]
 
 
+def teachers_of(params) -> str:
+    """The teacher as a card names it: its model; several, each by name and how the questions were shared out."""
+    names = params.generating_teachers()
+    if names == ["teacher"]:
+        return params.teacher.model
+    shared = "in a cascade" if params.generate.cascade else f"routed by {params.generate.route.by}"
+    return ", ".join(f"{name} = {params.teacher_block(name).model}" for name in names) + f" ({shared})"
+
+
 def facts(params, student: str, data: list[str | Path], training: dict) -> dict:
     """What a card says of a student trained now under `params` from `data`; `training`, the stage's own figures."""
     from . import track
@@ -42,7 +51,7 @@ def facts(params, student: str, data: list[str | Path], training: dict) -> dict:
     tools = enabled_tools(params.tools)
     pipeline, git = track.pipeline_params(), track.git_tags()
     return {"name": f"unison-{pipeline.get('recipe', 'default')}-{student}",
-            "student": student, "base_model": params.student.model, "teacher": params.teacher.model,
+            "student": student, "base_model": params.student.model, "teacher": teachers_of(params),
             "teacher_method": params.generate.method, "trained_by": TRAINED_BY.get(student, student),
             "data": [str(p) for p in data], "data_sha256": data_hash(data), "tools": list(tools),
             "tool_format": params.student.tool_format,

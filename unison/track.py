@@ -116,7 +116,8 @@ def params_hash(raw: dict) -> str:
 
 def pipeline_params(project_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """What a pipeline run is compared by: the project's params.yaml flattened (redacted), `params_hash`, `recipe`
-    (unison.recipes wrote it, else "default") and, for a unison params file, `teacher` and `student`; {} without one."""
+    (unison.recipes wrote it, else "default") and, for a unison params file, `teacher` (the teachers generate runs,
+    comma-separated) and `student`; {} without one."""
     path = Path(project_dir or Path.cwd()) / "params.yaml"
     if not path.exists():
         return {}
@@ -125,7 +126,8 @@ def pipeline_params(project_dir: str | os.PathLike | None = None) -> dict[str, s
     out = {**flatten_params(raw), "params_hash": params_hash(raw), "recipe": recipe_of(text)}
     if "teacher" in raw and "student" in raw:
         params = validate_params(raw, path)
-        out |= {"teacher": teacher_id(params.system_settings()), "student": redact(params.student.model)}
+        out |= {"teacher": ", ".join(teacher_id(params.system_settings(name)) for name in params.generating_teachers()),
+                "student": redact(params.student.model)}
     return out
 
 

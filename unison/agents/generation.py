@@ -208,7 +208,8 @@ def generate_by_teacher(settings_of: Callable[[str], SystemSettings], cluster: C
             continue
         s = settings_of(name)
         folder = shard_dir(s, asked, verifier)
-        print(f"generate: teacher {name} on {len(asked)} questions", flush=True)
+        if len(plan) > 1:
+            print(f"generate: teacher {name} on {len(asked)} questions", flush=True)
         got, m = generate_trajectories(s, cluster, asked, folder, stop)
         shards.append(folder)
         rows += got

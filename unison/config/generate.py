@@ -68,7 +68,8 @@ class RouteConfig(Section):
                     'picks the teacher (docs/guide.md, "Several teachers")')
     to: dict[str, str] = Field(default_factory=dict, description="the field's value -> the name of its teacher (a key "
                                "of `teachers`, or teacher for the `teacher` block)")
-    default: str = Field('teacher', description="the teacher of a question whose value `to` does not name")
+    default: str = Field('teacher', description="the teacher of a question whose value `to` does not name (with by "
+                         "\"\": of every question)")
 
 
 class GenerateConfig(Section):

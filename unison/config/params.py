@@ -198,13 +198,14 @@ class Params(Section):
         return self.teacher if name == "teacher" else self.teachers[name]
 
     def generating_teachers(self) -> list[str]:
-        """The teachers generate runs: the cascade's in its order, the route's, or the `teacher` block alone."""
+        """The teachers generate runs: the cascade's in its order, the route's, or generate.route.default alone (the
+        `teacher` block unless it names another)."""
         route = self.generate.route
         if self.generate.cascade:
             return list(self.generate.cascade)
         if route.by:
             return [n for n in self.teacher_names if n == route.default or n in route.to.values()]
-        return ["teacher"]
+        return [route.default]
 
     def teacher_engine(self, name: str = "teacher") -> EngineConfig:
         """A teacher's engine: the shared llm.* settings, the teacher's overrides, its backend and server."""

@@ -21,11 +21,12 @@ from .. import layout
 from ..agents.cluster import Replicas, load_workbench, rollouts, workbench_or_replicas
 from ..agents.generation import FailureShare
 from ..agents.wiring import fault_counters, make_toolbox
-from ..config import ClusterConfig, EvaluateConfig, LabelConfig, SystemSettings
+from ..config import ClusterConfig, EvaluateConfig, LabelConfig, RouteConfig, SystemSettings
 from ..judge.answers import judged_answer
 from ..judge.stats import auc
 from ..llm import teacher_id
 from ..protocol import normalize_answer
+from ..teams import routed_teacher
 from .judging import label_rows, make_judge
 from .metrics import system_metrics
 from .steps import student_steps
@@ -196,3 +197,36 @@ def run_systems(s: SystemSettings, tool_format: str, p: EvaluateConfig, label: L
     finally:
         if isinstance(engine, Replicas):
             engine.close()
+
+
+def team_rows(rows_of: dict[str, list[dict]], questions: list[dict], route: RouteConfig,
+              cascade: list[str]) -> list[dict]:
+    """The team's labeled row on each test question, from its teachers' own rows (every teacher answered every
+    question): the routed teacher's; or, in a cascade, the first teacher's whose answer the judge can read (the
+    last's if none), with the cost of every teacher tried on it (and, in memory, each one's tokens: spent_tokens)."""
+    by_id = {name: {r["question_id"]: r for r in rows} for name, rows in rows_of.items()}
+    out = []
+    for q in questions:
+        tried = []
+        for name in cascade or [routed_teacher(q, route)]:
+            tried.append(by_id[name][q["id"]])
+            if judged_answer(tried[-1]["final_answer"]) is not None:
+                break
+        spent = {}
+        for r in tried:
+            spent[r["teacher_name"]] = spent.get(r["teacher_name"], 0) + r["n_tokens"]
+        out.append({**tried[-1], **{f: sum(r[f] for r in tried) for f in COST_FIELDS}, "spent_tokens": spent})
+    return out
+
+
+def team_cost(rows: list[dict], metrics_of: dict[str, dict], rows_of: dict[str, list[dict]]) -> dict:
+    """The team's generated tokens per correct answer and, where its teachers are served at a price, its dollars: each
+    teacher's spend shared out by the tokens of its rows the team used."""
+    correct = sum(bool(r["correct"]) for r in rows)
+    used = {name: 0 for name in rows_of}
+    for r in rows:
+        for name, tokens in r["spent_tokens"].items():
+            used[name] += tokens
+    usd = sum(metrics_of[name].get("cost_usd", 0.0) * used[name] / max(1, sum(x["n_tokens"] for x in rows_of[name]))
+              for name in rows_of)
+    return {"cost_usd": usd, "cost_usd_per_correct": usd / correct if correct else None}

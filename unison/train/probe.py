@@ -61,13 +61,13 @@ def span_kls(samples: list[dict]) -> tuple[list[float], int]:
 def probe_figures(samples: list[dict]) -> dict:
     """The probe's figures: the reverse KL to the teacher in nats per scored student token, the 10th, 50th and 90th
     percentiles of the per-span values (the histogram's shape), the share of spans over 1 nat, and the tokens scored;
-    with several teachers, the KL and tokens of each one's samples too (teacher.<name>.probe_kl, .probe_tokens)."""
+    with several teachers, the KL and tokens of each one's samples too (teachers.<name>.probe_kl, .probe_tokens)."""
     names = sorted({s["teacher_name"] for s in samples if "teacher_name" in s})
     per_teacher = {}
     for name in names if len(names) > 1 else []:
         values, tokens = span_kls([s for s in samples if s["teacher_name"] == name])
-        per_teacher |= {f"teacher.{name}.probe_kl": sum(values) / tokens if tokens else 0.0,
-                        f"teacher.{name}.probe_tokens": tokens}
+        per_teacher |= {f"teachers.{name}.probe_kl": sum(values) / tokens if tokens else 0.0,
+                        f"teachers.{name}.probe_tokens": tokens}
     return {**whole_figures(samples), **per_teacher}
 
 

@@ -426,5 +426,5 @@ def step_record(step: int, collected: Collected, metrics: dict, lr: float) -> di
     # rl.loss.objective opd
     rec |= {key: metrics[key] for key in ("kl_teacher", "kd_teacher", "teacher_tokens", "teacher_straddling",
                                           "teacher_s") if key in metrics}
-    rec |= {key: v for key, v in metrics.items() if key.startswith(("probe_", "teacher."))}  # rl.probe.prompts
+    rec |= {key: v for key, v in metrics.items() if key.startswith(("probe_", "teachers."))}  # rl.probe.prompts
     return {**rec, **times, "step_s": sum(times.values()), "rollout_rounds": collected.rounds}
