@@ -2,9 +2,9 @@
 
 It runs the configured multi-agent teacher (each of several teachers on the questions generate.route sends it, or in
 turn as generate.cascade orders them: agents/generation.py generate_by_teacher) or, with `generate.source` set,
-imports SFT trajectories from that file instead (unison/agents/imports.py); with generate.topk > 0 the teacher then
-scores every trajectory's assistant tokens (unison/teacher_topk.py), or, a chat API teacher, keeps the top log-probs
-it returned as it generated."""
+imports SFT trajectories from that file instead (unison/agents/imports.py); with generate.topk > 0 the teacher that
+made each trajectory then scores its assistant tokens (unison/teacher_topk.py), or, a chat API teacher, keeps the top
+log-probs it returned as it generated."""
 from __future__ import annotations
 
 import gc
@@ -23,7 +23,7 @@ from unison.config import load_params
 from unison.data.schemas import QUESTION, TRAJECTORY, read_table, write_json, write_table
 from unison.judge import verifies
 from unison.llm import teacher_backend
-from unison.teacher_topk import TEACHER_TOPK, capture_topk, generated_figures
+from unison.teacher_topk import TEACHER_TOPK, topk_by_teacher
 from unison.tools.registry import enabled_tools, toolset
 
 OUT = Path(layout.TRAJECTORIES)
@@ -32,7 +32,7 @@ VERIFIER = {"qa_metric", "f1_threshold", "first_only", "math_timeout_s"}  # the 
 
 def main() -> None:
     params = load_params()
-    g, systems = params.generate, params.system_settings()
+    g = params.generate
     questions = read_table(layout.RAW_TRAIN, QUESTION)
     stop = StopWhenVerified(partial(verifies, params.label), g.stop_at_verified) if g.stop_at_verified else None
     verifier = params.label.model_dump(include=VERIFIER) if stop else None
@@ -53,12 +53,12 @@ def main() -> None:
                 run.log_metrics(getattr(error, "counters", {}))
                 raise
         topk = [r.pop("teacher_topk") for r in rows if "teacher_topk" in r]  # a chat teacher's, kept as it generated
-        if systems.chat_top_logprobs:
-            metrics.update(generated_figures(topk, g.topk))
-        elif g.topk:
-            gc.collect()  # the generating engine's memory, before the scoring one starts
-            topk, figures = capture_topk(teacher_backend(systems), rows, g.topk,
-                                         progress=lambda line: print(line, flush=True))
+        if g.topk:
+            gc.collect()  # the generating engines' memory, before a scoring one starts
+            topk, figures = topk_by_teacher(lambda name: teacher_backend(params.system_settings(name)), rows, g.topk,
+                                            topk, progress=lambda line: print(line, flush=True))
+            for name, counted in figures.pop("teachers").items():
+                metrics.setdefault("teachers", {}).setdefault(name, {}).update(counted)
             metrics.update(figures)
         # empty without generate.topk: the output exists either way
         write_table(topk, layout.TOPK, TEACHER_TOPK, empty_ok=True)

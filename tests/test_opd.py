@@ -15,8 +15,8 @@ import torch
 import unison.train.rl as rl_module
 from unison.llm.hf_backend import HFBackend
 from unison.protocol import final_answer, normalize_answer
-from unison.train.opd import attach_teacher_logps, length_collapse, own_spans, teacher_logps, teacher_term
 from unison.train.batches import attach_logprobs, collate, logprobs_of, scored_batch, scored_columns
+from unison.train.opd import attach_teacher_logps, length_collapse, own_spans, teacher_logps, teacher_term
 from unison.train.probe import split_probe
 from unison.train.rl import RLConfig, batch_loss, needs_old_logp, train_on
 
@@ -501,8 +501,8 @@ def test_opd_from_two_teachers_scores_each_prompt_with_its_own_and_the_probe_rep
     """A TeacherTeam as the stage builds it where several teachers teach: the France prompts go to a teacher taught
     Paris, the arithmetic ones to another (the random tiny model). One OPD step with a probe of four held-out prompts:
     every scored token is scored, and the probe reports the KL to each teacher beside the whole."""
-    from unison.train.pareto import rl_rows
     from unison.train.opd import TeacherTeam, prompt_key
+    from unison.train.pareto import rl_rows
 
     student = teach_answers(tiny_model_dir, tmp_path / "student")
     paris = HFBackend(str(teach_answers(tiny_model_dir, tmp_path / "teacher", ("Paris",))), dtype="float32")

@@ -20,9 +20,9 @@ from unison.data.schemas import RL_ROW, DataError, write_table
 from unison.protocol import chat_prompt, question_messages
 from unison.tool_format import TagFormat
 from unison.tools.registry import SYSTEM_PROMPT
+from unison.train.batches import collate, logprobs_of
 from unison.train.pareto import rl_rows
 from unison.train.policy_loss import token_logprobs
-from unison.train.batches import collate, logprobs_of
 from unison.train.rl import (
     RLConfig,
     RLSetup,

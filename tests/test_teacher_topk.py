@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unison.data.schemas import DataError, read_table, write_table
-from unison.teacher_topk import TEACHER_TOPK, capture_topk, topk_arrays, topk_for
+from unison.teacher_topk import TEACHER_TOPK, capture_topk, topk_arrays, topk_by_teacher, topk_for
 from unison.token_view import token_view, tokenizer_fingerprint
 from unison.tool_format import TagFormat
 from unison.train.sft import SFTConfig, build_examples, distill_loss, train_sft
@@ -44,6 +44,31 @@ def teacher(tiny_model_dir, tmp_path_factory):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
     return HFBackend(str(path), dtype="float32")
+
+
+def test_with_several_teachers_each_trajectory_gets_the_top_k_of_the_teacher_that_made_it(teacher, tiny_model_dir):
+    """generate.route or generate.cascade: each row scored by its own teacher (one engine at a time), a chat
+    teacher's row kept as it generated, the table in the rows' order, each teacher's tokens counted."""
+    from unison.llm.hf_backend import HFBackend
+
+    other, k = HFBackend(str(tiny_model_dir), dtype="float32"), 4
+    rows = rows_for(teacher.tokenizer, 5)
+    for r, name in zip(rows, ["teacher", "calc", "teacher", "calc", "chat"]):
+        r["teacher_name"] = name
+    chat_row = {**capture_topk(other, rows[4:], k, progress=lambda _: None)[0][0]}
+    asked = []
+    table, figures = topk_by_teacher(lambda name: asked.append(name) or {"teacher": teacher, "calc": other}[name],
+                                     rows, k, [chat_row], progress=lambda _: None)
+    assert asked == ["teacher", "calc"]  # each engine once; the chat teacher's row is never re-scored
+    assert [t["id"] for t in table] == [r["id"] for r in rows] and table[4] is chat_row
+    own = {name: capture_topk(b, [r for r in rows if r["teacher_name"] == name], k, progress=lambda _: None)[0]
+           for name, b in [("teacher", teacher), ("calc", other)]}
+    assert [t["top_ids"] for t in table[:4]] == [own["teacher"][0]["top_ids"], own["calc"][0]["top_ids"],
+                                                 own["teacher"][1]["top_ids"], own["calc"][1]["top_ids"]]
+    assert table[0]["top_ids"] != table[1]["top_ids"]  # two models, two distributions on the same text
+    assert {n: f["topk_tokens"] for n, f in figures["teachers"].items()} == {
+        n: sum(t["tokens"] for t, r in zip(table, rows) if r["teacher_name"] == n) for n in ["teacher", "calc", "chat"]}
+    assert figures["topk_tokens"] == sum(t["tokens"] for t in table) and figures["topk_covered"] == 1.0
 
 
 def test_capture_keeps_the_teachers_top_k_at_every_assistant_token_and_nowhere_else(teacher, tmp_path):

@@ -17,7 +17,14 @@ from unison.agents.runtime import Episode, EpisodeSettings, run_episodes
 from unison.agents.toolbox import Toolbox
 from unison.llm.base import Completion
 from unison.protocol import observation
-from unison.tool_format import NativeFormat, TagFormat, format_class, native_system_prompt, student_format, with_tool_template
+from unison.tool_format import (
+    NativeFormat,
+    TagFormat,
+    format_class,
+    native_system_prompt,
+    student_format,
+    with_tool_template,
+)
 from unison.tools.registry import SYSTEM_PROMPT, system_prompt
 from unison.train.rollout import episode_view
 

@@ -15,6 +15,7 @@ student token inside a teacher token) holds log-probs of -inf (MISSING), which `
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -59,6 +60,32 @@ def capture_topk(backend, rows: list[dict], k: int, progress=print) -> tuple[lis
     return out, {"topk_k": k, "topk_tokens": tokens, "topk_s": time.perf_counter() - t0}
 
 
+def topk_by_teacher(backend_of, rows: list[dict], k: int, generated: list[dict],
+                    progress=print) -> tuple[list[dict], dict]:
+    """Each row's top-k from the teacher that made it (its teacher_name): a chat teacher's as it generated (`generated`,
+    TEACHER_TOPK rows by id), any other's scored by `backend_of(name)` (capture_topk), one teacher's engine at a time;
+    the table in the rows' order, and the figures, with each teacher's tokens under "teachers"."""
+    kept, stored, figures = {t["id"]: t for t in generated}, {}, {"topk_k": k, "topk_s": 0.0, "teachers": {}}
+    by_name: dict[str, list[dict]] = {}
+    for r in rows:
+        by_name.setdefault(r.get("teacher_name") or "teacher", []).append(r)
+    for name, own in by_name.items():
+        scored = [r for r in own if r["id"] not in kept]
+        if scored:
+            backend = backend_of(name)
+            table, captured = capture_topk(backend, scored, k, progress)
+            del backend
+            gc.collect()  # this teacher's engine, before the next one's starts
+            stored.update((t["id"], t) for t in table)
+            figures["topk_s"] += captured["topk_s"]
+        stored.update((r["id"], kept[r["id"]]) for r in own if r["id"] in kept)
+        figures["teachers"][name] = {"topk_tokens": sum(stored[r["id"]]["tokens"] for r in own)}
+    out = [stored[r["id"]] for r in rows]
+    tokens = sum(t["tokens"] for t in out)
+    covered = sum(int(np.isfinite(topk_arrays(t)[1][:, 0]).sum()) for t in out)
+    return out, {**figures, "topk_tokens": tokens, "topk_covered": covered / max(1, tokens)}
+
+
 def generated_row(tok, row: dict, tops: dict[tuple, list], k: int) -> dict:
     """The TEACHER_TOPK row of a chat teacher's trajectory: each assistant token of its token view gets the top-k the
     teacher returned with it (`tops`: a generated segment's ids -> its Segment.top), padded with MISSING to k."""
@@ -74,13 +101,6 @@ def generated_row(tok, row: dict, tops: dict[tuple, list], k: int) -> dict:
     return {"id": row["id"], "tokenizer": tokenizer_fingerprint(tok), "k": k, "tokens": len(ids),
             "top_ids": np.asarray(ids, dtype="<i4").reshape(len(ids), k).tobytes(),
             "top_logprobs": np.asarray(logps, dtype="<f2").reshape(len(ids), k).tobytes()}
-
-
-def generated_figures(table: list[dict], k: int) -> dict:
-    """What a chat teacher's top log-probs cover: the assistant tokens, and the share of them with a distribution."""
-    tokens = sum(r["tokens"] for r in table)
-    covered = sum(int(np.isfinite(topk_arrays(r)[1][:, 0]).sum()) for r in table)
-    return {"topk_k": k, "topk_tokens": tokens, "topk_covered": covered / max(1, tokens)}
 
 
 def topk_arrays(row: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -103,7 +123,8 @@ def topk_for(tok, rows: list[dict], table: list[dict], path: str = layout.TOPK) 
             raise DataError(path, f"no teacher top-k for trajectory {r['id']} (sft.kd_weight > 0 needs "
                             "generate.topk > 0)", field="id")
         if stored["tokenizer"] != fingerprint:
-            raise DataError(path, f"trajectory {r['id']} was scored under another tokenizer than the student's: logit "
-                                  "distillation needs the teacher's vocabulary to be the student's", field="tokenizer")
+            raise DataError(path, f"trajectory {r['id']} was scored under another tokenizer than the student's (by "
+                                  f"{r.get('teacher_name') or 'teacher'}): logit distillation needs the teacher's "
+                                  "vocabulary to be the student's", field="tokenizer")
         out.append(topk_arrays(stored))
     return out

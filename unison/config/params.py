@@ -83,7 +83,6 @@ class Params(Section):
             raise ValueError("rl.reward.prm_weight > 0 scores steps with models/prm, but prm.enabled is false")
         if not self.prm.enabled and self.evaluate.rerank_samples > 1:
             raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
-        chat_teacher = self.teacher_engine().chat
         for name in self.generating_teachers() if self.rl.scores_with_teacher else []:
             if self.teacher_engine(name).chat:
                 key = "teacher" if name == "teacher" else f"teachers.{name}"
@@ -92,13 +91,16 @@ class Params(Section):
                                  "cannot (a chat API returns no log-probs of given tokens): set "
                                  f"{key}.api: completions with a vLLM server, or a local teacher "
                                  f"({key}.backend vllm | transformers)")
-        if self.generate.topk and chat_teacher and self.generate.source:
+        if self.generate.topk and self.teacher_engine().chat and self.generate.source:
             raise ValueError("generate.topk with imported trajectories (generate.source) needs a teacher that "
                              "scores them, and teacher.api chat cannot: a chat API's top log-probs come only with what "
                              "it generates itself")
-        if self.generate.topk > CHAT_TOP_LOGPROBS and chat_teacher:
-            raise ValueError(f"generate.topk {self.generate.topk}: a chat API teacher returns at most "
-                             f"{CHAT_TOP_LOGPROBS} top log-probs a token (OpenAI's top_logprobs limit)")
+        for name in self.generating_teachers() if self.generate.topk > CHAT_TOP_LOGPROBS else []:
+            if self.teacher_engine(name).chat:
+                key = "teacher" if name == "teacher" else f"teachers.{name}"
+                raise ValueError(f"generate.topk {self.generate.topk}: a chat API teacher returns at most "
+                                 f"{CHAT_TOP_LOGPROBS} top log-probs a token (OpenAI's top_logprobs limit), and {key} "
+                                 "is one")
         if (self.rl.scores_with_teacher and self.rl.opd.teacher_context == "worked_examples"
                 and not self.generate.demonstrations):
             raise ValueError("rl.opd.teacher_context worked_examples puts generate.demonstrations in the "
@@ -153,11 +155,6 @@ class Params(Section):
         if cascade and self.label.judge != "rule":
             raise ValueError("generate.cascade passes a question on where its trajectories do not verify, with label's "
                              f"rule judge, but label.judge is {self.label.judge}: set label.judge: rule")
-        if self.generate.topk and len(self.generating_teachers()) > 1:
-            raise ValueError("generate.topk keeps one teacher's top-k log-probs for sft.kd_weight; with several "
-                             "teachers (generate.route, generate.cascade) set generate.topk: 0 and distil them "
-                             "token by token in rl (rl.loss.objective opd, which scores each episode with its "
-                             "question's teacher)")
         if self.generate.source and (route.by or cascade):
             raise ValueError("generate.source imports trajectories instead of running teachers: generate.route and "
                              "generate.cascade have nothing to route")
