@@ -34,7 +34,8 @@ def link_tree(src: Path, dst: Path) -> Path:
 
 def copy_project(dst: Path, model_dir: Path | None, skip: tuple[str, ...] = ()) -> Path:
     """The repo's files (tracked, and new ones git does not ignore; none under `skip`) as a fresh DVC project without
-    dvc.lock, with `model_dir` placed as models/base and models/teacher."""
+    dvc.lock, with `model_dir` placed as models/base and models/teacher (and models/teachers as stage teacher leaves it
+    with no named teachers)."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True,
                            text=True, check=True).stdout.split()
     for f in files:
@@ -45,6 +46,8 @@ def copy_project(dst: Path, model_dir: Path | None, skip: tuple[str, ...] = ()) 
     if model_dir is not None:
         for model in ("base", "teacher"):
             link_tree(model_dir, dst / "models" / model)
+        (dst / "models" / "teachers").mkdir()
+        (dst / "models" / "teachers" / "names.json").write_text("[]\n")
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     return dst
 

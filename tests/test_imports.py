@@ -245,7 +245,7 @@ def test_editing_the_imported_file_reruns_generate_under_dvc(tmp_path):
     params["generate"]["source"] = "local:imports/sft.json"
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     write_table(train_questions()[:4], project / "data/raw/train.parquet", QUESTION)  # what download would write
-    for stage_output in ("data/index", "models/teacher"):  # generate's other inputs, unread when it imports
+    for stage_output in ("data/index", "models/teacher", "models/teachers"):  # generate's other inputs, unread here
         (project / stage_output).mkdir(parents=True)
         (project / stage_output / "placeholder").write_text("not read when generate.source is set\n")
     run(project, "dvc", "repro", "--single-item", "generate")
