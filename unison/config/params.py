@@ -85,7 +85,7 @@ class Params(Section):
             raise ValueError("evaluate.rerank_samples > 1 reranks with models/prm, but prm.enabled is false")
         for name in self.generating_teachers() if self.rl.scores_with_teacher else []:
             if self.teacher_engine(name).chat:
-                key = "teacher" if name == "teacher" else f"teachers.{name}"
+                key = self.teacher_key(name)
                 raise ValueError(f"rl.loss.objective opd, rl.opd.steps or rl.probe.prompts: the teacher "
                                  f"({self.teacher_block(name).model}) must score given tokens, and {key}.api chat "
                                  "cannot (a chat API returns no log-probs of given tokens): set "
@@ -97,7 +97,7 @@ class Params(Section):
                              "it generates itself")
         for name in self.generating_teachers() if self.generate.topk > CHAT_TOP_LOGPROBS else []:
             if self.teacher_engine(name).chat:
-                key = "teacher" if name == "teacher" else f"teachers.{name}"
+                key = self.teacher_key(name)
                 raise ValueError(f"generate.topk {self.generate.topk}: a chat API teacher returns at most "
                                  f"{CHAT_TOP_LOGPROBS} top log-probs a token (OpenAI's top_logprobs limit), and {key} "
                                  "is one")
@@ -193,6 +193,11 @@ class Params(Section):
 
     def teacher_block(self, name: str = "teacher") -> TeacherConfig:
         return self.teacher if name == "teacher" else self.teachers[name]
+
+    @staticmethod
+    def teacher_key(name: str) -> str:
+        """Where a teacher's settings sit in params.yaml: teacher, or teachers.<name>."""
+        return "teacher" if name == "teacher" else f"teachers.{name}"
 
     def generating_teachers(self) -> list[str]:
         """The teachers generate runs: the cascade's in its order, the route's, or generate.route.default alone (the
