@@ -134,13 +134,14 @@ pipeline: setup
 	$(PY) -m flows.pipeline
 
 # Three pytest processes side by side: the slow tests in two halves of about equal CPU time (the tiny pipeline's tests,
-# which share its cold run, with OPD's, the fake servers' faults, the GPU path's and the killed stages'; the rest), each
-# on (cores - 1) / 2 threads (torch, faiss and vLLM's CPU workers; at least one), and the fast ones on one thread. No
-# more threads than cores: a process whose threads are pushed off their cores stalls (OpenMP's threads wait for each
-# other at every parallel region). The first half's output comes first, then the two logs; fails if any fails.
+# which share its cold run, and the bench smoke that reads it, with OPD's, the GPU path's and the killed stages'; the
+# rest, the fake servers' faults among them), each on (cores - 1) / 2 threads (torch, faiss and vLLM's CPU workers; at
+# least one), and the fast ones on one thread. No more threads than cores: a process whose threads are pushed off their
+# cores stalls (OpenMP's threads wait for each other at every parallel region). The first half's output comes first,
+# then the two logs; fails if any fails.
 FAST_TESTS := not slow and not e2e and not nightly
 SLOW_TESTS := (slow or e2e) and not nightly
-SECOND_HALF := tests/test_e2e.py tests/test_workflow_steps.py tests/test_opd.py tests/test_faults.py tests/test_gpu_path.py tests/test_bench_smoke.py \
+SECOND_HALF := tests/test_e2e.py tests/test_workflow_steps.py tests/test_opd.py tests/test_gpu_path.py tests/test_bench_smoke.py \
                tests/test_stage_resume.py
 test: setup
 	@export OMP_NUM_THREADS=$$(( $$(nproc) > 2 ? ($$(nproc) - 1) / 2 : 1 )) VLLM_CPU_OMP_THREADS_BIND=nobind; logs=$$(mktemp -d); \
