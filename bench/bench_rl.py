@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from unison.agents.wiring import make_toolbox
     from unison.config import load_params
-    from unison.tool_format import TagFormat
+    from unison.tool_format import student_format
     from unison.tools.registry import enabled_tools
     from unison.train.rl import RLSetup, train_rl
     from unison.train.rollout import SoloRollout
@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                 "group_size": args.group_size})
         setup = RLSetup(rl.model_copy(update={"rollout": rollout, "steps": args.steps, "checkpoint_every": 0}),
                         params.label, params.llm, tools,
-                        acting=SoloRollout(toolbox, tools, TagFormat(AutoTokenizer.from_pretrained(model_dir))))
+                        acting=SoloRollout(toolbox, tools, student_format(params.student.tool_format,
+                                                                          AutoTokenizer.from_pretrained(model_dir),
+                                                                          tools, params.generate.method)))
         print(f"bench_rl: {backend}: {args.steps} steps x {args.prompts} prompts x {args.group_size} rollouts", flush=True)
         with tempfile.TemporaryDirectory(dir=".cache" if Path(".cache").is_dir() else None) as tmp:
             t0 = time.perf_counter()
