@@ -77,14 +77,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import AutoTokenizer
 
-    from unison.agents.wiring import make_toolbox
+    from stages.rl import student_acting
     from unison.config import load_params
-    from unison.tool_format import student_format
     from unison.tools.registry import enabled_tools
     from unison.train.rl import RLSetup, train_rl
-    from unison.train.rollout import SoloRollout
 
     params = load_params()
     model_dir = "models/sft" if Path("models/sft/config.json").exists() else "models/base"
@@ -92,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not Path(needed).exists():
             raise SystemExit(f"bench_rl: {needed} is missing; run `dvc repro sft` first (from the project root)")
     rows = rl_data(args.prompts * args.steps)
-    toolbox, tools = make_toolbox(params.tools), enabled_tools(params.tools)
+    tools = enabled_tools(params.tools)
     rl = params.rl
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(), "model": model_dir,
               "machine": {"cpus_usable": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
@@ -104,9 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                 "group_size": args.group_size})
         setup = RLSetup(rl.model_copy(update={"rollout": rollout, "steps": args.steps, "checkpoint_every": 0}),
                         params.label, params.llm, tools,
-                        acting=SoloRollout(toolbox, tools, student_format(params.student.tool_format,
-                                                                          AutoTokenizer.from_pretrained(model_dir),
-                                                                          tools, params.generate.method)))
+                        acting=student_acting(params, tools, model_dir))
         print(f"bench_rl: {backend}: {args.steps} steps x {args.prompts} prompts x {args.group_size} rollouts", flush=True)
         with tempfile.TemporaryDirectory(dir=".cache" if Path(".cache").is_dir() else None) as tmp:
             t0 = time.perf_counter()

@@ -106,14 +106,14 @@ def rl_setup(params, rows: list[dict]) -> RLSetup:
         gradient_checkpointing=params.train.gradient_checkpointing)
 
 
-def student_acting(params, tools: tuple[str, ...]) -> SoloRollout | PlannerRollout:
-    """How the student's RL episodes are rolled out: alone in its tool format, or as AgentFlow's planner."""
+def student_acting(params, tools: tuple[str, ...], model_dir: str = layout.SFT) -> SoloRollout | PlannerRollout:
+    """How the student in `model_dir` rolls out its RL episodes: alone in its tool format, or as AgentFlow's planner."""
     toolbox = make_toolbox(params.tools)
     if params.rl.student_role == "agentflow_planner":
         return PlannerRollout(toolbox, tools, make_role_backends(params.generate.roles, params.teacher_engine(),
                                                                  params.seed), params.generate.agentflow)
     return SoloRollout(toolbox, tools, student_format(params.student.tool_format,
-                                                      AutoTokenizer.from_pretrained(layout.SFT), tools,
+                                                      AutoTokenizer.from_pretrained(model_dir), tools,
                                                       params.generate.method))
 
 
