@@ -46,8 +46,10 @@ def copy_project(dst: Path, model_dir: Path | None, skip: tuple[str, ...] = ()) 
     if model_dir is not None:
         for model in ("base", "teacher"):
             link_tree(model_dir, dst / "models" / model)
-        (dst / "models" / "teachers").mkdir()
-        (dst / "models" / "teachers" / "names.json").write_text("[]\n")
+        from stages.teacher import NAMES
+
+        (dst / NAMES).parent.mkdir()
+        (dst / NAMES).write_text("[]\n")
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     return dst
 
