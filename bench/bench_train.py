@@ -81,7 +81,7 @@ def rl_update(model_dir: str, views: list, precision: str, steps: int) -> tuple[
     from unison.train.rl import RLConfig, train_on
 
     torch.manual_seed(0)
-    cfg = RLConfig(micro_batch_size=4, precision=precision, lr=1e-6, weight_decay=0.0, warmup_ratio=0.0)
+    cfg = RLConfig(precision=precision, lr=1e-6, weight_decay=0.0, warmup_ratio=0.0)  # the default micro-batch
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = Trainer("rl", model, steps, cfg)
     rng = random.Random(0)

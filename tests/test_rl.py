@@ -226,6 +226,37 @@ def test_padding_never_counts(tiny_model_dir):
     assert together == pytest.approx((loss_of(samples[:1], 0) * n[0] + loss_of(samples[1:], 0) * n[1]) / sum(n), abs=1e-5)
 
 
+def test_the_micro_batch_size_changes_the_speed_not_the_update(tiny_model_dir):
+    """One sample a micro-batch (each row in full) or all in one (their shared first tokens run once): the same
+    gradient up to float rounding, read from AdamW's first moment after the step."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from unison.train.loop import Trainer
+
+    torch.manual_seed(2)
+    prefix = torch.randint(0, 1000, (24,)).tolist()  # over MIN_SHARED_PREFIX: the shared-prefix path runs
+    samples = []
+    for n in (5, 9, 7, 12, 6, 8):
+        ids = prefix + torch.randint(0, 1000, (n,)).tolist()
+        mask = [0] * len(prefix) + [1] * (n - 1)
+        samples.append({"ids": ids, "loss_mask": mask, "advantages": [random.Random(n).choice((-1.0, 1.0))] * len(mask)})
+
+    def first_moments(micro_batch_size: int) -> list[torch.Tensor]:
+        cfg = rl_config(micro_batch_size=micro_batch_size, max_grad_norm=None, precision="fp32")
+        trainer = Trainer("rl", AutoModelForCausalLM.from_pretrained(tiny_model_dir), 1, cfg)
+        trainer.model.train()
+        train_on(trainer, samples, cfg, 0, random.Random(0))
+        opt = getattr(trainer.opt, "optimizer", trainer.opt)
+        return [opt.state[p]["exp_avg"] for p in trainer.unwrapped().parameters()]
+
+    one_by_one, all_in_one = first_moments(1), first_moments(len(samples))
+    assert max(a.abs().max().item() for a in all_in_one) > 1e-4  # the step had a gradient to compare
+    for a, b in zip(one_by_one, all_in_one, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
 def test_flow_grpo_makes_one_sample_per_turn():
     e1 = episode([1, 2], [("gen", "", [10, 11]), ("obs", "", [20]), ("gen", "", [12])])
     e2 = episode([1, 2], [("gen", "", [13, 14, 15])])

@@ -122,13 +122,14 @@ class RLConfig(TrainingSettings):
                                                                 "flow (generate.agentflow), only its turns trained; "
                                                                 "generate.roles' executor, verifier and "
                                                                 "generator do the rest")
-    steps: int = Field(4, description='optimiser steps (the demo: 4, for its time; docs/results.md has what more did)')
+    steps: int = Field(16, description='optimiser steps (docs/results.md has what fewer and more did)')
     lr: float = Field(1e-05, description="the demo's 135M student; GAP/AgentFlow 1e-6, AgentArk 5e-7 at 3-7B")
     schedule: Literal['linear', 'constant'] = Field('constant')
     weight_decay: float = Field(0.1, ge=0.0)
     ppo_epochs: int = Field(1)
     mini_batches: int = Field(1, description='optimiser steps per epoch')
-    micro_batch_size: int = Field(4, description='sequences per forward/backward (memory)')
+    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward; their shared first tokens "
+                                  "(the tools' schemas) run once, so a whole step in one is fastest (memory)")
     checkpoint_every: int = Field(1, ge=0, description='steps; to data/.cache/rl-checkpoint/<params+inputs hash>, '
                                   'resumed by a re-run')
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="the student's live multi-turn "
