@@ -257,6 +257,34 @@ def test_the_micro_batch_size_changes_the_speed_not_the_update(tiny_model_dir):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
 
 
+def test_several_processes_each_get_a_share_of_the_step_whatever_the_micro_batch_size():
+    """rl.micro_batch_size 16 puts a 6-sample step in one micro-batch on one process; on two, each runs half of it
+    rather than one running it all while the other waits with a weight of 0."""
+    import random
+    from types import SimpleNamespace
+
+    samples = [{"ids": list(range(1, n + 1)), "loss_mask": [1] * (n - 1), "advantages": [1.0] * (n - 1)}
+               for n in (5, 9, 7, 12, 6, 8)]
+
+    def micro_batch_sizes(processes: int) -> list[list[int]]:
+        seen = []
+
+        class Recording:
+            acc = SimpleNamespace(num_processes=processes)
+
+            def step(self, micros, loss_fn, weights):
+                assert sum(weights) == pytest.approx(1.0)
+                seen.append([len(m) for m in micros])
+                return {"loss": 0.0}
+
+        train_on(Recording(), samples, rl_config(micro_batch_size=16), 0, random.Random(0))
+        return seen
+
+    assert micro_batch_sizes(1) == [[6]]
+    assert micro_batch_sizes(2) == [[3, 3]]
+    assert micro_batch_sizes(4) == [[2, 2, 2]]
+
+
 def test_flow_grpo_makes_one_sample_per_turn():
     e1 = episode([1, 2], [("gen", "", [10, 11]), ("obs", "", [20]), ("gen", "", [12])])
     e2 = episode([1, 2], [("gen", "", [13, 14, 15])])

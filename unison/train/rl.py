@@ -267,8 +267,9 @@ def needs_old_logp(rl: RLConfig) -> bool:
 
 
 def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, rng: random.Random) -> dict:
-    """PPO epochs over the step's samples: each mini-batch one optimiser step, its micro-batches weighted by their share
-    of the mini-batch's loss units (tokens for token_mean, sequences otherwise)."""
+    """PPO epochs over the step's samples: each mini-batch one optimiser step, its micro-batches (rl.micro_batch_size,
+    smaller where several processes would otherwise leave one without) weighted by their share of the mini-batch's
+    loss units (tokens for token_mean, sequences otherwise)."""
     sums, n_steps = {}, 0
     for _ in range(rl.ppo_epochs):
         order = list(range(len(samples)))
@@ -278,7 +279,8 @@ def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, r
             units = {i: sum(samples[i]["loss_mask"]) if rl.loss.agg == "token_mean" else
                      float(any(samples[i]["loss_mask"])) for i in mb}
             max_len = max(len(samples[i]["ids"]) for i in mb) - 1
-            micros = [mb[i : i + rl.micro_batch_size] for i in range(0, len(mb), rl.micro_batch_size)]
+            size = min(rl.micro_batch_size, math.ceil(len(mb) / trainer.acc.num_processes))  # a share each process
+            micros = [mb[i : i + size] for i in range(0, len(mb), size)]
             weights = [sum(units[i] for i in micro) / max(1e-9, sum(units.values())) for micro in micros]
 
             def loss_fn(micro):
