@@ -266,7 +266,7 @@ def test_several_processes_each_get_a_share_of_the_step_whatever_the_micro_batch
     samples = [{"ids": list(range(1, n + 1)), "loss_mask": [1] * (n - 1), "advantages": [1.0] * (n - 1)}
                for n in (5, 9, 7, 12, 6, 8)]
 
-    def micro_batch_sizes(processes: int) -> list[list[int]]:
+    def micro_batch_sizes(processes: int, **settings) -> list[list[int]]:
         seen = []
 
         class Recording:
@@ -277,12 +277,14 @@ def test_several_processes_each_get_a_share_of_the_step_whatever_the_micro_batch
                 seen.append([len(m) for m in micros])
                 return {"loss": 0.0}
 
-        train_on(Recording(), samples, rl_config(micro_batch_size=16), 0, random.Random(0))
+        train_on(Recording(), samples, rl_config(**{"micro_batch_size": 16, **settings}), 0, random.Random(0))
         return seen
 
     assert micro_batch_sizes(1) == [[6]]
     assert micro_batch_sizes(2) == [[3, 3]]
     assert micro_batch_sizes(4) == [[2, 2, 2]]
+    # each optimiser step's mini-batch keeps its samples, however they are cut into micro-batches
+    assert micro_batch_sizes(1, micro_batch_size=1, mini_batches=2) == [[1, 1, 1], [1, 1, 1]]
 
 
 def test_flow_grpo_makes_one_sample_per_turn():

@@ -28,7 +28,7 @@ from ..data.schemas import RL_ROW, DataError, read_table
 from ..judge import SCORERS
 from .advantages import ESTIMATORS, dynamic_sampling_keep, flow_grpo
 from .batches import attach_logprobs, collate, logprobs_of, make_sample, padded, scored_batch, scored_columns
-from .loop import Trainer
+from .loop import Trainer, split_batch
 from .opd import length_collapse, restart_step, score_with_teacher, top_k_term, with_teacher_term
 from .policy_loss import policy_loss, token_logprobs
 from .prm import PRM
@@ -267,9 +267,9 @@ def needs_old_logp(rl: RLConfig) -> bool:
 
 
 def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, rng: random.Random) -> dict:
-    """PPO epochs over the step's samples: each mini-batch one optimiser step, its micro-batches (rl.micro_batch_size,
-    smaller where several processes would otherwise leave one without) weighted by their share of the mini-batch's
-    loss units (tokens for token_mean, sequences otherwise)."""
+    """PPO epochs over the step's samples: each mini-batch one optimiser step, its micro-batches (of at most
+    rl.micro_batch_size, and at least one a process) weighted by their share of the mini-batch's loss units (tokens
+    for token_mean, sequences otherwise)."""
     sums, n_steps = {}, 0
     for _ in range(rl.ppo_epochs):
         order = list(range(len(samples)))
@@ -279,9 +279,8 @@ def train_on(trainer: Trainer, samples: list[dict], rl: RLConfig, pad_id: int, r
             units = {i: sum(samples[i]["loss_mask"]) if rl.loss.agg == "token_mean" else
                      float(any(samples[i]["loss_mask"])) for i in mb}
             max_len = max(len(samples[i]["ids"]) for i in mb) - 1
-            size = min(rl.micro_batch_size, math.ceil(len(mb) / trainer.acc.num_processes))  # a share each process
-            micros = [mb[i : i + size] for i in range(0, len(mb), size)]
-            weights = [sum(units[i] for i in micro) / max(1e-9, sum(units.values())) for micro in micros]
+            parts = max(math.ceil(len(mb) / rl.micro_batch_size), trainer.acc.num_processes)  # a share each process
+            micros, weights = split_batch(mb, parts, units.__getitem__)
 
             def loss_fn(micro):
                 batch = {n: t.to(trainer.device) for n, t in collate([samples[i] for i in micro], pad_id).items()}
