@@ -148,6 +148,7 @@ def test_two_processes_give_the_one_process_rl_curve(tmp_path, monkeypatch, answ
     params["rl"]["rollout"] |= {"prompts_per_step": 2, "group_size": 4, "max_turns": 2, "max_tokens_per_turn": 12, "dynamic_sampling": False,
                                 "backend": "vllm"}
     params["llm"] |= {"max_model_len": 512, "kv_cache_gb": 1}
+    params["student"]["tool_format"] = "tags"  # the answerer was taught "<answer>Paris</answer>"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     shutil.copytree(answerer, tmp_path / "models" / "sft")
     write_table(make_rows(4, levels=(1,)), tmp_path / "data/rl/level1.parquet", RL_ROW)
