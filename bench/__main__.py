@@ -28,6 +28,10 @@ BENCHES = {
            ["--steps", "1", "--prompts", "1", "--group-size", "2", "--backends", "vllm"]),
     "rollout": ("bench.bench_rollout", [], ["--questions", "2", "--samples", "1", "--sequential", "1",
                                             "--sequential-max-s", "5", "--parallel-k", "2"]),
+    # the demo's own rollouts (pareto, rl, evaluate's student rows) in their steady state
+    "student_rollout": ("bench.bench_rollout", ["--system", "student", "--questions", "100", "--samples", "8"],
+                        ["--system", "student", "--questions", "2", "--samples", "1", "--sequential", "1",
+                         "--sequential-max-s", "5", "--parallel-k", "2"]),
     "methods": ("bench.bench_methods", [], ["--questions", "1", "--methods", "single,debate"]),
     "index": ("bench.bench_index", [], ["--sizes", "2000"]),
     "custom_tools": ("bench.bench_custom_tools", [], ["--calls", "5"]),
@@ -50,9 +54,11 @@ def headline(figures: dict) -> str:
     if "rl" in figures:
         for name, r in figures["rl"]["backends"].items():
             parts.append(f"rl step ({name}) {r['step_s']:.1f} s: rollout {r['rollout_s']:.1f}, train {r['train_s']:.1f}")
-    if "rollout" in figures:
-        r = figures["rollout"]
-        parts.append(f"rollout {r['runtime_vs_plain']:.2f}x plain decode, {r['runtime_vs_compute_bound']:.0%} of its bound")
+    for key, name in (("rollout", "rollout"), ("student_rollout", "student rollout")):
+        if key in figures:
+            r = figures[key]
+            parts.append(f"{name} {r['runtime_vs_plain']:.2f}x plain decode, {r['runtime_vs_compute_bound']:.0%} of its "
+                         "bound")
     if "served" in figures:
         r = figures["served"]
         parts.append(f"served evaluation {r['served_vs_in_process']:.2f}x in process, EM differs on {r['em_differs_on']} "

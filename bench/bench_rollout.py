@@ -1,7 +1,9 @@
 """Rollout benchmark: the generate stage's batched agent runtime against plain vLLM decoding and one-at-a-time runs.
 
-One process, one vLLM engine over models/teacher (the teacher block, run locally), real tools (search over data/index, the python sandbox):
-  runtime     the configured method on the first N train questions x samples, each question a flow, all episodes
+One process, one vLLM engine over models/teacher (the teacher block, run locally) or, with `--system student`, over
+models/sft acting in student.tool_format as stage pareto rolls it out (`single`, unscaffolded, at pareto.temperature:
+the demo's rollouts in pareto, rl and evaluate's student rows), real tools (search over data/index, the python sandbox):
+  runtime     the method on the first N train questions x samples, each question a flow, all episodes
               batched (DESIGN §5); also (multi-round methods, or more questions than a shard) as the generate
               stage ran before flows: generate.shard_size questions at a time, every round a barrier
   plain       vLLM decoding of as many sequences from the same prompts, each exactly the runtime's mean tokens per
@@ -11,9 +13,10 @@ One process, one vLLM engine over models/teacher (the teacher block, run locally
   sequential  the same runtime on one trajectory at a time (for `single`, one episode), on a few questions
 Every run also counts what the engine computed (`EngineCounter`: prompt and decoded tokens at its scheduler, and its
 preemptions), so the zero-overhead bound rests on measured work.
-Prints a table and merges the figures into reports/bench.json under "rollout".
+Prints a table and merges the figures into reports/bench.json under "rollout" (the teacher) or "student_rollout".
 
     python -m bench.bench_rollout [--questions 64] [--method single] [--samples 2] [--sequential 8]
+    python -m bench.bench_rollout --system student --questions 100 --samples 8    (the demo's pareto, in steady state)
     python -m bench.bench_rollout --questions 100 --samples 8 \
         --scaffold '{"qa": ["think", "search", "think", "answer"], "math": ["think", "python", "think", "answer"]}'
                                     (ReAct: a thought before every action)
@@ -342,6 +345,8 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--questions", type=int, default=64, help="first N train questions")
+    ap.add_argument("--system", choices=("teacher", "student"), default="teacher",
+                    help="teacher = models/teacher running --method; student = models/sft as stage pareto runs it")
     ap.add_argument("--method", default="single", help="teacher method (any of generate.method)")
     ap.add_argument("--samples", type=int, default=2, help="samples per question")
     ap.add_argument("--in-flight", type=int, default=0, help="episodes in flight at once (0 = generate.episodes_in_flight)")
@@ -355,40 +360,54 @@ def main(argv: list[str] | None = None) -> dict:
     if args.omp_threads:  # before torch starts its OpenMP pool
         os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
 
+    from unison.agents.cluster import system_context
     from unison.agents.methods import MethodContext
     from unison.agents.wiring import episode_settings, make_toolbox
     from unison.config import load_params
     from unison.data.schemas import QUESTION, read_table
-    from unison.llm import Sampling, teacher_backend
-    from unison.protocol import chat_prompt, question_messages
-    from unison.tools.registry import SYSTEM_PROMPT, enabled_tools
+    from unison.llm import Sampling, student_backend, teacher_backend
+    from unison.protocol import question_messages
+    from unison.tools.registry import enabled_tools
 
-    for needed in ("data/raw/train.parquet", "data/index/meta.json", "models/teacher/config.json"):
+    model_dir = "models/sft" if args.system == "student" else "models/teacher"
+    if args.system == "student" and (args.method != "single" or args.scaffold):
+        raise SystemExit("bench_rollout: --system student runs `single`, unscaffolded, as stage pareto does")
+    for needed in ("data/raw/train.parquet", "data/index/meta.json", f"{model_dir}/config.json"):
         if not Path(needed).exists():
-            raise SystemExit(f"bench_rollout: {needed} is missing; run `dvc repro index teacher` first (from the project root)")
+            raise SystemExit(f"bench_rollout: {needed} is missing; run `dvc repro index teacher` (and `sft` for --system "
+                             "student) first, from the project root")
     params = load_params()
-    g = params.generate
+    g, settings = params.generate, params.system_settings()
     questions = read_table("data/raw/train.parquet", QUESTION)[: args.questions]
     load_start = os.getloadavg()
 
     t0 = time.perf_counter()
-    backend = TimedStreamingBackend(teacher_backend(params.system_settings()))
+    engine = student_backend(model_dir, settings) if args.system == "student" else teacher_backend(settings)
+    backend = TimedStreamingBackend(engine)
     engine_start_s = time.perf_counter() - t0
     toolbox = TimedToolbox(make_toolbox(params.tools))
-    cfg = episode_settings(g, params.llm.max_model_len, g.temperature)
-    method_params = getattr(g, args.method, None)
-    scaffold = json.loads(args.scaffold) if args.scaffold else g.scaffold
-    ctx = MethodContext(backend, toolbox, cfg, teacher="models/teacher", scaffold=scaffold, params=method_params,
-                        tools=enabled_tools(params.tools), taught_by=args.method)
-    llm = backend.backend.llm
+    if args.system == "student":
+        ctx = system_context(settings, backend, toolbox, False, model_dir, params.pareto.temperature,
+                             tool_format=params.student.tool_format)
+        scaffold = {}
+    else:
+        scaffold = json.loads(args.scaffold) if args.scaffold else g.scaffold
+        ctx = MethodContext(backend, toolbox, episode_settings(g, params.llm.max_model_len, g.temperature),
+                            teacher=model_dir, scaffold=scaffold, params=getattr(g, args.method, None),
+                            tools=enabled_tools(params.tools), taught_by=args.method)
+    cfg, llm = ctx.settings, engine.llm
+
+    def first_prompt(question: str) -> list[int]:
+        return ctx.format.prompt_ids(question_messages(question, ctx.format.system))
 
     # warm up once (first-call costs: the sandbox probe, the encoder's first batch, the engine's first step)
     toolbox.call("search", "warm up")
     toolbox.call("python", "print(1)")
-    backend.generate([chat_prompt(backend.tokenizer, question_messages("warm up", SYSTEM_PROMPT))], [Sampling(max_tokens=8)])
+    backend.generate([first_prompt("warm up")], [Sampling(max_tokens=8)])
     counter = EngineCounter.of(llm)
 
-    print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, method {args.method}", flush=True)
+    print(f"bench_rollout: runtime, {len(questions)} questions x {args.samples} samples, {args.system} "
+          f"({model_dir}), method {args.method}", flush=True)
     llm.reset_prefix_cache()
     forget_searches(toolbox)
     in_flight = args.in_flight or g.episodes_in_flight
@@ -413,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
     lockstep = measure_method(replace(ctx, backend=TimedBackend(backend.backend)), counter, args.method, questions, args.samples, in_flight)
 
     print(f"bench_rollout: plain decode, {runtime['episodes']} sequences", flush=True)
-    prompts = [chat_prompt(backend.tokenizer, question_messages(q["question"], SYSTEM_PROMPT)) for q in questions for _ in range(args.samples)]
+    prompts = [first_prompt(q["question"]) for q in questions for _ in range(args.samples)]
     prompts = [prompts[i % len(prompts)] for i in range(runtime["episodes"])]  # several agents per question: reuse prompts
     llm.reset_prefix_cache()
     plain = run_plain(llm, counter, prompts, max(1, round(runtime["tokens_per_episode"])), cfg.temperature, cfg.top_p)
@@ -448,7 +467,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
         "machine": {**machine_info(backend.backend), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
-        "workload": {"method": args.method, "questions": len(questions), "samples": args.samples, "scaffold": scaffold,
+        "workload": {"system": args.system, "model": model_dir, "tool_format": ctx.format.__class__.__name__,
+                     "method": args.method, "questions": len(questions), "samples": args.samples, "scaffold": scaffold,
                      "episodes_in_flight": in_flight,
                      "temperature": cfg.temperature, "max_turns": cfg.max_turns, "max_tokens_per_turn": cfg.max_tokens_per_turn,
                      "enforce_eager": params.llm.enforce_eager},
@@ -467,8 +487,9 @@ def main(argv: list[str] | None = None) -> dict:
     if barrier:
         result.update(barrier={**barrier, "questions_at_a_time": chunk}, flows_vs_barrier=runtime["tokens_per_s"] / barrier["tokens_per_s"])
     print(format_table(result), flush=True)
-    save_report(result)
-    print(f"bench_rollout: wrote {REPORT} (key 'rollout')", flush=True)
+    key = "student_rollout" if args.system == "student" else "rollout"
+    save_report(result, key=key)
+    print(f"bench_rollout: wrote {REPORT} (key '{key}')", flush=True)
     return result
 
 

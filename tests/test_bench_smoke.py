@@ -48,6 +48,7 @@ def test_every_bench_runs_on_a_tiny_model_and_reports(tiny_pipeline, tmp_path):
     assert set(report) == set(BENCHES), sorted(report)
     assert {r["workload"] for r in report["train"]["runs"]} == {"sft", "sft_full_rows", "sft_packed", "dpo", "prm", "rl_update", "rl_update_full_rows"}
     assert report["rl"]["backends"]["vllm"]["step_s"] > 0 and report["rollout"]["runtime_vs_plain"] > 0
+    assert report["student_rollout"]["workload"]["model"] == "models/sft" and report["student_rollout"]["plain"]["tokens"] > 0
     assert report["served"]["questions"] == 2 and report["served"]["served_s"] > 0 and report["served"]["model"] == "models/sft"
     summary = (project / "reports/bench.md").read_text()
     assert "training precision" in summary and "| train % of ceiling: sft " in summary, summary
