@@ -32,6 +32,7 @@ BENCHES = {
     "student_rollout": ("bench.bench_rollout", ["--system", "student", "--questions", "100", "--samples", "8"],
                         ["--system", "student", "--questions", "2", "--samples", "1", "--sequential", "1",
                          "--sequential-max-s", "5", "--parallel-k", "2"]),
+    "work": ("bench.bench_work", [], []),
     "methods": ("bench.bench_methods", [], ["--questions", "1", "--methods", "single,debate"]),
     "index": ("bench.bench_index", [], ["--sizes", "2000"]),
     "custom_tools": ("bench.bench_custom_tools", [], ["--calls", "5"]),

@@ -122,7 +122,7 @@ class RLConfig(TrainingSettings):
                                                                 "flow (generate.agentflow), only its turns trained; "
                                                                 "generate.roles' executor, verifier and "
                                                                 "generator do the rest")
-    steps: int = Field(16, description='optimiser steps (docs/results.md has what fewer and more did)')
+    steps: int = Field(24, description='optimiser steps (docs/results.md has what fewer and more did)')
     lr: float = Field(1e-05, description="the demo's 135M student; GAP/AgentFlow 1e-6, AgentArk 5e-7 at 3-7B")
     schedule: Literal['linear', 'constant'] = Field('constant')
     weight_decay: float = Field(0.1, ge=0.0)
