@@ -2,9 +2,9 @@
 
 Each stage's rollouts are rendered as its engine saw them (the teacher's trajectories in the tag protocol, the students'
 in student.tool_format) and counted against vLLM's prefix cache: the system prompt all of a stage's rollouts share
-comes from the cache in whole blocks, every other prompt token is computed (the question, the tools' output, the
-shared prompt's last partial block, and half a block on average that each later turn recomputes), and every generated
-token is decoded. A token costs one forward pass: 2 FLOPs per weight of the layers, attention at the rollouts' mean
+comes from the cache in whole blocks, another sample of the same question reads what it has in common with the earlier
+one, a later turn reads its own earlier turns' whole blocks; every other prompt token is computed (the question, the
+tools' output, the partial blocks at those edges), and every generated token is decoded. A token costs one forward pass: 2 FLOPs per weight of the layers, attention at the rollouts' mean
 context, and the LM head for a generated token. The bound is that work at the rate of a dense matmul in the engine's
 dtype, measured here (bench_train's), so `measured / bound` says how near a stage runs to the arithmetic itself.
 Prints a table and merges the figures into reports/bench.json under "work".
@@ -14,7 +14,6 @@ Prints a table and merges the figures into reports/bench.json under "work".
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -41,17 +40,31 @@ def forward_flops(config) -> tuple[float, float]:
 
 
 def stage_work(rows: list[dict], fmt, config, block: int) -> dict:
-    """The prompt tokens the engine computed and the tokens it generated for `rows`, and their forward FLOPs."""
-    ids = [fmt.view(r)[0] for r in rows]
-    shared = len(os.path.commonprefix(ids)) // block * block
-    tokens, generated = sum(map(len, ids)), sum(r["n_tokens"] for r in rows)
-    later_turns = sum(r["n_llm_calls"] for r in rows) - len(rows)
-    prompt = tokens - generated - (len(rows) - 1) * shared + later_turns * block // 2  # the first computes the prefix
+    """The prompt tokens the engine computed and the tokens it generated for `rows`, and their forward FLOPs. Each turn's
+    prompt reads from the cache the whole blocks of its own earlier turns, or the whole blocks it shares with an earlier
+    rollout (the system prompt; for another sample of the same question, as much as the two have in common), as vLLM's
+    prefix cache does, eviction aside; the rest of it is computed."""
+    seen, prompt, tokens = set(), 0, 0
+    for row in rows:
+        ids, sampled = fmt.view(row)
+        keys, key = [], None
+        for at in range(0, len(ids) // block * block, block):
+            key = hash((key, tuple(ids[at : at + block])))
+            keys.append(key)
+        shared = next((k for k, key in enumerate(keys) if key not in seen), len(keys)) * block
+        own = 0  # the whole blocks of this rollout's earlier turns
+        for at in range(len(ids)):
+            if sampled[at] and (at == 0 or not sampled[at - 1]):  # a turn's generation starts: its prompt ends here
+                prompt += at - max(own, min(shared, at // block * block))
+            if sampled[at] and (at + 1 == len(ids) or not sampled[at + 1]):
+                own = (at + 1) // block * block
+        seen.update(keys)
+        tokens += len(ids)
+    generated = sum(r["n_tokens"] for r in rows)
     layers, head = forward_flops(config)
     attention = 4 * config.num_hidden_layers * config.hidden_size * tokens / len(rows) / 2  # the mean context
-    return {"rollouts": len(rows), "tokens_per_rollout": tokens / len(rows), "cached_prefix": shared,
-            "prompt_tokens_computed": prompt, "generated_tokens": generated,
-            "flops": prompt * (layers + attention) + generated * (layers + attention + head)}
+    return {"rollouts": len(rows), "tokens_per_rollout": tokens / len(rows), "prompt_tokens_computed": prompt,
+            "generated_tokens": generated, "flops": prompt * (layers + attention) + generated * (layers + attention + head)}
 
 
 def main(argv: list[str] | None = None) -> dict:

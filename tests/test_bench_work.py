@@ -31,16 +31,20 @@ def test_a_stage_computes_what_the_prefix_cache_does_not_hold(tiny_model_dir):
 
     rows = [rollout("Where was Zorvan Kelt born?", "<answer>Tarsk</answer>", 1),
             rollout("How many pages did Mira read?", "<answer>41</answer>", 1)]
-    ids = [fmt.view(r)[0] for r in rows]
-    prompts = sum(map(len, ids)) - sum(r["n_tokens"] for r in rows)
+    views = [fmt.view(r) for r in rows]
+    ids, prompts = [v[0] for v in views], sum(sampled.index(1) for _, sampled in views)  # up to the first sampled token
     work = stage_work(rows, fmt, config, block=32)
     shared = len(os.path.commonprefix(ids))
-    assert shared > 64 and work["cached_prefix"] == shared // 32 * 32  # whole blocks only
-    # the second rollout reads the first one's whole blocks of the system prompt from the cache
-    assert work["prompt_tokens_computed"] == prompts - work["cached_prefix"]
+    assert shared > 64
+    # the second rollout reads the first one's whole blocks of the system prompt from the cache, no partial block
+    assert work["prompt_tokens_computed"] == prompts - shared // 32 * 32
     alone = stage_work(rows[:1], fmt, config, block=32)
-    assert alone["prompt_tokens_computed"] == len(ids[0]) - rows[0]["n_tokens"]  # nothing to share: all computed
-    # a later turn recomputes the partial block its prompt ends in: half a block on average
-    twice = stage_work([rollout("Where was Zorvan Kelt born?", "<answer>Tarsk</answer>", 2), rows[1]], fmt, config, 32)
-    assert twice["prompt_tokens_computed"] == work["prompt_tokens_computed"] + 16
-    assert twice["flops"] > work["flops"] > alone["flops"] > 0
+    assert alone["prompt_tokens_computed"] == views[0][1].index(1)  # nothing to share: all computed
+    # another sample of the same question reads the whole blocks the two share: the question's, never its answer's
+    question = "Where was Zorvan Kelt born? " * 6
+    first = len(fmt.prompt_ids(fmt.messages(rollout(question, "", 1)["student"])[:2]))
+    one = stage_work([rollout(question, "<answer>Tarsk</answer>", 1)], fmt, config, 32)
+    two = stage_work([rollout(question, "<answer>Tarsk</answer>", 1), rollout(question, "<answer>Veld</answer>", 1)],
+                     fmt, config, 32)
+    assert two["prompt_tokens_computed"] == 2 * one["prompt_tokens_computed"] - first // 32 * 32
+    assert two["flops"] > one["flops"] > 0
