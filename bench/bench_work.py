@@ -4,9 +4,10 @@ Each stage's rollouts are rendered as its engine saw them (the teacher's traject
 in student.tool_format) and counted against vLLM's prefix cache: the system prompt all of a stage's rollouts share
 comes from the cache in whole blocks, another sample of the same question reads what it has in common with the earlier
 one, a later turn reads its own earlier turns' whole blocks; every other prompt token is computed (the question, the
-tools' output, the partial blocks at those edges), and every generated token is decoded. A token costs one forward pass: 2 FLOPs per weight of the layers, attention at the rollouts' mean
-context, and the LM head for a generated token. The bound is that work at the rate of a dense matmul in the engine's
-dtype, measured here (bench_train's), so `measured / bound` says how near a stage runs to the arithmetic itself.
+tools' output, the partial blocks at those edges), and every generated token is decoded. A token costs one forward
+pass: 2 FLOPs per weight of the layers, attention at the rollouts' mean context, and the LM head for a generated token.
+The bound is that work at the rate of a dense matmul in the engine's dtype, measured here (bench_train's), so
+`measured / bound` says how near a stage runs to the arithmetic itself.
 Prints a table and merges the figures into reports/bench.json under "work".
 
     python -m bench.bench_work
@@ -20,15 +21,16 @@ import torch
 
 from bench.bench_rollout import git_commit, save_report
 from bench.bench_train import matmul_gflops
+from unison import layout
 
 # stage -> its rollouts, who acted (teacher = the tag protocol, student = student.tool_format), its model's folder
 STAGES = {
-    "generate": ("data/trajectories/train.parquet", "teacher", "models/teacher"),
-    "pareto": ("reports/pareto_rollouts.parquet", "student", "models/sft"),
-    "evaluate_base": ("reports/eval/base.parquet", "student", "models/base"),
-    "evaluate_teacher": ("reports/eval/teacher.parquet", "teacher", "models/teacher"),
-    "evaluate_sft": ("reports/eval/sft.parquet", "student", "models/sft"),
-    "evaluate_rl": ("reports/eval/rl.parquet", "student", "models/rl"),
+    "generate": (layout.TRAJECTORIES, "teacher", layout.TEACHER),
+    "pareto": (layout.PARETO_ROLLOUTS, "student", layout.SFT),
+    "evaluate_base": (layout.eval_rows("base"), "student", layout.BASE),
+    "evaluate_teacher": (layout.eval_rows("teacher"), "teacher", layout.TEACHER),
+    "evaluate_sft": (layout.eval_rows("sft"), "student", layout.SFT),
+    "evaluate_rl": (layout.eval_rows("rl"), "student", layout.RL),
 }
 
 
@@ -40,10 +42,10 @@ def forward_flops(config) -> tuple[float, float]:
 
 
 def stage_work(rows: list[dict], fmt, config, block: int) -> dict:
-    """The prompt tokens the engine computed and the tokens it generated for `rows`, and their forward FLOPs. Each turn's
-    prompt reads from the cache the whole blocks of its own earlier turns, or the whole blocks it shares with an earlier
-    rollout (the system prompt; for another sample of the same question, as much as the two have in common), as vLLM's
-    prefix cache does, eviction aside; the rest of it is computed."""
+    """The prompt tokens the engine computed and the tokens it generated for `rows`, and their forward FLOPs. Each
+    turn's prompt reads from the cache the whole blocks of its own earlier turns, or the whole blocks it shares with an
+    earlier rollout (the system prompt; for another sample of the same question, as much as the two have in common), as
+    vLLM's prefix cache does, eviction aside; the rest of it is computed."""
     seen, prompt, tokens = set(), 0, 0
     for row in rows:
         ids, sampled = fmt.view(row)
@@ -64,7 +66,8 @@ def stage_work(rows: list[dict], fmt, config, block: int) -> dict:
     layers, head = forward_flops(config)
     attention = 4 * config.num_hidden_layers * config.hidden_size * tokens / len(rows) / 2  # the mean context
     return {"rollouts": len(rows), "tokens_per_rollout": tokens / len(rows), "prompt_tokens_computed": prompt,
-            "generated_tokens": generated, "flops": prompt * (layers + attention) + generated * (layers + attention + head)}
+            "generated_tokens": generated,
+            "flops": prompt * (layers + attention) + generated * (layers + attention + head)}
 
 
 def main(argv: list[str] | None = None) -> dict:
