@@ -65,7 +65,7 @@ class SFTConfig(TrainingSettings):
     lora: bool = Field(False)
     lora_r: int = Field(16)
     lora_alpha: int = Field(32)
-    epochs: int = Field(2, description='passes over the correct teacher trajectories')
+    epochs: int = Field(3, description='passes over the correct teacher trajectories')
     batch_size: int = Field(4)
     grad_accum: int = Field(1, ge=1, description='micro-batches per optimiser step (with DeepSpeed: its '
                             'gradient accumulation)')
